@@ -1,0 +1,146 @@
+"""Small random DiffusionGemma checkpoints built and saved by the reference (transformers).
+
+Sizes are chosen so that no two dimensions coincide (no matrix is square by accident), and every
+layer scalar, norm weight and router scale is set to a distinct non-1 value before saving, so a
+port that swaps encoder/decoder scalars, transposes a weight or drops a norm weight cannot match.
+
+    python -m convert.random_checkpoint OUT_DIR [--preset NAME] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+PRESETS: dict[str, dict] = {
+    # 3 sliding + 1 full; window shorter than the test prompts.
+    "small": dict(
+        vocab_size=397, hidden_size=72, intermediate_size=88, moe_intermediate_size=24,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=20,
+        global_head_dim=36, num_global_key_value_heads=1, num_experts=6, top_k_experts=2,
+        sliding_window=5, canvas_length=12,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
+    # The released 5:1 pattern, 3 experts per token.
+    "pattern": dict(
+        vocab_size=521, hidden_size=96, intermediate_size=136, moe_intermediate_size=40,
+        num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+        global_head_dim=28, num_global_key_value_heads=2, num_experts=8, top_k_experts=3,
+        sliding_window=7, canvas_length=16,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    ),
+    # Every expert on every token: no discrete routing choice that bf16 rounding could flip.
+    "all-experts": dict(
+        vocab_size=397, hidden_size=72, intermediate_size=88, moe_intermediate_size=24,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=20,
+        global_head_dim=36, num_global_key_value_heads=1, num_experts=3, top_k_experts=3,
+        sliding_window=5, canvas_length=12,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    ),
+    # Two full layers, MHA on full layers, top-1 routing, a non-default soft-cap.
+    "mixed": dict(
+        vocab_size=300, hidden_size=48, intermediate_size=80, moe_intermediate_size=20,
+        num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        global_head_dim=40, num_global_key_value_heads=4, num_experts=5, top_k_experts=1,
+        sliding_window=6, canvas_length=10, final_logit_softcapping=25.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    ),
+}
+
+
+def build_reference(preset: str | dict = "small", seed: int = 0, init_std: float = 0.06, tame: bool = False):
+    """A reference ``DiffusionGemmaForBlockDiffusion`` (fp32, eval mode) with distinct scalars.
+
+    Random weights give, with attention scale 1.0, very peaked attention; bf16 rounding then moves
+    both the reference's and any port's bf16 logits by tens of percent. ``tame`` makes attention
+    soft (Q/K norm weights × 0.3), as in a trained model, so bf16 parity measures rounding (use it
+    with the "all-experts" preset, where no near-tied top-k choice can flip either).
+    """
+    import torch
+    from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion,
+                              DiffusionGemmaTextConfig, Gemma4VisionConfig)
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
+
+    sizes = copy.deepcopy(PRESETS[preset] if isinstance(preset, str) else preset)
+    canvas = sizes.pop("canvas_length")
+    text = DiffusionGemmaTextConfig(
+        **sizes, max_position_embeddings=4096, use_bidirectional_attention="vision",
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, initializer_range=init_std,
+    )
+    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=8, position_embedding_size=16)
+    v = sizes["vocab_size"]
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas,
+                               image_token_id=v - 3, boi_token_id=v - 2, eoi_token_id=v - 1,
+                               initializer_range=init_std)
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    _perturb(model, seed, tame)
+    model.generation_config = DiffusionGemmaGenerationConfig(
+        max_new_tokens=2 * canvas, max_denoising_steps=8,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), t_min=0.4, t_max=0.8,
+        stability_threshold=1, confidence_threshold=0.005, bos_token_id=2, eos_token_id=[1], pad_token_id=0)
+    return model
+
+
+def _perturb(model, seed: int, tame: bool) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        decoder = model.model.decoder
+        encoder_layers = model.model.encoder.language_model.layers
+        for i, layer in enumerate(decoder.layers):
+            layer.layer_scalar.fill_(0.8 + 0.09 * i)
+            encoder_layers[i].layer_scalar.fill_(1.3 - 0.07 * i)
+            layer.router.scale.copy_(0.5 + torch.rand(layer.router.scale.shape, generator=g))
+            layer.router.per_expert_scale.copy_(0.5 + torch.rand(layer.router.per_expert_scale.shape, generator=g))
+        for name, p in decoder.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+        if tame:
+            for layer in decoder.layers:
+                layer.self_attn.q_norm.weight.mul_(0.3)
+                layer.self_attn.k_norm.weight.mul_(0.3)
+
+
+def save(model, out: Path, dtype: str = "float32") -> Path:
+    import torch
+
+    out = Path(out)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    return out
+
+
+def build(out: Path, preset: str | dict = "small", seed: int = 0, dtype: str = "float32", tame: bool = False) -> Path:
+    return save(build_reference(preset, seed, tame=tame), out, dtype)
+
+
+def write_global_head_spelling(folder: Path) -> None:
+    """Rewrite config.json with the released checkpoint's spelling of the full-attention sizes."""
+    path = Path(folder) / "config.json"
+    raw = json.loads(path.read_text())
+    text = raw["text_config"]
+    override = next(iter(text.pop("per_layer_config").values()))
+    text["global_head_dim"] = override["head_dim"]
+    text["num_global_key_value_heads"] = override["num_key_value_heads"]
+    path.write_text(json.dumps(raw, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    args = parser.parse_args()
+    print(build(args.out, args.preset, args.seed, args.dtype))
+
+
+if __name__ == "__main__":
+    main()

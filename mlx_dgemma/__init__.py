@@ -1,0 +1,5 @@
+"""mlx-dgemma: Google's DiffusionGemma on MLX."""
+
+from .loader import load
+
+__all__ = ["load"]

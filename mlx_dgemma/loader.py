@@ -1,0 +1,166 @@
+"""Checkpoint files → a DiffusionGemma model: local folder or Hub id, one file or shards, HF or
+mlx-vlm / mlx-community layout, quantized or not. Loading is strict: every weight the model needs
+must be there with its shape, and nothing else may be."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .config import ConfigError, ModelConfig
+from .model import DiffusionGemma
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+
+# Keys a text-only model never uses: the vision tower, rotary buffers and the tied head.
+_DROPPED = re.compile(r"^(model\.encoder\.(vision_tower|embed_vision)\.|lm_head\.)|rotary_emb")
+# The encoder's copies of tied weights; only its layer scalars are its own.
+_ENCODER_TIED = re.compile(r"^model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$)")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message says what is wrong and names the file or key."""
+
+
+def resolve(path_or_repo: str | os.PathLike) -> Path:
+    """A local checkpoint folder, or a Hub repo id fetched (or found in the cache) by huggingface_hub."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    text = str(path_or_repo)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise CheckpointError(f"model path {text!r} is not a folder; pass a checkpoint folder or a Hub id (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError:
+        raise CheckpointError(
+            f"{text!r} is not in the local Hugging Face cache and the Hub cannot be reached (HF_HUB_OFFLINE?)"
+        ) from None
+    except HfHubHTTPError as e:
+        raise CheckpointError(f"cannot fetch {text!r} from the Hub: {str(e).splitlines()[0]}") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / WEIGHTS_INDEX
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError):
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map')") from None
+        files = [folder / n for n in names]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{index.name} names shard {f.name}, which is missing from {folder}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def read_safetensors(path: Path) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(path))
+    except Exception as e:  # MLX raises a bare ValueError/RuntimeError on a damaged file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path.name} is not a readable safetensors file ({reason}); re-download it") from None
+
+
+def sanitize(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
+    """Map HF and mlx-vlm/mlx-community key layouts onto the model's parameter names."""
+    out: dict[str, mx.array] = {}
+    per_expert: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    for key, value in weights.items():
+        if _DROPPED.search(key) or _ENCODER_TIED.match(key):
+            continue
+        if m := _PER_EXPERT.match(key):
+            per_expert.setdefault((m[1], m[3], m[4]), {})[int(m[2])] = value
+            continue
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            key += ".weight"  # HF stores the 3-D expert tensors without a ".weight" suffix
+        out[key] = value
+    fused: dict[tuple[str, str], dict[str, mx.array]] = {}
+    for (prefix, name, part), experts in per_expert.items():
+        if sorted(experts) != list(range(num_experts)):
+            missing = sorted(set(range(num_experts)) - set(experts))
+            raise CheckpointError(f"missing weight {prefix}.{missing[0]}.{name}.{part}")
+        stacked = mx.stack([experts[e] for e in range(num_experts)])
+        if name == "down_proj":
+            out[f"{prefix}.down_proj.{part}"] = stacked
+        else:
+            fused.setdefault((prefix, part), {})[name] = stacked
+    for (prefix, part), halves in fused.items():
+        if set(halves) != {"gate_proj", "up_proj"}:
+            raise CheckpointError(f"{prefix} has {sorted(halves)[0]} but not its pair; expected gate_proj and up_proj")
+        out[f"{prefix}.gate_up_proj.{part}"] = mx.concatenate([halves["gate_proj"], halves["up_proj"]], axis=1)
+    return out
+
+
+def _quantize(model: nn.Module, quantization: dict, weights: dict[str, mx.array]) -> None:
+    """Apply mlx-lm's quantization config: defaults plus per-module overrides keyed by module path."""
+
+    def predicate(path: str, module: nn.Module):
+        if path in quantization:
+            return quantization[path]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(
+        model,
+        group_size=quantization.get("group_size", 64),
+        bits=quantization.get("bits", 4),
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    for key in expected:
+        if key not in weights:
+            raise CheckpointError(f"missing weight {key}")
+    for key, value in weights.items():
+        if key not in expected:
+            raise CheckpointError(f"unexpected weight {key} (shape {tuple(value.shape)}): not part of a DiffusionGemma text model")
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise CheckpointError(
+                f"weight {key} has shape {tuple(value.shape)}, the config implies {tuple(expected[key].shape)}"
+            )
+
+
+def load_model(folder: Path) -> DiffusionGemma:
+    try:
+        config = ModelConfig.from_file(folder / "config.json")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    weights: dict[str, mx.array] = {}
+    for f in weight_files(folder):
+        weights.update(read_safetensors(f))
+    weights = sanitize(weights, config.num_experts)
+    model = DiffusionGemma(config)
+    if config.quantization:
+        _quantize(model, config.quantization, weights)
+    check_weights(model, weights)
+    model.update(tree_unflatten(list(weights.items())))
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def load(path_or_repo: str | os.PathLike):
+    """``model, tokenizer = load(path)`` for a local folder or a Hugging Face Hub id."""
+    from .tokenizer import load_tokenizer
+
+    folder = resolve(path_or_repo)
+    model = load_model(folder)
+    return model, load_tokenizer(folder, model.config)

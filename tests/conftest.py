@@ -1,0 +1,26 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from convert import random_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Random reference checkpoints saved by transformers, built once per session and per request."""
+    built: dict[tuple, Path] = {}
+
+    def get(preset: str = "small", dtype: str = "float32", seed: int = 0, tame: bool = False) -> Path:
+        key = (preset, dtype, seed, tame)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{preset}-{dtype}-{seed}{'-tame' if tame else ''}")
+            built[key] = random_checkpoint.build(out, preset, seed, dtype, tame)
+        return built[key]
+
+    return get
