@@ -345,6 +345,14 @@ class DiffusionGemma(nn.Module):
         mx.eval(cache.state())
         return self.model.decoder.norm(h) if return_hidden else None
 
+    def next_token_logits(self, ids: mx.array, cache: KVCache) -> mx.array:
+        """Autoregressive mode: encode ``ids`` [1, T] and return the next-token logits [1, V].
+
+        The encoder is trained as a causal LM too, so its final-normed hidden state at the last
+        position through the tied, soft-capped head predicts the next token.
+        """
+        return self.head(self.encode(ids, cache, return_hidden=True)[:, -1])
+
     def denoise(self, canvas: mx.array, cache: KVCache, self_conditioning: mx.array | None = None) -> mx.array:
         """Logits [1, C, V] (float32, soft-capped) for a canvas [1, C]; the cache is only read.
 
