@@ -8,6 +8,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# One switch for every parity suite: DGEMMA_TEST_DEVICE=gpu runs MLX on Metal or CUDA and the
+# reference on the matching torch device (mps / cuda); the default is cpu for both.
+import mlx.core as mx  # noqa: E402
+
+if os.environ.get("DGEMMA_TEST_DEVICE", "cpu") == "gpu":
+    mx.set_default_device(mx.gpu)
+
 from convert import random_checkpoint  # noqa: E402
 
 

@@ -6,13 +6,27 @@ import numpy as np
 import torch
 from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
 
-_models: dict[str, DiffusionGemmaForBlockDiffusion] = {}
+import os
+
+_models: dict[tuple, DiffusionGemmaForBlockDiffusion] = {}
+
+
+def torch_device() -> torch.device:
+    """The torch device matching MLX's: set by DGEMMA_TEST_DEVICE (cpu | gpu)."""
+    if os.environ.get("DGEMMA_TEST_DEVICE", "cpu") != "gpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    raise RuntimeError("DGEMMA_TEST_DEVICE=gpu but torch sees neither CUDA nor MPS")
 
 
 def load_reference(path, dtype: torch.dtype = torch.float32) -> DiffusionGemmaForBlockDiffusion:
     key = (str(path), dtype)
     if key not in _models:
-        _models[key] = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=dtype).eval()
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=dtype)
+        _models[key] = model.to(torch_device()).eval()
     return _models[key]
 
 
@@ -26,23 +40,25 @@ class ReferenceSession:
 
     @torch.no_grad()
     def encode(self, ids) -> None:
-        ids = torch.as_tensor(np.asarray(ids), dtype=torch.long).reshape(1, -1)
-        positions = torch.arange(self.length, self.length + ids.shape[1])[None]
+        device = self.model.device
+        ids = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=device).reshape(1, -1)
+        positions = torch.arange(self.length, self.length + ids.shape[1], device=device)[None]
         self.model.model.encoder(input_ids=ids, cache=self.cache, position_ids=positions)
         self.length += ids.shape[1]
 
     @torch.no_grad()
     def denoise(self, canvas, self_conditioning=None) -> np.ndarray:
-        canvas = torch.as_tensor(np.asarray(canvas), dtype=torch.long).reshape(1, -1)
+        device = self.model.device
+        canvas = torch.as_tensor(np.asarray(canvas), dtype=torch.long, device=device).reshape(1, -1)
         sc = None
         if self_conditioning is not None:
             dtype = self.model.model.decoder.embed_tokens.weight.dtype
-            sc = torch.as_tensor(np.asarray(self_conditioning)).to(dtype)
-        positions = torch.arange(self.length, self.length + canvas.shape[1])[None]
+            sc = torch.as_tensor(np.asarray(self_conditioning)).to(device=device, dtype=dtype)
+        positions = torch.arange(self.length, self.length + canvas.shape[1], device=device)[None]
         out = self.model(decoder_input_ids=canvas, cache=self.cache, self_conditioning_logits=sc,
                          decoder_position_ids=positions)
-        return out.logits.float().numpy()
+        return out.logits.float().cpu().numpy()
 
     def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         entry = self.cache.layers[layer]
-        return entry.keys.float().numpy(), entry.values.float().numpy()
+        return entry.keys.float().cpu().numpy(), entry.values.float().cpu().numpy()

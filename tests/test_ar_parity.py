@@ -14,11 +14,11 @@ from .test_model_parity import FP32_BOUND, rel_err
 
 @torch.no_grad()
 def reference_next_token_logits(ref, ids: np.ndarray) -> np.ndarray:
-    out = ref.model.encoder(input_ids=torch.as_tensor(ids, dtype=torch.long))
+    out = ref.model.encoder(input_ids=torch.as_tensor(ids, dtype=torch.long, device=ref.device))
     hidden = out.last_hidden_state  # already through the shared final norm
     logits = ref.lm_head(hidden).float()
     cap = ref.config.text_config.final_logit_softcapping
-    return (cap * torch.tanh(logits / cap)).numpy()
+    return (cap * torch.tanh(logits / cap)).cpu().numpy()
 
 
 @pytest.mark.parametrize("preset", ["small", "mixed"])
