@@ -1,0 +1,49 @@
+"""Use OpenBLAS for MLX's CPU matmuls on Linux.
+
+The `mlx[cpu]` wheel bundles netlib's reference BLAS (≈2 GFLOP/s). Loading OpenBLAS into the
+global symbol scope *before* `mlx.core` is imported makes MLX resolve its BLAS calls there — the
+same effect as LD_PRELOAD, from inside the process (≈10-20x faster matmuls on this CPU).
+Set MLX_DGEMMA_BLAS=reference to keep the bundled one, or a path to load another library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import warnings
+
+CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib64/libopenblas.so.0",
+)
+
+loaded: str | None = None
+
+
+def load() -> str | None:
+    """Load a fast BLAS if one is installed; returns its path (None on macOS or when absent)."""
+    global loaded
+    choice = os.environ.get("MLX_DGEMMA_BLAS", "")
+    if loaded or sys.platform != "linux" or choice == "reference":
+        return loaded
+    if "mlx.core" in sys.modules and "LD_PRELOAD" not in os.environ:
+        warnings.warn("mlx.core was imported before mlx_dgemma: MLX keeps its slow reference BLAS", stacklevel=3)
+        return None
+    for path in [choice] if choice else CANDIDATES:
+        if path and os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            loaded = path
+            break
+    return loaded
+
+
+def describe() -> str:
+    """Which BLAS MLX's CPU matmuls use, for benchmark reports."""
+    if sys.platform == "darwin":
+        return "Accelerate (macOS)"
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "blas" in preload:
+        return f"LD_PRELOAD={preload}"
+    return loaded or "netlib reference BLAS bundled with mlx[cpu]"
