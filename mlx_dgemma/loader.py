@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +22,8 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
 # Keys a text-only model never uses: the vision tower, rotary buffers and the tied head.
-_DROPPED = re.compile(r"^(model\.encoder\.(vision_tower|embed_vision)\.|lm_head\.)|rotary_emb")
+VISION_KEY = re.compile(r"^model\.encoder\.(vision_tower|embed_vision)\.")
+_UNUSED = re.compile(r"^lm_head\.|rotary_emb")
 # The encoder's copies of tied weights; only its layer scalars are its own.
 _ENCODER_TIED = re.compile(r"^model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$)")
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
@@ -77,33 +80,67 @@ def read_safetensors(path: Path) -> dict[str, mx.array]:
         raise CheckpointError(f"{path.name} is not a readable safetensors file ({reason}); re-download it") from None
 
 
+@dataclass(frozen=True)
+class ExpertSlice:
+    """One expert's projection in the per-expert layout (``<prefix>.<expert>.<projection>.<part>``)."""
+
+    prefix: str  # model.decoder.layers.N.experts
+    expert: int
+    projection: str  # gate_proj | up_proj | down_proj
+    part: str  # weight | scales | biases
+
+    @property
+    def target(self) -> str:
+        """The stacked parameter this slice is part of (gate and up fuse into gate_up_proj)."""
+        fused = "down_proj" if self.projection == "down_proj" else "gate_up_proj"
+        return f"{self.prefix}.{fused}.{self.part}"
+
+
+def map_key(key: str) -> str | ExpertSlice | None:
+    """The model parameter a checkpoint key holds: its name, an ``ExpertSlice`` to be stacked with
+    the other experts, or None for keys a text model does not use."""
+    if VISION_KEY.match(key) or _UNUSED.search(key) or _ENCODER_TIED.match(key):
+        return None
+    if m := _PER_EXPERT.match(key):
+        return ExpertSlice(m[1], int(m[2]), m[3], m[4])
+    if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return key + ".weight"  # HF stores the 3-D expert tensors without a ".weight" suffix
+    return key
+
+
+def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int) -> mx.array:
+    """The slices of one stacked parameter → [E, out, in]; gate and up rows are concatenated."""
+    by_projection: dict[str, dict[int, mx.array]] = {}
+    for s, value in slices.items():
+        by_projection.setdefault(s.projection, {})[s.expert] = value
+    first = next(iter(slices))
+    stacked: dict[str, mx.array] = {}
+    for projection, experts in sorted(by_projection.items()):
+        name = f"{first.prefix}.{{}}.{projection}.{first.part}"
+        if missing := sorted(set(range(num_experts)) - set(experts)):
+            raise CheckpointError(f"missing weight {name.format(missing[0])}")
+        if extra := sorted(set(experts) - set(range(num_experts))):
+            raise CheckpointError(f"unexpected weight {name.format(extra[0])}: the config has {num_experts} experts")
+        stacked[projection] = mx.stack([experts[e] for e in range(num_experts)])
+    if "down_proj" in stacked:
+        return stacked["down_proj"]
+    if set(stacked) != {"gate_proj", "up_proj"}:
+        raise CheckpointError(f"{first.prefix} has {sorted(stacked)[0]} but not its pair; expected gate_proj and up_proj")
+    return mx.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=1)
+
+
 def sanitize(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
     """Map HF and mlx-vlm/mlx-community key layouts onto the model's parameter names."""
     out: dict[str, mx.array] = {}
-    per_expert: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    per_expert: dict[str, dict[ExpertSlice, mx.array]] = {}
     for key, value in weights.items():
-        if _DROPPED.search(key) or _ENCODER_TIED.match(key):
-            continue
-        if m := _PER_EXPERT.match(key):
-            per_expert.setdefault((m[1], m[3], m[4]), {})[int(m[2])] = value
-            continue
-        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            key += ".weight"  # HF stores the 3-D expert tensors without a ".weight" suffix
-        out[key] = value
-    fused: dict[tuple[str, str], dict[str, mx.array]] = {}
-    for (prefix, name, part), experts in per_expert.items():
-        if sorted(experts) != list(range(num_experts)):
-            missing = sorted(set(range(num_experts)) - set(experts))
-            raise CheckpointError(f"missing weight {prefix}.{missing[0]}.{name}.{part}")
-        stacked = mx.stack([experts[e] for e in range(num_experts)])
-        if name == "down_proj":
-            out[f"{prefix}.down_proj.{part}"] = stacked
-        else:
-            fused.setdefault((prefix, part), {})[name] = stacked
-    for (prefix, part), halves in fused.items():
-        if set(halves) != {"gate_proj", "up_proj"}:
-            raise CheckpointError(f"{prefix} has {sorted(halves)[0]} but not its pair; expected gate_proj and up_proj")
-        out[f"{prefix}.gate_up_proj.{part}"] = mx.concatenate([halves["gate_proj"], halves["up_proj"]], axis=1)
+        target = map_key(key)
+        if isinstance(target, ExpertSlice):
+            per_expert.setdefault(target.target, {})[target] = value
+        elif target is not None:
+            out[target] = value
+    for target, slices in per_expert.items():
+        out[target] = stack_experts(slices, num_experts)
     return out
 
 

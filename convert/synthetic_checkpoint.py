@@ -1,0 +1,108 @@
+"""Large random DiffusionGemma checkpoints in the Hugging Face layout, written with numpy one tensor at
+a time (no transformers, never the whole model in memory): inputs for converter memory tests and
+benchmarks. The sizes are a preset of ``random_checkpoint`` made wider; the size in bytes comes from
+the number of layers, so every tensor keeps its size whatever the checkpoint's total.
+
+    python -m convert.synthetic_checkpoint OUT --gigabytes 2.5 [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from convert.random_checkpoint import PRESETS
+from mlx_dgemma.config import FULL, SLIDING, ModelConfig
+from mlx_dgemma.model import DiffusionGemma
+from mlx_dgemma.safetensors_io import ShardWriter, TensorSpec, write_index
+
+_WIDTHS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "global_head_dim")
+_ONES = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "scale", "layer_scalar")
+
+
+def scaled_sizes(layers: int, width: int = 8, preset: str = "pattern") -> dict:
+    """``preset`` with every width × ``width`` and ``layers`` layers in the released 5:1 pattern."""
+    sizes = {k: v for k, v in PRESETS[preset].items() if k != "layer_types"}
+    sizes.update({k: sizes[k] * width for k in _WIDTHS})
+    sizes["num_hidden_layers"] = layers
+    sizes["layer_types"] = [FULL if (i + 1) % 6 == 0 or i == layers - 1 else SLIDING for i in range(layers)]
+    return sizes
+
+
+def hf_config(sizes: dict, dtype: str) -> dict:
+    text = {k: v for k, v in sizes.items() if k != "canvas_length"}
+    return {
+        "architectures": ["DiffusionGemmaForBlockDiffusion"],
+        "model_type": "diffusion_gemma",
+        "canvas_length": sizes["canvas_length"],
+        "dtype": dtype,
+        "tie_word_embeddings": True,
+        "text_config": {"model_type": "diffusion_gemma_text", "dtype": dtype, **text},
+    }
+
+
+def hf_tensors(sizes: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF key, shape) of every tensor, read off the MLX model's lazily built parameter tree."""
+    model = DiffusionGemma(ModelConfig.from_dict(hf_config(sizes, "float32")))
+    out = []
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith((".experts.gate_up_proj.weight", ".experts.down_proj.weight")):
+            name = name.removesuffix(".weight")  # HF's 3-D expert tensors have no suffix
+        out.append((name, tuple(value.shape)))
+    return out
+
+
+def layers_for(gigabytes: float, dtype: str = "bfloat16", width: int = 8) -> int:
+    one, two = (sum(math.prod(s) for _, s in hf_tensors(scaled_sizes(n, width))) for n in (1, 2))
+    itemsize = getattr(mx, dtype).size
+    return max(1, round((gigabytes * 1e9 / itemsize - (2 * one - two)) / (two - one)))
+
+
+def write_checkpoint(out: Path, sizes: dict, dtype: str = "bfloat16", seed: int = 0,
+                     shard_bytes: int = 1 << 30) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(sizes, dtype), indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [1], "pad_token_id": 0}))
+    mx_dtype = getattr(mx, dtype)
+    specs = [TensorSpec(name, shape, mx_dtype) for name, shape in hf_tensors(sizes)]
+    shards: list[list[TensorSpec]] = [[]]
+    for spec in specs:
+        if shards[-1] and sum(s.nbytes for s in shards[-1]) + spec.nbytes > shard_bytes:
+            shards.append([])
+        shards[-1].append(spec)
+    rng = np.random.default_rng(seed)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        with ShardWriter(out / name, shard, metadata={"format": "pt"}) as writer:
+            for spec in shard:
+                if spec.name.endswith(_ONES):
+                    value = 0.5 + rng.random(spec.shape, dtype=np.float32)
+                else:
+                    value = 0.02 * rng.standard_normal(spec.shape, dtype=np.float32)
+                writer.write(spec.name, mx.array(value).astype(mx_dtype))
+                weight_map[spec.name] = name
+    write_index(out, weight_map, sum(s.nbytes for s in specs))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--gigabytes", type=float, default=1.0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--width", type=int, default=8, help="multiplier of the 'pattern' preset's widths")
+    args = parser.parse_args()
+    sizes = scaled_sizes(layers_for(args.gigabytes, args.dtype, args.width), args.width)
+    print(write_checkpoint(args.out, sizes, args.dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,478 @@
+"""Hugging Face DiffusionGemma checkpoint → MLX checkpoint, streamed one tensor at a time and
+optionally quantized with mixed bit widths.
+
+    python -m mlx_dgemma.convert --hf-path google/diffusiongemma-26B-A4B-it --mlx-path dgemma-4bit -q
+    python -m mlx_dgemma.convert report --hf-path SRC    # logit error, size and load time per recipe
+
+The output has mlx-vlm's layout (fused ``experts.gate_up_proj``, mlx-lm's ``quantization`` entry
+with per-module overrides in config.json), so it loads in mlx-vlm as well as here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import click
+import mlx.core as mx
+
+from .config import ConfigError, ModelConfig
+from .loader import (
+    HUB_PATTERNS,
+    VISION_KEY,
+    WEIGHTS_INDEX,
+    CheckpointError,
+    ExpertSlice,
+    check_weights,
+    map_key,
+    resolve,
+    stack_experts,
+    weight_files,
+)
+from .model import DiffusionGemma
+from .safetensors_io import ShardWriter, TensorInfo, TensorSpec, read_header, read_tensor, shard_names, write_index
+
+MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}  # (group size, bits)
+RECIPES = ("mixed", "uniform")
+DTYPES = ("bfloat16", "float16", "float32")
+_COPIED = [p for p in HUB_PATTERNS if p != "*.safetensors"]  # tokenizer, chat template, generation config
+_REWRITTEN = {"config.json", WEIGHTS_INDEX}
+
+
+class ConversionError(ValueError):
+    """A conversion that cannot be done as asked; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    group_size: int
+    bits: int
+    mode: str = "affine"
+
+
+# What mlx-vlm's DiffusionGemma quant_predicate gives the modules most sensitive to rounding.
+SENSITIVE_PARAMS = QuantParams(group_size=64, bits=8)
+
+
+def is_sensitive(path: str) -> bool:
+    """Embeddings (also the output head), attention, router and dense MLP, by mlx-vlm's rule."""
+    return (
+        path.endswith(("embed_tokens", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+        or ".self_attn." in path
+        or "router" in path
+    )
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The requested parameters and a recipe: ``uniform`` quantizes every module with them; ``mixed``
+    keeps the sensitive modules at 8 bits, group 64, and uses them for the experts and the
+    self-conditioning MLP only."""
+
+    default: QuantParams
+    recipe: str = "mixed"
+
+    @classmethod
+    def from_flags(cls, bits: int | None = None, group_size: int | None = None, mode: str = "affine",
+                   recipe: str | None = None) -> "Quantization":
+        if mode not in MODE_DEFAULTS:
+            raise ConversionError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODE_DEFAULTS)}")
+        recipe = recipe or "mixed"
+        if recipe not in RECIPES:
+            raise ConversionError(f"unknown quantization recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+        mode_group, mode_bits = MODE_DEFAULTS[mode]
+        params = QuantParams(group_size or mode_group, bits or mode_bits, mode)
+        if mode != "affine" and (params.group_size, params.bits) != (mode_group, mode_bits):
+            raise ConversionError(f"--q-mode {mode} needs --q-group-size {mode_group} and --q-bits {mode_bits}")
+        return cls(params, recipe)
+
+    def params_for(self, path: str) -> QuantParams:
+        if self.recipe == "mixed" and is_sensitive(path):
+            return SENSITIVE_PARAMS
+        return self.default
+
+    def config(self, paths: list[str]) -> dict:
+        """mlx-lm's ``quantization`` entry: the defaults, plus an override for each module that differs."""
+        entry: dict = asdict(self.default)
+        for path in sorted(paths):
+            if (params := self.params_for(path)) != self.default:
+                entry[path] = asdict(params)
+        return entry
+
+    def describe(self) -> str:
+        return f"{self.recipe} {self.default.bits}-bit {self.default.mode} g{self.default.group_size}"
+
+
+@dataclass
+class Target:
+    """One output tensor group: a model parameter (quantized into weight/scales/biases or not) or a
+    vision tensor passed through, and the source tensors it is built from."""
+
+    name: str
+    sources: dict[str, TensorInfo]
+    slices: dict[str, ExpertSlice] = field(default_factory=dict)  # per-expert layout: source key → slice
+    num_experts: int = 0
+    quant: QuantParams | None = None
+
+    @property
+    def module(self) -> str:
+        return self.name.removesuffix(".weight")
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(info.nbytes for info in self.sources.values())
+
+    def assemble(self, read: Callable[[TensorInfo], mx.array]) -> mx.array:
+        """The parameter as the model holds it, before casting and quantizing."""
+        arrays = {key: read(info) for key, info in self.sources.items()}
+        if self.slices:
+            return stack_experts({self.slices[k]: v for k, v in arrays.items()}, self.num_experts)
+        return arrays.popitem()[1]
+
+    def build(self, read: Callable[[TensorInfo], mx.array], dtype: mx.Dtype | None) -> dict[str, mx.array]:
+        """The output tensors, lazily: the caller evaluates them (or, planning, only reads their shapes)."""
+        x = self.assemble(read)
+        if dtype is not None and mx.issubdtype(x.dtype, mx.floating):
+            x = x.astype(dtype)
+        if self.quant is None:
+            return {self.name: x}
+        q = self.quant
+        weight, scales, *biases = mx.quantize(x, group_size=q.group_size, bits=q.bits, mode=q.mode)
+        out = {f"{self.module}.weight": weight, f"{self.module}.scales": scales}
+        if biases:
+            out[f"{self.module}.biases"] = biases[0]
+        return out
+
+
+def _placeholder(info: TensorInfo) -> mx.array:
+    return mx.zeros(info.shape, info.dtype)  # lazy: planning reads shapes, never data
+
+
+@dataclass
+class Plan:
+    """Everything decided and checked before the first byte is written."""
+
+    source: Path
+    raw_config: dict
+    config: ModelConfig
+    targets: list[Target]
+    dtype: mx.Dtype | None
+    quantization: Quantization | None
+
+    def quantization_config(self) -> dict | None:
+        if self.quantization is None:
+            return None
+        return self.quantization.config([t.module for t in self.targets if t.quant is not None])
+
+
+def _read_config(folder: Path) -> tuple[dict, ModelConfig]:
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+        return raw, ModelConfig.from_dict(raw)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found: a checkpoint folder needs config.json") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _source_tensors(folder: Path) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for path in weight_files(folder):
+        for key, info in read_header(path).items():
+            if key in tensors:
+                raise CheckpointError(f"{key} is in both {tensors[key].path.name} and {path.name}")
+            tensors[key] = info
+    return tensors
+
+
+def _targets(tensors: dict[str, TensorInfo], num_experts: int) -> list[Target]:
+    """Source keys grouped by the output tensor they become (the loader's mapping, one key at a time)."""
+    targets: dict[str, Target] = {}
+    for key, info in tensors.items():
+        if key.endswith((".scales", ".biases")):
+            raise ConversionError(f"the source is already quantized ({key}); convert from the unquantized checkpoint")
+        mapped = key if VISION_KEY.match(key) else map_key(key)
+        if mapped is None:
+            continue
+        name = mapped.target if isinstance(mapped, ExpertSlice) else mapped
+        target = targets.setdefault(name, Target(name, {}, num_experts=num_experts))
+        if target.sources and not (isinstance(mapped, ExpertSlice) and target.slices):
+            raise CheckpointError(f"{key} and {next(iter(target.sources))} both hold {name}")
+        target.sources[key] = info
+        if isinstance(mapped, ExpertSlice):
+            target.slices[key] = mapped
+    return [targets[name] for name in sorted(targets, key=_natural_order)]
+
+
+def _natural_order(name: str) -> tuple:
+    """layers.2 before layers.10."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
+
+
+def _output_dtype(name: str | None, raw_config: dict) -> mx.Dtype | None:
+    """--dtype, else the config's declared dtype, else None (each tensor keeps its own)."""
+    text = raw_config.get("text_config") or {}
+    for candidate in (name, raw_config.get("dtype"), raw_config.get("torch_dtype"), text.get("dtype")):
+        if candidate in DTYPES:
+            return getattr(mx, candidate)
+    return None
+
+
+def _check_group_sizes(targets: list[Target], quantization: Quantization) -> None:
+    columns = {t.module: t.assemble(_placeholder).shape[-1] for t in targets if t.quant is not None}
+    for t in targets:
+        if t.quant is None or columns[t.module] % t.quant.group_size == 0:
+            continue
+        if t.quant == quantization.default:
+            requested = [columns[u.module] for u in targets if u.quant == t.quant]
+            fits = [str(g) for g in (32, 64, 128) if all(c % g == 0 for c in requested)]
+            hint = f"; --q-group-size {' or '.join(fits)} divides them all" if fits else ""
+        else:
+            hint = "; the mixed recipe keeps it at 8 bits with group size 64 (try --quant-predicate uniform)"
+        raise ConversionError(
+            f"group size {t.quant.group_size} does not divide the input dimension {columns[t.module]} of {t.module}{hint}"
+        )
+
+
+def make_plan(src: Path, quantization: Quantization | None, dtype: str | None) -> Plan:
+    raw, config = _read_config(src)
+    if raw.get("quantization") or raw.get("quantization_config"):
+        raise ConversionError(f"{src} is already quantized; convert from the unquantized checkpoint")
+    targets = _targets(_source_tensors(src), config.num_experts)
+    text_targets = [t for t in targets if not VISION_KEY.match(t.name)]
+    model = DiffusionGemma(config)  # parameters stay lazy: only their names and shapes are read
+    check_weights(model, {t.name: t.assemble(_placeholder) for t in text_targets})
+    if quantization is not None:
+        quantizable = {path for path, m in model.named_modules() if hasattr(m, "to_quantized")}
+        for t in text_targets:
+            if t.module in quantizable and t.name.endswith(".weight"):
+                t.quant = quantization.params_for(t.module)
+        _check_group_sizes(text_targets, quantization)
+    return Plan(src, raw, config, targets, _output_dtype(dtype, raw), quantization)
+
+
+def split_into_shards(groups: list[tuple[Target, list[TensorSpec]]], max_bytes: int) -> list[list]:
+    """Whole tensor groups per shard, in order, each shard under ``max_bytes`` unless one group is larger."""
+    shards: list[list] = [[]]
+    size = 0
+    for target, specs in groups:
+        nbytes = sum(s.nbytes for s in specs)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((target, specs))
+        size += nbytes
+    return shards
+
+
+def output_specs(plan: Plan) -> list[tuple[Target, list[TensorSpec]]]:
+    """Each target with the names, shapes and dtypes of the tensors it will write."""
+    return [(t, [TensorSpec.of(n, a) for n, a in t.build(_placeholder, plan.dtype).items()]) for t in plan.targets]
+
+
+def write_weights(plan: Plan, folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = True) -> None:
+    from tqdm import tqdm
+
+    groups = output_specs(plan)
+    shards = split_into_shards(groups, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = sum(t.source_bytes for t in plan.targets)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress) as bar:
+        for file_name, shard in zip(shard_names(len(shards)), shards):
+            with ShardWriter(folder / file_name, [s for _, specs in shard for s in specs]) as writer:
+                for target, specs in shard:
+                    outputs = target.build(read_tensor, plan.dtype)
+                    mx.eval(outputs)
+                    for spec in specs:
+                        writer.write(spec.name, outputs[spec.name])
+                        weight_map[spec.name] = file_name
+                    del outputs
+                    mx.clear_cache()  # freed buffers go back to the system, not to MLX's cache
+                    bar.update(target.source_bytes)
+    write_index(folder, weight_map, sum(s.nbytes for _, specs in groups for s in specs))
+
+
+def write_config(plan: Plan, folder: Path) -> None:
+    raw = copy.deepcopy(plan.raw_config)
+    if isinstance(raw.get("text_config"), dict):
+        # transformers' save_pretrained spells these as per_layer_config, which mlx-vlm does not read
+        raw["text_config"].setdefault("global_head_dim", plan.config.global_head_dim)
+        raw["text_config"].setdefault("num_global_key_value_heads", plan.config.num_global_key_value_heads)
+    if plan.dtype is not None:
+        dtype = str(plan.dtype).rsplit(".", 1)[-1]
+        for section in (raw, raw.get("text_config") or {}):
+            for key in ("dtype", "torch_dtype"):
+                if key in section:
+                    section[key] = dtype
+    if (quantization := plan.quantization_config()) is not None:
+        raw["quantization"] = quantization
+        raw["quantization_config"] = quantization  # mlx-lm and mlx-vlm write both
+    (folder / "config.json").write_text(json.dumps(dict(sorted(raw.items())), indent=4))
+
+
+def copy_side_files(src: Path, folder: Path) -> None:
+    """Tokenizer, chat template, generation config: every small file a loader reads besides weights."""
+    for pattern in _COPIED:
+        for path in src.glob(pattern):
+            if path.is_file() and path.name not in _REWRITTEN:
+                shutil.copy2(path, folder / path.name)
+
+
+@contextmanager
+def staging_folder(dst: Path, force: bool) -> Iterator[Path]:
+    """A temporary sibling of ``dst`` that replaces it when the block succeeds and vanishes when it fails."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".converting", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the result should not be
+    try:
+        yield tmp
+        _replace(tmp, dst, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace(new: Path, dst: Path, force: bool) -> None:
+    if not dst.exists():
+        new.rename(dst)
+        return
+    if not force:
+        raise ConversionError(f"{dst} already exists; pass --force to replace it")
+    old = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.old")
+    dst.rename(old)
+    try:
+        new.rename(dst)
+    except BaseException:
+        old.rename(dst)
+        raise
+    shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def convert(
+    hf_path: str,
+    mlx_path: str = "mlx_model",
+    quantize: bool = False,
+    q_group_size: int | None = None,
+    q_bits: int | None = None,
+    q_mode: str = "affine",
+    quant_predicate: str | None = None,
+    dtype: str | None = None,
+    force: bool = False,
+    report: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> Path:
+    """Convert ``hf_path`` (folder or Hub id) into an MLX checkpoint at ``mlx_path``; returns its path.
+
+    Raises CheckpointError for a source that cannot be read and ConversionError for a conversion
+    that cannot be done as asked; either way nothing is left at ``mlx_path``.
+    """
+    dst = Path(mlx_path).expanduser()
+    if dst.exists() and not force:
+        raise ConversionError(f"{dst} already exists; pass --force to replace it")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    quantization = Quantization.from_flags(q_bits, q_group_size, q_mode, quant_predicate) if quantize else None
+    src = resolve(hf_path)
+    if dst.resolve() == src.resolve():
+        raise ConversionError(f"{dst} is the source checkpoint; choose another --mlx-path")
+    plan = make_plan(src, quantization, dtype)
+    with staging_folder(dst, force) as folder:
+        write_weights(plan, folder, max_shard_bytes, progress)
+        write_config(plan, folder)
+        copy_side_files(src, folder)
+    if report:
+        from .convert_report import measure_against
+
+        label = quantization.describe() if quantization else "unquantized"
+        print(measure_against(src, {label: dst}))
+    return dst
+
+
+_ERRORS = (CheckpointError, ConversionError, OSError)
+_CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+_hf_path = click.option("--hf-path", "--model", required=True, help="Hugging Face checkpoint: a local folder or a Hub id.")
+_q_group_size = click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default=None,
+                             help="Group size of the quantized modules (default: the mode's, 64 for affine).")
+_q_mode = click.option("--q-mode", type=click.Choice(list(MODE_DEFAULTS)), default="affine", show_default=True)
+_dtype = click.option("--dtype", type=click.Choice(DTYPES), default=None,
+                      help="Type of the unquantized tensors and the scales (default: the config's dtype).")
+
+
+def _int(value: str | None) -> int | None:
+    return None if value is None else int(value)
+
+
+@click.command(context_settings=_CONTEXT)
+@_hf_path
+@click.option("--mlx-path", default="mlx_model", show_default=True, help="Where to write the MLX checkpoint.")
+@click.option("-q", "--quantize", is_flag=True, help="Quantize the model.")
+@click.option("--q-bits", type=click.Choice(["4", "8"]), default=None,
+              help="Bits of the quantized modules (under 'mixed': the experts and the self-conditioning MLP).")
+@_q_group_size
+@_q_mode
+@click.option("--quant-predicate", type=click.Choice(RECIPES), default=None,
+              help="'mixed' (default): embeddings, attention, router and dense MLP at 8 bits, group 64; "
+                   "'uniform': everything at --q-bits.")
+@_dtype
+@click.option("--force", is_flag=True, help="Replace --mlx-path if it exists.")
+@click.option("--report", is_flag=True, help="Afterwards, measure the logit error against the source.")
+def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, quant_predicate, dtype, force, report):
+    """Convert a Hugging Face DiffusionGemma checkpoint to MLX."""
+    try:
+        dst = convert(hf_path, mlx_path, quantize=quantize, q_group_size=_int(q_group_size), q_bits=_int(q_bits),
+                      q_mode=q_mode, quant_predicate=quant_predicate, dtype=dtype, force=force, report=report)
+    except _ERRORS as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {dst}")
+
+
+@click.command(context_settings=_CONTEXT)
+@_hf_path
+@click.option("--q-bits", "bits", type=click.Choice(["4", "8"]), multiple=True,
+              help="Bit widths to measure (repeatable; default: 4 and 8).")
+@_q_group_size
+@_q_mode
+@click.option("--quant-predicate", "recipes", type=click.Choice(RECIPES), multiple=True,
+              help="Recipes to measure (repeatable; default: both).")
+@_dtype
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the trial conversions go (default: the system's temporary folder).")
+def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir):
+    """Convert with each recipe and bit width; print logit error, size and load time against the source."""
+    from .convert_report import sweep
+
+    try:
+        click.echo(sweep(hf_path, list(recipes or RECIPES), [int(b) for b in bits or ("4", "8")],
+                         _int(q_group_size), q_mode, dtype, work_dir))
+    except _ERRORS as e:
+        raise click.ClickException(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        report_command.main(argv[1:], prog_name="python -m mlx_dgemma.convert report")
+    else:
+        convert_command.main(argv, prog_name="python -m mlx_dgemma.convert")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""What a conversion recipe costs: logit error against the unquantized source on a fixed prompt and
+canvas (one plain denoising step and one self-conditioned step), size on disk and load time."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .loader import load, resolve
+
+PROMPT_LENGTH = 32
+MAX_CANVAS = 256
+TEMPERATURE = 0.8  # t_max: the first steps' self-conditioning temperature
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A fixed prompt and canvas: seeded token ids, so any checkpoint of the same vocabulary gets the
+    same input (the first denoising canvas is uniform noise in the real sampler, too)."""
+
+    prompt: mx.array
+    canvas: mx.array
+
+    @classmethod
+    def for_model(cls, model, seed: int = 0) -> "Probe":
+        cfg = model.config
+        rng = np.random.default_rng(seed)
+        prompt = rng.integers(3, cfg.vocab_size, size=(1, PROMPT_LENGTH))
+        canvas = rng.integers(0, cfg.vocab_size, size=(1, min(cfg.canvas_length, MAX_CANVAS)))
+        return cls(mx.array(prompt, dtype=mx.int32), mx.array(canvas, dtype=mx.int32))
+
+
+def probe_logits(model, probe: Probe) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of a first denoising step and of a step self-conditioned on the first one's."""
+    cache = model.make_cache()
+    model.encode(probe.prompt, cache)
+    first = model.denoise(probe.canvas, cache)
+    second = model.denoise(probe.canvas, cache, first / TEMPERATURE)
+    return np.array(first), np.array(second)
+
+
+@dataclass(frozen=True)
+class LogitError:
+    rel_rms: float  # ‖Δ‖₂ / ‖reference‖₂
+    max_abs: float  # max |Δ|, in logits (the soft-cap bounds logits to ±30)
+    top1: float  # share of canvas positions whose argmax token agrees
+
+    @classmethod
+    def between(cls, ours: np.ndarray, reference: np.ndarray) -> "LogitError":
+        delta = ours.astype(np.float64) - reference
+        return cls(
+            rel_rms=float(np.sqrt((delta**2).sum() / (reference.astype(np.float64) ** 2).sum())),
+            max_abs=float(np.abs(delta).max()),
+            top1=float((ours.argmax(-1) == reference.argmax(-1)).mean()),
+        )
+
+
+@dataclass(frozen=True)
+class QualityRow:
+    label: str
+    size_bytes: int
+    load_seconds: float
+    step: LogitError
+    self_conditioned: LogitError
+
+
+def weights_size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def measure(folder: Path, label: str, reference: tuple[np.ndarray, np.ndarray], probe: Probe) -> QualityRow:
+    start = time.perf_counter()
+    model, _ = load(folder)
+    load_seconds = time.perf_counter() - start
+    step, self_conditioned = probe_logits(model, probe)
+    return QualityRow(label, weights_size(folder), load_seconds,
+                      LogitError.between(step, reference[0]), LogitError.between(self_conditioned, reference[1]))
+
+
+def reference_logits(src: Path) -> tuple[tuple[np.ndarray, np.ndarray], Probe]:
+    model, _ = load(src)
+    probe = Probe.for_model(model)
+    return probe_logits(model, probe), probe
+
+
+def format_table(rows: list[QualityRow]) -> str:
+    header = (f"{'recipe':<32} {'size':>10} {'load s':>7} {'rel RMS':>9} {'max|Δ|':>8} {'top-1':>6}"
+              f" {'SC rel RMS':>10} {'SC max|Δ|':>9} {'SC top-1':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.label:<32} {_size(r.size_bytes):>10} {r.load_seconds:>7.2f} {r.step.rel_rms:>9.2e} {r.step.max_abs:>8.3f}"
+            f" {r.step.top1:>6.1%} {r.self_conditioned.rel_rms:>10.2e} {r.self_conditioned.max_abs:>9.3f}"
+            f" {r.self_conditioned.top1:>8.1%}"
+        )
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return ""
+
+
+def measure_against(src: Path, candidates: dict[str, Path]) -> str:
+    """The table for already converted checkpoints against their source."""
+    reference, probe = reference_logits(Path(src))
+    rows = [measure(Path(folder), label, reference, probe) for label, folder in candidates.items()]
+    return format_table(rows)
+
+
+def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | None, mode: str,
+          dtype: str | None, work_dir: str | None = None) -> str:
+    """Convert with every recipe × bit width (plus once unquantized) and tabulate the cost of each."""
+    from .convert import MODE_DEFAULTS, Quantization, convert
+
+    src = resolve(hf_path)
+    if mode != "affine":
+        bits = [MODE_DEFAULTS[mode][1]]
+    reference, probe = reference_logits(src)
+    rows, failures = [], []
+    trials = [(None, None)] + [(recipe, b) for recipe in recipes for b in bits]
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix="dgemma-report-") as tmp:
+        for i, (recipe, b) in enumerate(trials):
+            dst = Path(tmp) / f"trial-{i}"
+            if recipe is None:
+                label = f"unquantized ({dtype or 'config dtype'})"
+                options = {}
+            else:
+                label = Quantization.from_flags(b, group_size, mode, recipe).describe()
+                options = dict(quantize=True, q_bits=b, q_group_size=group_size, q_mode=mode, quant_predicate=recipe)
+            try:
+                convert(str(src), str(dst), dtype=dtype, progress=False, **options)
+                rows.append(measure(dst, label, reference, probe))
+            except Exception as e:  # one recipe the runtime cannot run should not hide the others
+                failures.append(f"{label}: failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+            mx.clear_cache()
+    return "\n".join([format_table(rows), *failures])

@@ -1,0 +1,484 @@
+"""The converter: exact unquantized conversion, bounded quantization error, clean failures that leave
+nothing behind, interop with the mlx-vlm / mlx-community layout, and bounded memory."""
+
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx.utils import tree_flatten, tree_map
+from safetensors.numpy import load_file
+
+from convert import random_checkpoint
+from convert.synthetic_checkpoint import hf_config, hf_tensors, scaled_sizes, write_checkpoint
+from mlx_dgemma import convert as convert_module
+from mlx_dgemma import load
+from mlx_dgemma.convert import (MAX_SHARD_BYTES, ConversionError, Quantization, convert, convert_command, main,
+                                make_plan, output_specs, report_command, split_into_shards)
+from mlx_dgemma.convert_report import LogitError, Probe, probe_logits
+from mlx_dgemma.loader import CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every input dimension a multiple of 64 (mixed quantization uses group 64), none equal to another;
+# 192 is not a multiple of 128, so --q-group-size 128 must be refused.
+QUANT_PRESET = dict(
+    vocab_size=640, hidden_size=192, intermediate_size=256, moe_intermediate_size=64,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    global_head_dim=64, num_global_key_value_heads=1, num_experts=4, top_k_experts=2,
+    sliding_window=5, canvas_length=16, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+)
+SIDE_FILES = {
+    "tokenizer_config.json": '{"add_bos_token": true}',
+    "special_tokens_map.json": '{"eos_token": "<eos>"}',
+    "chat_template.jinja": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",
+}
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    """A transformers-saved checkpoint (``tame``: soft attention, so quantization error is not
+    swamped by the chaotic attention of random weights) with tokenizer files and a chat template."""
+    from tokenizers import Tokenizer, models
+
+    folder = random_checkpoint.build(tmp_path_factory.mktemp("hf"), QUANT_PRESET, seed=0, tame=True)
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "sky": 4, "blue": 5}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(folder / "tokenizer.json"))
+    for name, text in SIDE_FILES.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted(src, tmp_path_factory):
+    """Conversions of ``src``, made once per set of options."""
+    made: dict[tuple, Path] = {}
+
+    def get(**options) -> Path:
+        key = tuple(sorted(options.items()))
+        if key not in made:
+            made[key] = convert(str(src), str(tmp_path_factory.mktemp("mlx") / "out"), progress=False, **options)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(src):
+    model, _ = load(src)
+    probe = Probe.for_model(model)
+    return probe, probe_logits(model, probe)
+
+
+def errors(folder: Path, reference) -> tuple[LogitError, LogitError]:
+    probe, (step, self_conditioned) = reference
+    model, _ = load(folder)
+    ours = probe_logits(model, probe)
+    return LogitError.between(ours[0], step), LogitError.between(ours[1], self_conditioned)
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+# ---- exact conversion --------------------------------------------------------------------------
+
+
+def test_unquantized_conversion_gives_the_source_logits(src, converted, reference):
+    dst = converted()
+    step, self_conditioned = errors(dst, reference)
+    assert step.max_abs <= 1e-6 and self_conditioned.max_abs <= 1e-6
+
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    keys = set(index["weight_map"])
+    assert "model.decoder.layers.0.experts.gate_up_proj.weight" in keys  # mlx-vlm's names
+    assert not any(k.startswith("model.encoder.language_model.") and "layer_scalar" not in k for k in keys)
+    source_keys = set(load_file(src / "model.safetensors"))
+    vision = {k for k in source_keys if k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision."))}
+    assert vision and vision <= keys  # passed through for mlx-vlm, which builds the vision tower
+    for name in [*SIDE_FILES, "tokenizer.json", "generation_config.json"]:
+        assert (dst / name).read_bytes() == (src / name).read_bytes(), name
+    config = json.loads((dst / "config.json").read_text())
+    assert "quantization" not in config
+    assert config["text_config"]["global_head_dim"] == 64  # the spelling mlx-vlm reads
+    umask = os.umask(0)
+    os.umask(umask)
+    assert dst.stat().st_mode & 0o777 == 0o777 & ~umask  # not the staging folder's private mode
+
+
+def test_bfloat16_conversion_equals_the_source_cast_to_bfloat16(src, converted):
+    ours, _ = load(converted(dtype="bfloat16"))
+    model, _ = load(src)
+    model.update(tree_map(lambda p: p.astype(mx.bfloat16), model.parameters()))
+    params = dict(tree_flatten(ours.parameters()))
+    for key, value in tree_flatten(model.parameters()):
+        assert params[key].dtype == mx.bfloat16 and mx.array_equal(params[key], value), key
+    probe = Probe.for_model(model)
+    for a, b in zip(probe_logits(ours, probe), probe_logits(model, probe)):
+        assert np.array_equal(a, b)
+
+
+def test_mlx_layout_sources_convert_too(converted, tmp_path):
+    """An unquantized MLX-layout checkpoint (bf16, fused or per-expert keys) is a valid source."""
+    bf16 = converted(dtype="bfloat16")
+    expected = dict(tree_flatten(load(bf16)[0].parameters()))
+    per_expert_src = tmp_path / "per-expert"
+    per_expert_src.mkdir()
+    weights = mx.load(str(bf16 / "model.safetensors"))
+    mx.save_safetensors(str(per_expert_src / "model.safetensors"), per_expert(weights))
+    shutil.copy(bf16 / "config.json", per_expert_src)
+    for source in (bf16, per_expert_src):
+        again, _ = load(convert(str(source), str(tmp_path / f"{source.name}-again"), progress=False))
+        for key, value in tree_flatten(again.parameters()):
+            assert value.dtype == mx.bfloat16 and mx.array_equal(value, expected[key]), key
+
+
+def test_sharded_output_has_an_index_and_loads_the_same(src, converted, tmp_path, reference):
+    dst = convert(str(src), str(tmp_path / "sharded"), quantize=True, max_shard_bytes=200_000, progress=False)
+    shards = sorted(dst.glob("*.safetensors"))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert len(shards) > 3 and set(index["weight_map"].values()) == {s.name for s in shards}
+    assert shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert index["metadata"]["total_size"] <= sum(s.stat().st_size for s in shards)
+    one_file = converted(quantize=True)
+    assert errors(dst, reference) == errors(one_file, reference)
+
+
+# ---- quantization ------------------------------------------------------------------------------
+
+# Relative logit RMS error (‖Δ‖/‖ref‖) against the fp32 source on the report's probe (seed 0),
+# measured: mixed 8-bit 1.94e-2 (self-conditioned step 2.11e-2), mixed 4-bit 1.36e-1 (2.38e-1),
+# uniform 4-bit 3.87e-1 (5.01e-1). Random weights give near-uniform logits (|logit| < 2), so these
+# relative errors are far larger than a trained model's; the bounds leave ~1.5x headroom.
+ERROR_BOUNDS = {
+    ("mixed", 8): (0.03, 0.035),
+    ("mixed", 4): (0.2, 0.35),
+    ("uniform", 4): (0.6, 0.75),
+}
+
+
+@pytest.mark.parametrize("recipe,bits", list(ERROR_BOUNDS))
+def test_quantized_logit_error_is_bounded(converted, reference, recipe, bits):
+    step, self_conditioned = errors(converted(quantize=True, q_bits=bits, quant_predicate=recipe), reference)
+    step_bound, sc_bound = ERROR_BOUNDS[recipe, bits]
+    assert 0 < step.rel_rms <= step_bound
+    assert 0 < self_conditioned.rel_rms <= sc_bound
+
+
+def test_mixed_recipe_writes_mlx_lm_overrides(converted, src):
+    dst = converted(quantize=True, q_bits=4)
+    quantization = json.loads((dst / "config.json").read_text())["quantization"]
+    eight = {"group_size": 64, "bits": 8, "mode": "affine"}
+    assert {k: quantization[k] for k in ("group_size", "bits", "mode")} == {"group_size": 64, "bits": 4, "mode": "affine"}
+    overrides = {k for k in quantization if k.startswith("model.")}
+    assert overrides == {
+        "model.decoder.embed_tokens",
+        *(f"model.decoder.layers.{i}.{m}" for i in range(3) for m in
+          ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "router.proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
+        *(f"model.decoder.layers.{i}.self_attn.v_proj" for i in range(2)),  # the full layer has none
+    }
+    assert all(quantization[k] == eight for k in overrides)
+
+    model, _ = load(dst)
+    layer = model.layers[0]
+    assert (layer.experts.gate_up_proj.bits, layer.experts.down_proj.bits) == (4, 4)
+    assert model.model.decoder.self_conditioning.gate_proj.bits == 4
+    assert (layer.self_attn.q_proj.bits, layer.router.proj.bits, layer.mlp.down_proj.bits) == (8, 8, 8)
+    assert model.model.decoder.embed_tokens.bits == 8
+    sizes = [sum(f.stat().st_size for f in converted(**o).glob("*.safetensors"))
+             for o in ({}, {"quantize": True, "q_bits": 8}, {"quantize": True, "q_bits": 4})]
+    assert sizes[0] > sizes[1] > sizes[2]
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])
+def test_microscaling_modes_convert_and_load(converted, reference, mode):
+    step, _ = errors(converted(quantize=True, q_mode=mode), reference)
+    assert 0 < step.rel_rms < 0.3  # measured: mxfp4 0.160, mxfp8 0.097
+
+
+def test_uniform_microscaling_quantizes_the_embedding_too(converted, reference):
+    """mxfp4 keeps uint8 scales: the embedding scale and the soft embedding must use the activations' dtype."""
+    _, self_conditioned = errors(converted(quantize=True, q_mode="mxfp4", quant_predicate="uniform"), reference)
+    assert self_conditioned.rel_rms < 0.75
+
+
+def test_report_lists_every_recipe(src, tmp_path):
+    result = CliRunner().invoke(report_command, ["--hf-path", str(src), "--work-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = result.stdout.strip().splitlines()[2:]
+    assert [r.split("  ")[0] for r in rows] == [
+        "unquantized (config dtype)", "mixed 4-bit affine g64", "mixed 8-bit affine g64",
+        "uniform 4-bit affine g64", "uniform 8-bit affine g64",
+    ]
+    assert " 0.00e+00 " in rows[0] and " 0.00e+00 " not in rows[1]
+    assert list(tmp_path.iterdir()) == []
+
+
+# The released 26B-A4B geometry (REFERENCE.md §1.1).
+RELEASED = dict(
+    vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
+    num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+    num_global_key_value_heads=2, num_experts=128, top_k_experts=8, sliding_window=1024, canvas_length=256,
+)
+
+
+def test_plan_for_the_released_checkpoint(tmp_path):
+    """A sparse 50 GB bf16 file (a header and no data) plans like the real one: every quantized
+    dimension divides group 64; mixed 4-bit writes 15.4 GB of text weights in 3 shards of at most 5 GiB,
+    with one 8-bit override per embedding, attention, router and dense MLP module; group 128 is refused."""
+    header, offset = {}, 0
+    for name, shape in hf_tensors(RELEASED):
+        nbytes = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(RELEASED, "bfloat16")))
+
+    plan = make_plan(tmp_path, Quantization.from_flags(bits=4), dtype=None)
+    groups = output_specs(plan)
+    sizes = [sum(s.nbytes for _, specs in shard for s in specs) for shard in split_into_shards(groups, MAX_SHARD_BYTES)]
+    assert len(sizes) == 3 and max(sizes) <= MAX_SHARD_BYTES
+    assert 15.3e9 < sum(sizes) < 15.5e9  # from 50.5 GB
+    overrides = [k for k in plan.quantization_config() if k.startswith("model.")]
+    assert len(overrides) == 1 + 30 * 7 + 25  # embedding; q, k, o, router, 3 MLP per layer; v on 25 sliding layers
+    with pytest.raises(ConversionError, match="does not divide the input dimension 704"):
+        make_plan(tmp_path, Quantization.from_flags(bits=4, group_size=128), dtype=None)
+
+
+# ---- bad input: one line, non-zero exit, nothing left behind ----------------------------------
+
+
+@pytest.fixture
+def broken(src, tmp_path):
+    folder = tmp_path / "src"
+    shutil.copytree(src, folder)
+    return folder
+
+
+def cli_error(args: list[str], dst: Path) -> str:
+    result = CliRunner().invoke(convert_command, args + ["--mlx-path", str(dst)])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert leftovers(dst.parent) == []
+    return lines[0]
+
+
+def test_corrupt_shard(broken, tmp_path):
+    data = bytearray((broken / "model.safetensors").read_bytes())
+    data[8:40] = b"{not json at all, just garbage!!"
+    (broken / "model.safetensors").write_bytes(bytes(data))
+    msg = cli_error(["--hf-path", str(broken)], tmp_path / "dst")
+    assert "model.safetensors is not a readable safetensors file" in msg
+    assert not (tmp_path / "dst").exists()
+
+
+def test_truncated_shard(broken, tmp_path):
+    path = broken / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    msg = cli_error(["--hf-path", str(broken), "-q"], tmp_path / "dst")
+    assert "ends past the end of the file" in msg
+    assert not (tmp_path / "dst").exists()
+
+
+def test_index_naming_a_missing_shard(broken, tmp_path):
+    keys = list(load_file(broken / "model.safetensors"))
+    weight_map = {k: ("model.safetensors" if i % 2 else "model-extra.safetensors") for i, k in enumerate(keys)}
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    msg = cli_error(["--hf-path", str(broken)], tmp_path / "dst")
+    assert "names shard model-extra.safetensors, which is missing" in msg
+    assert not (tmp_path / "dst").exists()
+
+
+def test_wrong_model_type(broken, tmp_path):
+    raw = json.loads((broken / "config.json").read_text())
+    raw["model_type"] = "gemma3"
+    (broken / "config.json").write_text(json.dumps(raw))
+    assert "model_type 'gemma3'" in cli_error(["--hf-path", str(broken)], tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_group_size_that_does_not_divide_a_dimension(src, tmp_path):
+    msg = cli_error(["--hf-path", str(src), "-q", "--q-group-size", "128"], tmp_path / "dst")
+    assert "group size 128 does not divide the input dimension 64 of model.decoder.layers.0.experts.down_proj" in msg
+    assert "--q-group-size 32 or 64" in msg
+    assert not (tmp_path / "dst").exists()
+
+
+def test_existing_destination_is_refused_unless_forced(src, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    assert "already exists; pass --force" in cli_error(["--hf-path", str(src)], dst)
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+
+    result = CliRunner().invoke(convert_command, ["--hf-path", str(src), "--mlx-path", str(dst), "--force", "-q"])
+    assert result.exit_code == 0, result.output
+    assert not (dst / "keep.txt").exists() and (dst / "model.safetensors").exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_already_quantized_source_is_refused(converted, tmp_path):
+    with pytest.raises(ConversionError, match="already quantized"):
+        convert(str(converted(quantize=True)), str(tmp_path / "dst"), quantize=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_while_writing_leaves_nothing_behind(src, tmp_path, monkeypatch):
+    calls = []
+
+    def failing_read(info):
+        calls.append(info)
+        if len(calls) == 20:
+            raise OSError("[Errno 28] No space left on device")
+        return read_tensor(info)
+
+    read_tensor = convert_module.read_tensor
+    monkeypatch.setattr(convert_module, "read_tensor", failing_read)
+    with pytest.raises(OSError, match="No space left"):
+        convert(str(src), str(tmp_path / "dst"), quantize=True, max_shard_bytes=100_000, progress=False)
+    assert len(calls) == 20 and list(tmp_path.iterdir()) == []
+
+
+def test_command_line_exit_status(src, tmp_path):
+    """The real entry point: status 1 and one line on stderr."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    command = [sys.executable, "-m", "mlx_dgemma.convert", "--hf-path", str(src), "--mlx-path", str(dst), "-q"]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [f"Error: {dst} already exists; pass --force to replace it"]
+
+
+def test_missing_source_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="not a folder"):
+        convert(str(tmp_path / "nope"), str(tmp_path / "dst"))
+    with pytest.raises(SystemExit) as info:
+        main(["--hf-path", str(tmp_path / "nope"), "--mlx-path", str(tmp_path / "dst")])
+    assert info.value.code == 1 and list(tmp_path.iterdir()) == []
+
+
+# ---- interop with the mlx-vlm / mlx-community layout -------------------------------------------
+
+
+def mlx_vlm_quantize(model: nn.Module, bits: int = 4, group_size: int = 64) -> dict:
+    """mlx-vlm 0.7.10's ``quantize_model`` (quant_utils.py) with DiffusionGemma's ``quant_predicate``
+    (models/diffusion_gemma/language.py), re-expressed: returns the ``quantization`` it writes."""
+    quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
+            return False
+        if (path.endswith(("embed_tokens", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+                or ".self_attn." in path or "router" in path):
+            quantization[path] = {"group_size": 64, "bits": 8}  # mlx-vlm writes no "mode" here
+            return quantization[path]
+        return True
+
+    nn.quantize(model, group_size, bits, mode="affine", class_predicate=predicate)
+    return quantization
+
+
+def per_expert(weights: dict) -> dict:
+    """Fused expert tensors (and their scales and biases) split into per-expert keys."""
+    out = {}
+    for key, value in weights.items():
+        head, sep, part = key.rpartition(".experts.gate_up_proj.")
+        if sep:
+            inner = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{head}.experts.{e}.gate_proj.{part}"] = value[e, :inner]
+                out[f"{head}.experts.{e}.up_proj.{part}"] = value[e, inner:]
+            continue
+        head, sep, part = key.rpartition(".experts.down_proj.")
+        if sep:
+            for e in range(value.shape[0]):
+                out[f"{head}.experts.{e}.down_proj.{part}"] = value[e]
+            continue
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fused", "per-expert"])
+def test_mlx_vlm_layout_with_overrides_loads_and_matches(src, converted, reference, tmp_path, layout):
+    model, _ = load(src)
+    quantization = mlx_vlm_quantize(model)
+    weights = dict(tree_flatten(model.parameters()))
+    source = load_file(src / "model.safetensors")
+    weights.update({k: mx.array(v) for k, v in source.items() if k.startswith("model.encoder.vision")})
+    if layout == "per-expert":
+        weights = per_expert(weights)
+    folder = tmp_path / "community"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((src / "config.json").read_text())
+    config.update(quantization=quantization, quantization_config=quantization)
+    (folder / "config.json").write_text(json.dumps(config))
+
+    ours = converted(quantize=True, q_bits=4)
+    assert errors(folder, reference) == errors(ours, reference)
+    a, _ = load(folder)
+    b, _ = load(ours)
+    params = dict(tree_flatten(b.parameters()))
+    for key, value in tree_flatten(a.parameters()):
+        assert mx.array_equal(value, params[key]), key
+
+
+def test_output_loads_in_mlx_vlm(converted):
+    """Run with mlx-vlm installed (it is not a dependency): strict load, same weights, same logits."""
+    pytest.importorskip("mlx_vlm")
+    from mlx_vlm.utils import load_model
+
+    dst = converted(quantize=True, q_bits=4)
+    vlm = load_model(dst)
+    ours, _ = load(dst)
+    theirs = dict(tree_flatten(vlm.parameters()))
+    for key, value in tree_flatten(ours.parameters()):
+        assert mx.array_equal(value, theirs[key]), key
+    rng = np.random.default_rng(0)
+    prompt = mx.array(rng.integers(3, 640, (1, 4)), dtype=mx.int32)
+    canvas = mx.array(rng.integers(0, 640, (1, 16)), dtype=mx.int32)
+    cache = vlm.diffusion_prefill_cache(prompt, cache=vlm.make_cache())
+    expected = vlm.diffusion_decoder_logits(canvas, cache).astype(mx.float32)
+    our_cache = ours.make_cache()
+    ours.encode(prompt, our_cache)
+    got = ours.denoise(canvas, our_cache)
+    assert float(mx.abs(got - expected).max() / mx.abs(expected).max()) < 1e-4
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+PEAK_RSS = """
+import resource, sys
+from mlx_dgemma.convert import convert
+imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+convert(sys.argv[1], sys.argv[2], quantize=True, progress=False)
+print(imported * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_conversion_memory_does_not_hold_the_model(tmp_path):
+    """≈300 MB of fp32 in 3 shards, largest tensor 16 MB, converted (4-bit mixed) in a child process:
+    its peak RSS may exceed the peak after its imports by at most a third of the checkpoint.
+    Measured: +31 MB; loading everything at once adds ≥ 300 MB."""
+    src = write_checkpoint(tmp_path / "src", scaled_sizes(layers=7), "float32", shard_bytes=100 << 20)
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    assert size > 250e6
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS, str(src), str(tmp_path / "dst")], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    imported, peak = map(int, done.stdout.split())
+    assert peak - imported < size / 3, (peak - imported) / 1e6
+    assert (tmp_path / "dst" / "model.safetensors.index.json").exists()
