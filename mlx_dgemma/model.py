@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
-
 from .config import ModelConfig
 
 
@@ -154,17 +152,39 @@ class Router(nn.Module):
         return idx, weights * self.per_expert_scale[idx]
 
 
-def _expert_matmul(proj: nn.Module, x: mx.array, idx: mx.array) -> mx.array:
-    """x [N, 1, in] through expert ``idx[n]`` of ``proj``; indices are sorted."""
-    if isinstance(proj, QuantizedSwitchLinear):
-        return proj(x, idx, sorted_indices=True)
-    w = proj.weight
-    if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
-        # MLX's CPU gather_mm only runs in float32.
-        return mx.gather_mm(
-            x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True
-        ).astype(x.dtype)
-    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+class ExpertLinear(nn.Module):
+    """One linear map per expert, weight [E, out, in]; tokens arrive sorted by expert."""
+
+    def __init__(self, inputs: int, outputs: int, experts: int):
+        super().__init__()
+        self.weight = mx.zeros((experts, outputs, inputs))
+
+    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
+        w = self.weight
+        if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            # MLX's CPU gather_mm only runs in float32.
+            out = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2), rhs_indices=idx,
+                               sorted_indices=True)
+            return out.astype(x.dtype)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_) -> "QuantizedExpertLinear":
+        return QuantizedExpertLinear(*mx.quantize(self.weight, group_size, bits, mode=mode), group_size=group_size,
+                                     bits=bits, mode=mode)
+
+
+class QuantizedExpertLinear(nn.Module):
+    def __init__(self, weight, scales, biases=None, *, group_size: int, bits: int, mode: str):
+        super().__init__()
+        self.weight, self.scales = weight, scales
+        if biases is not None:
+            self.biases = biases
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.freeze()
+
+    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
+        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=idx, transpose=True,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=True)
 
 
 class Experts(nn.Module):
@@ -172,8 +192,8 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = SwitchLinear(cfg.hidden_size, 2 * cfg.moe_intermediate_size, cfg.num_experts, bias=False)
-        self.down_proj = SwitchLinear(cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate_up_proj = ExpertLinear(cfg.hidden_size, 2 * cfg.moe_intermediate_size, cfg.num_experts)
+        self.down_proj = ExpertLinear(cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts)
         self.inner = cfg.moe_intermediate_size
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
@@ -184,9 +204,9 @@ class Experts(nn.Module):
         order = mx.argsort(flat)
         sorted_idx = flat[order]
         xs = x[order // k][:, None, :]
-        gate_up = _expert_matmul(self.gate_up_proj, xs, sorted_idx)
+        gate_up = self.gate_up_proj(xs, sorted_idx)
         h = nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
-        y = _expert_matmul(self.down_proj, h, sorted_idx)
+        y = self.down_proj(h, sorted_idx)
         y = y[mx.argsort(order)].reshape(-1, k, shape[-1])
         out = (y.astype(mx.float32) * weights.reshape(-1, k, 1)).sum(axis=1)
         return out.astype(x.dtype).reshape(shape)
@@ -273,8 +293,12 @@ class Backbone(nn.Module):
         self.encoder = EncoderModel(cfg)
 
 
-def _embedding_dtype(embed: nn.Module) -> mx.Dtype:
-    return embed.scales.dtype if isinstance(embed, nn.QuantizedEmbedding) else embed.weight.dtype
+def _embedding_dtype(embed: nn.Module, activations: mx.Dtype) -> mx.Dtype:
+    """The dtype the embedding computes in: its weights', or for a quantized one its scales' when
+    those are floats (affine); microscaling modes keep uint8 scales, so use the activations' dtype."""
+    if not isinstance(embed, nn.QuantizedEmbedding):
+        return embed.weight.dtype
+    return embed.scales.dtype if mx.issubdtype(embed.scales.dtype, mx.floating) else activations
 
 
 def _soft_embed(embed: nn.Module, probs: mx.array) -> mx.array:
@@ -304,7 +328,8 @@ class DiffusionGemma(nn.Module):
     def _embed(self, ids: mx.array) -> mx.array:
         embed = self.model.decoder.embed_tokens
         h = embed(ids)
-        return h * mx.array(math.sqrt(self.config.hidden_size), dtype=_embedding_dtype(embed)).astype(h.dtype)
+        scale = mx.array(math.sqrt(self.config.hidden_size), dtype=_embedding_dtype(embed, h.dtype))
+        return h * scale.astype(h.dtype)
 
     def _encoder_masks(self, length: int, cache: KVCache) -> dict[bool, mx.array | None]:
         """Causal masks for ``length`` new positions after the cache, keyed by ``sliding``."""
@@ -363,7 +388,7 @@ class DiffusionGemma(nn.Module):
         h = self._embed(canvas)
         signal = None
         if self_conditioning is not None:
-            dtype = _embedding_dtype(decoder.embed_tokens)
+            dtype = _embedding_dtype(decoder.embed_tokens, h.dtype)
             # The reference keeps the previous step's logits in the embedding dtype before the softmax.
             logits = self_conditioning.astype(dtype).astype(mx.float32)
             probs = mx.softmax(logits, axis=-1, precise=True).astype(dtype)
