@@ -1,9 +1,12 @@
 """mlx-dgemma: Google's DiffusionGemma on MLX."""
 
-from . import fast_blas
+import warnings
 
-fast_blas.load()  # before anything imports mlx.core
-
+from .generate import generate, stream_generate
 from .loader import load
 
-__all__ = ["load"]
+# `python -m mlx_dgemma.generate` runs the CLI module this package has already imported for its API;
+# runpy warns about that, harmlessly (the module only defines things until its __main__ block).
+warnings.filterwarnings("ignore", message=r"'mlx_dgemma\.generate' found in sys\.modules", category=RuntimeWarning)
+
+__all__ = ["load", "generate", "stream_generate"]

@@ -1,31 +1,266 @@
-"""Tokenizer loading (placeholder until the sampler issue lands the full chat tokenizer)."""
+"""The checkpoint's tokenizer: ``tokenizer.json`` through ``tokenizers`` (sentencepiece
+``tokenizer.model`` as the fallback), the Gemma 4 chat template, and output clean-up (cut at the stop
+ids, drop padding and ``<|channel>…<channel|>`` thought scaffolding).
+
+A checkpoint without tokenizer files still loads: prompts must then be token ids, and text is the
+ids written out as numbers.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+from datetime import datetime
 from pathlib import Path
+
+from .config import GenerationConfig, ModelConfig
+
+THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
+
+# Gemma 4's chat format (REFERENCE.md §5), used when the checkpoint ships no template. With the
+# generation prompt comes an empty thought channel: the model answers without thinking.
+BUILTIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<|turn>' + role + '\n' + (message['content'] | trim) + '<turn|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}{%- endif -%}"
+)
+
+
+class TokenizerError(ValueError):
+    """Text given where the checkpoint has no tokenizer, or tokenizer files that cannot be read."""
+
+
+class _TokenizersBackend:
+    """``tokenizer.json``; added (special) tokens written in the text are matched as tokens."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tok = HFTokenizer.from_file(str(path))
+        self.size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def piece(self, token: int) -> str | None:
+        return self._tok.id_to_token(token)
+
+    def token_id(self, piece: str) -> int | None:
+        return self._tok.token_to_id(piece)
+
+
+class _SentencePieceBackend:
+    """``tokenizer.model``. SentencePiece never reads control symbols (``<bos>``, ``<pad>``, …) out
+    of text, so the text is split on them first."""
+
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+
+        self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.size = self._sp.get_piece_size()
+        self._control = {self._sp.id_to_piece(i): i for i in range(self.size) if self._sp.is_control(i)}
+        pattern = "|".join(re.escape(p) for p in sorted(self._control, key=len, reverse=True) if p)
+        self._split = re.compile(f"({pattern})") if pattern else None
+
+    def encode(self, text: str) -> list[int]:
+        chunks = self._split.split(text) if self._split else [text]
+        ids: list[int] = []
+        for i, chunk in enumerate(chunks):
+            if i % 2:  # the separators captured by the split
+                ids.append(self._control[chunk])
+            elif chunk:
+                ids.extend(self._sp.encode(chunk))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+    def piece(self, token: int) -> str | None:
+        return self._sp.id_to_piece(token)
+
+    def token_id(self, piece: str) -> int | None:
+        token = self._sp.piece_to_id(piece)
+        return None if token == self._sp.unk_id() and piece != self._sp.id_to_piece(token) else token
 
 
 class Tokenizer:
-    def __init__(self, backend=None, eos_token_ids=(1,)):
+    def __init__(
+        self,
+        backend=None,
+        stop_ids=(1,),
+        pad_token_id: int = 0,
+        bos_token_id: int = 2,
+        chat_template: str | None = None,
+        add_bos_token: bool = True,
+        generation_config: GenerationConfig | None = None,
+    ):
         self._backend = backend
-        self.eos_token_ids = list(eos_token_ids)
+        self.stop_ids = list(stop_ids)
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template or BUILTIN_CHAT_TEMPLATE
+        self.add_bos_token = add_bos_token
+        # The checkpoint's generation_config.json: loader.load() hands only this module the folder.
+        self.generation_config = generation_config or GenerationConfig(eos_token_id=self.stop_ids)
+        self._thought = (self.token_id(THOUGHT_OPEN), self.token_id(THOUGHT_CLOSE))
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def has_vocabulary(self) -> bool:
+        return self._backend is not None
+
+    # Kept for code written against the placeholder tokenizer.
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.stop_ids
+
+    def token_id(self, piece: str) -> int | None:
+        return self._backend.token_id(piece) if self._backend else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in it (``<bos>``, ``<|turn>``…) become their
+        ids. ``add_special_tokens`` prepends ``<bos>`` (as Gemma's tokenizer does) unless it is there."""
         if self._backend is None:
-            raise ValueError("this checkpoint has no tokenizer files; pass token ids instead of text")
-        return self._backend.encode(text).ids
+            raise TokenizerError("this checkpoint has no tokenizer files (tokenizer.json or tokenizer.model); "
+                                 "pass the prompt as token ids")
+        ids = self._backend.encode(text)
+        if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
         if self._backend is None:
             return " ".join(str(i) for i in ids)
-        return self._backend.decode(list(ids))
+        # A model's vocabulary may be padded past the tokenizer's; those ids have no text.
+        return self._backend.decode([i for i in ids if 0 <= i < self._backend.size])
+
+    def piece(self, token: int) -> str:
+        """The vocabulary entry of one id, word boundaries (▁) as spaces: for live views."""
+        if self._backend is None:
+            return f"{token} "
+        piece = self._backend.piece(int(token)) if 0 <= token < self._backend.size else None
+        return "" if piece is None else piece.replace("▁", " ")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs):
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    bos_token=self._special_text(self.bos_token_id), **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def clean(self, ids, stop_ids=None) -> list[int]:
+        """What a reader should see: ids before the first stop id, without padding or ``<bos>`` and
+        without ``<|channel>…<channel|>`` spans (an unclosed one hides everything after it)."""
+        stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        hidden = {self.pad_token_id, self.bos_token_id}
+        opener, closer = self._thought
+        out: list[int] = []
+        in_thought = False
+        for token in (int(i) for i in ids):
+            if token in stops:
+                break
+            if in_thought:
+                in_thought = token != closer
+            elif opener is not None and token == opener:
+                in_thought = True
+            elif token not in hidden:
+                out.append(token)
+        return out
+
+    def decode_clean(self, ids, stop_ids=None) -> str:
+        return self.decode(self.clean(ids, stop_ids))
+
+    def _special_text(self, token: int) -> str:
+        piece = self._backend.piece(token) if self._backend else None
+        return piece or ""
 
 
-def load_tokenizer(folder: Path, config) -> Tokenizer:
-    path = Path(folder) / "tokenizer.json"
-    backend = None
-    if path.exists():
-        from tokenizers import Tokenizer as HFTokenizer
+class TextStream:
+    """The clean text of a growing token sequence, handed out as it grows. An incomplete UTF-8
+    character at the end is held back until the next piece completes it (or ``final``)."""
 
-        backend = HFTokenizer.from_file(str(path))
-    return Tokenizer(backend, config.eos_token_id)
+    def __init__(self, tokenizer: Tokenizer, stop_ids=None):
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def add(self, ids, final: bool = False) -> str:
+        self.tokens.extend(int(i) for i in ids)
+        text = self.tokenizer.decode_clean(self.tokens, self.stop_ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.text):
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **context) -> str:
+    """Render a Hugging Face chat template the way transformers does (sandboxed jinja2, trimmed blocks)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _chat_template(folder: Path, settings: dict) -> str | None:
+    """The checkpoint's template: chat_template.jinja, chat_template.json or tokenizer_config.json."""
+    if (folder / "chat_template.jinja").exists():
+        return (folder / "chat_template.jinja").read_text()
+    template = _read_json(folder / "chat_template.json").get("chat_template") or settings.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+def _backend(folder: Path):
+    if (folder / "tokenizer.json").exists():
+        return _TokenizersBackend(folder / "tokenizer.json")
+    if (folder / "tokenizer.model").exists():
+        return _SentencePieceBackend(folder / "tokenizer.model")
+    return None
+
+
+def load_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
+    folder = Path(folder)
+    settings = _read_json(folder / "tokenizer_config.json")
+    generation = GenerationConfig.from_folder(folder, config)
+    try:
+        backend = _backend(folder)
+    except Exception as e:  # tokenizers / sentencepiece raise bare exceptions on damaged files
+        reason = str(e).splitlines()[0] if str(e) else repr(e)
+        raise TokenizerError(f"cannot read the tokenizer in {folder}: {reason}") from None
+    return Tokenizer(
+        backend,
+        stop_ids=generation.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        chat_template=_chat_template(folder, settings),
+        add_bos_token=bool(settings.get("add_bos_token", True)),
+        generation_config=generation,
+    )

@@ -1,0 +1,264 @@
+"""Block-autoregressive generation: encode the prompt, denoise a canvas, commit it, encode it, and on to
+the next canvas, as the reference ``generate()`` does (REFERENCE.md §3.2). Python API shaped like
+mlx-lm's (``generate``, ``stream_generate``) and the CLI::
+
+    python -m mlx_dgemma.generate --prompt "sort: 7 3 9 1" --view
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import click
+import mlx.core as mx
+
+from .config import GenerationConfig
+from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
+from .tokenizer import TextStream, Tokenizer
+
+DEMO_MODEL = Path(__file__).resolve().parent / "demo"
+DEFAULT_PROMPT = "sort: 7 3 9 1"
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take."""
+
+
+@dataclass
+class GenerationResponse:
+    """One committed canvas."""
+
+    text: str  # the text this canvas adds to the answer
+    tokens: list[int]  # the canvas's committed ids, up to and including a stop id
+    steps: int  # denoising steps this canvas took
+    tokens_per_forward: float  # non-pad tokens committed so far per denoising forward
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int  # committed so far
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None  # "stop" (a stop id), "length" (max tokens), None while more follow
+    drafts: list[Draft] | None = None  # per-step argmax drafts, when asked for
+
+
+def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
+    """The checkpoint's generation_config.json (defaults for everything the caller leaves unset)."""
+    return (getattr(model, "generation_config", None) or getattr(tokenizer, "generation_config", None)
+            or GenerationConfig.from_dict({}, model.config))
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str | None = None,
+               chat_template: bool = True) -> list[int]:
+    """Token ids as given, or text through the chat template (or plain, with ``<bos>``)."""
+    if not isinstance(prompt, str):
+        return [int(i) for i in prompt]
+    if not chat_template:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def check_prompt(ids: list[int], config) -> None:
+    if not ids:
+        raise PromptError("the prompt is empty")
+    if bad := [i for i in ids if not 0 <= i < config.vocab_size]:
+        raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
+    context = config.max_position_embeddings
+    if len(ids) + config.canvas_length > context:
+        raise PromptError(f"the prompt is {len(ids)} tokens: with a {config.canvas_length}-token canvas after it, "
+                          f"it does not fit the model's context of {context} tokens")
+
+
+def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
+    """The canvas up to and including its first stop id, and whether there was one."""
+    for i, token in enumerate(canvas):
+        if token in stop_ids:
+            return canvas[: i + 1], True
+    return canvas, False
+
+
+def stream_generate(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    max_tokens: int | None = None,
+    *,
+    steps: int | None = None,
+    seed: int | None = None,
+    rng: Random | None = None,
+    entropy_bound: float | None = None,
+    temp_min: float | None = None,
+    temp_max: float | None = None,
+    settings: SamplerSettings | None = None,
+    system_prompt: str | None = None,
+    chat_template: bool = True,
+    drafts: bool = False,
+    on_step: Callable[[Draft], None] | None = None,
+) -> Iterator[GenerationResponse]:
+    """Yield one ``GenerationResponse`` per committed canvas.
+
+    ``prompt`` is text (the chat template is applied unless ``chat_template=False``) or token ids.
+    Unset numbers come from the checkpoint's generation config; ``max_tokens`` is rounded up to whole
+    canvases, as the reference does. ``rng`` replaces the seeded ``mx.random`` draws; ``settings``
+    replaces the sampler settings built from the rest. ``drafts=True`` attaches each step's argmax
+    canvas to the responses; ``on_step`` is called with it as soon as the step is done.
+    """
+    config = model.config
+    defaults = generation_config(model, tokenizer)
+    settings = settings or SamplerSettings.from_generation_config(
+        defaults, steps=steps, entropy_bound=entropy_bound, t_min=temp_min, t_max=temp_max)
+    max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
+    check_prompt(ids, config)
+    rng = MxRandom(seed) if rng is None else rng
+    stop_ids = set(defaults.eos_token_id)
+    text = TextStream(tokenizer, stop_ids)
+
+    cache = model.make_cache()
+    tic = time.perf_counter()
+    model.encode(mx.array(ids), cache)
+    prompt_tps = len(ids) / (time.perf_counter() - tic)
+
+    tic = time.perf_counter()
+    canvases = math.ceil(max_tokens / config.canvas_length)
+    total_steps = generated = non_pad = 0
+    for index in range(canvases):
+        if index:  # the committed canvas joins the prefix only when another canvas follows
+            model.encode(committed, cache)
+        step_drafts: list[Draft] | None = [] if drafts else None
+        result = denoise_canvas(model, cache, settings, rng, _step_hook(step_drafts, on_step))
+        committed = result.tokens
+        tokens, stopped = cut_at_stop(committed[0].tolist(), stop_ids)
+        total_steps += result.steps
+        generated += len(tokens)
+        non_pad += sum(t != defaults.pad_token_id for t in tokens)
+        finish = "stop" if stopped else "length" if index == canvases - 1 else None
+        yield GenerationResponse(
+            text=text.add(tokens, final=finish is not None),
+            tokens=tokens,
+            steps=result.steps,
+            tokens_per_forward=non_pad / total_steps,
+            prompt_tokens=len(ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=generated,
+            generation_tps=generated / (time.perf_counter() - tic),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            drafts=step_drafts,
+        )
+        if finish:
+            return
+
+
+def _step_hook(collected: list[Draft] | None, on_step: Callable[[Draft], None] | None):
+    if collected is None:
+        return on_step
+
+    def hook(draft: Draft) -> None:
+        collected.append(draft)
+        if on_step is not None:
+            on_step(draft)
+
+    return hook
+
+
+def generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, *,
+             verbose: bool = False, **kwargs) -> str:
+    """The whole answer as text; ``kwargs`` are those of ``stream_generate``. ``verbose`` prints the
+    text as canvases commit, then the statistics."""
+    text, responses = "", []
+    for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+        responses.append(response)
+    if verbose:
+        print("\n" + statistics(responses))
+    return text
+
+
+def statistics(responses: list[GenerationResponse]) -> str:
+    last = responses[-1]
+    return "\n".join([
+        "=" * 10,
+        f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {last.generation_tokens} tokens in {len(responses)} canvases, "
+        f"{last.generation_tps:.3f} tokens-per-sec",
+        f"Denoising steps per canvas: {' '.join(str(r.steps) for r in responses)}; "
+        f"{last.tokens_per_forward:.2f} tokens per forward",
+        f"Finish: {last.finish_reason}",
+        f"Peak memory: {last.peak_memory:.3f} GB",
+    ])
+
+
+def _at_least(minimum: int):
+    def check(ctx, param, value):
+        if value is not None and value < minimum:
+            raise click.ClickException(f"--{param.name.replace('_', '-')} must be at least {minimum}, got {value}")
+        return value
+
+    return check
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
+@click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True,
+              help="Message to the model; '-' reads stdin.")
+@click.option("--system-prompt", help="System message for the chat template.")
+@click.option("--max-tokens", "-m", type=int, callback=_at_least(1),
+              help="Tokens to generate, rounded up to whole canvases [default: the checkpoint's max_new_tokens].")
+@click.option("--steps", type=int, callback=_at_least(1), help="Most denoising steps per canvas.")
+@click.option("--entropy-bound", type=float, help="Entropy bound of the sampler's acceptance (nats).")
+@click.option("--temp-min", type=float, help="Temperature at the last denoising step.")
+@click.option("--temp-max", type=float, help="Temperature at the first denoising step.")
+@click.option("--seed", type=int, help="Seed of the sampler's random draws.")
+@click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
+@click.option("--verbose", is_flag=True, help="Print statistics after the text.")
+@click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
+def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
+         ignore_chat_template, verbose, view):
+    """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
+    from .loader import load
+    from .view import CanvasView
+
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read()
+    if model is None and not DEMO_MODEL.is_dir():
+        raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
+    try:
+        dgemma, tokenizer = load(model or DEMO_MODEL)
+        settings = SamplerSettings.from_generation_config(
+            generation_config(dgemma, tokenizer), steps=steps, entropy_bound=entropy_bound,
+            t_min=temp_min, t_max=temp_max)
+        canvas_view = CanvasView(tokenizer, settings.steps) if view else None
+        responses = []
+        for response in stream_generate(
+            dgemma, tokenizer, prompt, max_tokens, seed=seed, settings=settings, system_prompt=system_prompt,
+            chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
+        ):
+            if canvas_view:
+                canvas_view.commit(response.text)
+            else:
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+            responses.append(response)
+    except ValueError as e:  # bad input: checkpoint, prompt or settings; the message says which
+        raise click.ClickException(str(e)) from None
+    if canvas_view:
+        canvas_view.close()
+    else:
+        click.echo()
+    if verbose:
+        click.echo(statistics(responses))
+
+
+if __name__ == "__main__":
+    main()

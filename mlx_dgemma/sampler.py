@@ -1,0 +1,192 @@
+"""One canvas of DiffusionGemma's denoising loop, exactly as the reference ``generate()`` runs it.
+
+Per step (``cur`` counts down N..1, REFERENCE.md §3.2): denoise the canvas; divide the logits by
+``T = t_min + (t_max - t_min) * cur / N``; sample a denoiser canvas from the tempered distribution;
+accept the lowest-entropy positions whose summed entropy stays within the bound; renoise every other
+position uniformly; stop once the argmax canvas is stable and the mean entropy is below the
+confidence threshold. The tempered logits self-condition the next step; the last argmax is committed.
+
+All randomness goes through one small object (``Random``) so tests can replay the reference's draws.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from .config import GenerationConfig
+
+_FLOAT32_MIN = float(np.finfo(np.float32).min)
+
+
+class Random(Protocol):
+    """The sampler's source of randomness; each call returns an int array of ``shape``."""
+
+    def canvas(self, shape: tuple[int, ...], vocab: int) -> mx.array:
+        """The initial canvas: tokens uniform over ``[0, vocab)``."""
+
+    def categorical(self, probs: mx.array) -> mx.array:
+        """One token per row of ``probs`` [..., V], drawn from that distribution; shape ``probs.shape[:-1]``."""
+
+    def renoise(self, shape: tuple[int, ...], vocab: int) -> mx.array:
+        """A fresh uniform canvas; the sampler keeps it where it rejected the denoiser's token."""
+
+
+class MxRandom:
+    """``Random`` on ``mx.random`` with its own key, split once per draw (global RNG state is untouched)."""
+
+    def __init__(self, seed: int | None = None):
+        self.seed = secrets.randbits(32) if seed is None else seed
+        self._key = mx.random.key(self.seed)
+
+    def _next_key(self) -> mx.array:
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def canvas(self, shape, vocab):
+        return mx.random.randint(0, vocab, shape, key=self._next_key())
+
+    renoise = canvas
+
+    def categorical(self, probs):
+        # argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p, and needs no log of p.
+        uniform = mx.random.uniform(shape=probs.shape, key=self._next_key())
+        return mx.argmax(probs / -mx.log(uniform), axis=-1).astype(mx.int32)
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """How one canvas is denoised; built from the generation config, replaceable per canvas."""
+
+    steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {self.steps!r}")
+        if not self.entropy_bound > 0:
+            raise ValueError(f"entropy bound must be > 0, got {self.entropy_bound}")
+        if self.t_min < 0 or self.t_max <= self.t_min:
+            raise ValueError(f"temperatures need 0 <= temp-min < temp-max, got {self.t_min} and {self.t_max}")
+        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
+            raise ValueError(f"stability threshold must be an integer >= 0, got {self.stability_threshold!r}")
+        if not self.confidence_threshold > 0:
+            raise ValueError(f"confidence threshold must be > 0, got {self.confidence_threshold}")
+
+    @classmethod
+    def from_generation_config(cls, config: GenerationConfig, **overrides) -> "SamplerSettings":
+        """The config's values, with every override that is not None in their place."""
+        settings = cls(
+            steps=config.max_denoising_steps,
+            entropy_bound=config.entropy_bound,
+            t_min=config.t_min,
+            t_max=config.t_max,
+            stability_threshold=config.stability_threshold,
+            confidence_threshold=config.confidence_threshold,
+        )
+        return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+
+    def temperatures(self) -> list[mx.array]:
+        """The temperature of each step, first to last, rounded as the reference computes it: in
+        float32, because its step counter is an int32 tensor."""
+        f32 = np.float32
+        span, low = f32(self.t_max - self.t_min), f32(self.t_min)
+        return [mx.array(low + span * (f32(cur) / f32(self.steps))) for cur in range(self.steps, 0, -1)]
+
+
+@dataclass
+class Draft:
+    """What one denoising step produced, for live views (host copies)."""
+
+    step: int
+    tokens: np.ndarray  # the argmax canvas [C]
+    accepted: np.ndarray  # bool [C]: positions that kept the denoiser's token
+    mean_entropy: float
+
+
+@dataclass
+class CanvasResult:
+    tokens: mx.array  # the committed (last argmax) canvas, [1, C]
+    steps: int
+    converged: bool  # the stop rule fired (as opposed to running out of steps)
+
+
+@mx.compile
+def tempered_distribution(logits: mx.array, temperature: mx.array):
+    """All the step needs from the vocabulary: tempered logits, probabilities, entropy (nats) and
+    argmax, from one tempered log-softmax (compiled, so the element-wise work is fused)."""
+    scaled = logits / temperature
+    log_probs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    probs = mx.exp(log_probs)
+    # The reference's Categorical.entropy clamps log-probabilities so that p = 0 adds 0, not nan.
+    entropy = -(probs * mx.maximum(log_probs, _FLOAT32_MIN)).sum(axis=-1)
+    return scaled, probs, entropy, mx.argmax(scaled, axis=-1).astype(mx.int32)
+
+
+def accept_mask(entropy: mx.array, bound: float) -> mx.array:
+    """Entropy-bound acceptance: with entropies sorted ascending, the j-th is accepted iff
+    ``sum_{m<=j} H_(m) - H_(j) <= bound``; the lowest-entropy position always is."""
+    order = mx.argsort(entropy, axis=-1)
+    sorted_entropy = mx.take_along_axis(entropy, order, axis=-1)
+    keep_sorted = mx.cumsum(sorted_entropy, axis=-1) - sorted_entropy <= bound
+    # Scatter back: sorted position k holds the decision for canvas position order[k].
+    return mx.take_along_axis(keep_sorted, mx.argsort(order, axis=-1), axis=-1)
+
+
+class StopRule:
+    """Stable and confident: the argmax canvas equals each of the last ``stability_threshold`` ones
+    (the history starts at -1, so never on the first step; threshold 0 means always stable), and the
+    mean entropy is below ``confidence_threshold``."""
+
+    def __init__(self, settings: SamplerSettings, shape: tuple[int, ...]):
+        self.history = [mx.full(shape, -1, dtype=mx.int32)] * settings.stability_threshold
+        self.confidence = settings.confidence_threshold
+
+    def __call__(self, argmax: mx.array, mean_entropy: mx.array) -> mx.array:
+        stable = mx.array(True)
+        for previous in self.history:
+            stable = stable & mx.array_equal(previous, argmax)
+        if self.history:
+            self.history = self.history[1:] + [argmax]
+        return stable & (mean_entropy < self.confidence)
+
+
+def denoise_canvas(
+    model,
+    cache,
+    settings: SamplerSettings,
+    rng: Random,
+    on_step: Callable[[Draft], None] | None = None,
+) -> CanvasResult:
+    """Denoise one canvas after the prefix in ``cache`` (which this only reads); returns the commit."""
+    shape = (1, model.config.canvas_length)
+    vocab = model.config.vocab_size
+    canvas = rng.canvas(shape, vocab)
+    stop_rule = StopRule(settings, shape)
+    self_conditioning = None
+    for step, temperature in enumerate(settings.temperatures(), start=1):
+        logits = model.denoise(canvas, cache, self_conditioning)
+        scaled, probs, entropy, argmax = tempered_distribution(logits, temperature)
+        denoised = rng.categorical(probs)
+        accepted = accept_mask(entropy, settings.entropy_bound)
+        canvas = mx.where(accepted, denoised, rng.renoise(shape, vocab))
+        mean_entropy = entropy.mean()
+        stop = stop_rule(argmax, mean_entropy)
+        self_conditioning = scaled
+        # The step's one wait for the device; reading what it evaluated costs nothing more.
+        if on_step is None:
+            mx.eval(stop, canvas, self_conditioning)
+        else:
+            mx.eval(stop, canvas, self_conditioning, argmax, accepted, mean_entropy)
+            on_step(Draft(step, np.array(argmax[0]), np.array(accepted[0]), mean_entropy.item()))
+        if stop.item():
+            return CanvasResult(argmax, step, converged=True)
+    return CanvasResult(argmax, settings.steps, converged=False)
