@@ -2,6 +2,10 @@
 
 import warnings
 
+from . import fast_blas
+
+fast_blas.load()  # before anything imports mlx.core
+
 from .generate import generate, stream_generate
 from .loader import load
 
