@@ -7,7 +7,6 @@ mlx-lm's (``generate``, ``stream_generate``) and the CLI::
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import click
 import mlx.core as mx
 
 from .config import GenerationConfig
+from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
 from .tokenizer import TextStream, Tokenizer
 
@@ -44,6 +44,7 @@ class GenerationResponse:
     peak_memory: float  # GB
     finish_reason: str | None  # "stop" (a stop id), "length" (max tokens), None while more follow
     drafts: list[Draft] | None = None  # per-step argmax drafts, when asked for
+    plan: Plan | None = None  # how this generation was run (policy's choice and reasons)
 
 
 def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
@@ -100,6 +101,9 @@ def stream_generate(
     chat_template: bool = True,
     drafts: bool = False,
     on_step: Callable[[Draft], None] | None = None,
+    policy: str = "reference",
+    profile: Profile | None = None,
+    expected_steps: float | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
@@ -108,14 +112,25 @@ def stream_generate(
     canvases, as the reference does. ``rng`` replaces the seeded ``mx.random`` draws; ``settings``
     replaces the sampler settings built from the rest. ``drafts=True`` attaches each step's argmax
     canvas to the responses; ``on_step`` is called with it as soon as the step is done.
+
+    ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
+    "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
+    cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (fewer steps,
+    a looser entropy bound, a trimmed last canvas) or "ar". Explicit sampler numbers override the plan.
     """
     config = model.config
     defaults = generation_config(model, tokenizer)
-    settings = settings or SamplerSettings.from_generation_config(
-        defaults, steps=steps, entropy_bound=entropy_bound, t_min=temp_min, t_max=temp_max)
     max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy == "auto" and profile is None:
+        profile = cached_profile(model)
+    plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
+    settings = settings or SamplerSettings.from_generation_config(
+        defaults, steps=steps or plan.steps, entropy_bound=entropy_bound or plan.entropy_bound,
+        t_min=temp_min, t_max=temp_max)
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
     check_prompt(ids, config)
     rng = MxRandom(seed) if rng is None else rng
@@ -124,27 +139,28 @@ def stream_generate(
 
     cache = model.make_cache()
     tic = time.perf_counter()
-    model.encode(mx.array(ids), cache)
+    if plan.mode == "ar":
+        first_logits = model.next_token_logits(mx.array(ids), cache)
+        mx.eval(first_logits)
+    else:
+        model.encode(mx.array(ids), cache)
     prompt_tps = len(ids) / (time.perf_counter() - tic)
 
     tic = time.perf_counter()
-    canvases = math.ceil(max_tokens / config.canvas_length)
+    if plan.mode == "ar":
+        blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
+    else:
+        blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step)
     total_steps = generated = non_pad = 0
-    for index in range(canvases):
-        if index:  # the committed canvas joins the prefix only when another canvas follows
-            model.encode(committed, cache)
-        step_drafts: list[Draft] | None = [] if drafts else None
-        result = denoise_canvas(model, cache, settings, rng, _step_hook(step_drafts, on_step))
-        committed = result.tokens
-        tokens, stopped = cut_at_stop(committed[0].tolist(), stop_ids)
-        total_steps += result.steps
+    for tokens, stopped, forwards, step_drafts, last in blocks:
+        total_steps += forwards
         generated += len(tokens)
         non_pad += sum(t != defaults.pad_token_id for t in tokens)
-        finish = "stop" if stopped else "length" if index == canvases - 1 else None
+        finish = "stop" if stopped else "length" if last else None
         yield GenerationResponse(
             text=text.add(tokens, final=finish is not None),
             tokens=tokens,
-            steps=result.steps,
+            steps=forwards,
             tokens_per_forward=non_pad / total_steps,
             prompt_tokens=len(ids),
             prompt_tps=prompt_tps,
@@ -153,9 +169,46 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
             drafts=step_drafts,
+            plan=plan,
         )
         if finish:
             return
+
+
+def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Plan, rng: Random, stop_ids,
+              drafts: bool, on_step) -> Iterator[tuple[list[int], bool, int, list[Draft] | None, bool]]:
+    """Canvas after canvas: (committed tokens up to a stop id, stopped, steps, drafts, is last)."""
+    full = model.config.canvas_length
+    remaining = max_tokens
+    while True:
+        length = plan.last_canvas_length(remaining, full)
+        step_drafts: list[Draft] | None = [] if drafts else None
+        result = denoise_canvas(model, cache, settings, rng, _step_hook(step_drafts, on_step), length)
+        tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
+        remaining -= length
+        last = stopped or remaining <= 0
+        yield tokens, stopped, result.steps, step_drafts, last
+        if last:
+            return
+        model.encode(result.tokens, cache)  # the commit joins the prefix only when another canvas follows
+
+
+def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, stop_ids,
+                   ) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+    """Greedy decoding with the encoder as a causal LM from the prompt's next-token ``logits``,
+    yielded in blocks of ``block`` tokens (one forward per token)."""
+    chunk: list[int] = []
+    for produced in range(1, max_tokens + 1):
+        token = logits.argmax(-1, keepdims=True)
+        chunk.append(token.item())
+        stopped = chunk[-1] in stop_ids
+        last = stopped or produced == max_tokens
+        if last or len(chunk) == block:
+            yield chunk, stopped, len(chunk), None, last
+            if last:
+                return
+            chunk = []
+        logits = model.next_token_logits(token, cache)
 
 
 def _step_hook(collected: list[Draft] | None, on_step: Callable[[Draft], None] | None):
@@ -223,8 +276,11 @@ def _at_least(minimum: int):
 @click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
 @click.option("--verbose", is_flag=True, help="Print statistics after the text.")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
+@click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
+              help="reference: the generation config; auto: diffusion or AR, whichever this device runs faster "
+                   "(measured once, cached); fast: fewer steps, trimmed last canvas; ar: autoregressive.")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view):
+         ignore_chat_template, verbose, view, policy):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
@@ -235,15 +291,16 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
     try:
         dgemma, tokenizer = load(model or DEMO_MODEL)
-        settings = SamplerSettings.from_generation_config(
-            generation_config(dgemma, tokenizer), steps=steps, entropy_bound=entropy_bound,
-            t_min=temp_min, t_max=temp_max)
-        canvas_view = CanvasView(tokenizer, settings.steps) if view else None
+        defaults = generation_config(dgemma, tokenizer)
+        canvas_view = CanvasView(tokenizer, steps or defaults.max_denoising_steps) if view else None
         responses = []
         for response in stream_generate(
-            dgemma, tokenizer, prompt, max_tokens, seed=seed, settings=settings, system_prompt=system_prompt,
+            dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
+            temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
         ):
+            if verbose and not responses:
+                click.echo(response.plan.explain(), err=True)
             if canvas_view:
                 canvas_view.commit(response.text)
             else:

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, GenerationConfig, ModelConfig
 from .model import DiffusionGemma
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -200,4 +200,5 @@ def load(path_or_repo: str | os.PathLike):
 
     folder = resolve(path_or_repo)
     model = load_model(folder)
+    model.generation_config = GenerationConfig.from_folder(folder, model.config)
     return model, load_tokenizer(folder, model.config)

@@ -324,11 +324,13 @@ class Plan:
             head += ", last canvas trimmed to the tokens wanted" if self.trim_last_canvas else ", full canvases"
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
 
-    def last_canvas_length(self, remaining: int, canvas: int, multiple: int = 16) -> int:
-        """Length of a canvas when only ``remaining`` tokens are still wanted."""
+    def last_canvas_length(self, remaining: int, canvas: int) -> int:
+        """Length of a canvas when only ``remaining`` tokens are still wanted: whole canvases unless
+        trimming, else rounded up to a multiple of 16 (of canvas/4 for small canvases)."""
         if not self.trim_last_canvas or remaining >= canvas:
             return canvas
-        return min(canvas, max(multiple, -(-remaining // multiple) * multiple))
+        multiple = max(1, min(16, canvas // 4))
+        return min(canvas, -(-remaining // multiple) * multiple)
 
 
 def make_plan(

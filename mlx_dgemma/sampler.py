@@ -165,9 +165,13 @@ def denoise_canvas(
     settings: SamplerSettings,
     rng: Random,
     on_step: Callable[[Draft], None] | None = None,
+    canvas_length: int | None = None,
 ) -> CanvasResult:
-    """Denoise one canvas after the prefix in ``cache`` (which this only reads); returns the commit."""
-    shape = (1, model.config.canvas_length)
+    """Denoise one canvas after the prefix in ``cache`` (which this only reads); returns the commit.
+
+    ``canvas_length`` defaults to the model's; a policy may denoise a shorter last canvas.
+    """
+    shape = (1, canvas_length or model.config.canvas_length)
     vocab = model.config.vocab_size
     canvas = rng.canvas(shape, vocab)
     stop_rule = StopRule(settings, shape)
