@@ -243,30 +243,31 @@ def model_fingerprint(model) -> str:
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up (compiles kernels, allocates buffers)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def time_canvas(model, cache, steps: int, canvas: int, seed: int = 0) -> float:
+    """Seconds for one canvas of exactly ``steps`` sampler steps (the stop rule cannot fire)."""
+    from .sampler import MxRandom, SamplerSettings, denoise_canvas
+
+    settings = SamplerSettings(steps=steps, confidence_threshold=1e-30)
+    start = time.perf_counter()
+    result = denoise_canvas(model, cache, settings, MxRandom(seed), canvas_length=canvas)
+    mx.eval(result.tokens)
+    return time.perf_counter() - start
 
 
-def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, ar_tokens: int = 8) -> Profile:
-    """Time denoising steps (with self-conditioning) per canvas length, AR tokens and prefill here."""
+def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, ar_tokens: int = 8,
+            steps: int = 3) -> Profile:
+    """Time real sampler steps (forward, self-conditioning, sampling) per canvas length, AR tokens
+    and prefill on this device; each figure is the best of ``repeats`` after a warm-up."""
     cfg = model.config
     ids = mx.random.randint(3, cfg.vocab_size, (1, prefix), key=mx.random.key(0))
     cache = model.make_cache()
     start = time.perf_counter()
     model.encode(ids, cache)
     prefill_s = time.perf_counter() - start
-    steps = {}
+    step_s = {}
     for c in canvases:
-        canvas = mx.random.randint(0, cfg.vocab_size, (1, c), key=mx.random.key(c))
-        sc = model.denoise(canvas, cache)
-        mx.eval(sc)
-        steps[c] = _timed(lambda: mx.eval(model.denoise(canvas, cache, sc).argmax(-1)), repeats)
+        time_canvas(model, cache, 1, c)  # warm-up: kernels and buffers for this shape
+        step_s[c] = min(time_canvas(model, cache, steps, c) for _ in range(repeats)) / steps
 
     def ar_run():
         ar_cache = model.make_cache()
@@ -281,7 +282,7 @@ def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, 
     ar_run()
     ar = min(ar_run() for _ in range(repeats))
     dtype = str(model.model.decoder.norm.weight.dtype).replace("mlx.core.", "")
-    return Profile(device_name(), "measured", steps, ar, prefix / prefill_s, dtype)
+    return Profile(device_name(), "measured", step_s, ar, prefix / prefill_s, dtype)
 
 
 def profile_cache_path(model, root: Path | None = None) -> Path:

@@ -1,0 +1,138 @@
+"""Where diffusion beats autoregression on this device, and predictions for others.
+
+    python -m mlx_dgemma.bench --model PATH [--json FILE] [--plot FILE.png]
+
+Measures prefill tok/s, autoregressive tok/s, the denoising step time per canvas length, and real
+sampler runs at several steps per 256-canvas (early stop off); prints the crossover and the
+roofline predictions for known Apple and NVIDIA devices (see policy.py for the model behind them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from . import fast_blas
+from .policy import CANVAS_LENGTHS, Profile, measure, predicted_table, time_canvas
+
+STEPS = (2, 4, 8, 16, 32, 48)
+
+
+def run(model, prefix: int = 64, steps_list=STEPS, measured_steps=(4, 8), repeats: int = 2) -> dict:
+    """All bench figures as one JSON-ready dict.
+
+    Diffusion tok/s at each steps-per-canvas is 256 / (steps · step time), the step time measured
+    on 3-step sampler canvases; whole canvases at ``measured_steps`` check it (``sampler_check``).
+    """
+    import mlx.core as mx
+
+    canvas = 256
+    mx.reset_peak_memory()
+    profile = measure(model, prefix=prefix, canvases=CANVAS_LENGTHS, repeats=repeats)
+    cache = model.make_cache()
+    model.encode(mx.random.randint(3, model.config.vocab_size, (1, prefix), key=mx.random.key(1)), cache)
+    check = {}
+    for steps in measured_steps:
+        seconds = min(time_canvas(model, cache, steps, canvas) for _ in range(repeats))
+        check[steps] = {"measured_tok_s": canvas / seconds, "from_step_time_tok_s": profile.diffusion_tok_s(steps)}
+    return {
+        "device": profile.device,
+        "dtype": profile.dtype,
+        "blas": fast_blas.describe(),
+        "prefix_tokens": prefix,
+        "prefill_tok_s": profile.prefill_tok_s,
+        "ar_tok_s": profile.ar_tok_s,
+        "step_s_by_canvas": profile.step_s_by_canvas,
+        "diffusion_tok_s_by_steps": {s: profile.diffusion_tok_s(s, canvas) for s in steps_list},
+        "crossover_steps": profile.crossover_steps(canvas),
+        "sampler_check": check,
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "predicted": predicted_table(),
+    }
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        f"device {r['device']}, {r['dtype']}, BLAS: {r['blas']}",
+        f"prefill {r['prefill_tok_s']:.1f} tok/s   autoregressive {r['ar_tok_s']:.2f} tok/s   "
+        f"crossover {r['crossover_steps']:.2f} steps per 256-canvas",
+        "canvas  step ms   (per token ms)",
+    ]
+    for c, s in sorted(r["step_s_by_canvas"].items()):
+        lines.append(f"{c:>6}  {s * 1e3:8.1f}   {s * 1e3 / c:8.2f}")
+    lines.append("steps/canvas  diffusion tok/s  vs AR")
+    for s, tps in sorted(r["diffusion_tok_s_by_steps"].items()):
+        lines.append(f"{s:>12}  {tps:15.2f}  {tps / r['ar_tok_s']:5.2f}x")
+    for s, c in sorted(r["sampler_check"].items()):
+        lines.append(f"sampler run, {s} steps: {c['measured_tok_s']:.2f} tok/s measured vs "
+                     f"{c['from_step_time_tok_s']:.2f} from step time")
+    lines.append("predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy.py):")
+    lines.append(f"{'device':<10} {'AR tok/s':>9} {'diffusion':>10} {'speedup':>8}")
+    for name, p in r["predicted"].items():
+        lines.append(f"{name:<10} {p['ar_tok_s']:9.1f} {p['diffusion_tok_s']:10.1f} {p['speedup']:7.2f}x")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    """Speedup over AR against canvas length, one line per steps-per-canvas, measured and predicted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profile = Profile(r["device"], "measured", {int(k): v for k, v in r["step_s_by_canvas"].items()},
+                      1 / r["ar_tok_s"], r["prefill_tok_s"])
+    from .policy import predict
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, (title, p) in zip(axes, [(f"measured: {r['device']} ({r['dtype']})", profile),
+                                     ("predicted: M4 Max vs H100 (26B-A4B)", None)]):
+        lengths = sorted(profile.step_s_by_canvas)
+        if p is not None:
+            for steps in (4, 8, 16, 48):
+                ax.plot(lengths, [c / (steps * p.step_s(c)) / p.ar_tok_s for c in lengths], marker="o",
+                        label=f"{steps} steps/canvas")
+        else:
+            for name, style in (("M4 Max", "-"), ("H100", "--")):
+                q = predict(name)
+                for steps in (4, 16, 48):
+                    ax.plot(lengths, [c / (steps * q.step_s(c)) / q.ar_tok_s for c in lengths], style, marker="o",
+                            label=f"{name}, {steps} steps")
+        ax.axhline(1.0, color="grey", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("canvas length (tokens)")
+        ax.set_ylabel("diffusion tok/s ÷ autoregressive tok/s")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--model", "model_path", required=True, help="Checkpoint folder or Hub id.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
+@click.option("--prefix", default=64, show_default=True, help="Prompt tokens before the canvas.")
+@click.option("--repeats", default=2, show_default=True, help="Timed repeats (best is kept).")
+def main(model_path, json_path, plot_path, prefix, repeats):
+    from .loader import CheckpointError, load
+
+    try:
+        model, _ = load(model_path)
+    except CheckpointError as e:
+        raise click.ClickException(str(e)) from None
+    report = run(model, prefix=prefix, repeats=repeats)
+    click.echo(format_report(report))
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=2))
+    if plot_path:
+        plot(report, plot_path)
+        click.echo(f"plot: {plot_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""python -m mlx_dgemma.bench: the JSON it writes and the consistency of its figures."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlx_dgemma.bench import main
+from mlx_dgemma.policy import KNOWN_DEVICES
+
+
+def test_bench_json_and_plot(checkpoints, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ["--model", str(checkpoints("small")), "--json", str(out), "--repeats", "1", "--prefix", "16"]
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    for key in ("device", "dtype", "ar_tok_s", "prefill_tok_s", "step_s_by_canvas", "diffusion_tok_s_by_steps",
+                "crossover_steps", "predicted"):
+        assert key in r, key
+    steps = {int(c): s for c, s in r["step_s_by_canvas"].items()}
+    assert sorted(steps) == [16, 32, 64, 128, 256] and all(s > 0 for s in steps.values())
+    for n, tok_s in r["diffusion_tok_s_by_steps"].items():
+        assert tok_s == pytest.approx(256 / (int(n) * steps[256]), rel=0.1)
+    # The crossover is where diffusion's tok/s meets AR's.
+    assert 256 / (r["crossover_steps"] * steps[256]) == pytest.approx(r["ar_tok_s"], rel=1e-6)
+    assert set(r["predicted"]) == set(KNOWN_DEVICES)
+    assert "crossover" in result.output and "H100" in result.output
+    if png is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_bad_model_is_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["--model", str(tmp_path / "missing")])
+    assert result.exit_code != 0 and "not a folder" in result.output
+    assert len(result.output.strip().splitlines()) == 1
