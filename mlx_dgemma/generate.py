@@ -129,7 +129,8 @@ def stream_generate(
         profile = cached_profile(model)
     plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
     settings = settings or SamplerSettings.from_generation_config(
-        defaults, steps=steps or plan.steps, entropy_bound=entropy_bound or plan.entropy_bound,
+        defaults, steps=plan.steps if steps is None else steps,
+        entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
         t_min=temp_min, t_max=temp_max)
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
     check_prompt(ids, config)

@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import mlx.core as mx
 import numpy as np
 
+from . import cpu_kernels
 from .config import GenerationConfig
 
 _FLOAT32_MIN = float(np.finfo(np.float32).min)
@@ -53,9 +54,10 @@ class MxRandom:
     renoise = canvas
 
     def categorical(self, probs):
-        # argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p, and needs no log of p.
-        uniform = mx.random.uniform(shape=probs.shape, key=self._next_key())
-        return mx.argmax(probs / -mx.log(uniform), axis=-1).astype(mx.int32)
+        # Inverse CDF: one uniform per row and a running sum, no vocabulary-wide random draws or logs.
+        cdf = mx.cumsum(probs, axis=-1)
+        u = mx.random.uniform(shape=probs.shape[:-1] + (1,), key=self._next_key()) * cdf[..., -1:]
+        return mx.minimum((cdf <= u).sum(axis=-1), probs.shape[-1] - 1).astype(mx.int32)
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,16 @@ class CanvasResult:
     converged: bool  # the stop rule fired (as opposed to running out of steps)
 
 
-@mx.compile
 def tempered_distribution(logits: mx.array, temperature: mx.array):
     """All the step needs from the vocabulary: tempered logits, probabilities, entropy (nats) and
-    argmax, from one tempered log-softmax (compiled, so the element-wise work is fused)."""
+    argmax, from one tempered log-softmax (numpy on the CPU, see cpu_kernels.py)."""
+    if cpu_kernels.on_cpu():
+        return cpu_kernels.tempered_distribution(logits, temperature)
+    return _tempered_distribution(logits, temperature)
+
+
+@mx.compile
+def _tempered_distribution(logits: mx.array, temperature: mx.array):
     scaled = logits / temperature
     log_probs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
     probs = mx.exp(log_probs)
@@ -175,16 +183,16 @@ def denoise_canvas(
     vocab = model.config.vocab_size
     canvas = rng.canvas(shape, vocab)
     stop_rule = StopRule(settings, shape)
-    self_conditioning = None
+    self_conditioning = self_conditioning_probs = None
     for step, temperature in enumerate(settings.temperatures(), start=1):
-        logits = model.denoise(canvas, cache, self_conditioning)
+        logits = model.denoise(canvas, cache, self_conditioning, self_conditioning_probs)
         scaled, probs, entropy, argmax = tempered_distribution(logits, temperature)
         denoised = rng.categorical(probs)
         accepted = accept_mask(entropy, settings.entropy_bound)
         canvas = mx.where(accepted, denoised, rng.renoise(shape, vocab))
         mean_entropy = entropy.mean()
         stop = stop_rule(argmax, mean_entropy)
-        self_conditioning = scaled
+        self_conditioning, self_conditioning_probs = scaled, probs
         # The step's one wait for the device; reading what it evaluated costs nothing more.
         if on_step is None:
             mx.eval(stop, canvas, self_conditioning)

@@ -24,7 +24,7 @@ gen = importlib.import_module("mlx_dgemma.generate")  # the package's `generate`
 C = PRESETS["small"]["canvas_length"]
 STEPS = 8
 PROMPT = "sort: 7 3 9 1"
-SEED = 3  # three canvases of text, none of them empty, no stop id (checked where it matters)
+SEEDS = range(40)  # the first that gives three canvases of text, none empty, no stop id, is used
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +43,16 @@ def chat_model(chat_checkpoint):
 @pytest.fixture(scope="module")
 def reference_run(chat_model):
     """The Python API's responses for the CLI's default arguments below."""
+    global SEED
     model, tokenizer = chat_model
-    responses = list(stream_generate(model, tokenizer, PROMPT, 3 * C, seed=SEED, drafts=True))
-    assert len(responses) == 3 and all(r.text for r in responses), "pick another SEED"
-    return responses
+    for SEED in SEEDS:
+        responses = list(stream_generate(model, tokenizer, PROMPT, 3 * C, seed=SEED, drafts=True))
+        if len(responses) == 3 and all(r.text for r in responses):
+            return responses
+    pytest.fail("no seed gives three non-empty canvases")
+
+
+SEED = 3  # reference_run replaces it with the seed it found
 
 
 def invoke(checkpoint, *args, **kwargs):
