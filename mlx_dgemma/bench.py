@@ -54,6 +54,72 @@ def run(model, prefix: int = 64, steps_list=STEPS, measured_steps=(4, 8), repeat
     }
 
 
+def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3) -> dict[str, float]:
+    """Seconds per denoising step spent in each part, each timed alone at ``canvas`` positions."""
+    import mlx.core as mx
+
+    from .sampler import MxRandom, accept_mask, tempered_distribution
+
+    cfg = model.config
+    cache = model.make_cache()
+    model.encode(mx.random.randint(3, cfg.vocab_size, (1, prefix), key=mx.random.key(1)), cache)
+    ids = mx.random.randint(0, cfg.vocab_size, (1, canvas), key=mx.random.key(2))
+    x = mx.random.normal((1, canvas, cfg.hidden_size), key=mx.random.key(3))
+    logits = model.denoise(ids, cache)
+    decoder, layers, rng = model.model.decoder, model.layers, MxRandom(0)
+    _, probs, _, _ = tempered_distribution(logits, mx.array(0.8))
+
+    def attention():
+        outs = []
+        for layer, c in zip(layers, cache.layers):
+            q, k, v = layer.self_attn.project(layer.input_layernorm(x), cache.offset)
+            k, v = mx.concatenate([c.keys, k], axis=2), mx.concatenate([c.values, v], axis=2)
+            outs.append(layer.post_attention_layernorm(layer.self_attn.attend(q, k, v, None)))
+        return outs
+
+    def dense_mlp():
+        return [layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(x))) for layer in layers]
+
+    def experts():
+        outs = []
+        for layer in layers:
+            idx, w = layer.router(x)
+            outs.append(layer.post_feedforward_layernorm_2(layer.experts(layer.pre_feedforward_layernorm_2(x), idx, w)))
+        return outs
+
+    def head():
+        return model.head(decoder.norm(x))
+
+    def self_conditioning():
+        from .model import _soft_embed
+
+        return decoder.self_conditioning(model._embed(ids), _soft_embed(decoder.embed_tokens, probs))
+
+    def sampler():
+        scaled, p, entropy, argmax = tempered_distribution(logits, mx.array(0.8))
+        accepted = accept_mask(entropy, 0.1)
+        return mx.where(accepted, rng.categorical(p), rng.renoise((1, canvas), cfg.vocab_size)), scaled, argmax
+
+    def whole_step():
+        return model.denoise(ids, cache, logits, probs)
+
+    parts = dict(attention=attention, experts=experts, dense_mlp=dense_mlp, head=head,
+                 self_conditioning=self_conditioning, sampler=sampler, whole_forward=whole_step)
+    return {name: _best_time(fn, repeats) for name, fn in parts.items()}
+
+
+def _best_time(fn, repeats: int) -> float:
+    import mlx.core as mx
+
+    mx.eval(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def format_report(r: dict) -> str:
     lines = [
         f"device {r['device']}, {r['dtype']}, BLAS: {r['blas']}",
@@ -118,13 +184,21 @@ def plot(r: dict, path: Path) -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
 @click.option("--prefix", default=64, show_default=True, help="Prompt tokens before the canvas.")
 @click.option("--repeats", default=2, show_default=True, help="Timed repeats (best is kept).")
-def main(model_path, json_path, plot_path, prefix, repeats):
+@click.option("--breakdown", is_flag=True, help="Only time each part of a 256-position step.")
+def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
     from .loader import CheckpointError, load
 
     try:
         model, _ = load(model_path)
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
+    if breakdown:
+        parts = step_breakdown(model, prefix=prefix, repeats=repeats)
+        for name, seconds in parts.items():
+            click.echo(f"{name:<18} {seconds * 1e3:9.1f} ms")
+        if json_path:
+            json_path.write_text(json.dumps(parts, indent=2))
+        return
     report = run(model, prefix=prefix, repeats=repeats)
     click.echo(format_report(report))
     if json_path:
