@@ -4,9 +4,7 @@ MLX's CPU backend evaluates transcendentals one element at a time: on a 256 × 3
 `mx.exp` and `mx.tanh` took ≈ 220 ms where numpy's vectorized ones took ≈ 10 ms (same machine, same
 run). A denoising step applies them to the whole [C, V] logits three times (soft-cap, tempered
 softmax, self-conditioning softmax), so on the CPU those passes run here; on Metal and CUDA MLX
-keeps them. The two vocabulary-wide products (tied head, self-conditioning soft embedding) also
-run here for float32 embeddings: numpy's bundled OpenBLAS did [256, 512] @ [512, 32000] in 88 ms
-where MLX with Debian's OpenBLAS took 330 ms.
+keeps them.
 """
 
 from __future__ import annotations
@@ -24,23 +22,13 @@ def _host(a: mx.array) -> np.ndarray:
     return np.asarray(a)
 
 
-def softcap(logits: mx.array | np.ndarray, cap: float) -> mx.array:
+def softcap(logits: mx.array, cap: float) -> mx.array:
     """``cap · tanh(logits / cap)`` in float32."""
-    host = logits if isinstance(logits, np.ndarray) else _host(logits.astype(mx.float32))
-    out = np.divide(host, np.float32(cap), dtype=np.float32)
+    out = np.divide(_host(logits.astype(mx.float32)), np.float32(cap), dtype=np.float32)
     np.tanh(out, out=out)
     out *= np.float32(cap)
     return mx.array(out)
 
-
-def head(hidden: mx.array, embedding: mx.array, cap: float) -> mx.array:
-    """Soft-capped ``hidden @ embeddingᵀ`` (float32 embedding)."""
-    return softcap(_host(hidden.astype(mx.float32)) @ _host(embedding).T, cap)
-
-
-def soft_embed(probs: mx.array, embedding: mx.array) -> mx.array:
-    """``probs @ embedding`` (float32)."""
-    return mx.array(_host(probs) @ _host(embedding))
 
 
 def tempered_distribution(logits: mx.array, temperature: mx.array):

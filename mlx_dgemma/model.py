@@ -335,19 +335,12 @@ def _embedding_dtype(embed: nn.Module, activations: mx.Dtype) -> mx.Dtype:
 
 def _soft_embed(embed: nn.Module, probs: mx.array) -> mx.array:
     """``probs [.., V] @ E [V, H]``: the expected embedding under a distribution over the vocabulary."""
-    if _numpy_embedding(embed):
-        return cpu_kernels.soft_embed(probs, embed.weight)
     if isinstance(embed, nn.QuantizedEmbedding):
         return mx.quantized_matmul(
             probs, embed.weight, embed.scales, embed.get("biases"), transpose=False,
             group_size=embed.group_size, bits=embed.bits, mode=embed.mode,
         )
     return probs @ embed.weight
-
-
-def _numpy_embedding(embed: nn.Module) -> bool:
-    """Vocabulary-wide products go through numpy on the CPU (see cpu_kernels.py) for fp32 embeddings."""
-    return cpu_kernels.on_cpu() and not isinstance(embed, nn.QuantizedEmbedding) and embed.weight.dtype == mx.float32
 
 
 class DiffusionGemma(nn.Module):
@@ -455,8 +448,6 @@ class DiffusionGemma(nn.Module):
         """Tied output head with the fp32 soft-cap."""
         embed = self.model.decoder.embed_tokens
         cap = self.config.final_logit_softcapping
-        if _numpy_embedding(embed):
-            return cpu_kernels.head(hidden, embed.weight, cap)
         logits = embed.as_linear(hidden).astype(mx.float32)
         if cpu_kernels.on_cpu():
             return cpu_kernels.softcap(logits, cap)
