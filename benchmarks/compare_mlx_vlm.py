@@ -79,7 +79,12 @@ def main() -> None:
         print(json.dumps(run_ours(a.checkpoint, json.loads(a.prompt_ids), a.max_tokens, a.steps, a.policy)))
         return
 
+    from mlx_dgemma.fast_blas import kernel_family
+
+    # Same library and the same kernels for both (Debian's OpenBLAS would pick SSE3 ones on its own).
     env = dict(os.environ, LD_PRELOAD=OPENBLAS, HF_HUB_OFFLINE="1")
+    if family := kernel_family():
+        env.setdefault("OPENBLAS_CORETYPE", family)
     peer = [a.peer_python, str(PEER_SCRIPT), "--temperature", "1.0", "--full-canvas", "--steps", str(a.steps),
             "--max-tokens", str(a.max_tokens)]
     if not (a.checkpoint / "model.safetensors").exists():
@@ -102,7 +107,7 @@ def main() -> None:
         return statistics.median(r[key] for r in results[impl])
 
     print(f"\nsame checkpoint ({a.checkpoint}), {a.max_tokens} tokens, {a.steps} steps/canvas, fp32, "
-          f"BLAS {OPENBLAS}, medians of {a.rounds} alternated rounds")
+          f"BLAS {OPENBLAS} ({env.get('OPENBLAS_CORETYPE', 'auto')} kernels), medians of {a.rounds} alternated rounds")
     print(f"{'':12} {'tok/s':>8} {'ms/step':>9} {'MLX peak MB':>12} {'max RSS MB':>11}")
     for impl in results:
         print(f"{impl:12} {med(impl, 'tok_per_s'):8.2f} {med(impl, 'ms_per_decoder_step'):9.0f} "

@@ -133,8 +133,19 @@ def train_tokenizer(out_dir: str, seed: int) -> str:
     lines += [render_prompt("x", "you are a helpful assistant"), tasks.LETTERS, tasks.LETTERS.upper(),
               "0123456789", "{}[]\":,.=-+_!?'()/ ", "system user model thought"]
     prefix = os.path.join(out_dir, "tokenizer")
+    cwd = os.getcwd()
+    os.chdir(out_dir)  # a relative model_prefix: the trainer spec stored in the model then has no temp path
+    try:
+        _train_spm(spm, lines)
+    finally:
+        os.chdir(cwd)
+    os.remove(prefix + ".vocab")
+    return prefix + ".model"
+
+
+def _train_spm(spm, lines):
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=prefix, model_type="char", vocab_size=512,
+        sentence_iterator=iter(lines), model_prefix="tokenizer", model_type="char", vocab_size=512,
         hard_vocab_limit=False, character_coverage=1.0,
         pad_id=PAD, eos_id=EOS, bos_id=BOS, unk_id=UNK,
         pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
@@ -143,8 +154,6 @@ def train_tokenizer(out_dir: str, seed: int) -> str:
         normalization_rule_name="identity", remove_extra_whitespaces=False,
         num_threads=1, minloglevel=2,
     )
-    os.remove(prefix + ".vocab")
-    return prefix + ".model"
 
 
 class Tok:
@@ -433,17 +442,18 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mlx_dgemma", "demo"))
-    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--steps", type=int, default=2600)
     ap.add_argument("--time-limit", type=float, default=0, help="stop early after this many minutes (0: no limit; breaks exact reproducibility)")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.05)
-    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=150)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--task-weights", default="1,1,1,1", help="sampling weights for sort,reverse,add,json")
     ap.add_argument("--enc-loss-weight", type=float, default=1.0)
     ap.add_argument("--sc-prob", type=float, default=0.5)
+    ap.add_argument("--qk-norm-init", type=int, default=1, help="init q_norm/k_norm weights to head_dim**-0.25 (1) or 1.0 (0)")
     # architecture
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=256)
@@ -468,8 +478,8 @@ def parse_args(argv=None):
     # logging
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=500)
-    ap.add_argument("--eval-n", type=int, default=8)
-    ap.add_argument("--save-every", type=int, default=1000)
+    ap.add_argument("--eval-n", type=int, default=4)
+    ap.add_argument("--save-every", type=int, default=500)
     return ap.parse_args(argv)
 
 
@@ -494,6 +504,17 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = DiffusionGemmaForBlockDiffusion(cfg)
     model.config._attn_implementation = "sdpa"
+    if args.qk_norm_init:
+        # Attention scaling is 1.0 (QK-norm): with q_norm/k_norm weights at their default 1.0 the initial
+        # attention logits have std ~sqrt(head_dim), i.e. near one-hot attention to random positions, and
+        # the decoder never learned to read the prompt (run 1: reverse/json outputs ignored the prompt
+        # after 1500 steps).  Initialising both weights to head_dim**-0.25 gives the usual 1/sqrt(d)
+        # logit scale at init; the weights stay learnable (architecture unchanged).
+        with torch.no_grad():
+            for layer in model.model.decoder.layers:
+                a = layer.self_attn
+                a.q_norm.weight.fill_(a.head_dim ** -0.25)
+                a.k_norm.weight.fill_(a.head_dim ** -0.25)
     model.train()
     model.generation_config = gen_config(args, tok)
     n_params = sum(p.numel() for p in model.parameters())

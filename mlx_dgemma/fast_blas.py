@@ -37,7 +37,7 @@ def load() -> str | None:
         return None
     for path in [choice] if choice else CANDIDATES:
         if path and os.path.exists(path):
-            if coretype := _kernel_family():
+            if coretype := kernel_family():
                 os.environ.setdefault("OPENBLAS_CORETYPE", coretype)  # read by OpenBLAS when it loads
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             loaded = path
@@ -45,7 +45,7 @@ def load() -> str | None:
     return loaded
 
 
-def _kernel_family() -> str | None:
+def kernel_family() -> str | None:
     try:
         flags = set(open("/proc/cpuinfo").read().split())
     except OSError:
