@@ -200,5 +200,8 @@ def load(path_or_repo: str | os.PathLike):
 
     folder = resolve(path_or_repo)
     model = load_model(folder)
-    model.generation_config = GenerationConfig.from_folder(folder, model.config)
+    try:
+        model.generation_config = GenerationConfig.from_folder(folder, model.config)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     return model, load_tokenizer(folder, model.config)

@@ -137,3 +137,8 @@ def test_per_expert_layout_loads_the_same(checkpoints, ckpt):
 def test_checkpoint_without_tokenizer_files_loads(checkpoints):
     _, tokenizer = load(checkpoints("small"))
     assert tokenizer is not None
+
+
+def test_broken_generation_config(ckpt):
+    (ckpt / "generation_config.json").write_text("{ not json")
+    assert "generation_config.json is not valid JSON" in load_error(ckpt)
