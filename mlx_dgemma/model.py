@@ -227,7 +227,7 @@ class Experts(nn.Module):
         order = mx.argsort(flat)
         sorted_idx = flat[order]
         xs = x[order // k]
-        if mx.default_device() == mx.cpu:
+        if cpu_kernels.on_cpu():
             # MLX's CPU gather_mm multiplies row by row (and only in float32); one BLAS product per
             # expert is ~4x faster. It needs the per-expert counts on the host: one sync per layer,
             # which costs nothing on the CPU, where there is no device queue to drain.
