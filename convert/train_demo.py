@@ -77,7 +77,6 @@ import json
 import math
 import os
 import random
-import sys
 import tempfile
 import time
 

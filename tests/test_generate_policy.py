@@ -3,7 +3,6 @@
 import mlx.core as mx
 import pytest
 
-from convert.random_checkpoint import PRESETS
 from mlx_dgemma import load, stream_generate
 from mlx_dgemma.policy import Profile
 
