@@ -123,8 +123,6 @@ def stream_generate(
     max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if policy == "auto" and profile is None:
         profile = cached_profile(model)
     plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -295,6 +296,7 @@ def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Pr
     path = profile_cache_path(model, root)
     if path.exists() and not refresh:
         return Profile.from_json(json.loads(path.read_text()))
+    print(f"measuring denoising steps and AR tokens on this device, once (cached in {path})", file=sys.stderr)
     profile = measure(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profile.to_json(), indent=2))
