@@ -30,7 +30,6 @@ def softcap(logits: mx.array, cap: float) -> mx.array:
     return mx.array(out)
 
 
-
 def tempered_distribution(logits: mx.array, temperature: mx.array):
     """Tempered logits, probabilities, entropy (nats) and argmax, as sampler.tempered_distribution."""
     scaled = np.divide(_host(logits), np.float32(temperature.item()), dtype=np.float32)
