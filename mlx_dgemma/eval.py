@@ -1,8 +1,13 @@
 """Accuracy of a model on the demo tasks, per task and per policy, on fresh instances.
 
     python -m mlx_dgemma.eval [--model PATH] [-n 50] [--policy reference --policy fast] [--seed 0]
+    python -m mlx_dgemma.eval --templates [-n 50]
 
 Instances come from the evaluation half of the task space (tasks.py), never the training set.
+``--templates`` compares free generation with canvas templates on the same instances: sort, reverse
+and add answers with their first and last items given and the middle a hole (exactly as long as the
+missing text, and 3 tokens longer), json answers from a schema of the prompt's keys (the output must
+parse and validate).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass, field
 
 import click
 
-from .tasks import TASKS, check, make_instance
+from .tasks import TASKS, answer_template, check, json_schema, make_instance
 
 
 @dataclass
@@ -58,6 +63,61 @@ def evaluate(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "refere
     return scores
 
 
+def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "reference",
+                       slacks=(0, 3)) -> list[tuple[str, str, float, float]]:
+    """(task, setting, accuracy, valid) rows: free generation, answer templates with each hole slack,
+    and (json) schema templates; ``valid`` is the share of outputs that parse and validate (json) or
+    keep the given text (the others)."""
+    import json as _json
+
+    from .generate import generate
+    from .template import json_template
+
+    rows = []
+    for task in TASKS:
+        cases = instances(task, n, seed)
+        settings = [("free", None)]
+        if task == "json":
+            settings.append(("schema", lambda p: json_template(tokenizer, json_schema(p))))
+        else:
+            settings += [(f"hole +{k}" if k else "exact hole", lambda p, k=k, t=task: answer_template(t, p, k))
+                         for k in slacks]
+        for name, build in settings:
+            correct = valid = 0
+            for i, (prompt, answer) in enumerate(cases):
+                template = build(prompt) if build else None
+                text = generate(model, tokenizer, prompt, seed=seed * 100003 + i, policy=policy, template=template)
+                correct += check(task, prompt, text)
+                if task == "json":
+                    valid += _validates(_json, text, json_schema(prompt))
+                else:
+                    valid += template is None or _keeps_given_text(template, text)
+            rows.append((task, name, correct / n, valid / n))
+    return rows
+
+
+def _validates(json_module, text: str, schema: dict) -> bool:
+    try:
+        value = json_module.loads(text)
+    except ValueError:
+        return False
+    if not isinstance(value, dict) or list(value) != list(schema["properties"]):
+        return False
+    for key, rule in schema["properties"].items():
+        v = value[key]
+        if rule["type"] == "string" and not (isinstance(v, str) and len(v) <= rule["maxLength"]):
+            return False
+        if rule["type"] == "integer" and not (isinstance(v, int) and rule["minimum"] <= v <= rule["maximum"]):
+            return False
+    return True
+
+
+def _keeps_given_text(template: str, text: str) -> bool:
+    head, rest = template.split("{{", 1)
+    tail = rest.split("}}", 1)[1]
+    return text.startswith(head) and text.endswith(tail)
+
+
 def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
     lines = [f"policy {policy}",
              f"  {'task':<8} {'accuracy':>9} {'median steps/canvas':>20} {'tokens/forward':>15} {'tok/s':>8}"]
@@ -74,7 +134,8 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
               type=click.Choice(["reference", "fast", "ar", "auto"]))
 @click.option("--seed", default=0, show_default=True)
 @click.option("--task", "tasks", multiple=True, type=click.Choice(TASKS), help="Only these tasks.")
-def main(model_path, n, policies, seed, tasks):
+@click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
+def main(model_path, n, policies, seed, tasks, templates):
     from .generate import DEMO_MODEL
     from .loader import CheckpointError, load
 
@@ -83,7 +144,13 @@ def main(model_path, n, policies, seed, tasks):
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
     for policy in policies:
-        click.echo(format_scores(policy, evaluate(model, tokenizer, n, seed, policy, tasks or TASKS)))
+        if templates:
+            click.echo(f"policy {policy}, {n} instances per task\n  {'task':<8} {'setting':<11} {'accuracy':>9} "
+                       f"{'valid':>7}")
+            for task, name, accuracy, valid in evaluate_templates(model, tokenizer, n, seed, policy):
+                click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
+        else:
+            click.echo(format_scores(policy, evaluate(model, tokenizer, n, seed, policy, tasks or TASKS)))
 
 
 if __name__ == "__main__":

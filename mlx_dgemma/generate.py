@@ -7,18 +7,21 @@ mlx-lm's (``generate``, ``stream_generate``) and the CLI::
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import click
 import mlx.core as mx
+import numpy as np
 
 from .config import GenerationConfig
 from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
+from .template import CanvasTemplate, TemplateError, canvas_clamps, parse_template
 from .tokenizer import TextStream, Tokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
@@ -104,6 +107,7 @@ def stream_generate(
     policy: str = "reference",
     profile: Profile | None = None,
     expected_steps: float | None = None,
+    template: str | CanvasTemplate | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
@@ -117,6 +121,11 @@ def stream_generate(
     "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
     cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (fewer steps,
     a looser entropy bound, a trimmed last canvas) or "ar". Explicit sampler numbers override the plan.
+
+    ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
+    ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
+    tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
+    whole with the last response (a hole's value is known only when its canvas commits).
     """
     config = model.config
     defaults = generation_config(model, tokenizer)
@@ -136,6 +145,15 @@ def stream_generate(
     stop_ids = set(defaults.eos_token_id)
     text = TextStream(tokenizer, stop_ids)
 
+    if isinstance(template, str):
+        template = parse_template(tokenizer, template)
+    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
+    if template is not None:
+        _check_template_fits(template, len(ids), config)
+        max_tokens = len(template) + 1
+        text = _TemplateText(tokenizer, template, stop_ids, end_of_turn)
+        plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
+
     cache = model.make_cache()
     tic = time.perf_counter()
     if plan.mode == "ar":
@@ -146,10 +164,17 @@ def stream_generate(
     prompt_tps = len(ids) / (time.perf_counter() - tic)
 
     tic = time.perf_counter()
-    if plan.mode == "ar":
+    if plan.mode == "ar" and template is not None:
+        blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
+                                         config.canvas_length)
+    elif plan.mode == "ar":
         blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
     else:
-        blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step)
+        clamps = None
+        if template is not None:
+            clamps = canvas_clamps(template, tokenizer, config.vocab_size, config.canvas_length, end_of_turn,
+                                   plan.last_canvas_length)
+        blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
     total_steps = generated = non_pad = 0
     for tokens, stopped, forwards, step_drafts, last in blocks:
         total_steps += forwards
@@ -175,15 +200,18 @@ def stream_generate(
 
 
 def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Plan, rng: Random, stop_ids,
-              drafts: bool, on_step) -> Iterator[tuple[list[int], bool, int, list[Draft] | None, bool]]:
-    """Canvas after canvas: (committed tokens up to a stop id, stopped, steps, drafts, is last)."""
+              drafts: bool, on_step, clamps=None) -> Iterator[tuple[list[int], bool, int, list[Draft] | None, bool]]:
+    """Canvas after canvas: (committed tokens up to a stop id, stopped, steps, drafts, is last).
+    ``clamps`` (a template's (length, Clamp) per canvas) fixes the canvases and their number."""
     full = model.config.canvas_length
     remaining = max_tokens
-    while True:
-        length = plan.last_canvas_length(remaining, full)
+    for index in range(len(clamps) if clamps else 1 << 62):
+        length, clamp = clamps[index] if clamps else (plan.last_canvas_length(remaining, full), None)
         step_drafts: list[Draft] | None = [] if drafts else None
-        result = denoise_canvas(model, cache, settings, rng, _step_hook(step_drafts, on_step), length)
+        result = denoise_canvas(model, cache, settings, rng, _step_hook(step_drafts, on_step), length, clamp)
         tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
+        if clamps:  # a template's canvases stay whole and aligned with it; it ends with its last one
+            tokens, stopped = result.tokens[0].tolist(), index == len(clamps) - 1
         remaining -= length
         last = stopped or remaining <= 0
         yield tokens, stopped, result.steps, step_drafts, last
@@ -208,6 +236,112 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
                 return
             chunk = []
         logits = model.next_token_logits(token, cache)
+
+
+def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemplate, tokenizer,
+                            end_of_turn: int | None, block: int):
+    """A template in autoregressive mode: literal tokens forced, each hole decoded greedily among the
+    tokens its class allows until the model predicts the text that follows it (the rest of the hole
+    is padding, as in a canvas). Yields the template-aligned tokens in blocks of ``block``."""
+    from .template import FREE, token_classes
+
+    pad = tokenizer.pad_token_id
+    classes = token_classes(tokenizer, model.config.vocab_size)
+    tokens = list(template.tokens) + ([end_of_turn] if end_of_turn is not None else [])
+    holes = dict(template.holes)
+    out: list[int] = []
+    forwards = [0]  # forwards made by the time each output position was written
+    i = 0
+
+    def feed(token: int):
+        nonlocal logits
+        logits = model.next_token_logits(mx.array([[token]]), cache)
+        forwards[-1] += 1
+
+    while i < len(tokens):
+        if i not in holes:
+            out.append(tokens[i])
+            if i + 1 < len(tokens):
+                feed(tokens[i])
+            forwards.append(forwards[-1])
+            i += 1
+            continue
+        hole = holes[i]
+        following = tokens[i + hole.size] if i + hole.size < len(tokens) else None
+        chosen: list[int] = []
+        for j in range(hole.size):
+            scores = np.array(logits[0].astype(mx.float32))
+            if hole.kind == "choice":
+                allowed = np.zeros_like(scores, dtype=bool)
+                live = [c for c in hole.choices if c[:j] == chosen]
+                allowed[[c[j] for c in live if len(c) > j]] = True
+                done = any(len(c) == j for c in live)
+            else:
+                allowed = classes[hole.kind]
+                done = j >= hole.required and following not in (None, FREE) and int(scores.argmax()) == following
+            if done or not allowed.any():
+                break
+            token = int(np.where(allowed, scores, -np.inf).argmax())
+            chosen.append(token)
+            feed(token)
+        out += chosen + [pad] * (hole.size - len(chosen))
+        forwards += [forwards[-1]] * hole.size
+        i += hole.size
+    for k in range(0, len(out), block):
+        chunk = out[k:k + block]
+        last = k + block >= len(out)
+        yield chunk, last, max(1, forwards[min(k + block, len(out))] - forwards[k]), None, last
+
+
+def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs) -> str:
+    """The text between ``prefix`` and ``suffix``. The prefix (text as it is, no chat template, or
+    ids) goes to the encoder cache; the suffix is clamped at the end of the canvas, after a hole of at
+    least ``max_fill`` tokens that may take several canvases. ``kwargs`` are those of ``stream_generate``."""
+    from .template import infill_template
+
+    template = infill_template(tokenizer, suffix, max_fill, model.config.canvas_length)
+    kwargs.setdefault("chat_template", False)
+    responses = list(stream_generate(model, tokenizer, prefix, template=template, **kwargs))
+    answer = responses[-1].text
+    tail = tokenizer.decode(template.tokens[template.holes[0][1].size:])
+    return answer[: len(answer) - len(tail)] if tail and answer.endswith(tail) else answer
+
+
+def _end_of_turn(tokenizer, defaults: GenerationConfig) -> int | None:
+    turn_end = tokenizer.token_id("<turn|>")
+    return turn_end if turn_end is not None else (defaults.eos_token_id[0] if defaults.eos_token_id else None)
+
+
+def _check_template_fits(template: CanvasTemplate, prompt_length: int, config) -> None:
+    canvas = config.canvas_length
+    needed = -(-(len(template) + template.ends_turn) // canvas) * canvas
+    context = config.max_position_embeddings
+    if prompt_length + needed <= context:
+        return
+    room = context - prompt_length
+    culprit = next((h for start, h in template.holes if start + h.size > room), None)
+    where = f"the hole at {culprit.where} crosses it" if culprit else "its text alone is too long"
+    raise TemplateError(f"the template takes {needed} canvas positions after the {prompt_length}-token prompt, "
+                        f"more than the {room} the model's context of {context} leaves ({where}); "
+                        f"make the holes smaller")
+
+
+class _TemplateText:
+    """The answer of a template, handed out whole once its last canvas is in."""
+
+    def __init__(self, tokenizer: Tokenizer, template: CanvasTemplate, stop_ids, end_of_turn: int | None):
+        self.tokenizer, self.template, self.stop_ids, self.end = tokenizer, template, stop_ids, end_of_turn
+        self.tokens: list[int] = []
+
+    def add(self, ids, final: bool = False) -> str:
+        self.tokens.extend(int(i) for i in ids)
+        if not final:
+            return ""
+        pad = self.tokenizer.pad_token_id
+        if self.template.render is not None:
+            values = self.template.hole_values(self.tokens, pad, self.end)
+            return json.dumps(self.template.render([self.tokenizer.decode(v) for v in values]))
+        return self.tokenizer.decode_clean(self.template.answer_tokens(self.tokens, pad, self.end), self.stop_ids)
 
 
 def _step_hook(collected: list[Draft] | None, on_step: Callable[[Draft], None] | None):
@@ -278,8 +412,12 @@ def _at_least(minimum: int):
 @click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
               help="reference: the generation config; auto: diffusion or AR, whichever this device runs faster "
                    "(measured once, cached); fast: fewer steps, trimmed last canvas; ar: autoregressive.")
+@click.option("--template", "template_file", type=click.Path(dir_okay=False),
+              help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills.")
+@click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
+              help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy):
+         ignore_chat_template, verbose, view, policy, template_file, schema_file):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
@@ -288,14 +426,17 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
         prompt = click.get_text_stream("stdin").read()
     if model is None and not DEMO_MODEL.is_dir():
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
+    if template_file and schema_file:
+        raise click.ClickException("give --template or --schema, not both")
     try:
         dgemma, tokenizer = load(model or DEMO_MODEL)
+        template = _read_template(tokenizer, template_file, schema_file)
         defaults = generation_config(dgemma, tokenizer)
         canvas_view = CanvasView(tokenizer, steps or defaults.max_denoising_steps) if view else None
         responses = []
         for response in stream_generate(
             dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
-            temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy,
+            temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
         ):
             if verbose and not responses:
@@ -314,6 +455,25 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
         click.echo()
     if verbose:
         click.echo(statistics(responses))
+
+
+def _read_template(tokenizer, template_file: str | None, schema_file: str | None):
+    from .template import json_template
+
+    path = template_file or schema_file
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise TemplateError(f"cannot read {path}: {e.strerror}") from None
+    if template_file:
+        return parse_template(tokenizer, text)
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TemplateError(f"{path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    return json_template(tokenizer, schema)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,20 @@ accept the lowest-entropy positions whose summed entropy stays within the bound;
 position uniformly; stop once the argmax canvas is stable and the mean entropy is below the
 confidence threshold. The tempered logits self-condition the next step; the last argmax is committed.
 
+A ``Clamp`` (template.py builds them) fixes some canvas positions: they hold their token from the
+first draft to the commit, are always accepted, never renoised, and take no part in the entropy
+budget or the stop rule's mean entropy; other positions may be limited to a class of tokens. With no
+clamp the loop is the reference's, draw for draw.
+
 All randomness goes through one small object (``Random``) so tests can replay the reference's draws.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -84,7 +90,7 @@ class SamplerSettings:
             raise ValueError(f"confidence threshold must be > 0, got {self.confidence_threshold}")
 
     @classmethod
-    def from_generation_config(cls, config: GenerationConfig, **overrides) -> "SamplerSettings":
+    def from_generation_config(cls, config: GenerationConfig, **overrides) -> SamplerSettings:
         """The config's values, with every override that is not None in their place."""
         settings = cls(
             steps=config.max_denoising_steps,
@@ -105,6 +111,38 @@ class SamplerSettings:
 
 
 @dataclass
+class Clamp:
+    """Fixed tokens and per-position token classes for one canvas.
+
+    ``fixed`` [1, C] bool and ``tokens`` [1, C] int32 (read where fixed). ``classes`` [1, C] int32
+    indexes rows of ``bias`` [K, V] float32 (0 for allowed tokens, a large negative number for the
+    others; row 0 allows everything): K token classes rather than a [C, V] mask keep the memory at
+    K rows of the vocabulary. ``finish`` may rewrite the committed canvas from the last step's
+    probabilities (a template snapping a multiple-choice hole to one of its choices)."""
+
+    fixed: mx.array
+    tokens: mx.array
+    classes: mx.array | None = None
+    bias: mx.array | None = None
+    finish: Callable[[mx.array, mx.array], mx.array] | None = None
+
+    def apply(self, canvas: mx.array) -> mx.array:
+        return mx.where(self.fixed, self.tokens, canvas)
+
+    def restrict(self, logits: mx.array) -> mx.array:
+        if self.bias is None:
+            return logits
+        return logits + self.bias[self.classes]
+
+    def free_entropy(self, entropy: mx.array) -> tuple[mx.array, mx.array]:
+        """Entropy with fixed positions at 0 (accepted first, costing nothing), and its mean over the
+        free positions."""
+        free = mx.logical_not(self.fixed)
+        entropy = mx.where(free, entropy, 0.0)
+        return entropy, entropy.sum() / mx.maximum(free.sum(), 1)
+
+
+@dataclass
 class Draft:
     """What one denoising step produced, for live views (host copies)."""
 
@@ -119,6 +157,7 @@ class CanvasResult:
     tokens: mx.array  # the committed (last argmax) canvas, [1, C]
     steps: int
     converged: bool  # the stop rule fired (as opposed to running out of steps)
+    probs: mx.array | None = None  # the last step's tempered distribution [1, C, V]
 
 
 def tempered_distribution(logits: mx.array, temperature: mx.array):
@@ -174,23 +213,35 @@ def denoise_canvas(
     rng: Random,
     on_step: Callable[[Draft], None] | None = None,
     canvas_length: int | None = None,
+    clamp: Clamp | None = None,
 ) -> CanvasResult:
     """Denoise one canvas after the prefix in ``cache`` (which this only reads); returns the commit.
 
-    ``canvas_length`` defaults to the model's; a policy may denoise a shorter last canvas.
+    ``canvas_length`` defaults to the model's; a policy may denoise a shorter last canvas. ``clamp``
+    fixes or limits positions (see ``Clamp``).
     """
     shape = (1, canvas_length or model.config.canvas_length)
     vocab = model.config.vocab_size
     canvas = rng.canvas(shape, vocab)
+    if clamp is not None:
+        canvas = clamp.apply(canvas)
     stop_rule = StopRule(settings, shape)
     self_conditioning = self_conditioning_probs = None
     for step, temperature in enumerate(settings.temperatures(), start=1):
         logits = model.denoise(canvas, cache, self_conditioning, self_conditioning_probs)
+        if clamp is not None:
+            logits = clamp.restrict(logits)
         scaled, probs, entropy, argmax = tempered_distribution(logits, temperature)
         denoised = rng.categorical(probs)
+        if clamp is None:
+            mean_entropy = entropy.mean()
+        else:
+            entropy, mean_entropy = clamp.free_entropy(entropy)
+            argmax = clamp.apply(argmax)
         accepted = accept_mask(entropy, settings.entropy_bound)
         canvas = mx.where(accepted, denoised, rng.renoise(shape, vocab))
-        mean_entropy = entropy.mean()
+        if clamp is not None:
+            canvas = clamp.apply(canvas)
         stop = stop_rule(argmax, mean_entropy)
         self_conditioning, self_conditioning_probs = scaled, probs
         # The step's one wait for the device; reading what it evaluated costs nothing more.
@@ -200,5 +251,11 @@ def denoise_canvas(
             mx.eval(stop, canvas, self_conditioning, argmax, accepted, mean_entropy)
             on_step(Draft(step, np.array(argmax[0]), np.array(accepted[0]), mean_entropy.item()))
         if stop.item():
-            return CanvasResult(argmax, step, converged=True)
-    return CanvasResult(argmax, settings.steps, converged=False)
+            return _commit(CanvasResult(argmax, step, True, probs), clamp)
+    return _commit(CanvasResult(argmax, settings.steps, False, probs), clamp)
+
+
+def _commit(result: CanvasResult, clamp: Clamp | None) -> CanvasResult:
+    if clamp is not None and clamp.finish is not None:
+        result.tokens = clamp.finish(result.tokens, result.probs)
+    return result

@@ -137,3 +137,35 @@ def corpus(rng: random.Random, n_per_task: int = 500) -> list[str]:
             lines.append(p)
             lines.append(a)
     return lines
+
+
+def answer_template(task: str, prompt: str, slack: int = 0) -> str:
+    """A partial answer with one ``{{fill:N}}`` hole, for infill evaluations: the answer's first and
+    last items (sort: numbers, reverse: letters, add: the last digit) given, the middle a hole as long
+    as the missing text plus ``slack`` (json has its own, schema-built templates)."""
+    answer = solve(task, prompt)
+    if task == "sort":
+        numbers = answer.split()
+        if len(numbers) < 3:
+            return answer
+        head, middle, tail = numbers[0] + " ", " ".join(numbers[1:-1]), " " + numbers[-1]
+    elif task == "reverse":
+        head, middle, tail = answer[:1], answer[1:-1], answer[-1:]
+    elif task == "add":
+        head, middle, tail = "", answer[:-1], answer[-1:]
+        if not middle:
+            return answer
+    else:
+        raise ValueError(f"no answer template for {task!r}")
+    return f"{head}{{{{fill:{len(middle) + slack}}}}}{tail}"
+
+
+def json_schema(prompt: str) -> dict:
+    """The schema of a json task's answer: its keys in order, strings of at most 6 letters, integers 0-999."""
+    properties = {}
+    for key in _json_object(prompt):
+        if JSON_KEYS[key] is str:
+            properties[key] = {"type": "string", "maxLength": 6}
+        else:
+            properties[key] = {"type": "integer", "minimum": 0, "maximum": 999}
+    return {"type": "object", "properties": properties, "required": list(properties)}

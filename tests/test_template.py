@@ -1,0 +1,211 @@
+"""Canvas templates: clamped positions in the sampler, text and JSON-schema templates, infill, errors.
+
+Run on the bundled demo model (it has a tokenizer and a chat template); the sampler-level checks also
+on a random checkpoint's sizes through the same code.
+"""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from mlx_dgemma import generate, infill, json_template, load, parse_template, stream_generate
+from mlx_dgemma.generate import DEMO_MODEL, main
+from mlx_dgemma.sampler import Clamp, MxRandom, SamplerSettings, denoise_canvas
+from mlx_dgemma.template import FREE, TemplateError, canvas_clamps, infill_template
+
+jsonschema = pytest.importorskip("jsonschema")
+pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "model.safetensors").exists(), reason="no bundled demo model")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6, "minLength": 1},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "bird"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+        "where": {"type": "object", "properties": {"x": {"type": "integer", "maximum": 99}, "y": {"type": "number"}}},
+    },
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load(DEMO_MODEL)
+
+
+def fixed_positions(template, tokenizer, model):
+    """(canvas index, position, token) of every clamped position of the template's canvases."""
+    end = tokenizer.token_id("<turn|>")
+    clamps = canvas_clamps(template, tokenizer, model.config.vocab_size, model.config.canvas_length, end)
+    out = []
+    for k, (_, clamp) in enumerate(clamps):
+        fixed, tokens = np.array(clamp.fixed[0]), np.array(clamp.tokens[0])
+        out += [(k, i, int(tokens[i])) for i in np.flatnonzero(fixed)]
+    return out
+
+
+@pytest.mark.parametrize("policy", ["reference", "fast"])
+def test_clamped_tokens_hold_at_every_step_of_the_view(demo, policy):
+    model, tokenizer = demo
+    template = parse_template(tokenizer, '{"name": "{{fill:5}}", "note": "{{fill:30}}", "ok": 1}')
+    drafts_per_canvas = []
+    responses = list(stream_generate(model, tokenizer, "json: name=ada", seed=3, template=template,
+                                     drafts=True, policy=policy))
+    drafts_per_canvas = [r.drafts for r in responses]
+    assert len(responses) == -(-(len(template) + 1) // model.config.canvas_length) > 1  # + end of turn
+    fixed = fixed_positions(template, tokenizer, model)
+    assert len(fixed) > 20
+    for k, i, token in fixed:
+        for draft in drafts_per_canvas[k]:
+            if i < len(draft.tokens):
+                assert draft.tokens[i] == token, (k, i, draft.step)
+                assert draft.accepted[i]
+    committed = [t for r in responses for t in r.tokens]
+    for k, i, token in fixed:
+        if k * model.config.canvas_length + i < len(committed):
+            assert committed[k * model.config.canvas_length + i] == token
+    text = responses[-1].text
+    assert text.startswith('{"name": "') and text.endswith('", "ok": 1}') and '", "note": "' in text
+    assert all(r.text == "" for r in responses[:-1])
+
+
+def test_an_empty_clamp_is_the_reference_loop(demo):
+    model, tokenizer = demo
+    C = model.config.canvas_length
+    cache = model.make_cache()
+    model.encode(mx.array(tokenizer.encode("sort: 3 1 2")), cache)
+    settings = SamplerSettings(steps=6)
+    plain = denoise_canvas(model, cache, settings, MxRandom(7))
+    nothing = Clamp(fixed=mx.zeros((1, C), dtype=mx.bool_), tokens=mx.zeros((1, C), dtype=mx.int32))
+    clamped = denoise_canvas(model, cache, settings, MxRandom(7), clamp=nothing)
+    assert plain.steps == clamped.steps
+    assert plain.tokens.tolist() == clamped.tokens.tolist()
+
+
+def test_clamp_fixes_tokens_and_limits_classes(demo):
+    model, tokenizer = demo
+    C, V = model.config.canvas_length, model.config.vocab_size
+    cache = model.make_cache()
+    model.encode(mx.array(tokenizer.encode("reverse: abc")), cache)
+    fixed = np.zeros((1, C), dtype=bool)
+    fixed[0, ::3] = True
+    tokens = np.full((1, C), 7, dtype=np.int32)
+    digits = [tokenizer.token_id(str(d)) for d in range(10)]
+    bias = np.full((2, V), -1e9, dtype=np.float32)
+    bias[0] = 0
+    bias[1, digits] = 0
+    classes = np.where(fixed, 0, 1).astype(np.int32)
+    clamp = Clamp(mx.array(fixed), mx.array(tokens), mx.array(classes), mx.array(bias))
+    drafts = []
+    result = denoise_canvas(model, cache, SamplerSettings(steps=5), MxRandom(1), drafts.append, clamp=clamp)
+    out = np.array(result.tokens)
+    assert (out[fixed] == 7).all()
+    assert set(out[~fixed].tolist()) <= set(digits)
+    assert all((d.tokens[fixed[0]] == 7).all() for d in drafts)
+
+
+@pytest.mark.parametrize("policy", ["reference", "ar"])
+def test_schema_output_parses_and_validates(demo, policy):
+    model, tokenizer = demo
+    template = json_template(tokenizer, SCHEMA)
+    for seed, prompt in enumerate(["json: name=ada age=36", "json: tag=x", "reverse: hello", "add: 4 5"]):
+        text = generate(model, tokenizer, prompt, seed=seed, template=template, policy=policy)
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_hole_values_end_where_the_following_text_starts(demo):
+    _, tokenizer = demo
+    pad = tokenizer.pad_token_id
+    ids = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    template = parse_template(tokenizer, "1 {{fill:6}} 7 9")
+    # The model wrote the missing "4", then began the clamped text " 7 9" early.
+    canvas = ids("1 ") + ids("4 7 9") + [pad] + ids(" 7 9")
+    assert tokenizer.decode(template.answer_tokens(canvas, pad, None)) == "1 4 7 9"
+    canvas = ids("1 ") + ids("4") + [pad, pad] + ids("5") + [pad, pad] + ids(" 7 9")
+    assert tokenizer.decode(template.answer_tokens(canvas, pad, None)) == "1 45 7 9"
+    schema = json_template(tokenizer, {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}})
+    canvas = ids('{"s": "') + ids('ab"}') + [pad] + ids('"}')
+    assert [tokenizer.decode(v) for v in schema.hole_values(canvas, pad, None)] == ["ab"]
+
+
+PREFIX = "<bos><|turn>user\nsort: 5 2 9<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+
+
+@pytest.mark.parametrize("max_fill", [5, 40])  # one canvas, then a fill spanning two
+def test_infill_clamps_the_suffix_at_the_canvas_end(demo, max_fill):
+    model, tokenizer = demo
+    C = model.config.canvas_length
+    suffix = tokenizer.encode(" 9", add_special_tokens=False)
+    template = infill_template(tokenizer, " 9", max_fill, C)
+    responses = list(stream_generate(model, tokenizer, PREFIX, seed=0, template=template, chat_template=False))
+    assert len(responses) == -(-(max_fill + len(suffix)) // C)
+    assert all(len(r.tokens) == C for r in responses)
+    assert responses[-1].tokens[-len(suffix):] == suffix
+    text = infill(model, tokenizer, PREFIX, " 9", max_fill=max_fill, seed=0)
+    assert responses[-1].text == text + " 9"
+
+
+@pytest.mark.parametrize("template, message", [
+    ("a {{fill:3", "unclosed hole at line 1, column 3"),
+    ("ab\ncd {{fill:x}}", "hole at line 2, column 4: the size must be a positive integer"),
+    ("{{fill:0}}", "size must be a positive integer"),
+    ("x {{fil:3}}", "unknown hole '{{fil:3}}' at line 1, column 3"),
+])
+def test_bad_templates_name_the_place(demo, template, message):
+    _, tokenizer = demo
+    with pytest.raises(TemplateError, match=message.replace("{", r"\{").replace("}", r"\}").replace("(", r"\(")):
+        parse_template(tokenizer, template)
+
+
+def test_literal_double_braces_are_text(demo):
+    _, tokenizer = demo
+    template = parse_template(tokenizer, "{{ x }} {{fill:2}}")
+    assert template.tokens[: len(tokenizer.encode("{{ x }} ", add_special_tokens=False))].count(FREE) == 0
+    assert [h.size for _, h in template.holes] == [2]
+
+
+def test_a_hole_past_the_context_is_refused(demo):
+    model, tokenizer = demo
+    context = model.config.max_position_embeddings
+    with pytest.raises(TemplateError, match=r"the hole at line 1, column 5 crosses it"):
+        list(stream_generate(model, tokenizer, "sort: 1", template="abc {{fill:%d}}" % context))
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}}, r"'anyOf' at \$\.a is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}, r"'pattern' at \$\.a is not"),
+    ({"type": "array", "items": {"type": "integer"}}, r"array at \$ needs maxItems"),
+    ({"type": "object", "properties": {"a": {"type": ["string", "null"]}}}, r"\$\.a: type \[\"string\", \"null\"\]"),
+    ({"type": "integer", "minimum": 5, "maximum": 2}, r"minimum 5 is above maximum 2"),
+])
+def test_unsupported_schemas_name_the_place(demo, schema, message):
+    _, tokenizer = demo
+    with pytest.raises(TemplateError, match=message):
+        json_template(tokenizer, schema)
+
+
+def test_cli_template_and_schema_files(tmp_path):
+    runner = CliRunner()
+    template = tmp_path / "answer.txt"
+    template.write_text("1 {{fill:3}} 9")
+    result = runner.invoke(main, ["--prompt", "sort: 9 4 1", "--template", str(template), "--seed", "0"])
+    assert result.exit_code == 0, result.output
+    out = result.output.strip()
+    assert out.startswith("1 ") and out.endswith(" 9")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    result = runner.invoke(main, ["--prompt", "json: name=ada", "--schema", str(schema), "--seed", "0"])
+    assert result.exit_code == 0, result.output
+    jsonschema.validate(json.loads(result.output), SCHEMA)
+    template.write_text("1 {{fill:3 9")
+    result = runner.invoke(main, ["--prompt", "sort: 9 4 1", "--template", str(template)])
+    assert result.exit_code == 1
+    assert result.output.strip() == "Error: unclosed hole at line 1, column 3: write {{fill}} or {{fill:N}}"
+    schema.write_text("{not json")
+    result = runner.invoke(main, ["--prompt", "x", "--schema", str(schema)])
+    assert result.exit_code == 1 and "is not JSON" in result.output and len(result.output.strip().splitlines()) == 1
