@@ -99,6 +99,7 @@ def stream_generate(
     entropy_bound: float | None = None,
     temp_min: float | None = None,
     temp_max: float | None = None,
+    freeze_after: int | None = None,
     settings: SamplerSettings | None = None,
     system_prompt: str | None = None,
     chat_template: bool = True,
@@ -120,7 +121,8 @@ def stream_generate(
     ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
     "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
     cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (fewer steps,
-    a looser entropy bound, a trimmed last canvas) or "ar". Explicit sampler numbers override the plan.
+    a looser entropy bound, a trimmed last canvas, active-set compaction) or "ar". Explicit sampler
+    numbers override the plan; ``freeze_after`` is the compaction's (sampler.SamplerSettings).
 
     ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
@@ -138,7 +140,8 @@ def stream_generate(
     settings = settings or SamplerSettings.from_generation_config(
         defaults, steps=plan.steps if steps is None else steps,
         entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
-        t_min=temp_min, t_max=temp_max)
+        t_min=temp_min, t_max=temp_max,
+        freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
     check_prompt(ids, config)
     rng = MxRandom(seed) if rng is None else rng

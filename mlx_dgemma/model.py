@@ -73,6 +73,30 @@ class LayerCache:
 
 
 @dataclass
+class FrozenCanvas:
+    """Canvas positions the sampler no longer recomputes (active-set compaction, the fast policy):
+    per layer, the K/V they had when last computed, which the positions still being denoised keep
+    attending to. ``last`` holds the latest ``denoise`` call's K/V of the positions it computed."""
+
+    keys: list[mx.array | None]
+    values: list[mx.array | None]
+    last: list[tuple[mx.array, mx.array] | None]
+
+    @classmethod
+    def empty(cls, layers: int) -> "FrozenCanvas":
+        return cls([None] * layers, [None] * layers, [None] * layers)
+
+    def freeze(self, rows: mx.array) -> None:
+        """Keep the K/V of ``rows`` (indexes into the latest call's computed positions) for good."""
+        for i, (k, v) in enumerate(self.last):
+            k, v = k[:, :, rows], v[:, :, rows]
+            if self.keys[i] is not None:
+                k = mx.concatenate([self.keys[i], k], axis=2)
+                v = mx.concatenate([self.values[i], v], axis=2)
+            self.keys[i], self.values[i] = k, v
+
+
+@dataclass
 class KVCache:
     """The encoder's cache: one ``LayerCache`` per layer and the number of positions encoded."""
 
@@ -102,13 +126,21 @@ class Attention(nn.Module):
         kind = "sliding_attention" if self.sliding else "full_attention"
         self._periods = rope_periods(d, cfg.rope_parameters[kind])
 
-    def _rope(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(
-            x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._periods
-        )
+    def _rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        if isinstance(offset, int):
+            return mx.fast.rope(
+                x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._periods
+            )
+        # Positions that are not a run (a compacted canvas): the same rotation, spelled out.
+        angles = offset.astype(mx.float32)[:, None] / self._periods[None, :]
+        cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+        half = self.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
-    def project(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Queries, keys and values as [B, heads, T, head_dim], normed and rotated."""
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values as [B, heads, T, head_dim], normed and rotated; ``offset`` is the
+        first position, or an array of T positions."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim))
         k_raw = self.k_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim)
@@ -411,14 +443,21 @@ class DiffusionGemma(nn.Module):
         return self.head(self.encode(ids, cache, return_hidden=True)[:, -1])
 
     def denoise(self, canvas: mx.array, cache: KVCache, self_conditioning: mx.array | None = None,
-                self_conditioning_probs: mx.array | None = None) -> mx.array:
+                self_conditioning_probs: mx.array | None = None, active: mx.array | None = None,
+                frozen: FrozenCanvas | None = None) -> mx.array:
         """Logits [1, C, V] (float32, soft-capped) for a canvas [1, C]; the cache is only read.
 
         ``self_conditioning`` is the previous step's temperature-scaled logits [1, C, V] or None.
         A sampler that already has their softmax passes it as ``self_conditioning_probs`` to save a
         vocabulary-wide pass (used with float32 embeddings, where it is the same number).
+
+        Active-set compaction (not the reference's computation): with ``active`` (sorted canvas
+        indexes [A]) only those positions are computed, ``canvas`` and the self-conditioning inputs
+        hold just their rows, and they attend to the prefix, to each other and to ``frozen``'s K/V;
+        the logits are [1, A, V]. ``frozen.last`` receives the computed positions' K/V.
         """
         canvas = mx.array(canvas, dtype=mx.int32).reshape(1, -1)
+        positions = cache.offset if active is None else cache.offset + active
         decoder = self.model.decoder
         h = self._embed(canvas)
         signal = None
@@ -434,9 +473,14 @@ class DiffusionGemma(nn.Module):
             scale = mx.array(math.sqrt(self.config.hidden_size), dtype=dtype).astype(h.dtype)
             signal = (_soft_embed(decoder.embed_tokens, probs) * scale).astype(h.dtype)
         h = decoder.self_conditioning(h, signal)
-        for layer, c in zip(self.layers, cache.layers):
+        for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), cache.offset)
+            q, k, v = attn.project(layer.input_layernorm(h), positions)
+            if frozen is not None:
+                frozen.last[i] = (k, v)
+                if frozen.keys[i] is not None:
+                    k = mx.concatenate([frozen.keys[i], k], axis=2)
+                    v = mx.concatenate([frozen.values[i], v], axis=2)
             if c.keys is not None:  # the canvas sees the cached prefix and itself, bidirectionally
                 k = mx.concatenate([c.keys, k], axis=2)
                 v = mx.concatenate([c.values, v], axis=2)

@@ -319,11 +319,14 @@ class Plan:
     t_max: float
     trim_last_canvas: bool
     reasons: list[str] = field(default_factory=list)
+    freeze_after: int = 0  # active-set compaction (sampler.SamplerSettings.freeze_after)
 
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"
         if self.mode == "diffusion":
             head += f", ≤{self.steps} steps/canvas, entropy bound {self.entropy_bound:g}"
+            if self.freeze_after:
+                head += f", positions settled for {self.freeze_after} steps frozen"
             head += ", last canvas trimmed to the tokens wanted" if self.trim_last_canvas else ", full canvases"
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
 
@@ -334,6 +337,9 @@ class Plan:
             return canvas
         multiple = max(1, min(16, canvas // 4))
         return min(canvas, -(-remaining // multiple) * multiple)
+
+
+FREEZE_AFTER = 2  # the fast policy's active-set compaction: benchmarks/demo_speed.py measures the choice
 
 
 def make_plan(
@@ -363,9 +369,11 @@ def make_plan(
     if policy == "fast":
         steps = max(4, math.ceil(gen.max_denoising_steps / 2))
         return replace(
-            reference, steps=steps, entropy_bound=2 * gen.entropy_bound, trim_last_canvas=True,
+            reference, steps=steps, entropy_bound=2 * gen.entropy_bound, trim_last_canvas=True, freeze_after=FREEZE_AFTER,
             reasons=[f"half the step limit ({steps}) and twice the entropy bound: more tokens accepted per step",
-                     "the last canvas is cut to the tokens still wanted (a step costs ~ canvas length when compute-bound)"],
+                     "the last canvas is cut to the tokens still wanted (a step costs ~ canvas length when compute-bound)",
+                     f"positions accepted with the same token {FREEZE_AFTER} steps running are frozen, K/V kept, "
+                     "and no longer recomputed"],
         )
     # auto
     if profile is None:

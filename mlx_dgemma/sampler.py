@@ -76,6 +76,9 @@ class SamplerSettings:
     t_max: float = 0.8
     stability_threshold: int = 1
     confidence_threshold: float = 0.005
+    # Active-set compaction (the fast policy; 0 = off, the reference): a position accepted with the
+    # same argmax token for this many steps in a row is frozen and no longer recomputed.
+    freeze_after: int = 0
 
     def __post_init__(self):
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -88,6 +91,8 @@ class SamplerSettings:
             raise ValueError(f"stability threshold must be an integer >= 0, got {self.stability_threshold!r}")
         if not self.confidence_threshold > 0:
             raise ValueError(f"confidence threshold must be > 0, got {self.confidence_threshold}")
+        if not isinstance(self.freeze_after, int) or self.freeze_after < 0:
+            raise ValueError(f"freeze_after must be an integer >= 0, got {self.freeze_after!r}")
 
     @classmethod
     def from_generation_config(cls, config: GenerationConfig, **overrides) -> SamplerSettings:
@@ -129,10 +134,12 @@ class Clamp:
     def apply(self, canvas: mx.array) -> mx.array:
         return mx.where(self.fixed, self.tokens, canvas)
 
-    def restrict(self, logits: mx.array) -> mx.array:
+    def restrict(self, logits: mx.array, active: mx.array | None = None) -> mx.array:
+        """Logits of the canvas (or of its ``active`` positions) with disallowed tokens pushed down."""
         if self.bias is None:
             return logits
-        return logits + self.bias[self.classes]
+        classes = self.classes if active is None else self.classes[:, active]
+        return logits + self.bias[classes]
 
     def free_entropy(self, entropy: mx.array) -> tuple[mx.array, mx.array]:
         """Entropy with fixed positions at 0 (accepted first, costing nothing), and its mean over the
@@ -225,6 +232,8 @@ def denoise_canvas(
     canvas = rng.canvas(shape, vocab)
     if clamp is not None:
         canvas = clamp.apply(canvas)
+    if settings.freeze_after:
+        return _denoise_compacted(model, cache, settings, rng, on_step, canvas, clamp)
     stop_rule = StopRule(settings, shape)
     self_conditioning = self_conditioning_probs = None
     for step, temperature in enumerate(settings.temperatures(), start=1):
@@ -259,3 +268,74 @@ def _commit(result: CanvasResult, clamp: Clamp | None) -> CanvasResult:
     if clamp is not None and clamp.finish is not None:
         result.tokens = clamp.finish(result.tokens, result.probs)
     return result
+
+
+def _denoise_compacted(model, cache, settings: SamplerSettings, rng: Random, on_step, canvas: mx.array,
+                       clamp: Clamp | None) -> CanvasResult:
+    """The same loop with active-set compaction: positions that settled (accepted with an unchanged
+    argmax for ``freeze_after`` steps) keep their token and their last K/V, and only the others are
+    recomputed, so a step costs about the share of the canvas still moving. Not the reference's
+    computation (settled positions stop seeing later changes); the fast policy measures what it costs
+    in accuracy. Per-position bookkeeping is on the host: [C] numbers, one more sync per step."""
+    from .model import FrozenCanvas
+
+    shape, vocab = canvas.shape, model.config.vocab_size
+    C = shape[1]
+    stop_rule = StopRule(settings, shape)
+    store = FrozenCanvas.empty(len(model.layers))
+    fixed = np.zeros(C, dtype=bool) if clamp is None else np.array(clamp.fixed[0])
+    active = np.arange(C)  # positions still computed
+    frozen = np.zeros(C, dtype=bool)
+    streak = np.zeros(C, dtype=np.int32)
+    entropy_all = np.zeros(C, dtype=np.float32)
+    argmax_all = np.full(C, -1, dtype=np.int32)
+    tokens = np.array(canvas[0])
+    probs_all = None  # [C, V] on the host, kept only when the clamp snaps choices from it
+    self_conditioning = self_conditioning_probs = None
+    for step, temperature in enumerate(settings.temperatures(), start=1):
+        compact = len(active) < C
+        index = mx.array(active.astype(np.int32)) if compact else None
+        logits = model.denoise(mx.array(tokens[active])[None], cache, self_conditioning, self_conditioning_probs,
+                               active=index, frozen=store)
+        if clamp is not None:
+            logits = clamp.restrict(logits, index)
+        scaled, probs, entropy, argmax = tempered_distribution(logits, temperature)
+        denoised = rng.categorical(probs)
+        renoise = rng.renoise((1, len(active)), vocab)
+        mx.eval(entropy, argmax, denoised, renoise)
+        entropy_a, argmax_a = np.array(entropy[0]), np.array(argmax[0])
+        if clamp is not None:
+            argmax_a = np.where(fixed[active], tokens[active], argmax_a)
+        budget = np.zeros(C, dtype=np.float32)
+        budget[active] = np.where(fixed[active], 0.0, entropy_a)
+        accepted = np.array(accept_mask(mx.array(budget), settings.entropy_bound)) | frozen
+        new = np.where(accepted[active], np.array(denoised[0]), np.array(renoise[0]))
+        tokens[active] = np.where(fixed[active], tokens[active], new)
+        steady = accepted[active] & (argmax_a == argmax_all[active]) & (fixed[active] | (new == argmax_a))
+        streak[active] = np.where(steady, streak[active] + 1, 0)
+        entropy_all[active], argmax_all[active] = entropy_a, argmax_a
+        if probs_all is not None or (clamp is not None and clamp.finish is not None):
+            probs_all = np.zeros((C, vocab), np.float32) if probs_all is None else probs_all
+            probs_all[active] = np.array(probs[0])
+        mean_entropy = mx.array(entropy_all[~fixed].mean() if (~fixed).any() else 0.0)
+        stop = stop_rule(mx.array(argmax_all)[None], mean_entropy)
+        settle = streak[active] >= settings.freeze_after
+        if settle.any():
+            rows = np.flatnonzero(settle)
+            store.freeze(mx.array(rows.astype(np.int32)))
+            frozen[active[rows]] = True
+            tokens[active[rows]] = argmax_all[active[rows]]
+            keep = mx.array(np.flatnonzero(~settle).astype(np.int32))
+            active = active[~settle]
+            scaled, probs = scaled[:, keep], probs[:, keep]
+        self_conditioning, self_conditioning_probs = scaled, probs
+        if on_step is not None:
+            on_step(Draft(step, argmax_all.copy(), accepted.copy(), float(mean_entropy.item())))
+        if stop.item() or len(active) == 0:
+            result = CanvasResult(mx.array(argmax_all)[None], step, True)
+            break
+    else:
+        result = CanvasResult(mx.array(argmax_all)[None], settings.steps, False)
+    if probs_all is not None:
+        result.probs = mx.array(probs_all)[None]
+    return _commit(result, clamp)
