@@ -12,7 +12,9 @@ import pytest
 
 from mlx_dgemma import load
 from mlx_dgemma.eval import evaluate
-from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
+
+from .test_sampler_replay import assert_replay_matches
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "model.safetensors").exists(), reason="no bundled demo model")
 
@@ -34,3 +36,12 @@ def test_stop_rule_fires_well_before_the_step_limit(scores):
     model, _ = load(DEMO_MODEL)
     steps = [s for score in scores.values() for s in score.steps]
     assert statistics.median(steps) <= model.generation_config.max_denoising_steps / 2
+
+
+@pytest.mark.parametrize("prompt", ["sort: 9 4 7 1", "reverse: planet", "add: 417 85", "json: name=ada age=36"])
+def test_the_reference_gives_the_same_answers_with_the_same_draws(prompt):
+    """The demo is a real DiffusionGemma: the reference loads the folder and, replaying its random
+    draws in ours, both commit the same canvases after the same steps."""
+    _, tokenizer = load(DEMO_MODEL)
+    tokens, _, responses = assert_replay_matches(DEMO_MODEL, 64, prompt_ids(tokenizer, prompt))
+    assert responses[-1].finish_reason == "stop"  # the demo answers and stops

@@ -109,28 +109,28 @@ class DraftRecorder:
         pass
 
 
-def run_reference(path, max_tokens, seed=1234):
+def run_reference(path, max_tokens, seed=1234, prompt=PROMPT):
     model = load_reference(path)
     streamer = DraftRecorder()
     torch.manual_seed(seed)
     with recorded_draws() as draws:
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=max_tokens, streamer=streamer)
-    return out.sequences[0, len(PROMPT):].tolist(), streamer.canvases, float(out.tokens_per_forward[0]), draws
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, streamer=streamer)
+    return out.sequences[0, len(prompt):].tolist(), streamer.canvases, float(out.tokens_per_forward[0]), draws
 
 
-def run_ours(path, max_tokens, draws):
+def run_ours(path, max_tokens, draws, prompt=PROMPT):
     model, tokenizer = load(path)
     rng = ReplayRandom(draws)
-    responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens, rng=rng, drafts=True))
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens, rng=rng, drafts=True))
     assert rng.used == len(rng.draws), f"we used {rng.used} of the reference's {len(rng.draws)} draws"
     pad, canvas = tokenizer.pad_token_id, model.config.canvas_length
     tokens = [t for r in responses for t in r.tokens + [pad] * (canvas - len(r.tokens))]
     return tokens, responses
 
 
-def assert_replay_matches(path, max_tokens):
-    ref_tokens, ref_drafts, ref_tpf, draws = run_reference(path, max_tokens)
-    tokens, responses = run_ours(path, max_tokens, draws)
+def assert_replay_matches(path, max_tokens, prompt=PROMPT):
+    ref_tokens, ref_drafts, ref_tpf, draws = run_reference(path, max_tokens, prompt=prompt)
+    tokens, responses = run_ours(path, max_tokens, draws, prompt)
     assert tokens == ref_tokens
     assert [r.steps for r in responses] == [len(d) for d in ref_drafts]
     assert [[d.tokens.tolist() for d in r.drafts] for r in responses] == ref_drafts
