@@ -4,8 +4,9 @@ The bundled demo model (converted to the mlx-vlm layout for the peer), the same 
 (tasks.py evaluation split) and the same chat-template prompt ids for every engine. mlx-vlm 0.7.10
 runs ``stream_diffusion_generate`` with its defaults ("stock": confidence-threshold sampler,
 argmax denoiser, adaptive canvas); ours runs each setting in the table. Per engine: accuracy per
-task, and answer tokens per second (tokens up to and including the first stop id, per second of
-wall time with the prompt's prefill, summed over all instances). Settings run one after the other
+task, denoising steps and (ours) canvas positions computed per instance, and answer tokens per
+second (tokens up to and including the first stop id, per second of wall time with the prompt's
+prefill, summed over all instances). Settings run one after the other
 per instance, so machine noise hits them alike; read the ratios.
 
     python benchmarks/demo_speed.py --peer-python .peer-venv/bin/python -n 25
@@ -25,15 +26,31 @@ from pathlib import Path
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
-# name -> stream_generate arguments; "fast" is the policy as shipped, the others its ingredients.
+# name -> stream_generate arguments, or sampler settings replacing the generation config's values;
+# "fast" is the policy as shipped, the others its ingredients and neighbours.
 SETTINGS = {
-    "reference": {"policy": "reference"},
-    "freeze after 1": {"policy": "reference", "freeze_after": 1},
-    "freeze after 2": {"policy": "reference", "freeze_after": 2},
-    "freeze after 3": {"policy": "reference", "freeze_after": 3},
-    "bound x2": {"policy": "reference", "entropy_bound": 0.2},
+    "reference": {},
+    "freeze after 1": {"freeze_after": 1},
+    "freeze after 2": {"freeze_after": 2},
+    "freeze after 3": {"freeze_after": 3},
+    "bound x2": {"entropy_bound": 0.2},
+    "steps 12": {"steps": 12},
+    "stability 0": {"stability_threshold": 0},
+    "stab 0, conf 0.05": {"stability_threshold": 0, "confidence_threshold": 0.05},
+    "stab 0, bound x2": {"stability_threshold": 0, "entropy_bound": 0.2},
     "fast": {"policy": "fast"},
 }
+SAMPLER_ONLY = {"stability_threshold", "confidence_threshold"}
+
+
+def generate_arguments(name: str, generation_config) -> dict:
+    from mlx_dgemma.sampler import SamplerSettings
+
+    setting = dict(SETTINGS[name])
+    if SAMPLER_ONLY & set(setting):
+        return {"settings": SamplerSettings.from_generation_config(generation_config, **setting),
+                "policy": "reference"}
+    return setting
 
 
 def peer_main(checkpoint: str, cases_file: str) -> None:
@@ -71,6 +88,21 @@ def peer_main(checkpoint: str, cases_file: str) -> None:
     print(json.dumps(out[1:]))
 
 
+class CountingModel:
+    """The model, counting the canvas positions each denoising forward computes."""
+
+    def __init__(self, model):
+        self.model, self.positions, self.forwards = model, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def denoise(self, canvas, *args, **kwargs):
+        self.positions += canvas.shape[-1]
+        self.forwards += 1
+        return self.model.denoise(canvas, *args, **kwargs)
+
+
 @dataclass
 class Tally:
     correct: dict
@@ -78,13 +110,15 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
+    positions: int = 0  # canvas positions computed, all forwards
 
-    def add(self, task, ok, tokens, seconds, steps):
+    def add(self, task, ok, tokens, seconds, steps, positions=0):
         self.correct[task] = self.correct.get(task, 0) + ok
         self.total[task] = self.total.get(task, 0) + 1
         self.tokens += tokens
         self.seconds += seconds
         self.steps += steps
+        self.positions += positions
 
     def accuracy(self, task=None):
         if task:
@@ -120,6 +154,7 @@ def main() -> None:
     from mlx_dgemma.tasks import TASKS, check
 
     model, tokenizer = load(DEMO_MODEL)
+    counting = CountingModel(model)
     stop_ids = set(model.generation_config.eos_token_id)
     max_tokens = model.generation_config.max_new_tokens
     cases = [(task, prompt) for task in TASKS for prompt, _ in instances(task, a.n, a.seed)]
@@ -145,28 +180,32 @@ def main() -> None:
                       r["steps"])
 
     list(stream_generate(model, tokenizer, ids[0], seed=0))  # warm-up
+    arguments = {name: generate_arguments(name, model.generation_config) for name in a.settings}
     for name in a.settings:
         tallies[name] = Tally({}, {})
     for i, ((task, prompt), prompt_tokens) in enumerate(zip(cases, ids)):
         for name in a.settings:
+            counting.positions = 0
             start = time.perf_counter()
-            responses = list(stream_generate(model, tokenizer, prompt_tokens, seed=a.seed * 100003 + i,
-                                             **SETTINGS[name]))
+            responses = list(stream_generate(counting, tokenizer, prompt_tokens, seed=a.seed * 100003 + i,
+                                             **arguments[name]))
             seconds = time.perf_counter() - start
             tokens = answer_tokens([t for r in responses for t in r.tokens], stop_ids)
             text = "".join(r.text for r in responses)
-            tallies[name].add(task, check(task, prompt, text), len(tokens), seconds, sum(r.steps for r in responses))
+            tallies[name].add(task, check(task, prompt, text), len(tokens), seconds, sum(r.steps for r in responses),
+                              counting.positions)
 
     base = tallies.get("mlx-vlm stock") or tallies[a.settings[0]]
     base_name = "mlx-vlm stock" if "mlx-vlm stock" in tallies else a.settings[0]
     print(f"demo model, {a.n} fresh instances per task (seed {a.seed}), {fast_blas.describe()}")
     head = f"{'engine / setting':<18}" + "".join(f"{t:>9}" for t in TASKS)
-    print(head + f"{'all':>8}{'steps':>7}{'tok/s':>8}  vs {base_name}")
+    print(head + f"{'all':>8}{'steps':>7}{'positions':>10}{'tok/s':>8}  vs {base_name}")
     base_speed = base.tokens / base.seconds
     for name, t in tallies.items():
         speed = t.tokens / t.seconds
+        positions = f"{t.positions / len(cases):10.0f}" if t.positions else f"{'':>10}"
         print(f"{name:<18}" + "".join(f"{t.accuracy(task):9.0%}" for task in TASKS) +
-              f"{t.accuracy():8.1%}{t.steps / len(cases):7.1f}{speed:8.1f}  {speed / base_speed:5.2f}x")
+              f"{t.accuracy():8.1%}{t.steps / len(cases):7.1f}{positions}{speed:8.1f}  {speed / base_speed:5.2f}x")
     if a.out:
         a.out.write_text(json.dumps({k: vars(v) for k, v in tallies.items()}, indent=2))
 

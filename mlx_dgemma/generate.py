@@ -140,7 +140,7 @@ def stream_generate(
     settings = settings or SamplerSettings.from_generation_config(
         defaults, steps=plan.steps if steps is None else steps,
         entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
-        t_min=temp_min, t_max=temp_max,
+        t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
         freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
     check_prompt(ids, config)

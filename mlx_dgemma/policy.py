@@ -320,13 +320,16 @@ class Plan:
     trim_last_canvas: bool
     reasons: list[str] = field(default_factory=list)
     freeze_after: int = 0  # active-set compaction (sampler.SamplerSettings.freeze_after)
+    stability_threshold: int | None = None  # None: the generation config's
 
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"
         if self.mode == "diffusion":
             head += f", ≤{self.steps} steps/canvas, entropy bound {self.entropy_bound:g}"
             if self.freeze_after:
-                head += f", positions settled for {self.freeze_after} steps frozen"
+                head += f", positions settled for {self.freeze_after} step(s) frozen"
+            if self.stability_threshold is not None:
+                head += f", stability threshold {self.stability_threshold}"
             head += ", last canvas trimmed to the tokens wanted" if self.trim_last_canvas else ", full canvases"
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
 
@@ -339,7 +342,7 @@ class Plan:
         return min(canvas, -(-remaining // multiple) * multiple)
 
 
-FREEZE_AFTER = 2  # the fast policy's active-set compaction: benchmarks/demo_speed.py measures the choice
+FREEZE_AFTER = 1  # the fast policy's active-set compaction: benchmarks/demo_speed.py measures the choice
 
 
 def make_plan(
@@ -367,13 +370,13 @@ def make_plan(
     if policy == "ar":
         return replace(reference, mode="ar", reasons=["autoregressive decoding requested (the encoder as a causal LM)"])
     if policy == "fast":
-        steps = max(4, math.ceil(gen.max_denoising_steps / 2))
         return replace(
-            reference, steps=steps, entropy_bound=2 * gen.entropy_bound, trim_last_canvas=True, freeze_after=FREEZE_AFTER,
-            reasons=[f"half the step limit ({steps}) and twice the entropy bound: more tokens accepted per step",
+            reference, trim_last_canvas=True, freeze_after=FREEZE_AFTER, stability_threshold=0,
+            reasons=[f"positions accepted with the same token {FREEZE_AFTER} step(s) running are frozen (K/V kept) "
+                     "and no longer recomputed: a step costs the share of the canvas still moving",
+                     "a canvas may stop once confident (stability threshold 0): no extra step to confirm it",
                      "the last canvas is cut to the tokens still wanted (a step costs ~ canvas length when compute-bound)",
-                     f"positions accepted with the same token {FREEZE_AFTER} steps running are frozen, K/V kept, "
-                     "and no longer recomputed"],
+                     "measured on the demo tasks: benchmarks/demo_speed.py"],
         )
     # auto
     if profile is None:

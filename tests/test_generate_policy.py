@@ -32,7 +32,7 @@ def test_ar_policy_is_greedy_decoding_through_the_encoder(pattern):
     assert responses[-1].plan.mode == "ar" and responses[-1].tokens_per_forward == pytest.approx(1.0)
 
 
-def test_fast_policy_trims_the_last_canvas(pattern):
+def test_fast_policy_trims_the_last_canvas_and_compacts(pattern):
     model, tokenizer = pattern
     eos = model.generation_config.eos_token_id
     reference = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="reference"))
@@ -41,7 +41,8 @@ def test_fast_policy_trims_the_last_canvas(pattern):
         pytest.skip(f"a stop id {eos} came up in this random model's output")
     assert [len(r.tokens) for r in reference] == [16, 16]  # whole canvases, as the reference does
     assert [len(r.tokens) for r in fast] == [16, 8]  # 5 tokens still wanted -> a canvas of 8
-    assert max(r.steps for r in fast) <= fast[0].plan.steps < reference[0].plan.steps
+    plan = fast[0].plan
+    assert plan.freeze_after >= 1 and plan.stability_threshold == 0 and reference[0].plan.freeze_after == 0
 
 
 def test_auto_policy_follows_the_device_profile(pattern):

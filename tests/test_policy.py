@@ -60,7 +60,9 @@ def test_reference_plan_is_the_generation_config():
 
 def test_fast_plan_cuts_work():
     plan = make_plan("fast", GEN, 256, 40, None)
-    assert plan.steps < GEN.max_denoising_steps and plan.entropy_bound > GEN.entropy_bound
+    assert plan.freeze_after >= 1 and plan.stability_threshold == 0  # compaction, no confirming step
+    assert (plan.steps, plan.entropy_bound) == (GEN.max_denoising_steps, GEN.entropy_bound)
+    assert "frozen" in plan.explain()
     assert plan.last_canvas_length(40, 256) == 48 and plan.last_canvas_length(300, 256) == 256
     assert make_plan("ar", GEN, 256, 40).mode == "ar"
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
