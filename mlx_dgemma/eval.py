@@ -64,7 +64,7 @@ def evaluate(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "refere
 
 
 def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "reference",
-                       slacks=(0, 3)) -> list[tuple[str, str, float, float]]:
+                       slacks=(0, 3), tasks=TASKS) -> list[tuple[str, str, float, float]]:
     """(task, setting, accuracy, valid) rows: free generation, answer templates with each hole slack,
     and (json) schema templates; ``valid`` is the share of outputs that parse and validate (json) or
     keep the given text (the others)."""
@@ -74,7 +74,7 @@ def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str
     from .template import json_template
 
     rows = []
-    for task in TASKS:
+    for task in tasks:
         cases = instances(task, n, seed)
         settings = [("free", None)]
         if task == "json":
@@ -147,7 +147,8 @@ def main(model_path, n, policies, seed, tasks, templates):
         if templates:
             click.echo(f"policy {policy}, {n} instances per task\n  {'task':<8} {'setting':<11} {'accuracy':>9} "
                        f"{'valid':>7}")
-            for task, name, accuracy, valid in evaluate_templates(model, tokenizer, n, seed, policy):
+            for task, name, accuracy, valid in evaluate_templates(model, tokenizer, n, seed, policy,
+                                                                       tasks=tasks or TASKS):
                 click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
         else:
             click.echo(format_scores(policy, evaluate(model, tokenizer, n, seed, policy, tasks or TASKS)))

@@ -141,20 +141,16 @@ def corpus(rng: random.Random, n_per_task: int = 500) -> list[str]:
 
 def answer_template(task: str, prompt: str, slack: int = 0) -> str:
     """A partial answer with one ``{{fill:N}}`` hole, for infill evaluations: the answer's first and
-    last items (sort: numbers, reverse: letters, add: the last digit) given, the middle a hole as long
-    as the missing text plus ``slack`` (json has its own, schema-built templates)."""
+    last items (sort: numbers, reverse: letters, add: the last digit of a longer sum) given, the middle
+    a hole as long as the missing text plus ``slack`` (json has its own, schema-built templates)."""
     answer = solve(task, prompt)
-    if task == "sort":
+    if task == "sort":  # at least 3 numbers
         numbers = answer.split()
-        if len(numbers) < 3:
-            return answer
         head, middle, tail = numbers[0] + " ", " ".join(numbers[1:-1]), " " + numbers[-1]
-    elif task == "reverse":
+    elif task == "reverse":  # at least 3 letters
         head, middle, tail = answer[:1], answer[1:-1], answer[-1:]
     elif task == "add":
-        head, middle, tail = "", answer[:-1], answer[-1:]
-        if not middle:
-            return answer
+        head, middle, tail = ("", answer[:-1], answer[-1:]) if len(answer) > 1 else ("", answer, "")
     else:
         raise ValueError(f"no answer template for {task!r}")
     return f"{head}{{{{fill:{len(middle) + slack}}}}}{tail}"

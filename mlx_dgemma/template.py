@@ -9,7 +9,7 @@ clamped (fixed from the first draft to the commit, sampler.Clamp) and holes the 
 ``{{fill:N}}`` is a hole of at most N tokens, ``{{fill}}`` one of ``DEFAULT_HOLE``; unused hole
 positions end as padding, which the output drops. After the template the rest of its last canvas is
 clamped to the end-of-turn token and padding, the way every answer ends in training, and generation
-stops there. Holes never take a stop id (a stop inside a hole would cut the structure short).
+stops there. A hole takes no stop id, except the end of turn where that is the text that follows it.
 
 ``json_template`` builds the template from a JSON schema: brackets, keys and separators clamped, each
 value a hole limited to the tokens its type allows (string characters, digits, an enum's choices);
@@ -88,6 +88,8 @@ class CanvasTemplate:
                     if seen == after[:len(seen)] or (hole.kind != "text" and ids[p] == after[0]):
                         ids = ids[:p]
                         break
+            if end_of_turn in ids:  # the model ended its answer inside the hole
+                ids = ids[: ids.index(end_of_turn)]
             values.append(ids)
         return values
 
@@ -373,8 +375,11 @@ def canvas_clamps(template: CanvasTemplate, tokenizer, vocab: int, canvas_length
                 allowed = classes[hole.kind].copy()
                 name = hole.kind
                 if after and not required:  # the value may end early: see CanvasTemplate.hole_values
-                    allowed[after[0]] = True
-                    name += f"+{after[0]}"
+                    # A kind-limited hole can write the next text's first token; a text hole all of
+                    # it, the end of turn included, so the cut can see where the value stopped.
+                    ends = after[:1] if hole.kind != "text" else after
+                    allowed[ends] = True
+                    name += "+" + ",".join(map(str, ends))
             if not required:
                 allowed[pad] = True
                 name += "+pad"
