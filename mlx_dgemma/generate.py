@@ -2,7 +2,7 @@
 the next canvas, as the reference ``generate()`` does (REFERENCE.md §3.2). Python API shaped like
 mlx-lm's (``generate``, ``stream_generate``) and the CLI::
 
-    python -m mlx_dgemma.generate --prompt "sort: 7 3 9 1" --view
+    python -m mlx_dgemma.generate --prompt "sort: 42 17 85 23 61" --view
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .template import CanvasTemplate, TemplateError, canvas_clamps, parse_templa
 from .tokenizer import TextStream, Tokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
-DEFAULT_PROMPT = "sort: 7 3 9 1"
+DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 
 
 class PromptError(ValueError):
@@ -416,7 +416,8 @@ def _at_least(minimum: int):
               help="reference: the generation config; auto: diffusion or AR, whichever this device runs faster "
                    "(measured once, cached); fast: fewer steps, trimmed last canvas; ar: autoregressive.")
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
-              help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills.")
+              help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
+                   "(the file's final newline is not part of it).")
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
@@ -471,7 +472,7 @@ def _read_template(tokenizer, template_file: str | None, schema_file: str | None
     except OSError as e:
         raise TemplateError(f"cannot read {path}: {e.strerror}") from None
     if template_file:
-        return parse_template(tokenizer, text)
+        return parse_template(tokenizer, text.removesuffix("\n"))  # the newline that ends the file
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
