@@ -241,8 +241,10 @@ def _per_segment(x: mx.array, counts: list[int], product) -> mx.array:
     return mx.concatenate(outputs)
 
 
-SEGMENT_MIN_ROWS = 1  # rows per expert (on average) from which per-expert BLAS beats gather_mm on the CPU:
-# measured on 2 cores: gather 0.77-0.86x the time at 0.2 rows (an AR token), even at 1-4, 1.3-2x slower from 8
+# Rows per expert (on average) from which per-expert BLAS beats gather_mm on the CPU. Measured on 2
+# cores (benchmarks/expert_dispatch.py): gather 0.85x the time at 0.2-1 rows (an AR token), 0.95x at
+# 2, 1.1x at 4, 1.4-1.9x from 8.
+SEGMENT_MIN_ROWS = 1
 
 
 class Experts(nn.Module):
