@@ -120,9 +120,9 @@ def stream_generate(
 
     ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
     "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
-    cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (fewer steps,
-    a looser entropy bound, a trimmed last canvas, active-set compaction) or "ar". Explicit sampler
-    numbers override the plan; ``freeze_after`` is the compaction's (sampler.SamplerSettings).
+    cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (active-set
+    compaction, no confirming step, a trimmed last canvas) or "ar". Explicit sampler numbers override
+    the plan; ``freeze_after`` is the compaction's (sampler.SamplerSettings).
 
     ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
@@ -414,7 +414,8 @@ def _at_least(minimum: int):
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
 @click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
               help="reference: the generation config; auto: diffusion or AR, whichever this device runs faster "
-                   "(measured once, cached); fast: fewer steps, trimmed last canvas; ar: autoregressive.")
+                   "(measured once, cached); fast: settled positions no longer computed, trimmed last canvas; "
+                   "ar: autoregressive.")
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
