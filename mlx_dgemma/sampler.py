@@ -157,6 +157,7 @@ class Draft:
     tokens: np.ndarray  # the argmax canvas [C]
     accepted: np.ndarray  # bool [C]: positions that kept the denoiser's token
     mean_entropy: float
+    fixed: np.ndarray | None = None  # bool [C]: clamped by a template or frozen by compaction
 
 
 @dataclass
@@ -258,7 +259,8 @@ def denoise_canvas(
             mx.eval(stop, canvas, self_conditioning)
         else:
             mx.eval(stop, canvas, self_conditioning, argmax, accepted, mean_entropy)
-            on_step(Draft(step, np.array(argmax[0]), np.array(accepted[0]), mean_entropy.item()))
+            on_step(Draft(step, np.array(argmax[0]), np.array(accepted[0]), mean_entropy.item(),
+                          None if clamp is None else np.array(clamp.fixed[0])))
         if stop.item():
             return _commit(CanvasResult(argmax, step, True, probs), clamp)
     return _commit(CanvasResult(argmax, settings.steps, False, probs), clamp)
@@ -331,7 +333,7 @@ def _denoise_compacted(model, cache, settings: SamplerSettings, rng: Random, on_
             scaled, probs = scaled[:, keep], probs[:, keep]
         self_conditioning, self_conditioning_probs = scaled, probs
         if on_step is not None:
-            on_step(Draft(step, argmax_all.copy(), accepted.copy(), float(mean_entropy.item())))
+            on_step(Draft(step, argmax_all.copy(), accepted.copy(), float(mean_entropy.item()), fixed | frozen))
         if stop.item() or len(active) == 0:
             result = CanvasResult(mx.array(argmax_all)[None], step, True)
             break

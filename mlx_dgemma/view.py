@@ -2,7 +2,8 @@
 
 On a terminal the current draft (the step's argmax canvas) is drawn right after the committed text
 and redrawn in place every step: positions whose token the sampler accepted this step in bold green,
-positions that kept last step's token plain, positions still changing dim. A status line gives the
+positions that kept last step's token plain, positions still changing dim, and positions that are
+fixed (a template's clamped text, or settled and frozen by the fast policy) underlined blue. A status line gives the
 step, the accepted count and the mean entropy. When the canvas commits, the draft is replaced by the
 committed text. Elsewhere (a pipe, a file) each step is one plain line.
 """
@@ -17,6 +18,7 @@ import numpy as np
 from .sampler import Draft
 
 ACCEPTED, SETTLED, CHANGING, STATUS, RESET = "\x1b[1;32m", "", "\x1b[2m", "\x1b[36m", "\x1b[0m"
+FIXED = "\x1b[4;34m"
 SAVE, RESTORE_AND_CLEAR = "\x1b7", "\x1b8\x1b[J"
 
 
@@ -42,6 +44,8 @@ class CanvasView:
         pieces = [_visible(self.tokenizer.piece(int(t))) for t in draft.tokens]
         status = (f"canvas {self.canvas} · step {draft.step}/{self.steps} · "
                   f"{int(draft.accepted.sum())}/{len(pieces)} accepted · mean entropy {draft.mean_entropy:.3f}")
+        if draft.fixed is not None:
+            status += f" · {int(draft.fixed.sum())} fixed"
         if self.ansi:
             self._redraw(pieces, draft, status)
         else:
@@ -70,7 +74,9 @@ class CanvasView:
         rows = (column + sum(map(len, pieces))) // width + 1 + len(status) // width
         self.stream.write("\n" * rows + f"\x1b[{rows}A\r" + (f"\x1b[{column}C" if column else "") + SAVE)
         for i, piece in enumerate(pieces):
-            if draft.accepted[i]:
+            if draft.fixed is not None and draft.fixed[i]:
+                style = FIXED
+            elif draft.accepted[i]:
                 style = ACCEPTED
             elif self.previous is not None and self.previous[i] == draft.tokens[i]:
                 style = SETTLED

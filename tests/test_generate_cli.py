@@ -15,7 +15,7 @@ from convert.random_checkpoint import PRESETS
 from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma.generate import PromptError, main, prompt_ids
 from mlx_dgemma.sampler import Draft
-from mlx_dgemma.view import ACCEPTED, RESTORE_AND_CLEAR, SAVE, CanvasView, _visible
+from mlx_dgemma.view import ACCEPTED, FIXED, RESTORE_AND_CLEAR, SAVE, CanvasView, _visible
 
 from .tokenizer_files import train_sentencepiece, write_sentencepiece
 
@@ -144,6 +144,10 @@ def test_view_redraws_in_place_on_a_terminal(chat_model):
     assert second.startswith(RESTORE_AND_CLEAR) and f"{ACCEPTED}b" in second and "step 2/4" in second
     view.commit("abcd")
     assert out.getvalue().endswith(RESTORE_AND_CLEAR + "abcd")
+    start = len(out.getvalue())
+    view.step(Draft(1, tokens, np.array([True, True, False, False]), 0.5, fixed=np.array([False, True, False, True])))
+    third = out.getvalue()[start:]
+    assert f"{ACCEPTED}a" in third and f"{FIXED}b" in third and f"{FIXED}d" in third and "2 fixed" in third
 
 
 def test_cli_verbose_prints_statistics(chat_checkpoint, chat_model):

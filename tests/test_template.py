@@ -64,7 +64,7 @@ def test_clamped_tokens_hold_at_every_step_of_the_view(demo, policy):
         for draft in drafts_per_canvas[k]:
             if i < len(draft.tokens):
                 assert draft.tokens[i] == token, (k, i, draft.step)
-                assert draft.accepted[i]
+                assert draft.accepted[i] and draft.fixed[i]  # the view draws it as fixed
     committed = [t for r in responses for t in r.tokens]
     for k, i, token in fixed:
         if k * model.config.canvas_length + i < len(committed):
