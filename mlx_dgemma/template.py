@@ -117,7 +117,8 @@ def _place(text: str, offset: int) -> str:
 
 
 def parse_template(tokenizer, text: str) -> CanvasTemplate:
-    """A text template with ``{{fill}}`` / ``{{fill:N}}`` holes; any other ``{{`` is literal text."""
+    """A text template with ``{{fill}}`` / ``{{fill:N}}`` holes. ``{{`` followed by a letter starts a
+    hole (so a misspelt one is an error, not text); any other ``{{`` is literal text."""
     tokens: list[int] = []
     holes: list[tuple[int, Hole]] = []
     position = 0
