@@ -7,7 +7,8 @@ Instances come from the evaluation half of the task space (tasks.py), never the 
 ``--templates`` compares free generation with canvas templates on the same instances: sort, reverse
 and add answers with their first and last items given and the middle a hole (exactly as long as the
 missing text, and 3 tokens longer), json answers from a schema of the prompt's keys (the output must
-parse and validate).
+parse and validate), and the same with holes sized by a free generation's values
+(``json_template(..., draft=)``: two generations).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str
     keep the given text (the others)."""
     import json as _json
 
-    from .generate import generate
+    from .generate import drafted_json_template, generate
     from .template import json_template
 
     rows = []
@@ -79,13 +80,15 @@ def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str
         settings = [("free", None)]
         if task == "json":
             settings.append(("schema", lambda p: json_template(tokenizer, json_schema(p))))
+            settings.append(("schema+draft", lambda p, i: drafted_json_template(
+                model, tokenizer, p, json_schema(p), seed=seed * 100003 + i, policy=policy)))
         else:
             settings += [(f"hole +{k}" if k else "exact hole", lambda p, k=k, t=task: answer_template(t, p, k))
                          for k in slacks]
         for name, build in settings:
             correct = valid = 0
             for i, (prompt, answer) in enumerate(cases):
-                template = build(prompt) if build else None
+                template = None if build is None else build(prompt, i) if name == "schema+draft" else build(prompt)
                 text = generate(model, tokenizer, prompt, seed=seed * 100003 + i, policy=policy, template=template)
                 correct += check(task, prompt, text)
                 if task == "json":

@@ -193,16 +193,24 @@ class _Builder:
         return len(self.holes) - 1
 
 
-def json_template(tokenizer, schema: dict) -> CanvasTemplate:
-    """The template of a JSON value of ``schema``; its ``render`` gives the Python value."""
+_NO_DRAFT = object()
+
+
+def json_template(tokenizer, schema: dict, draft: Any = _NO_DRAFT) -> CanvasTemplate:
+    """The template of a JSON value of ``schema``; its ``render`` gives the Python value.
+
+    ``draft`` (a value parsed from a free generation, say) sizes the holes: a string or integer hole
+    as long as the draft's value there (within the schema's bounds), an array with the draft's
+    number of items. Holes at their value's length keep the model's layout; upper-bound holes make
+    it stretch values towards the clamped text after them."""
     if not isinstance(schema, dict):
         raise TemplateError(f"a JSON schema is an object, got {type(schema).__name__}")
     builder = _Builder(tokenizer)
-    value_of = _node(builder, schema, "$")
+    value_of = _node(builder, schema, "$", draft)
     return CanvasTemplate(builder.tokens, builder.holes, render=value_of)
 
 
-def _node(b: _Builder, schema: dict, path: str) -> Callable[[list[str]], Any]:
+def _node(b: _Builder, schema: dict, path: str, draft: Any = _NO_DRAFT) -> Callable[[list[str]], Any]:
     """Append the schema's layout to ``b``; return the function that reads its value from hole texts."""
     if not isinstance(schema, dict):
         raise TemplateError(f"schema at {path} must be an object, got {json.dumps(schema)}")
@@ -221,20 +229,20 @@ def _node(b: _Builder, schema: dict, path: str) -> Callable[[list[str]], Any]:
     if extra:
         raise TemplateError(f"schema feature '{min(extra)}' at {path} is not supported")
     if kind == "object":
-        return _object(b, schema, path)
+        return _object(b, schema, path, draft)
     if kind == "array":
-        return _array(b, schema, path)
+        return _array(b, schema, path, draft)
     if kind == "string":
-        return _string(b, schema, path)
+        return _string(b, schema, path, draft)
     if kind in ("integer", "number"):
-        return _integer(b, schema, path)
+        return _integer(b, schema, path, draft)
     if kind == "boolean":
         return _choice(b, [True, False], path)
     b.text("null")
     return lambda values: None
 
 
-def _object(b: _Builder, schema: dict, path: str):
+def _object(b: _Builder, schema: dict, path: str, draft: Any):
     properties = schema.get("properties", {})
     if not properties:
         raise TemplateError(f"object at {path} needs 'properties' (its keys are clamped)")
@@ -242,24 +250,28 @@ def _object(b: _Builder, schema: dict, path: str):
     b.text("{")
     for i, (key, sub) in enumerate(properties.items()):
         b.text((", " if i else "") + json.dumps(key) + ": ")
-        readers[key] = _node(b, sub, f"{path}.{key}")
+        readers[key] = _node(b, sub, f"{path}.{key}", draft.get(key, _NO_DRAFT) if isinstance(draft, dict)
+                             else _NO_DRAFT)
     b.text("}")
     return lambda values: {k: read(values) for k, read in readers.items()}
 
 
-def _array(b: _Builder, schema: dict, path: str):
+def _array(b: _Builder, schema: dict, path: str, draft: Any):
     if "maxItems" not in schema:
         raise TemplateError(f"array at {path} needs maxItems (the canvas has a fixed size)")
     most, least = int(schema["maxItems"]), int(schema.get("minItems", 0))
     if not 0 <= least <= most:
         raise TemplateError(f"array at {path}: needs 0 <= minItems <= maxItems, got {least} and {most}")
+    if isinstance(draft, list):  # the draft's item count, all required
+        most = least = min(max(len(draft), least), most)
     items = []
     b.text("[")
     for i in range(most):
         if i:
             b.text(", ")
         first = len(b.holes)
-        read = _node(b, schema.get("items", {"type": "string"}), f"{path}[{i}]")
+        sub = draft[i] if isinstance(draft, list) and i < len(draft) else _NO_DRAFT
+        read = _node(b, schema.get("items", {"type": "string"}), f"{path}[{i}]", sub)
         items.append((read, first, len(b.holes), i < least))
     b.text("]")
 
@@ -274,26 +286,32 @@ def _array(b: _Builder, schema: dict, path: str):
     return value
 
 
-def _string(b: _Builder, schema: dict, path: str):
+def _string(b: _Builder, schema: dict, path: str, draft: Any):
     longest = int(schema.get("maxLength", DEFAULT_STRING))
     shortest = int(schema.get("minLength", 0))
     if not 0 <= shortest <= longest or longest < 1:
         raise TemplateError(f"string at {path}: needs 0 <= minLength <= maxLength and maxLength >= 1")
+    size = longest
+    if isinstance(draft, str):
+        size = min(longest, max(shortest, 1, len(_literal(b.tokenizer, draft))))
     b.text('"')
-    index = b.hole(Hole(longest, "string", required=shortest, where=path))
+    index = b.hole(Hole(size, "string", required=shortest, where=path))
     b.text('"')
     # A token may be several characters: the hole bounds tokens, the cut bounds characters.
     return lambda values: values[index][:longest]
 
 
-def _integer(b: _Builder, schema: dict, path: str):
+def _integer(b: _Builder, schema: dict, path: str, draft: Any):
     low, high = schema.get("minimum"), schema.get("maximum")
     if low is not None and high is not None and low > high:
         raise TemplateError(f"number at {path}: minimum {low} is above maximum {high}")
     widest = max(len(str(int(v))) for v in (low, high) if v is not None) if (low, high) != (None, None) \
         else DEFAULT_DIGITS
     signed = low is None or low < 0
-    index = b.hole(Hole(widest + signed, "signed" if signed else "digits", required=1, where=path))
+    size = widest + signed
+    if isinstance(draft, (int, float)) and not isinstance(draft, bool):
+        size = min(size, max(1, len(str(int(draft)))))
+    index = b.hole(Hole(size, "signed" if signed else "digits", required=1, where=path))
 
     def value(values):
         text = values[index]

@@ -208,3 +208,18 @@ def test_cli_template_and_schema_files(tmp_path):
     schema.write_text("{not json")
     result = runner.invoke(main, ["--prompt", "x", "--schema", str(schema)])
     assert result.exit_code == 1 and "is not JSON" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_draft_sizes_the_schema_holes(demo):
+    _, tokenizer = demo
+    sizes = lambda template: {h.where: h.size for _, h in template.holes}  # noqa: E731
+    upper = sizes(json_template(tokenizer, SCHEMA))
+    assert upper["$.name"] == 6 and upper["$.age"] == 3 and "$.tags[1]" in upper
+    draft = {"name": "ada", "age": 7, "tags": ["ab"], "where": {"x": 12345}, "pet": "dog"}
+    drafted = sizes(json_template(tokenizer, SCHEMA, draft=draft))
+    assert drafted["$.name"] == 3 and drafted["$.age"] == 1 and drafted["$.tags[0]"] == 2
+    assert "$.tags[1]" not in drafted  # the draft's item count
+    assert drafted["$.where.x"] == upper["$.where.x"] == 3  # bounded by the schema (sign + 2 digits), not the draft
+    assert drafted["$.where.y"] == upper["$.where.y"]  # no draft value: the upper bound
+    for nonsense in (None, [1, 2], "text"):  # a draft that is not an object sizes nothing
+        assert sizes(json_template(tokenizer, SCHEMA, draft=nonsense)) == upper
