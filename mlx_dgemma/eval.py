@@ -77,19 +77,21 @@ def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str
     rows = []
     for task in tasks:
         cases = instances(task, n, seed)
-        settings = [("free", None)]
+        # (name, template builder from the prompt and the instance's seed)
+        settings = [("free", lambda p, s: None)]
         if task == "json":
-            settings.append(("schema", lambda p: json_template(tokenizer, json_schema(p))))
-            settings.append(("schema+draft", lambda p, i: drafted_json_template(
-                model, tokenizer, p, json_schema(p), seed=seed * 100003 + i, policy=policy)))
+            settings.append(("schema", lambda p, s: json_template(tokenizer, json_schema(p))))
+            settings.append(("schema+draft", lambda p, s: drafted_json_template(
+                model, tokenizer, p, json_schema(p), seed=s, policy=policy)))
         else:
-            settings += [(f"hole +{k}" if k else "exact hole", lambda p, k=k, t=task: answer_template(t, p, k))
+            settings += [(f"hole +{k}" if k else "exact hole", lambda p, s, k=k, t=task: answer_template(t, p, k))
                          for k in slacks]
         for name, build in settings:
             correct = valid = 0
             for i, (prompt, answer) in enumerate(cases):
-                template = None if build is None else build(prompt, i) if name == "schema+draft" else build(prompt)
-                text = generate(model, tokenizer, prompt, seed=seed * 100003 + i, policy=policy, template=template)
+                instance_seed = seed * 100003 + i
+                template = build(prompt, instance_seed)
+                text = generate(model, tokenizer, prompt, seed=instance_seed, policy=policy, template=template)
                 correct += check(task, prompt, text)
                 if task == "json":
                     valid += _validates(_json, text, json_schema(prompt))

@@ -134,6 +134,11 @@ def stream_generate(
     max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if isinstance(template, str):
+        template = parse_template(tokenizer, template)
+    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
+    if template is not None:
+        max_tokens = len(template) + template.ends_turn
     if policy == "auto" and profile is None:
         profile = cached_profile(model)
     plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
@@ -147,15 +152,9 @@ def stream_generate(
     rng = MxRandom(seed) if rng is None else rng
     stop_ids = set(defaults.eos_token_id)
     text = TextStream(tokenizer, stop_ids)
-
-    if isinstance(template, str):
-        template = parse_template(tokenizer, template)
-    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     if template is not None:
         _check_template_fits(template, len(ids), config)
-        max_tokens = len(template) + 1
         text = _TemplateText(tokenizer, template, stop_ids, end_of_turn)
-        plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
 
     cache = model.make_cache()
     tic = time.perf_counter()

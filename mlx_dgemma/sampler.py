@@ -314,7 +314,7 @@ def _denoise_compacted(model, cache, settings: SamplerSettings, rng: Random, on_
         new = np.where(accepted[active], np.array(denoised[0]), np.array(renoise[0]))
         tokens[active] = np.where(fixed[active], tokens[active], new)
         confident = entropy_a < settings.confidence_threshold  # as sure as the stop rule wants the canvas
-        steady = accepted[active] & (argmax_a == argmax_all[active]) & (fixed[active] | (new == argmax_a) & confident)
+        steady = accepted[active] & (argmax_a == argmax_all[active]) & (fixed[active] | ((new == argmax_a) & confident))
         streak[active] = np.where(steady, streak[active] + 1, 0)
         entropy_all[active], argmax_all[active] = entropy_a, argmax_a
         if probs_all is not None or (clamp is not None and clamp.finish is not None):

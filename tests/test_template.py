@@ -53,7 +53,6 @@ def fixed_positions(template, tokenizer, model):
 def test_clamped_tokens_hold_at_every_step_of_the_view(demo, policy):
     model, tokenizer = demo
     template = parse_template(tokenizer, '{"name": "{{fill:5}}", "note": "{{fill:30}}", "ok": 1}')
-    drafts_per_canvas = []
     responses = list(stream_generate(model, tokenizer, "json: name=ada", seed=3, template=template,
                                      drafts=True, policy=policy))
     drafts_per_canvas = [r.drafts for r in responses]
