@@ -299,12 +299,23 @@ def build_masks(B, P, K, C, W, npad):
     return enc, dec
 
 
-def train_step(model, batch, args, gen, V):
+def draw_noise(B, K, C, V, gen, args):
+    """The random draws of one step: noise level per canvas, renoised positions and their uniform
+    tokens, the self-conditioning choice per example and its temperature."""
+    t = torch.rand(B, K, 1, generator=gen) * (1 - 0.001) + 0.001
+    replace = (torch.rand(B, K, C, generator=gen) < t).view(B, K * C)
+    tokens = torch.randint(0, V, (B, K * C), generator=gen)
+    sc_mask = torch.rand(B, generator=gen) < args.sc_prob
+    temp = torch.rand(B, 1, 1, generator=gen) * (args.t_max - args.t_min) + args.t_min
+    return {"t": t, "replace": replace, "tokens": tokens, "sc_mask": sc_mask, "temp": temp}
+
+
+def objective(model, batch, noise, C, W):
+    """Decoder CE, encoder CE and the decoder's logits of one batch under the given noise draws."""
     from transformers import DynamicCache
 
     ids, npad, P, K, enc_tmask = batch
     B, L = ids.shape
-    C, W = args.canvas, args.sliding_window
     enc_mask, dec_mask = build_masks(B, P, K, C, W, npad)
     pos = (torch.arange(L)[None, :] - npad[:, None]).clamp(min=0)
 
@@ -316,26 +327,30 @@ def train_step(model, batch, args, gen, V):
     enc_loss = F.cross_entropy(enc_logits[m], tgt[m])
 
     clean = ids[:, P:]
-    t = torch.rand(B, K, 1, generator=gen) * (1 - 0.001) + 0.001
-    noise_mask = torch.rand(B, K, C, generator=gen) < t
-    noisy = torch.where(noise_mask.view(B, K * C), torch.randint(0, V, (B, K * C), generator=gen), clean)
+    noisy = torch.where(noise["replace"], noise["tokens"], clean)
     dpos = pos[:, P:]
-    sc_mask = torch.rand(B, generator=gen) < args.sc_prob
-    temp = torch.rand(B, 1, 1, generator=gen) * (args.t_max - args.t_min) + args.t_min
+    sc_mask = noise["sc_mask"]
     sc_logits = None
     if sc_mask.any():
         with torch.no_grad():
             h0 = model.model.decoder(decoder_input_ids=noisy, cache=cache, decoder_attention_mask=dec_mask,
                                      decoder_position_ids=dpos).last_hidden_state
-            sc_logits = (softcap(model, h0) / temp).detach()
+            sc_logits = (softcap(model, h0) / noise["temp"]).detach()
     h = model.model.decoder(decoder_input_ids=noisy, cache=cache, self_conditioning_logits=sc_logits,
                             self_conditioning_mask=sc_mask if sc_logits is not None else None,
                             decoder_attention_mask=dec_mask, decoder_position_ids=dpos).last_hidden_state
     logits = softcap(model, h)
-    dec_loss = F.cross_entropy(logits.reshape(-1, V), clean.reshape(-1))
+    dec_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1))
+    return dec_loss, enc_loss, logits
+
+
+def train_step(model, batch, args, gen, V):
+    ids, _, _, K, _ = batch
+    noise = draw_noise(ids.shape[0], K, args.canvas, V, gen, args)
+    dec_loss, enc_loss, logits = objective(model, batch, noise, args.canvas, args.sliding_window)
     with torch.no_grad():
-        acc = (logits.argmax(-1) == clean).float().mean()
-    return dec_loss, enc_loss, acc, B * (L + K * C)
+        acc = (logits.argmax(-1) == ids[:, batch[2]:]).float().mean()
+    return dec_loss, enc_loss, acc, ids.shape[0] * (ids.shape[1] + K * args.canvas)
 
 
 # ----------------------------------------------------------------------------------------------

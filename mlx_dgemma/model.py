@@ -131,8 +131,11 @@ class Attention(nn.Module):
             return mx.fast.rope(
                 x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._periods
             )
-        # Positions that are not a run (a compacted canvas): the same rotation, spelled out.
-        angles = offset.astype(mx.float32)[:, None] / self._periods[None, :]
+        # Positions that are not a run (a compacted canvas, or [B, T] per row in training): the same
+        # rotation, spelled out.
+        angles = offset.astype(mx.float32)[..., None] / self._periods
+        if angles.ndim == 3:
+            angles = angles[:, None]  # [B, 1, T, head_dim / 2]: one set of positions per row
         cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
@@ -140,7 +143,7 @@ class Attention(nn.Module):
 
     def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values as [B, heads, T, head_dim], normed and rotated; ``offset`` is the
-        first position, or an array of T positions."""
+        first position, or an array of T positions, or [B, T] positions (one set per row)."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim))
         k_raw = self.k_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim)
