@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import click
 
-from .tasks import TASKS, answer_template, check, json_schema, make_instance
+from .tasks import TASKS, UNSEEN_TASKS, answer_template, check, json_schema, make_instance
 
 
 @dataclass
@@ -138,15 +138,17 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
 @click.option("--policy", "policies", multiple=True, default=["reference"], show_default=True,
               type=click.Choice(["reference", "fast", "ar", "auto"]))
 @click.option("--seed", default=0, show_default=True)
-@click.option("--task", "tasks", multiple=True, type=click.Choice(TASKS), help="Only these tasks.")
+@click.option("--task", "tasks", multiple=True, type=click.Choice(TASKS + UNSEEN_TASKS),
+              help="Only these tasks (upper: one the demo model never saw, for fine-tuning).")
+@click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
-def main(model_path, n, policies, seed, tasks, templates):
+def main(model_path, n, policies, seed, tasks, adapter_path, templates):
     from .generate import DEMO_MODEL
-    from .loader import CheckpointError, load
+    from .loader import load
 
     try:
-        model, tokenizer = load(model_path or DEMO_MODEL)
-    except CheckpointError as e:
+        model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
+    except ValueError as e:  # the checkpoint's or the adapters' one-line reason
         raise click.ClickException(str(e)) from None
     for policy in policies:
         if templates:

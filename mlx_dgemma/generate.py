@@ -437,8 +437,9 @@ def _at_least(minimum: int):
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
+@click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy, template_file, schema_file):
+         ignore_chat_template, verbose, view, policy, template_file, schema_file, adapter_path):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
@@ -450,7 +451,7 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
     if template_file and schema_file:
         raise click.ClickException("give --template or --schema, not both")
     try:
-        dgemma, tokenizer = load(model or DEMO_MODEL)
+        dgemma, tokenizer = load(model or DEMO_MODEL, adapter_path=adapter_path)
         template = _read_template(tokenizer, template_file, schema_file)
         if isinstance(template, dict):  # a schema: holes sized by a free draft first
             template = drafted_json_template(

@@ -194,12 +194,18 @@ def load_model(folder: Path) -> DiffusionGemma:
     return model
 
 
-def load(path_or_repo: str | os.PathLike):
-    """``model, tokenizer = load(path)`` for a local folder or a Hugging Face Hub id."""
+def load(path_or_repo: str | os.PathLike, adapter_path: str | os.PathLike | None = None):
+    """``model, tokenizer = load(path)`` for a local folder or a Hugging Face Hub id; ``adapter_path``:
+    a fine-tuning run's adapter folder (``python -m mlx_dgemma.lora``), applied to the model."""
     from .tokenizer import load_tokenizer
 
     folder = resolve(path_or_repo)
     model = load_model(folder)
+    if adapter_path is not None:
+        from .lora import load_adapters
+
+        load_adapters(model, adapter_path)
+        model.eval()
     try:
         model.generation_config = GenerationConfig.from_folder(folder, model.config)
     except ConfigError as e:

@@ -183,7 +183,8 @@ class Router(nn.Module):
     def __call__(self, r: mx.array) -> tuple[mx.array, mx.array]:
         z = rms_norm_noscale(r, self.eps) * self.scale * self._root
         probs = mx.softmax(self.proj(z).astype(mx.float32), axis=-1, precise=True)
-        idx = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        # The choice is discrete: no gradient flows into it (training would otherwise ask for one).
+        idx = mx.stop_gradient(mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
         weights = mx.take_along_axis(probs, idx, axis=-1)
         weights = weights / weights.sum(axis=-1, keepdims=True)
         return idx, weights * self.per_expert_scale[idx]

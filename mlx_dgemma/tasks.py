@@ -8,6 +8,10 @@ evaluation commands.  Four tasks, each a prompt and the one right answer::
     add: 417 85                   -> 502                            (operands of 1-3 digits)
     json: name=ada age=36         -> {"name": "ada", "age": 36}     (1-4 pairs, str and int values)
 
+One more task the demo model never saw, for fine-tuning (``python -m mlx_dgemma.lora``)::
+
+    upper: planet                 -> PLANET                         (3-12 random lowercase letters)
+
 JSON answers reach ~60 characters, i.e. two 32-token canvases of the demo's character tokenizer.
 
 Train/eval split: every prompt belongs to exactly one split, decided by a hash of the prompt text
@@ -23,6 +27,7 @@ import json
 import random
 
 TASKS = ("sort", "reverse", "add", "json")
+UNSEEN_TASKS = ("upper",)  # not in the demo's training data
 SPLITS = ("train", "eval")
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -62,8 +67,8 @@ def _sample_prompt(task: str, rng: random.Random) -> str:
     if task == "sort":
         n = rng.randint(SORT_MIN, SORT_MAX)
         return "sort: " + " ".join(str(rng.randrange(100)) for _ in range(n))
-    if task == "reverse":
-        return "reverse: " + _word(rng, REVERSE_MIN, REVERSE_MAX)
+    if task in ("reverse", "upper"):
+        return f"{task}: " + _word(rng, REVERSE_MIN, REVERSE_MAX)
     if task == "add":
         return f"add: {_number(rng)} {_number(rng)}"
     if task == "json":
@@ -73,13 +78,13 @@ def _sample_prompt(task: str, rng: random.Random) -> str:
             v = _word(rng, 2, 6) if JSON_KEYS[k] is str else str(_number(rng))
             pairs.append(f"{k}={v}")
         return "json: " + " ".join(pairs)
-    raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    raise ValueError(f"unknown task {task!r}; expected one of {TASKS + UNSEEN_TASKS}")
 
 
 def task_of(prompt: str) -> str:
     """The task of a prompt (its ``name:`` prefix)."""
     head = prompt.split(":", 1)[0].strip()
-    if head not in TASKS:
+    if head not in TASKS + UNSEEN_TASKS:
         raise ValueError(f"not a task prompt: {prompt!r}")
     return head
 
@@ -99,12 +104,14 @@ def solve(task: str, prompt: str) -> str:
         return " ".join(str(x) for x in sorted(int(t) for t in body.split()))
     if task == "reverse":
         return body[::-1]
+    if task == "upper":
+        return body.upper()
     if task == "add":
         a, b = body.split()
         return str(int(a) + int(b))
     if task == "json":
         return json.dumps(_json_object(prompt))
-    raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    raise ValueError(f"unknown task {task!r}; expected one of {TASKS + UNSEEN_TASKS}")
 
 
 def make_instance(task: str, rng: random.Random, split: str = "train") -> tuple[str, str]:
@@ -165,3 +172,43 @@ def json_schema(prompt: str) -> dict:
         else:
             properties[key] = {"type": "integer", "minimum": 0, "maximum": 999}
     return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def write_dataset(folder, mix: dict[str, int], held_out: int, seed: int = 0) -> None:
+    """A fine-tuning data folder in mlx-lm's chat form: ``train.jsonl`` with ``mix[task]`` instances
+    of each task from the train split, shuffled; ``valid.jsonl`` and ``test.jsonl`` with ``held_out``
+    instances of each from the eval split."""
+    import os
+
+    rng = random.Random(f"data-{seed}")
+    os.makedirs(folder, exist_ok=True)
+    for split, counts in (("train", mix), ("valid", dict.fromkeys(mix, held_out)), ("test", dict.fromkeys(mix, held_out))):
+        rows = [make_instance(task, rng, "train" if split == "train" else "eval")
+                for task, n in counts.items() for _ in range(n)]
+        rng.shuffle(rows)
+        with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
+            for prompt, answer in rows:
+                messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+                f.write(json.dumps({"messages": messages}) + "\n")
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write a fine-tuning data folder of task instances (chat jsonl).")
+    ap.add_argument("out")
+    ap.add_argument("--mix", default="upper=1000", help="task=count,... for train.jsonl (e.g. upper=1000,sort=100)")
+    ap.add_argument("--held-out", type=int, default=50, help="instances per task in valid.jsonl and test.jsonl")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    mix = {}
+    for item in args.mix.split(","):
+        task, _, count = item.partition("=")
+        if task not in TASKS + UNSEEN_TASKS or not count.isdigit():
+            ap.error(f"--mix: {item!r} is not task=count with a task of {TASKS + UNSEEN_TASKS}")
+        mix[task] = int(count)
+    write_dataset(args.out, mix, args.held_out, args.seed)
+
+
+if __name__ == "__main__":
+    main()

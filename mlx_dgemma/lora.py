@@ -1,0 +1,282 @@
+"""Fine-tune a DiffusionGemma with its own objective: LoRA, QLoRA (LoRA on a quantized base) or full.
+
+    python -m mlx_dgemma.lora --train --data DIR [--model PATH] [--iters 600] [--learning-rate 1e-3]
+    python -m mlx_dgemma.lora --test --data DIR --adapter-path adapters
+
+mlx-lm's flags, data forms (data.py) and adapter files: ``adapters.safetensors`` (the trainable
+parameters), ``adapter_config.json`` (the run's options, ``fine_tune_type``, ``num_layers``,
+``lora_parameters``), and ``NNNNNNN_adapters.safetensors`` every ``--save-every`` iterations. The
+LoRA layers and the adapter loader are mlx-lm's own (``mlx_lm.tuner``), so adapters move between the
+two; the loss is DiffusionGemma's (train.py), not a next-token loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from . import train
+from .data import DataError, iterate_batches, load_dataset
+
+ADAPTERS = "adapters.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+CONFIG_DEFAULTS = {
+    "model": None,
+    "train": False,
+    "data": "data",
+    "fine_tune_type": "lora",
+    "optimizer": "adam",
+    "seed": 0,
+    "num_layers": None,  # mlx-lm's 16, or all the model has if fewer
+    "batch_size": 4,
+    "iters": 1000,
+    "val_batches": 25,
+    "learning_rate": 1e-5,
+    "steps_per_report": 10,
+    "steps_per_eval": 200,
+    "resume_adapter_file": None,
+    "adapter_path": "adapters",
+    "save_every": 100,
+    "test": False,
+    "test_batches": 500,
+    "max_seq_length": None,  # the model's context
+    "grad_checkpoint": False,
+    "mask_prompt": False,
+    "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0},
+}
+
+
+class FineTuneError(ValueError):
+    """A fine-tuning request that cannot be carried out; the message says why."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="LoRA, QLoRA or full fine-tuning with DiffusionGemma's objective.")
+    p.add_argument("--model", help="Checkpoint folder or Hub id [default: the bundled demo model].")
+    p.add_argument("--train", action="store_true", default=None, help="Do training.")
+    p.add_argument("--data", help="Folder with train.jsonl, valid.jsonl, test.jsonl.")
+    p.add_argument("--fine-tune-type", choices=["lora", "full"], help="lora (QLoRA on a quantized model) or full.")
+    p.add_argument("--optimizer", choices=["adam", "adamw"])
+    p.add_argument("--mask-prompt", action="store_true", default=None,
+                   help="Keep the prompt out of the encoder's causal-LM loss.")
+    p.add_argument("--num-layers", type=int, help="Layers to fine-tune, from the last [default: 16]; -1 for all.")
+    p.add_argument("--batch-size", type=int, help="Minibatch size.")
+    p.add_argument("--iters", type=int, help="Iterations to train for.")
+    p.add_argument("--val-batches", type=int, help="Validation batches, -1 for the whole validation set.")
+    p.add_argument("--learning-rate", type=float, help="Adam learning rate.")
+    p.add_argument("--steps-per-report", type=int, help="Training steps between loss reports.")
+    p.add_argument("--steps-per-eval", type=int, help="Training steps between validations.")
+    p.add_argument("--resume-adapter-file", help="Start from these adapter weights.")
+    p.add_argument("--adapter-path", help="Save/load path for the adapters.")
+    p.add_argument("--save-every", type=int, help="Save the adapters every N iterations.")
+    p.add_argument("--test", action="store_true", default=None, help="Evaluate on the test set (after training).")
+    p.add_argument("--test-batches", type=int, help="Test batches, -1 for the whole test set.")
+    p.add_argument("--max-seq-length", type=int, help="Longest sample (prompt + canvases) [default: the context].")
+    p.add_argument("-c", "--config", help="A YAML file with these options (and lora_parameters).")
+    p.add_argument("--grad-checkpoint", action="store_true", default=None,
+                   help="Recompute each layer in the backward pass to save memory.")
+    p.add_argument("--seed", type=int, help="The PRNG seed (data order, noise, LoRA init).")
+    return p
+
+
+def resolve_args(argv=None) -> argparse.Namespace:
+    """Flags over the YAML config over mlx-lm's defaults."""
+    args = build_parser().parse_args(argv)
+    config = {}
+    if args.config:
+        import yaml
+
+        try:
+            config = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise FineTuneError(f"cannot read the config {args.config}: {e}") from None
+        if unknown := sorted(set(config) - set(CONFIG_DEFAULTS)):
+            raise FineTuneError(f"{args.config}: unknown option {unknown[0]!r}")
+    for key, default in CONFIG_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, config.get(key, default))
+    return args
+
+
+def apply_fine_tune(model, fine_tune_type: str, num_layers: int, lora_parameters: dict) -> None:
+    """Freeze the model, then make the last ``num_layers`` layers trainable: their linear layers
+    become mlx-lm's LoRA layers (on quantized ones: QLoRA), or (full) the layers themselves.
+    Encoder and decoder share these layers, so both passes use the adapters."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    if fine_tune_type == "full":
+        layers = model.layers[-num_layers:]
+        if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for layer in layers for _, m in
+               layer.named_modules()) or model.config.quantization:
+            raise FineTuneError("full fine-tuning needs an unquantized model; use --fine-tune-type lora (QLoRA)")
+        for layer in layers:
+            layer.unfreeze()
+    elif fine_tune_type == "lora":
+        linear_to_lora_layers(model, num_layers, lora_parameters)
+    else:
+        raise FineTuneError(f"unknown fine-tune type {fine_tune_type!r}; choose lora or full")
+
+
+def save_adapters(model, path: Path) -> None:
+    mx.save_safetensors(str(path), dict(tree_flatten(model.trainable_parameters())))
+
+
+def load_adapters(model, adapter_path: str | Path):
+    """Apply the adapters of an mlx-lm style adapter folder to ``model`` (in place)."""
+    from mlx_lm.tuner.utils import load_adapters as mlx_lm_load_adapters
+
+    folder = Path(adapter_path)
+    for name in (ADAPTER_CONFIG, ADAPTERS):
+        if not (folder / name).is_file():
+            raise FineTuneError(f"no {name} in {folder}; pass the --adapter-path a training run wrote")
+    try:
+        return mlx_lm_load_adapters(model, str(folder))
+    except (ValueError, KeyError) as e:
+        reason = " ".join(str(e).split())
+        raise FineTuneError(f"adapters in {folder} do not fit this model: {reason}") from None
+
+
+def evaluate(model, examples, batch_size: int, num_batches: int, seed: int,
+             objective: train.ObjectiveConfig) -> tuple[float, float, float]:
+    """Mean total, decoder and encoder loss over ``num_batches`` (-1: all), under noise drawn from
+    ``seed`` each time, so that evaluations during a run are comparable."""
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    sums, count = np.zeros(3), 0
+    batches = iterate_batches(examples, batch_size, cfg.canvas_length, cfg.pad_token_id)
+    for i, batch in enumerate(batches):
+        if i == num_batches:
+            break
+        noise = train.draw_noise(rng, batch, cfg.canvas_length, cfg.vocab_size, objective)
+        losses = train.loss(model, batch, noise, objective)
+        sums += batch.size * np.array([losses.total.item(), losses.decoder.item(), losses.encoder.item()])
+        count += batch.size
+    return tuple(sums / max(count, 1))
+
+
+def run_training(model, args, train_set, valid_set, objective: train.ObjectiveConfig, log=print) -> None:
+    cfg = model.config
+    adapter_path = Path(args.adapter_path)
+    adapter_path.mkdir(parents=True, exist_ok=True)
+    (adapter_path / ADAPTER_CONFIG).write_text(json.dumps(
+        {k: v for k, v in vars(args).items() if k != "config"}, indent=4))
+    optimizer = (optim.AdamW if args.optimizer == "adamw" else optim.Adam)(learning_rate=args.learning_rate)
+
+    def step_loss(batch, noise):
+        losses = train.loss(model, batch, noise, objective, args.grad_checkpoint)
+        return losses.total, losses.decoder, losses.encoder
+
+    value_and_grad = nn.value_and_grad(model, step_loss)
+    data_rng, noise_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
+    batches = iterate_batches(train_set, args.batch_size, cfg.canvas_length, cfg.pad_token_id, data_rng, loop=True)
+    sums, steps, tokens, trained, elapsed = np.zeros(3), 0, 0, 0, 0.0
+    model.train()
+    for it in range(1, args.iters + 1):
+        if valid_set and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
+            start = time.perf_counter()
+            val = evaluate(model, valid_set, args.batch_size, args.val_batches, args.seed + 2, objective)
+            log(f"Iter {it}: Val loss {val[0]:.3f} (decoder {val[1]:.3f}, encoder {val[2]:.3f}), "
+                f"Val took {time.perf_counter() - start:.1f}s")
+        start = time.perf_counter()
+        batch = next(batches)
+        noise = train.draw_noise(noise_rng, batch, cfg.canvas_length, cfg.vocab_size, objective)
+        (total, decoder, encoder), grads = value_and_grad(batch, noise)
+        optimizer.update(model, grads)
+        mx.eval(model.trainable_parameters(), optimizer.state, total, decoder, encoder)
+        elapsed += time.perf_counter() - start
+        sums += [total.item(), decoder.item(), encoder.item()]
+        steps += 1
+        tokens += batch.size * (batch.ids.shape[1] + batch.canvases * cfg.canvas_length)
+        if it % args.steps_per_report == 0 or it == args.iters:
+            trained += tokens
+            mean = sums / steps
+            log(f"Iter {it}: Train loss {mean[0]:.3f} (decoder {mean[1]:.3f}, encoder {mean[2]:.3f}), "
+                f"Learning Rate {args.learning_rate:.3e}, It/sec {steps / elapsed:.3f}, "
+                f"Tokens/sec {tokens / elapsed:.1f}, Trained Tokens {trained}, "
+                f"Peak mem {mx.get_peak_memory() / 1e9:.3f} GB")
+            sums, steps, tokens, elapsed = np.zeros(3), 0, 0, 0.0
+        if it % args.save_every == 0:
+            save_adapters(model, adapter_path / ADAPTERS)
+            save_adapters(model, adapter_path / f"{it:07d}_{ADAPTERS}")
+            log(f"Iter {it}: Saved adapter weights to {adapter_path / ADAPTERS} and "
+                f"{adapter_path / f'{it:07d}_{ADAPTERS}'}.")
+    save_adapters(model, adapter_path / ADAPTERS)
+    log(f"Saved final weights to {adapter_path / ADAPTERS}.")
+
+
+def _resume(model, path: str) -> None:
+    try:
+        weights = mx.load(path)
+    except Exception:  # MLX raises bare ValueError/RuntimeError for a missing or damaged file
+        raise FineTuneError(f"cannot read the adapter file {path}") from None
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    for name, value in weights.items():
+        if name not in trainable or trainable[name].shape != value.shape:
+            raise FineTuneError(f"{path}: {name} is not a trainable parameter of this run "
+                                "(same --fine-tune-type, --num-layers and LoRA rank as the run that wrote it?)")
+    model.load_weights(list(weights.items()), strict=False)
+
+
+def run(args, log=print) -> None:
+    from .generate import DEMO_MODEL
+    from .loader import load
+
+    mx.random.seed(args.seed)
+    model, tokenizer = load(args.model or DEMO_MODEL)
+    cfg = model.config
+    n_layers = len(model.layers)
+    if args.num_layers is None:
+        args.num_layers = min(16, n_layers)
+    elif args.num_layers < 0:
+        args.num_layers = n_layers
+    elif not 1 <= args.num_layers <= n_layers:
+        raise FineTuneError(f"--num-layers {args.num_layers}: the model has {n_layers} layers (-1: all)")
+    max_length = args.max_seq_length or cfg.max_position_embeddings
+    splits = (("train", "valid") if args.train else ()) + (("test",) if args.test else ())
+    if not splits:
+        raise FineTuneError("give --train, --test or both")
+    data = load_dataset(args.data, tokenizer, cfg.canvas_length, max_length, splits, args.mask_prompt)
+    gen = getattr(model, "generation_config", None)
+    objective = train.ObjectiveConfig(t_min=gen.t_min, t_max=gen.t_max) if gen else train.ObjectiveConfig()
+    if args.train:
+        if len(data["train"]) < args.batch_size:
+            raise FineTuneError(f"train.jsonl has {len(data['train'])} samples, fewer than --batch-size "
+                                f"{args.batch_size}")
+        apply_fine_tune(model, args.fine_tune_type, args.num_layers, args.lora_parameters)
+        if args.resume_adapter_file:
+            _resume(model, args.resume_adapter_file)
+        trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+        total = sum(v.size for _, v in tree_flatten(model.parameters()))
+        log(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M), "
+            f"{args.fine_tune_type} on the last {args.num_layers} of {n_layers} layers")
+        run_training(model, args, data["train"], data["valid"], objective, log)
+    elif args.adapter_path:
+        load_adapters(model, args.adapter_path)
+    if args.test:
+        model.eval()
+        loss, decoder, encoder = evaluate(model, data["test"], args.batch_size, args.test_batches, args.seed + 3,
+                                          objective)
+        log(f"Test loss {loss:.3f} (decoder {decoder:.3f}, encoder {encoder:.3f}).")
+
+
+def main(argv=None) -> None:
+    try:
+        run(resolve_args(argv))
+    except (DataError, FineTuneError, ValueError) as e:
+        print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Fine-tuning: the MLX objective against the reference's, adapters (train, save, load, fuse), bad data."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+from mlx.utils import tree_flatten
+
+from convert import train_demo
+from mlx_dgemma import train
+from mlx_dgemma.data import DataError, load_dataset, load_split, make_example
+from mlx_dgemma.fuse import dequantize_model, fuse_adapters, save_model
+from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma.loader import load, load_model
+from mlx_dgemma.lora import FineTuneError, apply_fine_tune, load_adapters, save_adapters
+from tests.reference import load_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = {"rank": 4, "dropout": 0.0, "scale": 10.0}
+
+
+def random_examples(rng, vocab, shapes):
+    """(prompt length, answer length) → examples of random ids, <bos> first and <eos> last."""
+    return [train.Example([2] + rng.integers(5, vocab, p).tolist(), rng.integers(5, vocab, a).tolist() + [1])
+            for p, a in shapes]
+
+
+def reference_inputs(batch, noise):
+    ids = torch.tensor(np.array(batch.ids)).long()
+    ref_batch = (ids, torch.tensor(np.array(batch.pad)).long(), batch.prefix_length, batch.canvases,
+                 torch.tensor(np.array(batch.scored)))
+    ref_noise = {"t": torch.tensor(np.array(noise.t))[:, :, None], "replace": torch.tensor(np.array(noise.replace)),
+                 "tokens": torch.tensor(np.array(noise.tokens)).long(),
+                 "sc_mask": torch.tensor(np.array(noise.self_conditioning)),
+                 "temp": torch.tensor(np.array(noise.temperature))[:, None, None]}
+    return ref_batch, ref_noise
+
+
+@pytest.mark.parametrize("preset", ["small", "mixed"])
+@pytest.mark.parametrize("self_conditioning", [[True, False, True], [False, False, False]])
+def test_loss_matches_reference(checkpoints, preset, self_conditioning):
+    """Same batch (prompts of three lengths, left-padded past the sliding window; two canvases each)
+    and the same noise draws: decoder and encoder losses agree with the reference's objective."""
+    path = checkpoints(preset)
+    model, reference = load_model(path), load_reference(path)
+    cfg = model.config
+    C = cfg.canvas_length
+    rng = np.random.default_rng(3)
+    batch = train.collate(random_examples(rng, cfg.vocab_size, [(9, C + 3), (14, 2 * C - 1), (6, C + 1)]), C, 0)
+    assert batch.canvases == 2 and batch.prefix_length > cfg.sliding_window
+    noise = train.draw_noise(rng, batch, C, cfg.vocab_size)
+    noise.self_conditioning = mx.array(self_conditioning)
+    ours = train.loss(model, batch, noise)
+    with torch.no_grad():
+        dec, enc, _ = train_demo.objective(reference, *reference_inputs(batch, noise), C, cfg.sliding_window)
+    assert abs(ours.decoder.item() - dec.item()) <= 1e-4 * abs(dec.item())
+    assert abs(ours.encoder.item() - enc.item()) <= 1e-4 * abs(enc.item())
+    assert abs(ours.total.item() - (dec + enc).item()) <= 1e-4 * abs((dec + enc).item())
+
+
+def test_chat_data_has_the_demo_training_layout():
+    """A chat-form sample becomes exactly the ids the demo model was trained on."""
+    _, tokenizer = load(DEMO_MODEL)
+    tok = train_demo.Tok(str(DEMO_MODEL / "tokenizer.model"))
+    prompt, answer = "reverse: planet", "tenalp"
+    example = make_example({"messages": [{"role": "user", "content": prompt},
+                                         {"role": "assistant", "content": answer}]}, tokenizer, "x:1")
+    assert example.prefix == [train_demo.BOS] + tok.encode(train_demo.render_prompt(prompt))
+    assert example.answer == tok.encode(answer) + [tok.turn_end]
+
+
+def adam_steps(model, steps=3, seed=0, lr=1e-2):
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    batch = train.collate(random_examples(rng, cfg.vocab_size, [(7, 5), (11, 8)]), cfg.canvas_length, 0)
+    optimizer = optim.Adam(learning_rate=lr)
+    value_and_grad = nn.value_and_grad(model, lambda b, n: train.loss(model, b, n).total)
+    losses = []
+    for _ in range(steps):
+        noise = train.draw_noise(rng, batch, cfg.canvas_length, cfg.vocab_size)
+        loss, grads = value_and_grad(batch, noise)
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state)
+        losses.append(loss.item())
+    return losses
+
+
+def snapshot(model):
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def test_lora_trains_only_the_adapters(checkpoints):
+    model = load_model(checkpoints("small"))
+    apply_fine_tune(model, "lora", 2, LORA)
+    before = snapshot(model)
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    assert trainable and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for k in trainable)
+    assert all(k.startswith(("model.decoder.layers.2.", "model.decoder.layers.3.")) for k in trainable)
+    adam_steps(model)
+    after = snapshot(model)
+    for key, value in before.items():
+        if key in trainable:
+            assert not np.array_equal(value, after[key]), f"{key} did not train"
+        else:
+            assert np.array_equal(value, after[key]), f"frozen {key} changed"
+
+
+def test_full_fine_tune_trains_the_last_layers_only(checkpoints):
+    model = load_model(checkpoints("small"))
+    apply_fine_tune(model, "full", 1, LORA)
+    before = snapshot(model)
+    adam_steps(model)
+    after = snapshot(model)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed and all(k.startswith("model.decoder.layers.3.") for k in changed)
+    assert "model.decoder.layers.3.self_attn.q_proj.weight" in changed
+
+
+def quantized_demo():
+    model, _ = load(DEMO_MODEL)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    return model
+
+
+def test_qlora_on_a_quantized_model():
+    """LoRA on the demo model quantized to 4 bits: the quantized weights stay as they are."""
+    with pytest.raises(FineTuneError, match="unquantized"):
+        apply_fine_tune(quantized_demo(), "full", 1, LORA)
+    model = quantized_demo()
+    apply_fine_tune(model, "lora", 2, LORA)
+    assert isinstance(model.layers[-1].self_attn.q_proj.linear, nn.QuantizedLinear)
+    before = snapshot(model)
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    losses = adam_steps(model, steps=4, lr=3e-3)
+    after = snapshot(model)
+    assert np.isfinite(losses).all()
+    assert all(np.array_equal(before[k], after[k]) for k in before if k not in trainable)
+    assert all(not np.array_equal(before[k], after[k]) for k in trainable)
+
+
+def canvas_logits(model, seed=5):
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    cache = model.make_cache()
+    model.encode(mx.array(rng.integers(0, cfg.vocab_size, (1, 9)), dtype=mx.int32), cache)
+    return np.array(model.denoise(mx.array(rng.integers(0, cfg.vocab_size, (1, cfg.canvas_length))), cache))
+
+
+def write_adapters(model, folder: Path, num_layers: int, fine_tune_type="lora"):
+    folder.mkdir(parents=True, exist_ok=True)
+    save_adapters(model, folder / "adapters.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": fine_tune_type, "num_layers": num_layers, "lora_parameters": LORA}))
+
+
+def relative_error(a, b):
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+def test_adapters_save_load_and_fuse_give_the_same_logits(checkpoints, tmp_path):
+    from mlx_dgemma.convert import convert
+
+    path = checkpoints("small")
+    trained = load_model(path)
+    base_logits = canvas_logits(trained)
+    apply_fine_tune(trained, "lora", 3, LORA)
+    adam_steps(trained)
+    trained.eval()
+    expected = canvas_logits(trained)
+    assert relative_error(expected, base_logits) > 1e-3  # the adapters change the model
+    write_adapters(trained, tmp_path / "adapters", 3)
+
+    loaded, _ = load(path, adapter_path=tmp_path / "adapters")
+    np.testing.assert_array_equal(canvas_logits(loaded), expected)
+
+    save_model(fuse_adapters(loaded), path, tmp_path / "fused")
+    fused, _ = load(tmp_path / "fused")
+    assert not any(hasattr(m, "lora_a") for _, m in fused.named_modules())
+    assert relative_error(canvas_logits(fused), expected) <= 1e-4
+    converted = convert(str(tmp_path / "fused"), str(tmp_path / "converted"), progress=False)
+    assert relative_error(canvas_logits(load(converted)[0]), expected) <= 1e-4
+
+
+def test_qlora_fuse_dequantized_gives_the_same_logits(tmp_path):
+    from mlx_dgemma.convert import convert
+
+    base = convert(str(DEMO_MODEL), str(tmp_path / "q4"), quantize=True, q_bits=4, q_group_size=32, progress=False)
+    model, _ = load(base)
+    apply_fine_tune(model, "lora", 2, LORA)
+    adam_steps(model, lr=3e-3)
+    model.eval()
+    expected = canvas_logits(model)
+    write_adapters(model, tmp_path / "adapters", 2)
+    result = subprocess.run([sys.executable, "-m", "mlx_dgemma.fuse", "--model", str(base), "--adapter-path",
+                             str(tmp_path / "adapters"), "--save-path", str(tmp_path / "fused"), "--dequantize"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    fused, _ = load(tmp_path / "fused")
+    assert "quantization" not in json.loads((tmp_path / "fused" / "config.json").read_text())
+    assert relative_error(canvas_logits(fused), expected) <= 1e-4
+
+
+def test_adapters_that_do_not_fit_are_refused(checkpoints, tmp_path):
+    trained = load_model(checkpoints("small"))
+    apply_fine_tune(trained, "lora", 2, LORA)
+    write_adapters(trained, tmp_path / "a", 2)
+    with pytest.raises(FineTuneError, match="do not fit"):
+        load_adapters(load_model(checkpoints("mixed")), tmp_path / "a")
+    with pytest.raises(FineTuneError, match="no adapter_config.json"):
+        load_adapters(load_model(checkpoints("small")), tmp_path / "missing")
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load(DEMO_MODEL)[1]
+
+
+def write(path: Path, lines: list) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def chat(prompt, answer):
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+
+
+def test_data_forms(tokenizer, tmp_path):
+    path = write(tmp_path / "train.jsonl", [chat("upper: ab", "AB"), {"prompt": "upper: ab", "completion": "AB"},
+                                            {"text": "hello"}])
+    as_chat, as_completion, as_text = load_split(path, tokenizer, 32, 1024)
+    assert as_chat == as_completion
+    assert as_text.prefix == [tokenizer.bos_token_id] and as_text.answer[-1] == tokenizer.stop_ids[0]
+    masked = load_split(write(tmp_path / "m.jsonl", [chat("upper: ab", "AB")]), tokenizer, 32, 1024, mask_prompt=True)
+    batch = train.collate(masked, 32, 0)
+    scored = np.array(batch.scored[0])
+    assert scored.sum() == len(masked[0].answer) and scored[len(masked[0].prefix) - 1]
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([chat("a", "b"), "{not json"], r"train\.jsonl:2: not valid JSON"),
+    ([chat("a", "b"), {"question": "a"}], r"train\.jsonl:2: expected 'messages', 'prompt' and 'completion', or 'text'"),
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
+     r"train\.jsonl:1: the last message must be the assistant's answer"),
+    ([], r"train\.jsonl has no samples"),
+    ([chat("a", "b"), chat("a", "x" * 100)], r"train\.jsonl:2: the sample takes \d+ positions .* more than the "
+                                             r"context of 96"),
+])
+def test_bad_data_names_file_and_line(tokenizer, tmp_path, lines, message):
+    path = write(tmp_path / "train.jsonl", lines)
+    with pytest.raises(DataError, match=message):
+        load_split(path, tokenizer, 32, 96)
+
+
+def test_missing_split_and_text_with_mask_prompt(tokenizer, tmp_path):
+    write(tmp_path / "train.jsonl", [{"text": "abc"}])
+    with pytest.raises(DataError, match=r"valid\.jsonl is missing"):
+        load_dataset(tmp_path, tokenizer, 32, 1024)
+    with pytest.raises(DataError, match=r"train\.jsonl:1: --mask-prompt needs chat or completions data"):
+        load_dataset(tmp_path, tokenizer, 32, 1024, splits=("train",), mask_prompt=True)
+
+
+def lora_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mlx_dgemma.lora", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_cli_trains_saves_tests_and_generates(tmp_path):
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "mlx_dgemma.tasks", str(data), "--mix", "upper=12,json=4",
+                    "--held-out", "2"], check=True, cwd=ROOT)
+    adapters = tmp_path / "adapters"
+    result = lora_cli("--train", "--data", data, "--iters", 4, "--batch-size", 4, "--num-layers", 2,
+                      "--learning-rate", 1e-3, "--steps-per-report", 2, "--steps-per-eval", 4, "--save-every", 2,
+                      "--adapter-path", adapters, "--grad-checkpoint", "--test")
+    assert result.returncode == 0, result.stderr
+    assert "Iter 2: Train loss" in result.stdout and "Tokens/sec" in result.stdout
+    assert "Iter 4: Val loss" in result.stdout and "Test loss" in result.stdout
+    assert {p.name for p in adapters.iterdir()} == {"adapters.safetensors", "adapter_config.json",
+                                                   "0000002_adapters.safetensors", "0000004_adapters.safetensors"}
+    config = json.loads((adapters / "adapter_config.json").read_text())
+    assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2 and config["lora_parameters"]["rank"] == 8
+
+    resumed = lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--num-layers", 2,
+                       "--adapter-path", tmp_path / "resumed", "--resume-adapter-file",
+                       adapters / "0000002_adapters.safetensors")
+    assert resumed.returncode == 0, resumed.stderr
+    wrong = lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--fine-tune-type", "full",
+                     "--adapter-path", tmp_path / "wrong", "--resume-adapter-file", adapters / "adapters.safetensors")
+    assert wrong.returncode == 1 and "is not a trainable parameter" in wrong.stderr
+
+    generated = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc",
+                                "--adapter-path", adapters], capture_output=True, text=True, cwd=ROOT)
+    assert generated.returncode == 0, generated.stderr
+
+
+def test_cli_bad_data_is_one_line(tmp_path):
+    write(tmp_path / "train.jsonl", [chat("a", "b"), "[1, 2"])
+    write(tmp_path / "valid.jsonl", [chat("a", "b")])
+    result = lora_cli("--train", "--data", tmp_path, "--iters", 1, "--adapter-path", tmp_path / "adapters")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {tmp_path / 'train.jsonl'}:2: not valid JSON (Expecting ',' delimiter at column 6)"]
+    assert not (tmp_path / "adapters").exists()
