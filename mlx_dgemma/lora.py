@@ -42,6 +42,7 @@ CONFIG_DEFAULTS = {
     "iters": 1000,
     "val_batches": 25,
     "learning_rate": 1e-5,
+    "lr_schedule": None,  # YAML only, mlx-lm's form: {name: cosine_decay, arguments: [1e-5, 1000], warmup: 100}
     "steps_per_report": 10,
     "steps_per_eval": 200,
     "resume_adapter_file": None,
@@ -171,7 +172,10 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
     adapter_path.mkdir(parents=True, exist_ok=True)
     (adapter_path / ADAPTER_CONFIG).write_text(json.dumps(
         {k: v for k, v in vars(args).items() if k != "config"}, indent=4))
-    optimizer = (optim.AdamW if args.optimizer == "adamw" else optim.Adam)(learning_rate=args.learning_rate)
+    from mlx_lm.tuner.utils import build_schedule
+
+    learning_rate = build_schedule(args.lr_schedule) if args.lr_schedule else args.learning_rate
+    optimizer = (optim.AdamW if args.optimizer == "adamw" else optim.Adam)(learning_rate=learning_rate)
 
     def step_loss(batch, noise):
         losses = train.loss(model, batch, noise, objective, args.grad_checkpoint)
@@ -202,7 +206,7 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
             trained += tokens
             mean = sums / steps
             log(f"Iter {it}: Train loss {mean[0]:.3f} (decoder {mean[1]:.3f}, encoder {mean[2]:.3f}), "
-                f"Learning Rate {args.learning_rate:.3e}, It/sec {steps / elapsed:.3f}, "
+                f"Learning Rate {optimizer.learning_rate.item():.3e}, It/sec {steps / elapsed:.3f}, "
                 f"Tokens/sec {tokens / elapsed:.1f}, Trained Tokens {trained}, "
                 f"Peak mem {mx.get_peak_memory() / 1e9:.3f} GB")
             sums, steps, tokens, elapsed = np.zeros(3), 0, 0, 0.0
@@ -222,9 +226,12 @@ def _resume(model, path: str) -> None:
         raise FineTuneError(f"cannot read the adapter file {path}") from None
     trainable = dict(tree_flatten(model.trainable_parameters()))
     for name, value in weights.items():
-        if name not in trainable or trainable[name].shape != value.shape:
+        if name not in trainable:
             raise FineTuneError(f"{path}: {name} is not a trainable parameter of this run "
-                                "(same --fine-tune-type, --num-layers and LoRA rank as the run that wrote it?)")
+                                "(same --fine-tune-type and --num-layers as the run that wrote it?)")
+        if trainable[name].shape != value.shape:
+            raise FineTuneError(f"{path}: {name} has shape {tuple(value.shape)}, this run's "
+                                f"{tuple(trainable[name].shape)} (same LoRA rank as the run that wrote it?)")
     model.load_weights(list(weights.items()), strict=False)
 
 

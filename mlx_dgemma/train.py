@@ -141,7 +141,7 @@ def head(model: DiffusionGemma, hidden: mx.array) -> mx.array:
     return cap * mx.tanh(model.model.decoder.embed_tokens.as_linear(hidden).astype(mx.float32) / cap)
 
 
-def _encoder_layer(layer, scalar, h, positions, mask):
+def _encoder_layer(layer, h, positions, mask, scalar):
     attn = layer.self_attn
     q, k, v = attn.project(layer.input_layernorm(h), positions)
     r = h + layer.post_attention_layernorm(attn.attend(q, k, v, mask))
@@ -184,8 +184,8 @@ class Forward:
         h = model._embed(ids)
         kv = []
         for layer, scalar in zip(model.layers, scalars):
-            h, k, v = self._body(lambda lay, *a: _encoder_layer(lay, scalar.layer_scalar, *a), layer)(
-                h, positions, masks[layer.self_attn.sliding])
+            h, k, v = self._body(_encoder_layer, layer)(h, positions, masks[layer.self_attn.sliding],
+                                                        scalar.layer_scalar)
             kv.append((k, v))
         return model.model.decoder.norm(h), kv
 

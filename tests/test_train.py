@@ -65,6 +65,24 @@ def test_loss_matches_reference(checkpoints, preset, self_conditioning):
     assert abs(ours.total.item() - (dec + enc).item()) <= 1e-4 * abs((dec + enc).item())
 
 
+def test_grad_checkpoint_gives_the_same_gradients(checkpoints):
+    model = load_model(checkpoints("small"))
+    apply_fine_tune(model, "lora", 4, LORA)
+    cfg = model.config
+    rng = np.random.default_rng(1)
+    batch = train.collate(random_examples(rng, cfg.vocab_size, [(7, 5), (11, 8)]), cfg.canvas_length, 0)
+    noise = train.draw_noise(rng, batch, cfg.canvas_length, cfg.vocab_size)
+    noise.self_conditioning = mx.array([True, False])
+    for layer in model.layers:  # non-zero B, so that gradients reach A too
+        for _, m in layer.named_modules():
+            if hasattr(m, "lora_b"):
+                m.lora_b = mx.random.normal(m.lora_b.shape) * 0.01
+    grads = [dict(tree_flatten(nn.value_and_grad(model, lambda: train.loss(model, batch, noise, grad_checkpoint=c)
+                                                 .total)()[1])) for c in (False, True)]
+    for key, plain in grads[0].items():
+        np.testing.assert_allclose(np.array(grads[1][key]), np.array(plain), rtol=1e-4, atol=1e-7, err_msg=key)
+
+
 def test_chat_data_has_the_demo_training_layout():
     """A chat-form sample becomes exactly the ids the demo model was trained on."""
     _, tokenizer = load(DEMO_MODEL)
@@ -280,24 +298,27 @@ def test_cli_trains_saves_tests_and_generates(tmp_path):
     subprocess.run([sys.executable, "-m", "mlx_dgemma.tasks", str(data), "--mix", "upper=12,json=4",
                     "--held-out", "2"], check=True, cwd=ROOT)
     adapters = tmp_path / "adapters"
+    (tmp_path / "config.yaml").write_text("lora_parameters: {rank: 4, dropout: 0.0, scale: 10.0}\n"
+                                          "lr_schedule: {name: cosine_decay, arguments: [1.0e-3, 4], warmup: 1}\n")
     result = lora_cli("--train", "--data", data, "--iters", 4, "--batch-size", 4, "--num-layers", 2,
-                      "--learning-rate", 1e-3, "--steps-per-report", 2, "--steps-per-eval", 4, "--save-every", 2,
-                      "--adapter-path", adapters, "--grad-checkpoint", "--test")
+                      "-c", tmp_path / "config.yaml", "--steps-per-report", 2, "--steps-per-eval", 4,
+                      "--save-every", 2, "--adapter-path", adapters, "--grad-checkpoint", "--test")
     assert result.returncode == 0, result.stderr
     assert "Iter 2: Train loss" in result.stdout and "Tokens/sec" in result.stdout
     assert "Iter 4: Val loss" in result.stdout and "Test loss" in result.stdout
     assert {p.name for p in adapters.iterdir()} == {"adapters.safetensors", "adapter_config.json",
                                                    "0000002_adapters.safetensors", "0000004_adapters.safetensors"}
     config = json.loads((adapters / "adapter_config.json").read_text())
-    assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2 and config["lora_parameters"]["rank"] == 8
+    assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2 and config["lora_parameters"]["rank"] == 4
 
-    resumed = lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--num-layers", 2,
-                       "--adapter-path", tmp_path / "resumed", "--resume-adapter-file",
-                       adapters / "0000002_adapters.safetensors")
+    def resume(*args):
+        return lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--adapter-path",
+                        tmp_path / "resumed", "--resume-adapter-file", adapters / "0000002_adapters.safetensors", *args)
+
+    resumed = resume("--num-layers", 2, "-c", tmp_path / "config.yaml")
     assert resumed.returncode == 0, resumed.stderr
-    wrong = lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--fine-tune-type", "full",
-                     "--adapter-path", tmp_path / "wrong", "--resume-adapter-file", adapters / "adapters.safetensors")
-    assert wrong.returncode == 1 and "is not a trainable parameter" in wrong.stderr
+    assert "has shape (4, 256), this run's (8, 256)" in resume("--num-layers", 2).stderr  # mlx-lm's rank 8
+    assert "is not a trainable parameter" in resume("--fine-tune-type", "full").stderr
 
     generated = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc",
                                 "--adapter-path", adapters], capture_output=True, text=True, cwd=ROOT)
