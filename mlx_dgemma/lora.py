@@ -5,9 +5,9 @@
 
 mlx-lm's flags, data forms (data.py) and adapter files: ``adapters.safetensors`` (the trainable
 parameters), ``adapter_config.json`` (the run's options, ``fine_tune_type``, ``num_layers``,
-``lora_parameters``), and ``NNNNNNN_adapters.safetensors`` every ``--save-every`` iterations. The
-LoRA layers and the adapter loader are mlx-lm's own (``mlx_lm.tuner``), so adapters move between the
-two; the loss is DiffusionGemma's (train.py), not a next-token loss.
+``lora_parameters``, ``train_embeddings``), and ``NNNNNNN_adapters.safetensors`` every
+``--save-every`` iterations. The LoRA layers are mlx-lm's own (``mlx_lm.tuner``), so LoRA adapters
+move between the two; the loss is DiffusionGemma's (train.py), not a next-token loss.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ CONFIG_DEFAULTS = {
     "max_seq_length": None,  # the model's context
     "grad_checkpoint": False,
     "mask_prompt": False,
+    "train_embeddings": False,
     "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0},
 }
 
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["adam", "adamw"])
     p.add_argument("--mask-prompt", action="store_true", default=None,
                    help="Keep the prompt out of the encoder's causal-LM loss.")
+    p.add_argument("--train-embeddings", action="store_true", default=None,
+                   help="Also train the token embeddings, which are the tied output head (PEFT's modules_to_save): "
+                        "for tokens the model never produced. They are saved with the adapters.")
     p.add_argument("--num-layers", type=int, help="Layers to fine-tune, from the last [default: 16]; -1 for all.")
     p.add_argument("--batch-size", type=int, help="Minibatch size.")
     p.add_argument("--iters", type=int, help="Iterations to train for.")
@@ -109,13 +113,18 @@ def resolve_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def apply_fine_tune(model, fine_tune_type: str, num_layers: int, lora_parameters: dict) -> None:
+def apply_fine_tune(model, fine_tune_type: str, num_layers: int, lora_parameters: dict,
+                    train_embeddings: bool = False) -> None:
     """Freeze the model, then make the last ``num_layers`` layers trainable: their linear layers
     become mlx-lm's LoRA layers (on quantized ones: QLoRA), or (full) the layers themselves.
-    Encoder and decoder share these layers, so both passes use the adapters."""
+    Encoder and decoder share these layers, so both passes use the adapters. ``train_embeddings``
+    unfreezes the token embeddings too (input and tied head)."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model.freeze()
+    embed = model.model.decoder.embed_tokens
+    if train_embeddings and isinstance(embed, nn.QuantizedEmbedding):
+        raise FineTuneError("--train-embeddings needs unquantized embeddings (the quantized model keeps them fixed)")
     if fine_tune_type == "full":
         layers = model.layers[-num_layers:]
         if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for layer in layers for _, m in
@@ -127,6 +136,8 @@ def apply_fine_tune(model, fine_tune_type: str, num_layers: int, lora_parameters
         linear_to_lora_layers(model, num_layers, lora_parameters)
     else:
         raise FineTuneError(f"unknown fine-tune type {fine_tune_type!r}; choose lora or full")
+    if train_embeddings:
+        embed.unfreeze()
 
 
 def save_adapters(model, path: Path) -> None:
@@ -134,18 +145,19 @@ def save_adapters(model, path: Path) -> None:
 
 
 def load_adapters(model, adapter_path: str | Path):
-    """Apply the adapters of an mlx-lm style adapter folder to ``model`` (in place)."""
-    from mlx_lm.tuner.utils import load_adapters as mlx_lm_load_adapters
-
+    """Apply the adapters of an (mlx-lm style) adapter folder to ``model``, in place."""
     folder = Path(adapter_path)
     for name in (ADAPTER_CONFIG, ADAPTERS):
         if not (folder / name).is_file():
             raise FineTuneError(f"no {name} in {folder}; pass the --adapter-path a training run wrote")
     try:
-        return mlx_lm_load_adapters(model, str(folder))
-    except (ValueError, KeyError) as e:
-        reason = " ".join(str(e).split())
-        raise FineTuneError(f"adapters in {folder} do not fit this model: {reason}") from None
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+        apply_fine_tune(model, config.get("fine_tune_type", "lora"), config["num_layers"],
+                        config.get("lora_parameters"), config.get("train_embeddings", False))
+    except (ValueError, KeyError, TypeError) as e:
+        raise FineTuneError(f"{folder / ADAPTER_CONFIG} cannot be applied to this model: {e}") from None
+    load_trainable(model, folder / ADAPTERS, "the run that wrote it")
+    return model
 
 
 def evaluate(model, examples, batch_size: int, num_batches: int, seed: int,
@@ -166,7 +178,11 @@ def evaluate(model, examples, batch_size: int, num_batches: int, seed: int,
     return tuple(sums / max(count, 1))
 
 
-def run_training(model, args, train_set, valid_set, objective: train.ObjectiveConfig, log=print) -> None:
+def _print(message: str) -> None:
+    print(message, flush=True)  # progress reaches a log file as it happens
+
+
+def run_training(model, args, train_set, valid_set, objective: train.ObjectiveConfig, log=_print) -> None:
     cfg = model.config
     adapter_path = Path(args.adapter_path)
     adapter_path.mkdir(parents=True, exist_ok=True)
@@ -219,23 +235,24 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
     log(f"Saved final weights to {adapter_path / ADAPTERS}.")
 
 
-def _resume(model, path: str) -> None:
+def load_trainable(model, path: str | Path, origin: str = "the run that wrote it") -> None:
+    """Load saved trainable parameters; each must be a trainable parameter of ``model`` with its shape."""
     try:
-        weights = mx.load(path)
+        weights = mx.load(str(path))
     except Exception:  # MLX raises bare ValueError/RuntimeError for a missing or damaged file
         raise FineTuneError(f"cannot read the adapter file {path}") from None
     trainable = dict(tree_flatten(model.trainable_parameters()))
     for name, value in weights.items():
         if name not in trainable:
-            raise FineTuneError(f"{path}: {name} is not a trainable parameter of this run "
-                                "(same --fine-tune-type and --num-layers as the run that wrote it?)")
+            raise FineTuneError(f"{path}: {name} is not a trainable parameter here (same --fine-tune-type, "
+                                f"--num-layers and --train-embeddings as {origin}?)")
         if trainable[name].shape != value.shape:
-            raise FineTuneError(f"{path}: {name} has shape {tuple(value.shape)}, this run's "
-                                f"{tuple(trainable[name].shape)} (same LoRA rank as the run that wrote it?)")
+            raise FineTuneError(f"{path}: {name} has shape {tuple(value.shape)}, here "
+                                f"{tuple(trainable[name].shape)} (same model and LoRA rank as {origin}?)")
     model.load_weights(list(weights.items()), strict=False)
 
 
-def run(args, log=print) -> None:
+def run(args, log=_print) -> None:
     from .generate import DEMO_MODEL
     from .loader import load
 
@@ -260,9 +277,9 @@ def run(args, log=print) -> None:
         if len(data["train"]) < args.batch_size:
             raise FineTuneError(f"train.jsonl has {len(data['train'])} samples, fewer than --batch-size "
                                 f"{args.batch_size}")
-        apply_fine_tune(model, args.fine_tune_type, args.num_layers, args.lora_parameters)
+        apply_fine_tune(model, args.fine_tune_type, args.num_layers, args.lora_parameters, args.train_embeddings)
         if args.resume_adapter_file:
-            _resume(model, args.resume_adapter_file)
+            load_trainable(model, args.resume_adapter_file, "the run that wrote it")
         trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
         total = sum(v.size for _, v in tree_flatten(model.parameters()))
         log(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M), "
