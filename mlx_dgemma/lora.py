@@ -25,7 +25,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import train
-from .data import DataError, iterate_batches, load_dataset
+from .data import iterate_batches, load_dataset
 
 ADAPTERS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -297,7 +297,7 @@ def run(args, log=_print) -> None:
 def main(argv=None) -> None:
     try:
         run(resolve_args(argv))
-    except (DataError, FineTuneError, ValueError) as e:
+    except ValueError as e:  # DataError, FineTuneError, CheckpointError: one line says what is wrong
         print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(1) from None
 
