@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from convert import train_demo
 from mlx_dgemma import train
 from mlx_dgemma.data import DataError, load_dataset, load_split, make_example
-from mlx_dgemma.fuse import dequantize_model, fuse_adapters, save_model
+from mlx_dgemma.fuse import fuse_adapters, save_model
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import load, load_model
 from mlx_dgemma.lora import FineTuneError, apply_fine_tune, load_adapters, save_adapters
