@@ -109,6 +109,7 @@ def stream_generate(
     profile: Profile | None = None,
     expected_steps: float | None = None,
     template: str | CanvasTemplate | None = None,
+    cache=None,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
@@ -128,6 +129,9 @@ def stream_generate(
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
     tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
     whole with the last response (a hole's value is known only when its canvas commits).
+
+    ``cache`` (from ``model.make_cache()``) may already hold the prompt's first ``cache.offset`` ids,
+    a prefix kept from an earlier request: only the rest is encoded. It is filled in place.
     """
     config = model.config
     defaults = generation_config(model, tokenizer)
@@ -151,19 +155,22 @@ def stream_generate(
     check_prompt(ids, config)
     rng = MxRandom(seed) if rng is None else rng
     stop_ids = set(defaults.eos_token_id)
-    text = TextStream(tokenizer, stop_ids)
     if template is not None:
         _check_template_fits(template, len(ids), config)
-        text = _TemplateText(tokenizer, template, stop_ids, end_of_turn)
+    text = answer_text(model, tokenizer, template)
 
-    cache = model.make_cache()
+    if cache is None:
+        cache = model.make_cache()
+    elif not 0 <= cache.offset < len(ids):
+        raise ValueError(f"the cache holds {cache.offset} positions; it must hold fewer than the prompt's {len(ids)}")
+    new_ids = mx.array(ids[cache.offset:])
     tic = time.perf_counter()
     if plan.mode == "ar":
-        first_logits = model.next_token_logits(mx.array(ids), cache)
+        first_logits = model.next_token_logits(new_ids, cache)
         mx.eval(first_logits)
     else:
-        model.encode(mx.array(ids), cache)
-    prompt_tps = len(ids) / (time.perf_counter() - tic)
+        model.encode(new_ids, cache)
+    prompt_tps = new_ids.size / (time.perf_counter() - tic)
 
     tic = time.perf_counter()
     if plan.mode == "ar" and template is not None:
@@ -323,6 +330,17 @@ def drafted_json_template(model, tokenizer: Tokenizer, prompt: str | list[int], 
     except ValueError:
         draft = None
     return json_template(tokenizer, schema, draft=draft)
+
+
+def answer_text(model, tokenizer: Tokenizer, template: CanvasTemplate | None = None):
+    """What an answer's committed tokens read as, handed out piece by piece (``.add(ids, final)``):
+    the clean text, or a template's answer (whole with the last piece)."""
+    defaults = generation_config(model, tokenizer)
+    stop_ids = set(defaults.eos_token_id)
+    if template is None:
+        return TextStream(tokenizer, stop_ids)
+    end_of_turn = _end_of_turn(tokenizer, defaults) if template.ends_turn else None
+    return _TemplateText(tokenizer, template, stop_ids, end_of_turn)
 
 
 def _end_of_turn(tokenizer, defaults: GenerationConfig) -> int | None:

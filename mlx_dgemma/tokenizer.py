@@ -175,24 +175,46 @@ class Tokenizer:
     def decode_clean(self, ids, stop_ids=None) -> str:
         return self.decode(self.clean(ids, stop_ids))
 
+    def decode_thought(self, ids, stop_ids=None) -> str:
+        """The text ``clean`` hides: the inside of each ``<|channel>name\n…<channel|>`` span before the
+        first stop id, without the channel's name line (an unclosed span counts up to the end)."""
+        stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        opener, closer = self._thought
+        spans: list[list[int]] = []
+        in_thought = False
+        for token in (int(i) for i in ids):
+            if token in stops:
+                break
+            if in_thought and token == closer:
+                in_thought = False
+            elif in_thought:
+                spans[-1].append(token)
+            elif opener is not None and token == opener:
+                in_thought = True
+                spans.append([])
+        texts = [self.decode(span) for span in spans]
+        return "".join(text.partition("\n")[2] for text in texts)
+
     def _special_text(self, token: int) -> str:
         piece = self._backend.piece(token) if self._backend else None
         return piece or ""
 
 
 class TextStream:
-    """The clean text of a growing token sequence, handed out as it grows. An incomplete UTF-8
+    """The clean text (or with ``thought=True`` the thought channel's) of a growing token sequence,
+    handed out as it grows. An incomplete UTF-8
     character at the end is held back until the next piece completes it (or ``final``)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_ids=None):
+    def __init__(self, tokenizer: Tokenizer, stop_ids=None, thought: bool = False):
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
+        self.decode = tokenizer.decode_thought if thought else tokenizer.decode_clean  # the thought channel, or the answer
         self.tokens: list[int] = []
         self.text = ""
 
     def add(self, ids, final: bool = False) -> str:
         self.tokens.extend(int(i) for i in ids)
-        text = self.tokenizer.decode_clean(self.tokens, self.stop_ids)
+        text = self.decode(self.tokens, self.stop_ids)
         if not final:
             text = text.rstrip("\ufffd")
         if not text.startswith(self.text):

@@ -1,0 +1,8 @@
+"""An OpenAI-compatible server: ``python -m mlx_dgemma.server`` (app.py the HTTP side, scheduler.py the
+worker that owns the model, prompt_cache.py the multi-turn prefix cache, sequential.py the engine
+interface served one request at a time)."""
+
+from .app import Server, create_app
+from .scheduler import Scheduler
+
+__all__ = ["Server", "Scheduler", "create_app"]
