@@ -179,6 +179,7 @@ class Tokenizer:
         """The text ``clean`` hides: the inside of each ``<|channel>name\n…<channel|>`` span before the
         first stop id, without the channel's name line (an unclosed span counts up to the end)."""
         stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        hidden = {self.pad_token_id, self.bos_token_id}
         opener, closer = self._thought
         spans: list[list[int]] = []
         in_thought = False
@@ -187,7 +188,7 @@ class Tokenizer:
                 break
             if in_thought and token == closer:
                 in_thought = False
-            elif in_thought:
+            elif in_thought and token not in hidden:
                 spans[-1].append(token)
             elif opener is not None and token == opener:
                 in_thought = True

@@ -88,7 +88,7 @@ class Server:
             return error_response(str(e), e.status, e.param, e.code)
         events = self.scheduler.submit(job)
         if reply.stream:
-            return StreamingResponse(self._stream(job, events, reply), media_type="text/event-stream")
+            return StreamingResponse(self._stream(job, events, reply, request), media_type="text/event-stream")
         return await self._whole(job, events, reply, request)
 
     # -- reading a request -------------------------------------------------------------------------
@@ -276,13 +276,10 @@ class Server:
     async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
         content, reasoning = "", ""
         while True:
-            try:
-                event: Event = await asyncio.wait_for(events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel()
-                    return error_response("the client went away", 499)
-                continue
+            event = await _next_event(events, request)
+            if event is None:
+                job.cancel()
+                return error_response("the client went away", 499)
             if event.error is not None:
                 return error_response(str(event.error), event.error.status)
             content += event.content
@@ -316,7 +313,7 @@ class Server:
             finish = "tool_calls"
         return message, finish
 
-    async def _stream(self, job: Job, events: asyncio.Queue, reply: Reply):
+    async def _stream(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
         head = self._head(reply, chunk=True)
         finished = False
         try:
@@ -324,7 +321,9 @@ class Server:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                  "finish_reason": None}]})
             while not finished:
-                event: Event = await events.get()
+                event = await _next_event(events, request)
+                if event is None:
+                    break
                 if event.error is not None:
                     finished = True
                     yield _sse({"error": {"message": str(event.error), "type": "invalid_request_error",
@@ -359,6 +358,17 @@ class Server:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if reply.chat else "text_completion"
         return {"id": reply.id, "object": kind, "created": int(time.time()), "model": self.model_id,
                 "system_fingerprint": None}
+
+
+async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.25) -> Event | None:
+    """The request's next event, or None once its client has gone away (looked at while waiting:
+    a template's answer sends nothing until its last canvas)."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=poll)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
 
 
 def _get(body: dict, key: str, kind, default):

@@ -185,8 +185,9 @@ class Scheduler:
                 job.cached_tokens = cached
             drafting = job.redraft is not None
             job.answer = answer_text(self.model, self.tokenizer, None if drafting else job.template)
-            job.thought = None if job.template is not None or drafting else TextStream(
-                self.tokenizer, job.answer.stop_ids, thought=True)
+            # The thought channel of a free answer or a text template; a JSON one has none.
+            free = job.template is None or job.template.render is None
+            job.thought = TextStream(self.tokenizer, job.answer.stop_ids, thought=True) if free and not drafting else None
             uid = self.engine.insert(BatchRequest(
                 prompt_ids=ids, max_tokens=job.max_tokens, seed=job.seed, policy=job.policy, steps=job.steps,
                 temp_min=job.temp_min, temp_max=job.temp_max, template=None if drafting else job.template,
