@@ -156,7 +156,7 @@ def stream_generate(
     rng = MxRandom(seed) if rng is None else rng
     stop_ids = set(defaults.eos_token_id)
     if template is not None:
-        _check_template_fits(template, len(ids), config)
+        check_template_fits(template, len(ids), config)
     text = answer_text(model, tokenizer, template)
 
     if cache is None:
@@ -348,7 +348,8 @@ def _end_of_turn(tokenizer, defaults: GenerationConfig) -> int | None:
     return turn_end if turn_end is not None else (defaults.eos_token_id[0] if defaults.eos_token_id else None)
 
 
-def _check_template_fits(template: CanvasTemplate, prompt_length: int, config) -> None:
+def check_template_fits(template: CanvasTemplate, prompt_length: int, config) -> None:
+    """A ``TemplateError`` naming the culprit when the template's canvases run past the context."""
     canvas = config.canvas_length
     needed = -(-(len(template) + template.ends_turn) // canvas) * canvas
     context = config.max_position_embeddings

@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..generate import generation_config
+from ..generate import PromptError, check_prompt, check_template_fits, generation_config
 from ..policy import POLICIES
-from ..template import CanvasTemplate, TemplateError, json_template, parse_template
+from ..template import TemplateError, json_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
-from .scheduler import Event, Job, RequestFailed, Scheduler
+from .scheduler import Event, Job, Scheduler
 
 MAX_REQUEST_BYTES = 1 << 20
 MAX_STOP_STRINGS = 4
@@ -39,9 +39,13 @@ class BadRequest(Exception):
         self.param, self.code, self.status = param, code, status
 
 
-def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None):
+def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    return JSONResponse(error_body(message, status, param, code), status)
 
 
 @dataclass
@@ -211,13 +215,11 @@ class Server:
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         config = self.model.config
-        if bad := [i for i in ids if not 0 <= i < config.vocab_size]:
-            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})", param=param)
-        context = config.max_position_embeddings
-        if len(ids) + config.canvas_length > context:
-            raise BadRequest(f"the prompt is {len(ids)} tokens; with a {config.canvas_length}-token canvas after it, "
-                             f"it is over the model's context of {context} tokens", param=param,
-                             code="context_length_exceeded")
+        try:
+            check_prompt(ids, config)
+        except PromptError as e:
+            over = len(ids) + config.canvas_length > config.max_position_embeddings
+            raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
         return ids
 
     def _layout(self, job: Job, body: dict, forced: dict | None) -> None:
@@ -250,15 +252,15 @@ class Server:
         except TemplateError as e:
             param = "template" if text is not None else "tools" if forced is not None else "response_format"
             raise BadRequest(str(e), param=param) from None
-        if job.template is not None:
-            self._check_template(job.prompt_ids, job.template, "template" if text is not None else "response_format")
-
-    def _check_template(self, ids: list[int], template: CanvasTemplate, param: str) -> None:
-        canvas, context = self.model.config.canvas_length, self.model.config.max_position_embeddings
-        needed = -(-(len(template) + template.ends_turn) // canvas) * canvas
-        if len(ids) + needed > context:
-            raise BadRequest(f"the prompt ({len(ids)} tokens) and the template's {needed} canvas positions are over "
-                             f"the model's context of {context} tokens", param=param, code="context_length_exceeded")
+        largest = job.template
+        if largest is None and kind == "json_schema":
+            largest = json_template(tokenizer, schema)  # a draft sizes the holes at most this long
+        if largest is not None:
+            try:
+                check_template_fits(largest, len(job.prompt_ids), self.model.config)
+            except TemplateError as e:
+                raise BadRequest(str(e), param="template" if text is not None else "response_format",
+                                 code="context_length_exceeded") from None
 
     def _fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
         """``max_tokens``, or the server's default cut to the context the prompt leaves."""
@@ -326,8 +328,7 @@ class Server:
                     break
                 if event.error is not None:
                     finished = True
-                    yield _sse({"error": {"message": str(event.error), "type": "invalid_request_error",
-                                          "param": None, "code": None}})
+                    yield _sse(error_body(str(event.error), event.error.status))
                     break
                 finished = event.finish_reason is not None
                 yield _sse({**head, "choices": [self._delta(event, reply)]})
