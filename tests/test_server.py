@@ -124,6 +124,15 @@ def test_stop_string_ends_the_answer(client):
     assert cut.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, SORT, seed=3, stop=" 42", stream=True))
     assert streamed == cut.choices[0].message.content
+    # A stop string across the first canvas's end (32 characters on the demo): its start, at the end
+    # of the first chunk, is held back until the next canvas shows whether the stop follows.
+    prompt = "json: name=ada age=36 city=oslo score=512"
+    full = chat(client, prompt, seed=0).choices[0].message.content
+    assert len(full) > 40
+    stop = full[28:36]
+    chunks = [c.choices[0].delta.content for c in chat(client, prompt, seed=0, stop=stop, stream=True)]
+    assert "".join(c or "" for c in chunks) == full[: full.index(stop)]
+    assert len([c for c in chunks if c]) == 1  # nothing of the first canvas's tail went out early
 
 
 def test_multi_turn_reuses_the_prompt_cache(client, demo):

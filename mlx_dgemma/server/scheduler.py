@@ -164,7 +164,14 @@ class Scheduler:
                 continue
             self.rounds += 1
             for response in responses:
-                self._route(response)
+                job = self._active.get(response.uid)
+                try:
+                    self._route(response)
+                except Exception as e:  # this request's answer could not be made; the others go on
+                    if self._active.pop(response.uid, None) is not None and response.finish_reason is None:
+                        self.engine.remove(response.uid)
+                    if job is not None:
+                        self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
 
     def _start(self, job: Job) -> None:
         """Prefill ``job``'s prompt (what the prompt cache lacks), keep it in the cache, insert the row."""
@@ -251,12 +258,11 @@ def _longest(needles: list[str]) -> int:
 def _sendable(text: str, held: list[str]) -> int:
     """How much of ``text`` may go out now: up to a held string (a tool call) it contains, and not
     the end of it that might begin a held or stop string."""
-    end = len(text)
-    if (found := _find_any(text, held)) is not None:
-        end = found
+    end = len(text) if (found := _find_any(text, held)) is None else found
+    keep = end
     for needle in held:
         for k in range(min(len(needle) - 1, end), 0, -1):
-            if text[end - k:end] == needle[:k]:
-                end -= k
+            if text.endswith(needle[:k], 0, end):
+                keep = min(keep, end - k)
                 break
-    return end
+    return keep
