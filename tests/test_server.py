@@ -212,6 +212,7 @@ def test_extra_body_policy_and_steps(client, demo):
     ({"model": "gpt-4o"}, openai.NotFoundError, "model"),
     ({"max_tokens": -5}, openai.BadRequestError, "max_tokens"),
     ({"extra_body": {"policy": "warp"}}, openai.BadRequestError, "policy"),
+    ({"temperature": 3}, openai.BadRequestError, "temperature"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"code": {"type": "string", "pattern": "[a-z]+"}}}}}},
      openai.BadRequestError, "response_format"),

@@ -92,7 +92,8 @@ class Server:
             return error_response(str(e), e.status, e.param, e.code)
         events = self.scheduler.submit(job)
         if reply.stream:
-            return StreamingResponse(self._stream(job, events, reply, request), media_type="text/event-stream")
+            return StreamingResponse(self._stream(job, events, reply, request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         return await self._whole(job, events, reply, request)
 
     # -- reading a request -------------------------------------------------------------------------
@@ -376,8 +377,9 @@ def _get(body: dict, key: str, kind, default):
     value = body.get(key)
     if value is None:
         return default
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # JSON true is no number
+        names = " or ".join(k.__name__ for k in kinds)
         raise BadRequest(f"{key} must be of type {names}, got {json.dumps(value)[:40]}", param=key)
     return value
 
