@@ -1,22 +1,27 @@
 """Block-autoregressive generation: encode the prompt, denoise a canvas, commit it, encode it, and on to
-the next canvas, as the reference ``generate()`` does (REFERENCE.md §3.2). Python API shaped like
-mlx-lm's (``generate``, ``stream_generate``) and the CLI::
+the next canvas, as the reference ``generate()`` does. Python API shaped like mlx-lm's
+(``generate``, ``stream_generate``) and the CLI::
 
     python -m mlx_dgemma.generate --prompt "sort: 42 17 85 23 61" --view
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from . import fast_blas
 
-import click
-import mlx.core as mx
-import numpy as np
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from .config import GenerationConfig
 from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
@@ -26,6 +31,42 @@ from .tokenizer import TextStream, Tokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"
+PREFILL_STEP_SIZE = 2048  # mlx-lm's default: prompt tokens encoded per forward
+
+
+def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False) -> mx.array | None:
+    """Encode prompt rows ``ids`` [B, T] into ``cache`` ``step_size`` tokens at a time, evaluating
+    after each chunk so that peak memory is one chunk's activations, not the whole prompt's. With
+    ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there)."""
+    ids = mx.array(ids, dtype=mx.int32)
+    ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+    T = ids.shape[1]
+    for start in range(0, T, step_size):
+        chunk = ids[:, start : start + step_size]
+        if logits and start + step_size >= T:
+            out = model.next_token_logits(chunk, cache)
+            mx.eval(out, cache.state())
+            return out
+        model.encode(chunk, cache)
+        mx.eval(cache.state())
+    return None
+
+
+@contextlib.contextmanager
+def generation_device(model):
+    """On Metal, as mlx-lm does: a stream of its own for generation and the model's memory wired
+    for the duration (elsewhere nothing changes)."""
+    if not mx.metal.is_available():
+        yield
+        return
+    limit = mx.device_info()["max_recommended_working_set_size"]
+    old = mx.set_wired_limit(limit)
+    try:
+        with mx.stream(mx.new_stream(mx.default_device())):
+            yield
+    finally:
+        mx.synchronize()
+        mx.set_wired_limit(old)
 
 
 class PromptError(ValueError):
@@ -109,6 +150,7 @@ def stream_generate(
     profile: Profile | None = None,
     expected_steps: float | None = None,
     template: str | CanvasTemplate | None = None,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
@@ -156,49 +198,46 @@ def stream_generate(
         _check_template_fits(template, len(ids), config)
         text = _TemplateText(tokenizer, template, stop_ids, end_of_turn)
 
-    cache = model.make_cache()
-    tic = time.perf_counter()
-    if plan.mode == "ar":
-        first_logits = model.next_token_logits(mx.array(ids), cache)
-        mx.eval(first_logits)
-    else:
-        model.encode(mx.array(ids), cache)
-    prompt_tps = len(ids) / (time.perf_counter() - tic)
+    with generation_device(model):
+        cache = model.make_cache()
+        tic = time.perf_counter()
+        first_logits = prefill(model, mx.array(ids), cache, prefill_step_size, logits=plan.mode == "ar")
+        prompt_tps = len(ids) / (time.perf_counter() - tic)
 
-    tic = time.perf_counter()
-    if plan.mode == "ar" and template is not None:
-        blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
-                                         config.canvas_length)
-    elif plan.mode == "ar":
-        blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
-    else:
-        clamps = None
-        if template is not None:
-            clamps = canvas_clamps(template, tokenizer, config.vocab_size, config.canvas_length, end_of_turn,
-                                   plan.last_canvas_length)
-        blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
-    total_steps = generated = non_pad = 0
-    for tokens, stopped, forwards, step_drafts, last in blocks:
-        total_steps += forwards
-        generated += len(tokens)
-        non_pad += sum(t != defaults.pad_token_id for t in tokens)
-        finish = "stop" if stopped else "length" if last else None
-        yield GenerationResponse(
-            text=text.add(tokens, final=finish is not None),
-            tokens=tokens,
-            steps=forwards,
-            tokens_per_forward=non_pad / total_steps,
-            prompt_tokens=len(ids),
-            prompt_tps=prompt_tps,
-            generation_tokens=generated,
-            generation_tps=generated / (time.perf_counter() - tic),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            drafts=step_drafts,
-            plan=plan,
-        )
-        if finish:
-            return
+        tic = time.perf_counter()
+        if plan.mode == "ar" and template is not None:
+            blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
+                                             config.canvas_length)
+        elif plan.mode == "ar":
+            blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
+        else:
+            clamps = None
+            if template is not None:
+                clamps = canvas_clamps(template, tokenizer, config.vocab_size, config.canvas_length, end_of_turn,
+                                       plan.last_canvas_length)
+            blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
+        total_steps = generated = non_pad = 0
+        for tokens, stopped, forwards, step_drafts, last in blocks:
+            total_steps += forwards
+            generated += len(tokens)
+            non_pad += sum(t != defaults.pad_token_id for t in tokens)
+            finish = "stop" if stopped else "length" if last else None
+            yield GenerationResponse(
+                text=text.add(tokens, final=finish is not None),
+                tokens=tokens,
+                steps=forwards,
+                tokens_per_forward=non_pad / total_steps,
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=generated,
+                generation_tps=generated / (time.perf_counter() - tic),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                drafts=step_drafts,
+                plan=plan,
+            )
+            if finish:
+                return
 
 
 def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Plan, rng: Random, stop_ids,
@@ -225,10 +264,15 @@ def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Pl
 def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, stop_ids,
                    ) -> Iterator[tuple[list[int], bool, int, None, bool]]:
     """Greedy decoding with the encoder as a causal LM from the prompt's next-token ``logits``,
-    yielded in blocks of ``block`` tokens (one forward per token)."""
+    yielded in blocks of ``block`` tokens (one forward per token). The next token's forward is
+    queued before the current one is read, so the host never waits on an idle device."""
     chunk: list[int] = []
+    token = logits.argmax(-1, keepdims=True)
     for produced in range(1, max_tokens + 1):
-        token = logits.argmax(-1, keepdims=True)
+        following = None
+        if produced < max_tokens:
+            following = model.next_token_logits(token, cache).argmax(-1, keepdims=True)
+            mx.async_eval(following)
         chunk.append(token.item())
         stopped = chunk[-1] in stop_ids
         last = stopped or produced == max_tokens
@@ -237,7 +281,7 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
             if last:
                 return
             chunk = []
-        logits = model.next_token_logits(token, cache)
+        token = following
 
 
 def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemplate, tokenizer,
