@@ -128,6 +128,67 @@ def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
     return canvas, False
 
 
+@dataclass
+class Job:
+    """One prompt made ready to generate: its ids, plan, sampler settings, draws and text decoder."""
+
+    ids: list[int]
+    max_tokens: int
+    defaults: GenerationConfig
+    plan: Plan
+    settings: SamplerSettings
+    rng: Random
+    stop_ids: set[int]
+    text: TextStream | _TemplateText
+    template: CanvasTemplate | None
+    end_of_turn: int | None
+
+    def canvas_clamps(self, tokenizer: Tokenizer, config):
+        """The template's (length, Clamp) per canvas, or None without a template."""
+        if self.template is None:
+            return None
+        return canvas_clamps(self.template, tokenizer, config.vocab_size, config.canvas_length, self.end_of_turn,
+                             self.plan.last_canvas_length)
+
+
+def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, *,
+            steps: int | None = None, seed: int | None = None, rng: Random | None = None,
+            entropy_bound: float | None = None, temp_min: float | None = None, temp_max: float | None = None,
+            freeze_after: int | None = None, settings: SamplerSettings | None = None,
+            system_prompt: str | None = None, chat_template: bool = True, policy: str = "reference",
+            profile: Profile | None = None, expected_steps: float | None = None,
+            template: str | CanvasTemplate | None = None) -> Job:
+    """Check a request and settle everything about it before any forward (see ``stream_generate``)."""
+    config = model.config
+    defaults = generation_config(model, tokenizer)
+    max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if isinstance(template, str):
+        template = parse_template(tokenizer, template)
+    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
+    if template is not None:
+        max_tokens = len(template) + template.ends_turn
+    if policy == "auto" and profile is None:
+        profile = cached_profile(model)
+    plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
+    settings = settings or SamplerSettings.from_generation_config(
+        defaults, steps=plan.steps if steps is None else steps,
+        entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
+        t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
+        freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
+    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
+    check_prompt(ids, config)
+    rng = MxRandom(seed) if rng is None else rng
+    stop_ids = set(defaults.eos_token_id)
+    text = TextStream(tokenizer, stop_ids)
+    if template is not None:
+        _check_template_fits(template, len(ids), config)
+        text = _TemplateText(tokenizer, template, stop_ids, end_of_turn)
+
+    return Job(ids, max_tokens, defaults, plan, settings, rng, stop_ids, text, template, end_of_turn)
+
+
 def stream_generate(
     model,
     tokenizer: Tokenizer,
@@ -171,32 +232,13 @@ def stream_generate(
     tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
     whole with the last response (a hole's value is known only when its canvas commits).
     """
-    config = model.config
-    defaults = generation_config(model, tokenizer)
-    max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    if isinstance(template, str):
-        template = parse_template(tokenizer, template)
-    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
-    if template is not None:
-        max_tokens = len(template) + template.ends_turn
-    if policy == "auto" and profile is None:
-        profile = cached_profile(model)
-    plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
-    settings = settings or SamplerSettings.from_generation_config(
-        defaults, steps=plan.steps if steps is None else steps,
-        entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
-        t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
-        freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
-    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
-    check_prompt(ids, config)
-    rng = MxRandom(seed) if rng is None else rng
-    stop_ids = set(defaults.eos_token_id)
-    text = TextStream(tokenizer, stop_ids)
-    if template is not None:
-        _check_template_fits(template, len(ids), config)
-        text = _TemplateText(tokenizer, template, stop_ids, end_of_turn)
+    job = prepare(model, tokenizer, prompt, max_tokens, steps=steps, seed=seed, rng=rng, entropy_bound=entropy_bound,
+                  temp_min=temp_min, temp_max=temp_max, freeze_after=freeze_after, settings=settings,
+                  system_prompt=system_prompt, chat_template=chat_template, policy=policy, profile=profile,
+                  expected_steps=expected_steps, template=template)
+    config, defaults, plan, ids, template = model.config, job.defaults, job.plan, job.ids, job.template
+    max_tokens, settings, rng, stop_ids, text, end_of_turn = (job.max_tokens, job.settings, job.rng, job.stop_ids,
+                                                              job.text, job.end_of_turn)
 
     with generation_device(model):
         cache = model.make_cache()
@@ -211,10 +253,7 @@ def stream_generate(
         elif plan.mode == "ar":
             blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
         else:
-            clamps = None
-            if template is not None:
-                clamps = canvas_clamps(template, tokenizer, config.vocab_size, config.canvas_length, end_of_turn,
-                                       plan.last_canvas_length)
+            clamps = job.canvas_clamps(tokenizer, config)
             blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
         total_steps = generated = non_pad = 0
         for tokens, stopped, forwards, step_drafts, last in blocks:
