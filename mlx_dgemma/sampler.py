@@ -25,8 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import struct
+
 import mlx.core as mx
-import numpy as np
 
 from . import kernels as device_kernels
 from .cache import CanvasView
@@ -113,9 +114,14 @@ class SamplerSettings:
     def temperatures(self) -> list[mx.array]:
         """The temperature of each step, first to last, rounded as the reference computes it: in
         float32, because its step counter is an int32 tensor."""
-        f32 = np.float32
-        span, low = f32(self.t_max - self.t_min), f32(self.t_min)
-        return [mx.array(low + span * (f32(cur) / f32(self.steps))) for cur in range(self.steps, 0, -1)]
+        span, low = _f32(self.t_max - self.t_min), _f32(self.t_min)
+        return [mx.array(_f32(low + _f32(span * _f32(cur / self.steps)))) for cur in range(self.steps, 0, -1)]
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32: an operation on float32 values done in float64 and rounded so is the
+    float32 operation's result (correctly rounded), with no numpy."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass
@@ -157,10 +163,10 @@ class Draft:
     """What one denoising step produced, for live views (host copies)."""
 
     step: int
-    tokens: np.ndarray  # the argmax canvas [C]
-    accepted: np.ndarray  # bool [C]: positions that kept the denoiser's token
+    tokens: list[int]  # the argmax canvas [C]
+    accepted: list[bool]  # [C]: positions that kept the denoiser's token
     mean_entropy: float
-    fixed: np.ndarray | None = None  # bool [C]: clamped by a template or frozen by compaction
+    fixed: list[bool] | None = None  # [C]: clamped by a template or frozen by compaction
 
 
 @dataclass
@@ -258,8 +264,8 @@ class CanvasRun:
     def settle(self) -> None:
         argmax, accepted, mean_entropy = self._draft
         if self.on_step is not None:
-            fixed = None if self.clamp is None else np.array(self.clamp.fixed[0])
-            self.on_step(Draft(self.step, np.array(argmax[0]), np.array(accepted[0]), mean_entropy.item(), fixed))
+            fixed = None if self.clamp is None else self.clamp.fixed[0].tolist()
+            self.on_step(Draft(self.step, argmax[0].tolist(), accepted[0].tolist(), mean_entropy.item(), fixed))
         if self.stop.item():
             self.result = _commit(CanvasResult(argmax, self.step, True, self.self_conditioning_probs), self.clamp)
         elif self.step == self.settings.steps:
@@ -272,77 +278,84 @@ class CompactedRun(CanvasRun):
     token and their last K/V (in the canvas view), and only the others are recomputed, so a step
     costs about the share of the canvas still moving. Not the reference's computation (settled
     positions stop seeing later changes); the fast policy measures what it costs in accuracy.
-    Per-position bookkeeping is on the host: [C] numbers, one more sync per step."""
+    Which positions are still computed is known on the host: one more sync per step."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         C = self.length
-        self.fixed = np.zeros(C, dtype=bool) if self.clamp is None else np.array(self.clamp.fixed[0])
-        self.active = np.arange(C)  # positions still computed
-        self.frozen = np.zeros(C, dtype=bool)
-        self.streak = np.zeros(C, dtype=np.int32)
-        self.entropy_all = np.zeros(C, dtype=np.float32)
-        self.argmax_all = np.full(C, -1, dtype=np.int32)
-        self.tokens = np.array(self.canvas[0])
-        self.probs_all = None  # [C, V] on the host, kept only when the clamp snaps choices from it
+        self.fixed = mx.zeros((C,), dtype=mx.bool_) if self.clamp is None else self.clamp.fixed[0]
+        self.free = C if self.clamp is None else int((~self.fixed).sum().item())
+        self.active = list(range(C))  # positions still computed
+        self.frozen = mx.zeros((C,), dtype=mx.bool_)
+        self.streak = mx.zeros((C,), dtype=mx.int32)
+        self.entropy_all = mx.zeros((C,), dtype=mx.float32)
+        self.argmax_all = mx.full((C,), -1, dtype=mx.int32)
+        self.tokens = self.canvas[0]
+        self.probs_all = None  # [C, V], kept only when the clamp snaps choices from it
+
+    def _index(self) -> mx.array:
+        return mx.array(self.active, dtype=mx.int32)
 
     def inputs(self):
-        compact = len(self.active) < self.length
-        index = mx.array(self.active.astype(np.int32)) if compact else None
-        return (mx.array(self.tokens[self.active])[None], self.self_conditioning, self.self_conditioning_probs,
-                index)
+        index = self._index()
+        return self.tokens[index][None], self.self_conditioning, self.self_conditioning_probs, \
+            index if len(self.active) < self.length else None
 
     def advance(self, logits: mx.array) -> list[mx.array]:
-        settings, clamp, fixed, active = self.settings, self.clamp, self.fixed, self.active
-        C = self.length
+        settings, clamp = self.settings, self.clamp
+        C, A = self.length, len(self.active)
+        index = self._index()
         temperature = self.temperatures[self.step]
         self.step += 1
         if clamp is not None:
-            logits = clamp.restrict(logits, mx.array(active.astype(np.int32)) if len(active) < C else None)
+            logits = clamp.restrict(logits, index if A < C else None)
         scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, self.kernels)
-        denoised = self.rng.categorical(probs)
-        renoise = self.rng.renoise((1, len(active)), self.vocab)
-        mx.eval(entropy, argmax, denoised, renoise)
-        entropy_a, argmax_a = np.array(entropy[0]), np.array(argmax[0])
+        denoised = self.rng.categorical(probs)[0]
+        renoise = self.rng.renoise((1, A), self.vocab)[0]
+        entropy_a, argmax_a, fixed_a, tokens_a = entropy[0], argmax[0], self.fixed[index], self.tokens[index]
         if clamp is not None:
-            argmax_a = np.where(fixed[active], self.tokens[active], argmax_a)
-        budget = np.zeros(C, dtype=np.float32)
-        budget[active] = np.where(fixed[active], 0.0, entropy_a)
-        accepted = np.array(accept_mask(mx.array(budget), settings.entropy_bound)) | self.frozen
-        new = np.where(accepted[active], np.array(denoised[0]), np.array(renoise[0]))
-        self.tokens[active] = np.where(fixed[active], self.tokens[active], new)
+            argmax_a = mx.where(fixed_a, tokens_a, argmax_a)
+        budget = mx.zeros((C,), dtype=mx.float32)
+        budget[index] = mx.where(fixed_a, 0.0, entropy_a)
+        accepted = accept_mask(budget, settings.entropy_bound) | self.frozen
+        accepted_a = accepted[index]
+        new = mx.where(accepted_a, denoised, renoise)
+        self.tokens[index] = mx.where(fixed_a, tokens_a, new)
         confident = entropy_a < settings.confidence_threshold  # as sure as the stop rule wants the canvas
-        steady = accepted[active] & (argmax_a == self.argmax_all[active]) & (
-            fixed[active] | ((new == argmax_a) & confident))
-        self.streak[active] = np.where(steady, self.streak[active] + 1, 0)
-        self.entropy_all[active], self.argmax_all[active] = entropy_a, argmax_a
+        steady = accepted_a & (argmax_a == self.argmax_all[index]) & (fixed_a | ((new == argmax_a) & confident))
+        self.streak[index] = mx.where(steady, self.streak[index] + 1, 0)
+        self.entropy_all[index] = entropy_a
+        self.argmax_all[index] = argmax_a
         if self.probs_all is not None or (clamp is not None and clamp.finish is not None):
-            self.probs_all = np.zeros((C, self.vocab), np.float32) if self.probs_all is None else self.probs_all
-            self.probs_all[active] = np.array(probs[0])
-        mean_entropy = mx.array(self.entropy_all[~fixed].mean() if (~fixed).any() else 0.0)
-        self.stop = self.stop_rule(mx.array(self.argmax_all)[None], mean_entropy)
-        settle = self.streak[active] >= settings.freeze_after
-        if settle.any():
-            rows = np.flatnonzero(settle)
-            self.frozen[active[rows]] = True
-            self.tokens[active[rows]] = self.argmax_all[active[rows]]
-            keep = mx.array(np.flatnonzero(~settle).astype(np.int32))
-            self.active = active[~settle]
+            if self.probs_all is None:
+                self.probs_all = mx.zeros((C, self.vocab), dtype=mx.float32)
+            self.probs_all[index] = probs[0]
+        free_entropy = mx.where(self.fixed, 0.0, self.entropy_all).sum()
+        mean_entropy = free_entropy / self.free if self.free else mx.array(0.0)
+        self.stop = self.stop_rule(self.argmax_all[None], mean_entropy)
+        settle = (self.streak[index] >= settings.freeze_after).tolist()
+        if any(settle):
+            rows = mx.array([p for p, s in zip(self.active, settle) if s], dtype=mx.int32)
+            self.frozen[rows] = True
+            self.tokens[rows] = self.argmax_all[rows]
+            keep = [i for i, s in enumerate(settle) if not s]
+            self.active = [self.active[i] for i in keep]
+            keep = mx.array(keep, dtype=mx.int32)
             scaled, probs = scaled[:, keep], probs[:, keep]
         self.self_conditioning, self.self_conditioning_probs = scaled, probs
         self._draft = (accepted, mean_entropy)
-        return [self.stop, scaled]
+        return [self.stop, scaled, self.tokens]
 
     def settle(self) -> None:
         accepted, mean_entropy = self._draft
         if self.on_step is not None:
-            self.on_step(Draft(self.step, self.argmax_all.copy(), accepted.copy(), float(mean_entropy.item()),
-                               self.fixed | self.frozen))
-        converged = bool(self.stop.item()) or len(self.active) == 0
+            self.on_step(Draft(self.step, self.argmax_all.tolist(), accepted.tolist(), mean_entropy.item(),
+                               (self.fixed | self.frozen).tolist()))
+        converged = bool(self.stop.item()) or not self.active
         if converged or self.step == self.settings.steps:
-            result = CanvasResult(mx.array(self.argmax_all)[None], self.step, converged)
+            result = CanvasResult(self.argmax_all[None], self.step, converged)
             if self.probs_all is not None:
-                result.probs = mx.array(self.probs_all)[None]
+                result.probs = self.probs_all[None]
             self.result = _commit(result, self.clamp)
 
 
