@@ -10,23 +10,27 @@ with per-module overrides in config.json), so it loads in mlx-vlm as well as her
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import shutil
-import sys
-import tempfile
-import uuid
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator
+from . import fast_blas
 
-import click
-import mlx.core as mx
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-from .config import ConfigError, ModelConfig
-from .loader import (
+import copy  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import uuid  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
+
+import click  # noqa: E402
+import mlx.core as mx  # noqa: E402
+
+from .config import ConfigError, ModelConfig  # noqa: E402
+from .loader import (  # noqa: E402
     HUB_PATTERNS,
     VISION_KEY,
     WEIGHTS_INDEX,
@@ -38,8 +42,8 @@ from .loader import (
     stack_experts,
     weight_files,
 )
-from .model import DiffusionGemma
-from .safetensors_io import ShardWriter, TensorInfo, TensorSpec, read_header, read_tensor, shard_names, write_index
+from .model import DiffusionGemma  # noqa: E402
+from .safetensors_io import ShardWriter, TensorInfo, TensorSpec, read_header, read_tensor, shard_names, write_index  # noqa: E402
 
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}  # (group size, bits)

@@ -13,14 +13,18 @@ parse and validate), and the same with holes sized by a free generation's values
 
 from __future__ import annotations
 
-import random
-import statistics
-import time
-from dataclasses import dataclass, field
+from . import fast_blas
 
-import click
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-from .tasks import TASKS, answer_template, check, json_schema, make_instance
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import click  # noqa: E402
+
+from .tasks import TASKS, answer_template, check, json_schema, make_instance  # noqa: E402
 
 
 @dataclass

@@ -1,22 +1,27 @@
 """Block-autoregressive generation: encode the prompt, denoise a canvas, commit it, encode it, and on to
-the next canvas, as the reference ``generate()`` does (REFERENCE.md §3.2). Python API shaped like
-mlx-lm's (``generate``, ``stream_generate``) and the CLI::
+the next canvas, as the reference ``generate()`` does. Python API shaped like mlx-lm's
+(``generate``, ``stream_generate``) and the CLI::
 
     python -m mlx_dgemma.generate --prompt "sort: 42 17 85 23 61" --view
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from . import fast_blas
 
-import click
-import mlx.core as mx
-import numpy as np
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from .config import GenerationConfig
 from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
@@ -26,6 +31,42 @@ from .tokenizer import TextStream, Tokenizer
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"
+PREFILL_STEP_SIZE = 2048  # mlx-lm's default: prompt tokens encoded per forward
+
+
+def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False) -> mx.array | None:
+    """Encode prompt rows ``ids`` [B, T] into ``cache`` ``step_size`` tokens at a time, evaluating
+    after each chunk so that peak memory is one chunk's activations, not the whole prompt's. With
+    ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there)."""
+    ids = mx.array(ids, dtype=mx.int32)
+    ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+    T = ids.shape[1]
+    for start in range(0, T, step_size):
+        chunk = ids[:, start : start + step_size]
+        if logits and start + step_size >= T:
+            out = model.next_token_logits(chunk, cache)
+            mx.eval(out, cache.state())
+            return out
+        model.encode(chunk, cache)
+        mx.eval(cache.state())
+    return None
+
+
+@contextlib.contextmanager
+def generation_device(model):
+    """On Metal, as mlx-lm does: a stream of its own for generation and the model's memory wired
+    for the duration (elsewhere nothing changes)."""
+    if not mx.metal.is_available():
+        yield
+        return
+    limit = mx.device_info()["max_recommended_working_set_size"]
+    old = mx.set_wired_limit(limit)
+    try:
+        with mx.stream(mx.new_stream(mx.default_device())):
+            yield
+    finally:
+        mx.synchronize()
+        mx.set_wired_limit(old)
 
 
 class PromptError(ValueError):
@@ -87,52 +128,37 @@ def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
     return canvas, False
 
 
-def stream_generate(
-    model,
-    tokenizer: Tokenizer,
-    prompt: str | list[int],
-    max_tokens: int | None = None,
-    *,
-    steps: int | None = None,
-    seed: int | None = None,
-    rng: Random | None = None,
-    entropy_bound: float | None = None,
-    temp_min: float | None = None,
-    temp_max: float | None = None,
-    freeze_after: int | None = None,
-    settings: SamplerSettings | None = None,
-    system_prompt: str | None = None,
-    chat_template: bool = True,
-    drafts: bool = False,
-    on_step: Callable[[Draft], None] | None = None,
-    policy: str = "reference",
-    profile: Profile | None = None,
-    expected_steps: float | None = None,
-    template: str | CanvasTemplate | None = None,
-    cache=None,
-) -> Iterator[GenerationResponse]:
-    """Yield one ``GenerationResponse`` per committed canvas.
+@dataclass
+class Job:
+    """One prompt made ready to generate: its ids, plan, sampler settings, draws and text decoder."""
 
-    ``prompt`` is text (the chat template is applied unless ``chat_template=False``) or token ids.
-    Unset numbers come from the checkpoint's generation config; ``max_tokens`` is rounded up to whole
-    canvases, as the reference does. ``rng`` replaces the seeded ``mx.random`` draws; ``settings``
-    replaces the sampler settings built from the rest. ``drafts=True`` attaches each step's argmax
-    canvas to the responses; ``on_step`` is called with it as soon as the step is done.
+    ids: list[int]
+    max_tokens: int
+    defaults: GenerationConfig
+    plan: Plan
+    settings: SamplerSettings
+    rng: Random
+    stop_ids: set[int]
+    text: TextStream | _TemplateText
+    template: CanvasTemplate | None
+    end_of_turn: int | None
 
-    ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
-    "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
-    cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (active-set
-    compaction, no confirming step, a trimmed last canvas) or "ar". Explicit sampler numbers override
-    the plan; ``freeze_after`` is the compaction's (sampler.SamplerSettings).
+    def canvas_clamps(self, tokenizer: Tokenizer, config):
+        """The template's (length, Clamp) per canvas, or None without a template."""
+        if self.template is None:
+            return None
+        return canvas_clamps(self.template, tokenizer, config.vocab_size, config.canvas_length, self.end_of_turn,
+                             self.plan.last_canvas_length)
 
-    ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
-    ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
-    tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
-    whole with the last response (a hole's value is known only when its canvas commits).
 
-    ``cache`` (from ``model.make_cache()``) may already hold the prompt's first ``cache.offset`` ids,
-    a prefix kept from an earlier request: only the rest is encoded. It is filled in place.
-    """
+def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, *,
+            steps: int | None = None, seed: int | None = None, rng: Random | None = None,
+            entropy_bound: float | None = None, temp_min: float | None = None, temp_max: float | None = None,
+            freeze_after: int | None = None, settings: SamplerSettings | None = None,
+            system_prompt: str | None = None, chat_template: bool = True, policy: str = "reference",
+            profile: Profile | None = None, expected_steps: float | None = None,
+            template: str | CanvasTemplate | None = None) -> Job:
+    """Check a request and settle everything about it before any forward (see ``stream_generate``)."""
     config = model.config
     defaults = generation_config(model, tokenizer)
     max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
@@ -159,53 +185,97 @@ def stream_generate(
         check_template_fits(template, len(ids), config)
     text = answer_text(model, tokenizer, template)
 
-    if cache is None:
-        cache = model.make_cache()
-    elif not 0 <= cache.offset < len(ids):
-        raise ValueError(f"the cache holds {cache.offset} positions; it must hold fewer than the prompt's {len(ids)}")
-    new_ids = mx.array(ids[cache.offset:])
-    tic = time.perf_counter()
-    if plan.mode == "ar":
-        first_logits = model.next_token_logits(new_ids, cache)
-        mx.eval(first_logits)
-    else:
-        model.encode(new_ids, cache)
-    prompt_tps = new_ids.size / (time.perf_counter() - tic)
+    return Job(ids, max_tokens, defaults, plan, settings, rng, stop_ids, text, template, end_of_turn)
 
-    tic = time.perf_counter()
-    if plan.mode == "ar" and template is not None:
-        blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
-                                         config.canvas_length)
-    elif plan.mode == "ar":
-        blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
-    else:
-        clamps = None
-        if template is not None:
-            clamps = canvas_clamps(template, tokenizer, config.vocab_size, config.canvas_length, end_of_turn,
-                                   plan.last_canvas_length)
-        blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
-    total_steps = generated = non_pad = 0
-    for tokens, stopped, forwards, step_drafts, last in blocks:
-        total_steps += forwards
-        generated += len(tokens)
-        non_pad += sum(t != defaults.pad_token_id for t in tokens)
-        finish = "stop" if stopped else "length" if last else None
-        yield GenerationResponse(
-            text=text.add(tokens, final=finish is not None),
-            tokens=tokens,
-            steps=forwards,
-            tokens_per_forward=non_pad / total_steps,
-            prompt_tokens=len(ids),
-            prompt_tps=prompt_tps,
-            generation_tokens=generated,
-            generation_tps=generated / (time.perf_counter() - tic),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            drafts=step_drafts,
-            plan=plan,
-        )
-        if finish:
-            return
+
+def stream_generate(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    max_tokens: int | None = None,
+    *,
+    steps: int | None = None,
+    seed: int | None = None,
+    rng: Random | None = None,
+    entropy_bound: float | None = None,
+    temp_min: float | None = None,
+    temp_max: float | None = None,
+    freeze_after: int | None = None,
+    settings: SamplerSettings | None = None,
+    system_prompt: str | None = None,
+    chat_template: bool = True,
+    drafts: bool = False,
+    on_step: Callable[[Draft], None] | None = None,
+    policy: str = "reference",
+    profile: Profile | None = None,
+    expected_steps: float | None = None,
+    template: str | CanvasTemplate | None = None,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
+) -> Iterator[GenerationResponse]:
+    """Yield one ``GenerationResponse`` per committed canvas.
+
+    ``prompt`` is text (the chat template is applied unless ``chat_template=False``) or token ids.
+    Unset numbers come from the checkpoint's generation config; ``max_tokens`` is rounded up to whole
+    canvases, as the reference does. ``rng`` replaces the seeded ``mx.random`` draws; ``settings``
+    replaces the sampler settings built from the rest. ``drafts=True`` attaches each step's argmax
+    canvas to the responses; ``on_step`` is called with it as soon as the step is done.
+
+    ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
+    "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
+    cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (active-set
+    compaction, no confirming step, a trimmed last canvas) or "ar". Explicit sampler numbers override
+    the plan; ``freeze_after`` is the compaction's (sampler.SamplerSettings).
+
+    ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
+    ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
+    tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
+    whole with the last response (a hole's value is known only when its canvas commits).
+    """
+    job = prepare(model, tokenizer, prompt, max_tokens, steps=steps, seed=seed, rng=rng, entropy_bound=entropy_bound,
+                  temp_min=temp_min, temp_max=temp_max, freeze_after=freeze_after, settings=settings,
+                  system_prompt=system_prompt, chat_template=chat_template, policy=policy, profile=profile,
+                  expected_steps=expected_steps, template=template)
+    config, defaults, plan, ids, template = model.config, job.defaults, job.plan, job.ids, job.template
+    max_tokens, settings, rng, stop_ids, text, end_of_turn = (job.max_tokens, job.settings, job.rng, job.stop_ids,
+                                                              job.text, job.end_of_turn)
+
+    with generation_device(model):
+        cache = model.make_cache()
+        tic = time.perf_counter()
+        first_logits = prefill(model, mx.array(ids), cache, prefill_step_size, logits=plan.mode == "ar")
+        prompt_tps = len(ids) / (time.perf_counter() - tic)
+
+        tic = time.perf_counter()
+        if plan.mode == "ar" and template is not None:
+            blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
+                                             config.canvas_length)
+        elif plan.mode == "ar":
+            blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
+        else:
+            clamps = job.canvas_clamps(tokenizer, config)
+            blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
+        total_steps = generated = non_pad = 0
+        for tokens, stopped, forwards, step_drafts, last in blocks:
+            total_steps += forwards
+            generated += len(tokens)
+            non_pad += sum(t != defaults.pad_token_id for t in tokens)
+            finish = "stop" if stopped else "length" if last else None
+            yield GenerationResponse(
+                text=text.add(tokens, final=finish is not None),
+                tokens=tokens,
+                steps=forwards,
+                tokens_per_forward=non_pad / total_steps,
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=generated,
+                generation_tps=generated / (time.perf_counter() - tic),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                drafts=step_drafts,
+                plan=plan,
+            )
+            if finish:
+                return
 
 
 def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Plan, rng: Random, stop_ids,
@@ -232,10 +302,15 @@ def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Pl
 def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, stop_ids,
                    ) -> Iterator[tuple[list[int], bool, int, None, bool]]:
     """Greedy decoding with the encoder as a causal LM from the prompt's next-token ``logits``,
-    yielded in blocks of ``block`` tokens (one forward per token)."""
+    yielded in blocks of ``block`` tokens (one forward per token). The next token's forward is
+    queued before the current one is read, so the host never waits on an idle device."""
     chunk: list[int] = []
+    token = logits.argmax(-1, keepdims=True)
     for produced in range(1, max_tokens + 1):
-        token = logits.argmax(-1, keepdims=True)
+        following = None
+        if produced < max_tokens:
+            following = model.next_token_logits(token, cache).argmax(-1, keepdims=True)
+            mx.async_eval(following)
         chunk.append(token.item())
         stopped = chunk[-1] in stop_ids
         last = stopped or produced == max_tokens
@@ -244,7 +319,7 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
             if last:
                 return
             chunk = []
-        logits = model.next_token_logits(token, cache)
+        token = following
 
 
 def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemplate, tokenizer,

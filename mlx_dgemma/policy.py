@@ -263,6 +263,7 @@ def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, 
     cache = model.make_cache()
     start = time.perf_counter()
     model.encode(ids, cache)
+    mx.eval(cache.state())
     prefill_s = time.perf_counter() - start
     step_s = {}
     for c in canvases:
@@ -272,6 +273,7 @@ def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, 
     def ar_run():
         ar_cache = model.make_cache()
         model.encode(ids, ar_cache)
+        mx.eval(ar_cache.state())
         token = ids[:, -1:]
         start = time.perf_counter()
         for _ in range(ar_tokens):

@@ -1,9 +1,12 @@
-"""The server's prompt cache: longest stored prefix, copies, least recently used first out."""
+"""The server's prompt cache: longest stored prefix, copies, least recently used first out; the batched
+engine taking a row whose prompt prefix is already encoded."""
 
 import mlx.core as mx
+import pytest
 
-from mlx_dgemma import load
-from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma import generate, load
+from mlx_dgemma.batch import BatchGenerator, BatchRequest
+from mlx_dgemma.generate import DEMO_MODEL, prefill, prompt_ids
 from mlx_dgemma.server.prompt_cache import PromptCache
 
 
@@ -30,3 +33,23 @@ def test_longest_prefix_is_fetched_as_a_copy_and_lru_evicts():
     disabled = PromptCache(0)
     disabled.insert(short, encoded(model, short))
     assert len(disabled) == 0 and disabled.fetch(long) == (None, 0)
+
+
+@pytest.mark.parametrize("policy", ["reference", "ar"])
+def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
+    model, tokenizer = load(DEMO_MODEL)
+    prompts = [prompt_ids(tokenizer, p) for p in ("sort: 42 17 85 23 61", "reverse: kayak7", "add: 17 25")]
+    engine = BatchGenerator(model, tokenizer)
+    uids = []
+    for i, ids in enumerate(prompts):
+        cache = None
+        if i != 1:  # rows 0 and 2 bring a cache holding all but the last 1 / 6 prompt ids; row 1 none
+            cache = model.make_cache()
+            prefill(model, mx.array(ids[: len(ids) - (1 if i == 0 else 6)]), cache)
+        uids.append(engine.insert(BatchRequest(ids, 64, seed=i, policy=policy, cache=cache)))
+    texts = dict.fromkeys(uids, "")
+    while len(engine):
+        for response in engine.next():
+            texts[response.uid] += response.text
+    assert list(texts.values()) == [generate(model, tokenizer, ids, 64, seed=i, policy=policy)
+                                    for i, ids in enumerate(prompts)]

@@ -133,7 +133,7 @@ def assert_replay_matches(path, max_tokens, prompt=PROMPT):
     tokens, responses = run_ours(path, max_tokens, draws, prompt)
     assert tokens == ref_tokens
     assert [r.steps for r in responses] == [len(d) for d in ref_drafts]
-    assert [[d.tokens.tolist() for d in r.drafts] for r in responses] == ref_drafts
+    assert [[d.tokens for d in r.drafts] for r in responses] == ref_drafts
     assert responses[-1].tokens_per_forward == pytest.approx(ref_tpf)
     return ref_tokens, ref_drafts, responses
 

@@ -105,7 +105,7 @@ def test_clamp_fixes_tokens_and_limits_classes(demo):
     out = np.array(result.tokens)
     assert (out[fixed] == 7).all()
     assert set(out[~fixed].tolist()) <= set(digits)
-    assert all((d.tokens[fixed[0]] == 7).all() for d in drafts)
+    assert all((np.array(d.tokens)[fixed[0]] == 7).all() for d in drafts)
 
 
 @pytest.mark.parametrize("policy", ["reference", "ar"])

@@ -1,6 +1,5 @@
 """An OpenAI-compatible server: ``python -m mlx_dgemma.server`` (app.py the HTTP side, scheduler.py the
-worker that owns the model, prompt_cache.py the multi-turn prefix cache, sequential.py the engine
-interface served one request at a time)."""
+worker that owns the model and drives the batched engine, prompt_cache.py the multi-turn prefix cache)."""
 
 from .app import Server, create_app
 from .scheduler import Scheduler

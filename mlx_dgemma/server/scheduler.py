@@ -1,6 +1,6 @@
 """The worker that owns the model: one thread takes new requests between rounds, prefills them (through
-the prompt cache), inserts them into the engine, runs a round for every active row, and routes each
-row's committed tokens, as text, to its request's asyncio queue.
+the prompt cache), inserts them into the batched engine (batch.BatchGenerator), runs a round for every
+active row, and routes each row's committed tokens, as text, to its request's asyncio queue.
 
 Each request has its own detokenizer, stop strings and text held back (a stop string or a tool call
 may be starting); a request whose client went away is removed from the engine before the next round.
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..generate import answer_text
+from ..batch import BatchGenerator, BatchRequest, BatchResponse
+from ..generate import PREFILL_STEP_SIZE, answer_text, generation_device, prefill
 from ..template import CanvasTemplate
 from ..tokenizer import TextStream
 from .prompt_cache import PromptCache
-from .sequential import BatchRequest, BatchResponse, SequentialBatchGenerator
 
 
 class RequestFailed(Exception):
@@ -75,7 +75,8 @@ class Job:
     thought: TextStream | None = None
     text: str = ""
     sent: int = 0
-    completion_tokens: int = 0
+    produced: int = 0  # tokens committed (padding included), against max_tokens
+    completion_tokens: int = 0  # the same without padding
     cached_tokens: int | None = None
 
     def cancel(self) -> None:
@@ -84,12 +85,12 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, model, tokenizer, prompt_cache_size: int = 10, prefill_step_size: int = 2048,
-                 engine: Callable | None = None):
+    def __init__(self, model, tokenizer, prompt_cache_size: int = 10, prefill_step_size: int = PREFILL_STEP_SIZE,
+                 engine: Callable = BatchGenerator):
         self.model, self.tokenizer = model, tokenizer
         self.prefill_step_size = prefill_step_size
         self.prompt_cache = PromptCache(prompt_cache_size)
-        self._make_engine = engine or SequentialBatchGenerator
+        self._make_engine = engine
         self.engine = self._make_engine(model, tokenizer, prefill_step_size=prefill_step_size)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[int, Job] = {}
@@ -129,6 +130,10 @@ class Scheduler:
 
     def _run(self) -> None:
         mx.set_default_stream(mx.new_stream(mx.default_device()))  # MLX streams belong to a thread
+        with generation_device(self.model):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             new: list[Job | None] = []
             try:  # wait while idle; between rounds, take whatever has arrived
@@ -169,7 +174,7 @@ class Scheduler:
                     self._route(response)
                 except Exception as e:  # this request's answer could not be made; the others go on
                     if self._active.pop(response.uid, None) is not None and response.finish_reason is None:
-                        self.engine.remove(response.uid)
+                        self.engine.remove(response.uid)  # (a no-op for a row already gone)
                     if job is not None:
                         self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
 
@@ -184,9 +189,8 @@ class Scheduler:
             if cache is None:
                 cache = self.model.make_cache()
             end = len(ids) - 1  # the engine encodes the last prompt id: its output starts the answer
-            for start in range(cache.offset, end, self.prefill_step_size):
-                self.model.encode(mx.array(ids[start:min(start + self.prefill_step_size, end)]), cache)
             if end > cached:
+                prefill(self.model, mx.array(ids[cached:end]), cache, self.prefill_step_size)
                 self.prompt_cache.insert(ids[:end], cache)
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
@@ -211,22 +215,25 @@ class Scheduler:
         job = self._active.get(response.uid)
         if job is None:
             return
-        pad = self.tokenizer.pad_token_id
-        job.completion_tokens += sum(t != pad for t in response.tokens)
-        finish = response.finish_reason
-        job.text += job.answer.add(response.tokens, final=finish is not None)
-        reasoning = job.thought.add(response.tokens, final=finish is not None) if job.thought else ""
+        tokens, finish = response.tokens, response.finish_reason
+        room = job.max_tokens - job.produced
+        # Canvases round max_tokens up, an answer does not; a template is as long as it is.
+        if job.template is None and len(tokens) >= room and not (finish == "stop" and len(tokens) <= room):
+            tokens, finish = tokens[:room], "length"
+        job.produced += len(tokens)
+        job.completion_tokens += sum(t != self.tokenizer.pad_token_id for t in tokens)
+        job.text += job.answer.add(tokens, final=finish is not None)
+        reasoning = job.thought.add(tokens, final=finish is not None) if job.thought else ""
         if (cut := _find_any(job.text, job.stop, max(0, job.sent - _longest(job.stop)))) is not None:
-            job.text = job.text[:cut]
-            if finish is None:
-                self.engine.remove(response.uid)
-            finish = "stop"
+            job.text, finish = job.text[:cut], "stop"
         if finish is not None:
             del self._active[response.uid]
+            if response.finish_reason is None:  # the engine would go on: the row ends here
+                self.engine.remove(response.uid)
             if job.redraft is not None:  # the free draft is in: generate the answer from it, or keep it
                 job.template, job.redraft = job.redraft(job.text), None
                 if job.template is not None:
-                    job.text = ""
+                    job.text, job.produced = "", 0
                     self._start(job)
                     return
         if job.redraft is not None:
