@@ -258,11 +258,14 @@ def test_disconnect_stops_the_compute(client, server):
     assert after["rounds"] - before["rounds"] < 15 and after["finished"] == before["finished"]
 
 
-def test_concurrent_clients_get_their_answers_served_alone(client):
+def test_concurrent_clients_get_their_answers_served_alone(client, server):
     prompts = [SORT, "reverse: kayak7", "add: 17 + 25", "json: name=ada age=36", "sort: 9 71 33 48",
                "reverse: hello", "add: 305 + 96", "json: name=li age=7"]
+    start = health(server)["rounds"]
     alone = [chat(client, p, seed=i, max_tokens=64).choices[0].message.content for i, p in enumerate(prompts)]
+    middle = health(server)["rounds"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(chat, client, p, seed=i, max_tokens=64) for i, p in enumerate(prompts)]
         together = [f.result(timeout=60).choices[0].message.content for f in futures]
     assert together == alone
+    assert health(server)["rounds"] - middle < middle - start  # their canvases shared rounds
