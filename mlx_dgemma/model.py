@@ -71,6 +71,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         kind = "sliding_attention" if self.sliding else "full_attention"
         self._periods = rope_periods(d, cfg.rope_parameters[kind])
+        self.kernels = device_kernels.MLX
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         """``positions``: each row's first position [B] (a run), or every position [B, T]."""
@@ -99,7 +100,7 @@ class Attention(nn.Module):
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
         B, _, T, _ = q.shape
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        out = self.kernels.attention(q, k, v, mask)  # scale 1: the Q/K norms stand in for 1/sqrt(d)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -347,7 +348,7 @@ class DiffusionGemma(nn.Module):
         """The device's fast paths (kernels.py); chosen for the default device when the model is made."""
         self.kernels = kernels
         for layer in self.layers:
-            layer.experts.kernels = kernels
+            layer.experts.kernels = layer.self_attn.kernels = kernels
 
     def make_cache(self, left_padding: list[int] | None = None) -> KVCache:
         """An empty cache for one row, or for ``len(left_padding)`` left-padded rows."""
