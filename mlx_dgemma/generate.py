@@ -517,11 +517,13 @@ def _at_least(minimum: int):
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
+@click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True, callback=_at_least(1),
+              help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy, template_file, schema_file):
+         ignore_chat_template, verbose, view, policy, template_file, prefill_step_size, schema_file):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
@@ -547,6 +549,7 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
             dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
             temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
+            prefill_step_size=prefill_step_size,
         ):
             if verbose and not responses:
                 click.echo(response.plan.explain(), err=True)
