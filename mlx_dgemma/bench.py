@@ -17,6 +17,7 @@ import click
 
 from . import fast_blas
 from .policy import CANVAS_LENGTHS, Profile, measure, predicted_table, time_canvas
+from .validate import at_least, option, writable_file
 
 STEPS = (2, 4, 8, 16, 32, 48)
 
@@ -180,10 +181,14 @@ def plot(r: dict, path: Path) -> None:
 
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", required=True, help="Checkpoint folder or Hub id.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
-@click.option("--prefix", default=64, show_default=True, help="Prompt tokens before the canvas.")
-@click.option("--repeats", default=2, show_default=True, help="Timed repeats (best is kept).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
+              help="Write the figures here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
+              help="Write a PNG plot here.")
+@click.option("--prefix", default=64, show_default=True, callback=option(at_least(1)),
+              help="Prompt tokens before the canvas.")
+@click.option("--repeats", default=2, show_default=True, callback=option(at_least(1)),
+              help="Timed repeats (best is kept).")
 @click.option("--breakdown", is_flag=True, help="Only time each part of a 256-position step.")
 def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
     from .loader import CheckpointError, load

@@ -504,6 +504,8 @@ def convert(
     if given and not quantize:
         raise ConversionError(f"{given[0]} needs -q/--quantize (without it the model is written unquantized); "
                               "add -q or drop it")
+    if Path(hf_path).expanduser().is_dir():  # a local source: the most telling refusal first
+        check_apart(Path(hf_path).expanduser(), dst)
     check_destination(dst, force)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")

@@ -528,6 +528,8 @@ def _read_template(tokenizer, template_file: str | None, schema_file: str | None
         schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise TemplateError(f"{path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except RecursionError:
+        raise TemplateError(f"{path} is nested too deeply to read; flatten the schema") from None
     json_template(tokenizer, schema, limit=limit)  # a bad schema fails here, before any generation
     return schema
 
