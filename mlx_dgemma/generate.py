@@ -21,11 +21,10 @@ import numpy as np
 from .config import GenerationConfig
 from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
-from .template import CanvasTemplate, TemplateError, canvas_clamps, parse_template
+from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps, parse_template
 from .tokenizer import TextStream, Tokenizer
-from .validate import PromptError, at_least, check_entropy_bound, check_seed, check_temperature, check_text, \
-    decode_utf8, option
-from .validate import check_prompt as check_prompt_value
+from .validate import (PromptError, at_least, check_entropy_bound, check_request, check_seed, check_temperature,
+                       check_text, decode_utf8, option)
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"
@@ -119,9 +118,10 @@ def stream_generate(
 
     ``prompt`` is text (the chat template is applied unless ``chat_template=False``) or token ids.
     Unset numbers come from the checkpoint's generation config; ``max_tokens`` is computed in whole
-    canvases, as the reference does, and the text and tokens handed out stop at it. ``rng`` replaces the seeded ``mx.random`` draws; ``settings``
-    replaces the sampler settings built from the rest. ``drafts=True`` attaches each step's argmax
-    canvas to the responses; ``on_step`` is called with it as soon as the step is done.
+    canvases, as the reference does, and the text and tokens handed out stop at it. ``rng`` replaces
+    the seeded ``mx.random`` draws; ``settings`` replaces the sampler settings built from the rest.
+    ``drafts=True`` attaches each step's argmax canvas to the responses; ``on_step`` is called with it
+    as soon as the step is done.
 
     ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
     "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
@@ -136,21 +136,9 @@ def stream_generate(
     """
     config = model.config
     defaults = generation_config(model, tokenizer)
-    prompt = check_prompt_value(prompt)
     max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
-    at_least(1)(max_tokens, "max_tokens")
-    if seed is not None:
-        check_seed(seed)
-    if system_prompt is not None:
-        check_text(system_prompt, "the system prompt")
-        if not chat_template or not isinstance(prompt, str):
-            raise PromptError("a system prompt needs the chat template and a text prompt; "
-                              "put the system text in the prompt instead")
-    if isinstance(template, str):
-        template = parse_template(tokenizer, template, limit=config.max_position_embeddings)
-    elif template is not None and not isinstance(template, CanvasTemplate):
-        raise TemplateError(f"template must be text with {{{{fill:N}}}} holes or a CanvasTemplate, "
-                            f"got {type(template).__name__}")
+    prompt = check_request(prompt, max_tokens, seed, system_prompt, chat_template)
+    template = as_template(tokenizer, template, limit=config.max_position_embeddings)
     end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     if template is not None:
         max_tokens = len(template) + template.ends_turn
@@ -440,7 +428,8 @@ def statistics(responses: list[GenerationResponse]) -> str:
               help="Temperature at the last denoising step.")
 @click.option("--temp-max", type=float, callback=option(check_temperature),
               help="Temperature at the first denoising step.")
-@click.option("--seed", type=int, callback=option(check_seed), help="Seed of the sampler's random draws (0 to 2**64 - 1).")
+@click.option("--seed", type=int, callback=option(check_seed),
+              help="Seed of the sampler's random draws (0 to 2**64 - 1).")
 @click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
 @click.option("--verbose", is_flag=True, help="Print statistics after the text.")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
@@ -471,9 +460,10 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
         if prompt == "-":
             stdin = getattr(sys.stdin, "buffer", None)
             prompt = decode_utf8(stdin.read(), "the prompt on stdin") if stdin else sys.stdin.read()
-        check_prompt_value(check_text(prompt, "--prompt"))
+        check_text(prompt, "--prompt")
         if system_prompt is not None:
             check_text(system_prompt, "--system-prompt")
+        check_request(prompt, max_tokens or 1, seed, system_prompt)  # before the model loads
         dgemma, tokenizer = load(model or DEMO_MODEL)
         template = _read_template(tokenizer, template_file, schema_file, dgemma.config.max_position_embeddings)
         if isinstance(template, dict):  # a schema: holes sized by a free draft first

@@ -355,7 +355,8 @@ class Plan:
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"
         if self.mode == "diffusion":
-            head += f", ≤{self.steps} steps/canvas, entropy bound {self.entropy_bound:g}, t {self.t_min:g}–{self.t_max:g}"
+            head += f", ≤{self.steps} steps/canvas, entropy bound {self.entropy_bound:g}"
+            head += f", t {self.t_min:g}–{self.t_max:g}"
             if self.freeze_after:
                 head += f", positions settled for {self.freeze_after} step(s) frozen"
             if self.stability_threshold is not None:

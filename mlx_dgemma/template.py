@@ -159,6 +159,16 @@ def parse_template(tokenizer, text: str, limit: int | None = None) -> CanvasTemp
     return CanvasTemplate(tokens, holes)
 
 
+def as_template(tokenizer, template, limit: int | None = None) -> CanvasTemplate | None:
+    """A ``CanvasTemplate`` from what a caller passed as a template: text (parsed), one, or None."""
+    if template is None or isinstance(template, CanvasTemplate):
+        return template
+    if isinstance(template, str):
+        return parse_template(tokenizer, template, limit)
+    raise TemplateError(f"template must be text with {{{{fill:N}}}} holes or a CanvasTemplate, "
+                        f"got {type(template).__name__}")
+
+
 def _literal(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) if text else []
 
@@ -215,8 +225,8 @@ class _Builder:
 def _count(schema: dict, key: str, path: str, default: int) -> int:
     """A schema's item or length bound: a non-negative integer."""
     value = schema.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0 \
-            or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
+            or (isinstance(value, float) and not value.is_integer()):
         raise TemplateError(f"{key} at {path} must be a non-negative integer, got {json.dumps(value)}")
     return int(value)
 

@@ -100,6 +100,20 @@ def check_prompt(prompt, name: str = "prompt") -> str | list[int]:
     return [int(i) for i in prompt]
 
 
+def check_request(prompt, max_tokens, seed=None, system_prompt=None, chat_template: bool = True) -> str | list[int]:
+    """The checks at the generation API's entry; returns the prompt as text or a list of ids."""
+    prompt = check_prompt(prompt)
+    at_least(1)(max_tokens, "max_tokens")
+    if seed is not None:
+        check_seed(seed)
+    if system_prompt is not None:
+        check_text(system_prompt, "the system prompt")
+        if not chat_template or not isinstance(prompt, str):
+            raise PromptError("a system prompt needs the chat template and a text prompt; "
+                              "put the system text in the prompt instead")
+    return prompt
+
+
 def writable_file(path: Path, name: str) -> None:
     """A file that can be created: its folder exists and takes new files (checked before long runs)."""
     folder = Path(path).expanduser().absolute().parent

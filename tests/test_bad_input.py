@@ -323,7 +323,8 @@ def test_schema_numbers_keep_their_fractions(demo):
     template = json_template(tokenizer, schema)
     (_, hole), = template.holes
     assert hole.kind == "number"
-    assert [template.render([v])["p"] for v in ("0.5", "0.25", "0", "7", "-", "0.95")] == [0.5, 0.25, 0.2, 0.8, 0.2, 0.8]
+    rendered = [template.render([v])["p"] for v in ("0.5", "0.25", "0", "7", "-", "0.95")]
+    assert rendered == [0.5, 0.25, 0.2, 0.8, 0.2, 0.8]  # fractions kept, the rest clamped into range
     for seed in range(3):
         jsonschema.validate(json.loads(generate(model, tokenizer, "json: p=0.5", template=template, seed=seed)), schema)
     with pytest.raises(TemplateError) as info:
@@ -358,6 +359,8 @@ def test_a_huge_hole_from_the_command_line(demo, tmp_path):
     ({"type": "object", "properties": {"n": {"type": "number", "maximum": [1]}}}, "maximum at $.n must be a finite"),
     ({"type": "array", "maxItems": "3"}, 'maxItems at $ must be a non-negative integer, got "3"'),
     ({"type": "string", "maxLength": 2.5}, "maxLength at $ must be a non-negative integer, got 2.5"),
+    ({"type": "string", "maxLength": math.inf}, "maxLength at $ must be a non-negative integer, got Infinity"),
+    ({"type": "integer", "maximum": math.inf}, "maximum at $ must be a finite number, got Infinity"),
     ({"type": "object", "properties": [1]}, "properties at $ must be an object"),
 ])
 def test_bad_schema_values_name_the_place(demo, schema, message):
