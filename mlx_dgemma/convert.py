@@ -366,7 +366,7 @@ def check_destination(dst: Path, force: bool) -> None:
     """Refuse a destination whose replacement could lose anything: a file or link, a folder holding
     files a conversion did not write (even with ``force``), or an earlier conversion without ``force``."""
     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
-        raise ConversionError(f"{dst} exists and is not a folder; choose another --mlx-path")
+        raise ConversionError(f"{dst} exists and is not a plain folder (a file or a link); choose another --mlx-path")
     if not dst.exists():
         return
     if foreign := foreign_files(dst):

@@ -143,8 +143,13 @@ def test_force_replaces_an_earlier_conversion_but_not_a_file_added_to_it(models)
 def test_a_file_as_destination_is_refused(models):
     before = snapshot(models.parent)
     result = convert_cli("--hf-path", str(models / "hf"), "--mlx-path", str(models / "notes.txt"), "--force")
-    one_line_error(result, "notes.txt exists and is not a folder")
+    one_line_error(result, "notes.txt exists and is not a plain folder")
     assert snapshot(models.parent) == before
+    os.symlink(models / "photos", models / "link")
+    before = snapshot(models.parent)
+    result = convert_cli("--hf-path", str(models / "hf"), "--mlx-path", str(models / "link"), "--force")
+    one_line_error(result, "link exists and is not a plain folder (a file or a link)")
+    assert snapshot(models.parent) == before and os.readlink(models / "link") == str(models / "photos")
 
 
 # ---- 3. SIGTERM / SIGHUP: the partial output goes, and so do the leftovers of killed runs --------
