@@ -35,9 +35,9 @@ class GenerationResponse:
     """One committed canvas."""
 
     text: str  # the text this canvas adds to the answer
-    tokens: list[int]  # the canvas's committed ids, up to and including a stop id
+    tokens: list[int]  # the canvas's committed ids, up to and including a stop id, within max_tokens
     steps: int  # denoising steps this canvas took
-    tokens_per_forward: float  # non-pad tokens committed so far per denoising forward
+    tokens_per_forward: float  # non-pad tokens committed so far per denoising forward (whole canvases)
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int  # committed so far
@@ -183,13 +183,13 @@ def stream_generate(
         blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
     total_steps = generated = non_pad = 0
     for tokens, stopped, forwards, step_drafts, last in blocks:
+        total_steps += forwards
+        non_pad += sum(t != defaults.pad_token_id for t in tokens)  # the reference's statistic
         room = max_tokens - generated
         if template is None and len(tokens) >= room:  # a canvas may compute more than was asked for
             stopped, last = stopped and len(tokens) <= room, True
             tokens = tokens[:room]
-        total_steps += forwards
         generated += len(tokens)
-        non_pad += sum(t != defaults.pad_token_id for t in tokens)
         finish = "stop" if stopped else "length" if last else None
         yield GenerationResponse(
             text=text.add(tokens, final=finish is not None),
