@@ -356,7 +356,8 @@ def foreign_files(dst: Path) -> list[str]:
     entries = sorted(p.name for p in dst.iterdir())
     try:
         marker = json.loads((dst / MARKER).read_text())
-        ours = set(marker["files"]) | {MARKER} if marker.get("written_by") == "mlx_dgemma.convert" else set()
+        files = marker["files"] if marker.get("written_by") == "mlx_dgemma.convert" else []
+        ours = {MARKER, *files} if isinstance(files, list) and all(isinstance(f, str) for f in files) else set()
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         ours = set()
     return [name for name in entries if name not in ours or not (dst / name).is_file() or (dst / name).is_symlink()]
