@@ -222,9 +222,14 @@ def _read_json(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise TokenizerError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{path} is not UTF-8 text; re-export it") from None
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{path} must be a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _chat_template(folder: Path, settings: dict) -> str | None:
