@@ -86,7 +86,7 @@ EFFICIENCY = {
     "nvidia": Efficiency(compute=0.12, bandwidth=0.7, per_layer_s=20e-6),
 }
 
-# The released google/diffusiongemma-26B-A4B-it (REFERENCE.md §1).
+# The released google/diffusiongemma-26B-A4B-it (its config.json's text_config).
 RELEASED = ModelConfig(
     vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
     num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,

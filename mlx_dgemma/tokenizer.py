@@ -17,7 +17,7 @@ from .config import GenerationConfig, ModelConfig
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 
-# Gemma 4's chat format (REFERENCE.md §5), used when the checkpoint ships no template. With the
+# Gemma 4's chat format (as its released chat template writes it), used when the checkpoint ships no template. With the
 # generation prompt comes an empty thought channel: the model answers without thinking.
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"

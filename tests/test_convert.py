@@ -224,7 +224,7 @@ def test_report_lists_every_recipe(src, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-# The released 26B-A4B geometry (REFERENCE.md §1.1).
+# The released 26B-A4B geometry (its config.json's text_config).
 RELEASED = dict(
     vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
     num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
