@@ -48,9 +48,10 @@ def rope_periods(head_dim: int, params: dict) -> mx.array:
     rotated = half
     if params.get("rope_type", "default") == "proportional":
         rotated = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-    i = mx.arange(half, dtype=mx.float32)
-    periods = mx.power(theta, 2.0 * i / head_dim)
-    return mx.where(i < rotated, periods, mx.array(math.inf, dtype=mx.float32))
+    # Concrete values, not a lazy graph: a lazy one would be evaluated on the stream of the thread that
+    # built the model, which another thread (an app's generation thread) does not have.
+    periods = [theta ** (2.0 * i / head_dim) if i < rotated else math.inf for i in range(half)]
+    return mx.array(periods, dtype=mx.float32)
 
 
 class Attention(nn.Module):
