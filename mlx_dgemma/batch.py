@@ -63,7 +63,8 @@ class _Row:
     job: Job
     clamps: list | None
     canvas: int = 0  # canvases committed
-    remaining: int = 0
+    remaining: int = 0  # tokens still to compute (whole canvases)
+    emitted: int = 0  # tokens handed out
     token: mx.array | None = None  # autoregressive: the row's next token, [1, 1]
     solo: Iterator | None = None
     cache: object = None  # the request's own prefilled cache, until the row joins its group
@@ -169,13 +170,19 @@ class BatchGenerator:
         for i, (row, result) in enumerate(zip(group.rows, results)):
             committed = result.tokens[0].tolist()
             length = runs[i].length
-            if row.clamps:  # a template's canvases stay whole; it ends with its last one
-                tokens, stopped = committed, row.canvas == len(row.clamps) - 1
-            else:
-                tokens, stopped = cut_at_stop(committed, row.job.stop_ids)
             row.canvas += 1
             row.remaining -= length
-            finish = "stop" if stopped else "length" if row.remaining <= 0 else None
+            if row.clamps:  # a template's canvases stay whole; it ends with its last one
+                tokens, stopped = committed, row.canvas == len(row.clamps)
+                last = stopped
+            else:
+                tokens, stopped = cut_at_stop(committed, row.job.stop_ids)
+                last = stopped or row.remaining <= 0
+                room = row.job.max_tokens - row.emitted
+                if len(tokens) >= room:  # a canvas may compute more than was asked for
+                    stopped, last, tokens = stopped and len(tokens) <= room, True, tokens[:room]
+            row.emitted += len(tokens)
+            finish = "stop" if stopped else "length" if last else None
             responses.append(BatchResponse(row.uid, tokens, row.job.text.add(tokens, final=finish is not None),
                                            finish, result.steps))
             if finish is None:

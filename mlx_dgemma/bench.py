@@ -20,6 +20,7 @@ from pathlib import Path  # noqa: E402
 import click  # noqa: E402
 
 from .policy import CANVAS_LENGTHS, Profile, measure, predicted_table, time_canvas  # noqa: E402
+from .validate import at_least, option, writable_file  # noqa: E402
 
 STEPS = (2, 4, 8, 16, 32, 48)
 
@@ -233,11 +234,15 @@ class _Several(click.Option):
 
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", required=True, help="Checkpoint folder or Hub id.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
+              help="Write the figures here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
+              help="Write a PNG plot here.")
 @click.option("--prefix", cls=_Several, type=int, multiple=True, default=[64], show_default=True,
+              callback=option(lambda values, name: [at_least(1)(v, name) for v in values]),
               help="Prompt tokens before the canvas; several (--prefix 64 1024 8192) add a sweep over prompt lengths.")
-@click.option("--repeats", default=2, show_default=True, help="Timed repeats (best is kept).")
+@click.option("--repeats", default=2, show_default=True, callback=option(at_least(1)),
+              help="Timed repeats (best is kept).")
 @click.option("--breakdown", is_flag=True, help="Only time each part of a 256-position step.")
 def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
     from .loader import CheckpointError, load

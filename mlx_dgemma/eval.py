@@ -25,6 +25,7 @@ from dataclasses import dataclass, field  # noqa: E402
 import click  # noqa: E402
 
 from .tasks import TASKS, answer_template, check, json_schema, make_instance  # noqa: E402
+from .validate import at_least, check_seed, option  # noqa: E402
 
 
 @dataclass
@@ -138,10 +139,11 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
 
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", help="Checkpoint folder [default: the bundled demo model].")
-@click.option("-n", "--instances", "n", default=50, show_default=True, help="Fresh instances per task.")
+@click.option("-n", "--instances", "n", default=50, show_default=True, callback=option(at_least(1)),
+              help="Fresh instances per task.")
 @click.option("--policy", "policies", multiple=True, default=["reference"], show_default=True,
               type=click.Choice(["reference", "fast", "ar", "auto"]))
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, callback=option(check_seed))
 @click.option("--task", "tasks", multiple=True, type=click.Choice(TASKS), help="Only these tasks.")
 @click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
 def main(model_path, n, policies, seed, tasks, templates):

@@ -26,8 +26,10 @@ import numpy as np  # noqa: E402
 from .config import GenerationConfig
 from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
-from .template import CanvasTemplate, TemplateError, canvas_clamps, parse_template
+from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps, parse_template
 from .tokenizer import TextStream, Tokenizer
+from .validate import (PromptError, at_least, check_entropy_bound, check_request, check_seed, check_temperature,
+                       check_text, decode_utf8, option)
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"
@@ -69,18 +71,14 @@ def generation_device(model):
         mx.set_wired_limit(old)
 
 
-class PromptError(ValueError):
-    """A prompt the model cannot take."""
-
-
 @dataclass
 class GenerationResponse:
     """One committed canvas."""
 
     text: str  # the text this canvas adds to the answer
-    tokens: list[int]  # the canvas's committed ids, up to and including a stop id
+    tokens: list[int]  # the canvas's committed ids, up to and including a stop id, within max_tokens
     steps: int  # denoising steps this canvas took
-    tokens_per_forward: float  # non-pad tokens committed so far per denoising forward
+    tokens_per_forward: float  # non-pad tokens committed so far per denoising forward (whole canvases)
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int  # committed so far
@@ -109,15 +107,21 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
 
-def check_prompt(ids: list[int], config) -> None:
+def check_prompt(ids: list[int], config, max_tokens: int = 1) -> None:
+    """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` takes."""
     if not ids:
         raise PromptError("the prompt is empty")
     if bad := [i for i in ids if not 0 <= i < config.vocab_size]:
         raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
-    context = config.max_position_embeddings
-    if len(ids) + config.canvas_length > context:
-        raise PromptError(f"the prompt is {len(ids)} tokens: with a {config.canvas_length}-token canvas after it, "
+    context, canvas = config.max_position_embeddings, config.canvas_length
+    if len(ids) + canvas > context:
+        raise PromptError(f"the prompt is {len(ids)} tokens: with a {canvas}-token canvas after it, "
                           f"it does not fit the model's context of {context} tokens")
+    canvases = -(-max_tokens // canvas)
+    if len(ids) + canvases * canvas > context:
+        room = (context - len(ids)) // canvas * canvas
+        raise PromptError(f"{max_tokens} max tokens take {canvases} canvases of {canvas} after the {len(ids)}-token "
+                          f"prompt, past the model's context of {context} tokens; ask for at most {room}")
 
 
 def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
@@ -162,10 +166,8 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
     config = model.config
     defaults = generation_config(model, tokenizer)
     max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    if isinstance(template, str):
-        template = parse_template(tokenizer, template)
+    prompt = check_request(prompt, max_tokens, seed, system_prompt, chat_template)
+    template = as_template(tokenizer, template, limit=config.max_position_embeddings)
     end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     if template is not None:
         max_tokens = len(template) + template.ends_turn
@@ -177,8 +179,9 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
         entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
         t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
         freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
+    plan = plan.using(settings)
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
-    check_prompt(ids, config)
+    check_prompt(ids, config, max_tokens if template is None else 1)
     rng = MxRandom(seed) if rng is None else rng
     stop_ids = set(defaults.eos_token_id)
     if template is not None:
@@ -215,10 +218,11 @@ def stream_generate(
     """Yield one ``GenerationResponse`` per committed canvas.
 
     ``prompt`` is text (the chat template is applied unless ``chat_template=False``) or token ids.
-    Unset numbers come from the checkpoint's generation config; ``max_tokens`` is rounded up to whole
-    canvases, as the reference does. ``rng`` replaces the seeded ``mx.random`` draws; ``settings``
-    replaces the sampler settings built from the rest. ``drafts=True`` attaches each step's argmax
-    canvas to the responses; ``on_step`` is called with it as soon as the step is done.
+    Unset numbers come from the checkpoint's generation config; ``max_tokens`` is computed in whole
+    canvases, as the reference does, and the text and tokens handed out stop at it. ``rng`` replaces
+    the seeded ``mx.random`` draws; ``settings`` replaces the sampler settings built from the rest.
+    ``drafts=True`` attaches each step's argmax canvas to the responses; ``on_step`` is called with it
+    as soon as the step is done.
 
     ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
     "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
@@ -257,8 +261,12 @@ def stream_generate(
         total_steps = generated = non_pad = 0
         for tokens, stopped, forwards, step_drafts, last in blocks:
             total_steps += forwards
+            non_pad += sum(t != defaults.pad_token_id for t in tokens)  # the reference's statistic
+            room = max_tokens - generated
+            if template is None and len(tokens) >= room:  # a canvas may compute more than was asked for
+                stopped, last = stopped and len(tokens) <= room, True
+                tokens = tokens[:room]
             generated += len(tokens)
-            non_pad += sum(t != defaults.pad_token_id for t in tokens)
             finish = "stop" if stopped else "length" if last else None
             yield GenerationResponse(
                 text=text.add(tokens, final=finish is not None),
@@ -385,6 +393,8 @@ def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, ma
 
     template = infill_template(tokenizer, suffix, max_fill, model.config.canvas_length)
     kwargs.setdefault("chat_template", False)
+    if isinstance(prefix, str) and not kwargs["chat_template"]:  # an empty or blank prefix is a fine start
+        prefix = tokenizer.encode(check_text(prefix, "the prefix"))
     responses = list(stream_generate(model, tokenizer, prefix, template=template, **kwargs))
     answer = responses[-1].text
     tail = tokenizer.decode(template.tokens[template.holes[0][1].size:])
@@ -398,13 +408,14 @@ def drafted_json_template(model, tokenizer: Tokenizer, prompt: str | list[int], 
     time against 54% with upper-bound holes and 94% free, always valid."""
     from .template import json_template
 
-    json_template(tokenizer, schema)  # a bad schema fails before any generation
+    limit = model.config.max_position_embeddings
+    json_template(tokenizer, schema, limit=limit)  # a bad schema fails before any generation
     free = generate(model, tokenizer, prompt, **kwargs)
     try:
         draft = json.loads(free)
     except ValueError:
         draft = None
-    return json_template(tokenizer, schema, draft=draft)
+    return json_template(tokenizer, schema, draft=draft, limit=limit)
 
 
 def answer_text(model, tokenizer: Tokenizer, template: CanvasTemplate | None = None):
@@ -497,27 +508,22 @@ def statistics(responses: list[GenerationResponse]) -> str:
     ])
 
 
-def _at_least(minimum: int):
-    def check(ctx, param, value):
-        if value is not None and value < minimum:
-            raise click.ClickException(f"--{param.name.replace('_', '-')} must be at least {minimum}, got {value}")
-        return value
-
-    return check
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
 @click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True,
               help="Message to the model; '-' reads stdin.")
 @click.option("--system-prompt", help="System message for the chat template.")
-@click.option("--max-tokens", "-m", type=int, callback=_at_least(1),
-              help="Tokens to generate, rounded up to whole canvases [default: the checkpoint's max_new_tokens].")
-@click.option("--steps", type=int, callback=_at_least(1), help="Most denoising steps per canvas.")
-@click.option("--entropy-bound", type=float, help="Entropy bound of the sampler's acceptance (nats).")
-@click.option("--temp-min", type=float, help="Temperature at the last denoising step.")
-@click.option("--temp-max", type=float, help="Temperature at the first denoising step.")
-@click.option("--seed", type=int, help="Seed of the sampler's random draws.")
+@click.option("--max-tokens", "-m", type=int, callback=option(at_least(1)),
+              help="Most tokens to print (computed in whole canvases) [default: the checkpoint's max_new_tokens].")
+@click.option("--steps", type=int, callback=option(at_least(1)), help="Most denoising steps per canvas.")
+@click.option("--entropy-bound", type=float, callback=option(check_entropy_bound),
+              help="Entropy bound of the sampler's acceptance (nats).")
+@click.option("--temp-min", type=float, callback=option(check_temperature),
+              help="Temperature at the last denoising step.")
+@click.option("--temp-max", type=float, callback=option(check_temperature),
+              help="Temperature at the first denoising step.")
+@click.option("--seed", type=int, callback=option(check_seed),
+              help="Seed of the sampler's random draws (0 to 2**64 - 1).")
 @click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
 @click.option("--verbose", is_flag=True, help="Print statistics after the text.")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
@@ -528,24 +534,34 @@ def _at_least(minimum: int):
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
+@click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True, callback=option(at_least(1)),
+              help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy, template_file, schema_file):
+         ignore_chat_template, verbose, view, policy, template_file, prefill_step_size, schema_file):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
 
-    if prompt == "-":
-        prompt = click.get_text_stream("stdin").read()
     if model is None and not DEMO_MODEL.is_dir():
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
     if template_file and schema_file:
         raise click.ClickException("give --template or --schema, not both")
+    if system_prompt is not None and ignore_chat_template:
+        raise click.ClickException("--system-prompt needs the chat template: drop --ignore-chat-template "
+                                   "or put the system text in --prompt")
     try:
+        if prompt == "-":
+            stdin = getattr(sys.stdin, "buffer", None)
+            prompt = decode_utf8(stdin.read(), "the prompt on stdin") if stdin else sys.stdin.read()
+        check_text(prompt, "--prompt")
+        if system_prompt is not None:
+            check_text(system_prompt, "--system-prompt")
+        check_request(prompt, max_tokens or 1, seed, system_prompt)  # before the model loads
         dgemma, tokenizer = load(model or DEMO_MODEL)
-        template = _read_template(tokenizer, template_file, schema_file)
+        template = _read_template(tokenizer, template_file, schema_file, dgemma.config.max_position_embeddings)
         if isinstance(template, dict):  # a schema: holes sized by a free draft first
             template = drafted_json_template(
                 dgemma, tokenizer, prompt, template, max_tokens=max_tokens, seed=seed, steps=steps,
@@ -558,6 +574,7 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
             dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
             temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
+            prefill_step_size=prefill_step_size,
         ):
             if verbose and not responses:
                 click.echo(response.plan.explain(), err=True)
@@ -577,8 +594,9 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
         click.echo(statistics(responses))
 
 
-def _read_template(tokenizer, template_file: str | None, schema_file: str | None):
-    """The --template file's template, or the --schema file's schema (checked)."""
+def _read_template(tokenizer, template_file: str | None, schema_file: str | None, limit: int):
+    """The --template file's template, or the --schema file's schema (checked); ``limit`` is the
+    model's context, which no template can outgrow."""
     from .template import json_template
 
     path = template_file or schema_file
@@ -588,13 +606,18 @@ def _read_template(tokenizer, template_file: str | None, schema_file: str | None
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise TemplateError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise TemplateError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                            "save it as UTF-8") from None
     if template_file:
-        return parse_template(tokenizer, text.removesuffix("\n"))  # the newline that ends the file
+        return parse_template(tokenizer, text.removesuffix("\n"), limit=limit)  # the newline that ends the file
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise TemplateError(f"{path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
-    json_template(tokenizer, schema)  # a bad schema fails here, before any generation
+    except RecursionError:
+        raise TemplateError(f"{path} is nested too deeply to read; flatten the schema") from None
+    json_template(tokenizer, schema, limit=limit)  # a bad schema fails here, before any generation
     return schema
 
 

@@ -10,6 +10,9 @@ multiplies row by row in float32 only, so there:
   has, one host sync per MoE layer, which costs nothing where there is no device queue to drain),
   unless experts get under ``SEGMENT_MIN_ROWS`` rows each on average (a short canvas, an AR token)
   and ``gather_mm`` without the sync is cheaper (benchmarks/expert_dispatch.py);
+- attention over many keys (a long prompt) computes its softmax in numpy between two BLAS
+  products, where MLX's fused attention spends most of its time in exp: a 256-position canvas
+  after 8192 prompt tokens, full layer, ≈ 2x faster (benchmarks/attention_cpu.py);
 - matmuls use OpenBLAS when it is installed (``fast_blas.py``: loaded before ``mlx.core``).
 """
 
@@ -37,6 +40,8 @@ class Kernels:
     tempered_distribution: Callable[[mx.array, mx.array], tuple[mx.array, mx.array, mx.array, mx.array]]
     # (sorted expert ids [N], experts, gather_ok) -> rows per expert, or None for gather_mm
     expert_counts: Callable[[mx.array, int, bool], list[int] | None]
+    # (q [B, H, T, D], k [B, Hkv, K, D], v [B, Hkv, K, Dv], bool mask broadcastable to [B, 1, T, K] | None)
+    attention: Callable[[mx.array, mx.array, mx.array, mx.array | None], mx.array]
 
 
 # --- MLX (Metal, CUDA) -------------------------------------------------------------------------
@@ -64,7 +69,11 @@ def _gather_always(sorted_idx: mx.array, num_experts: int, gather_ok: bool) -> N
     return None
 
 
-MLX = Kernels("mlx", _mlx_softcap, _mlx_softmax, _mlx_tempered_distribution, _gather_always)
+def _mlx_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+
+
+MLX = Kernels("mlx", _mlx_softcap, _mlx_softmax, _mlx_tempered_distribution, _gather_always, _mlx_attention)
 
 
 # --- CPU -----------------------------------------------------------------------------------------
@@ -107,7 +116,28 @@ def _cpu_expert_counts(sorted_idx: mx.array, num_experts: int, gather_ok: bool) 
     return np.bincount(_host(sorted_idx), minlength=num_experts).tolist()
 
 
-CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cpu_expert_counts)
+# Keys from which the numpy softmax beats MLX's fused attention on the CPU (2 cores: 1.0x at 320
+# keys, 2.4x at 1279, 1.8x at 8448; benchmarks/attention_cpu.py).
+NUMPY_SOFTMAX_MIN_KEYS = 512
+
+
+def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+    B, H, T, D = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    if K < NUMPY_SOFTMAX_MIN_KEYS:
+        return _mlx_attention(q, k, v, mask)
+    group = H // Hkv  # query heads per key head: one product per key head
+    scores = _host(q.reshape(B, Hkv, group * T, D) @ k.swapaxes(-1, -2)).reshape(B, Hkv, group, T, K)
+    if mask is not None:
+        scores = np.where(_host(mask)[:, :, None], scores, -np.inf)  # [B|1, 1, 1, T, K]
+    probs = scores - scores.max(axis=-1, keepdims=True)
+    np.exp(probs, out=probs)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = mx.array(probs.reshape(B, Hkv, group * T, K)) @ v
+    return out.reshape(B, H, T, v.shape[-1])
+
+
+CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cpu_expert_counts, _cpu_attention)
 
 
 def for_device(device: mx.Device | None = None) -> Kernels:

@@ -4,6 +4,7 @@ must be there with its shape, and nothing else may be."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -39,6 +40,18 @@ def resolve(path_or_repo: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     text = str(path_or_repo)
+    try:  # a path through a link that leads nowhere: say so, rather than look it up on the Hub
+        path.resolve(strict=True)
+    except RuntimeError:  # Python < 3.13 reports a loop this way
+        raise CheckpointError(f"model path {text!r} runs into a symbolic link loop; point it at a checkpoint folder") \
+            from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"model path {text!r} runs into a symbolic link loop; point it at a checkpoint "
+                                  "folder") from None
+        if path.is_symlink():
+            raise CheckpointError(f"model path {text!r} is a broken symbolic link (to {os.readlink(path)!r}); "
+                                  "point it at a checkpoint folder") from None
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise CheckpointError(f"model path {text!r} is not a folder; pass a checkpoint folder or a Hub id (org/name)")
     from huggingface_hub import snapshot_download
@@ -58,9 +71,15 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / WEIGHTS_INDEX
     if index.exists():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError):
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map')") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map each tensor name to a shard file name; "
+                                  "re-export the checkpoint")
+        names = sorted(set(weight_map.values()))
+        if bad := [n for n in names if Path(n).name != n]:
+            raise CheckpointError(f"{index} names shard {bad[0]!r}, which is not a file name in {folder}")
         files = [folder / n for n in names]
         for f in files:
             if not f.exists():
@@ -162,6 +181,8 @@ def _quantize(model: nn.Module, quantization: dict, weights: dict[str, mx.array]
 
 
 def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Every parameter there, nothing else, each with its shape and a dtype of its kind: floating point
+    where the model holds floats, exactly the packed type where it holds quantized integers."""
     expected = dict(tree_flatten(model.parameters()))
     for key in expected:
         if key not in weights:
@@ -173,6 +194,16 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
             raise CheckpointError(
                 f"weight {key} has shape {tuple(value.shape)}, the config implies {tuple(expected[key].shape)}"
             )
+        want = expected[key].dtype
+        floating = mx.issubdtype(want, mx.floating)
+        if (mx.issubdtype(value.dtype, mx.floating) != floating) or (not floating and value.dtype != want):
+            kind = "a floating-point type (float32, float16 or bfloat16)" if floating else _dtype_name(want)
+            raise CheckpointError(f"weight {key} has dtype {_dtype_name(value.dtype)}, expected {kind}; "
+                                  "re-export the checkpoint")
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 def load_model(folder: Path) -> DiffusionGemma:

@@ -48,9 +48,10 @@ def rope_periods(head_dim: int, params: dict) -> mx.array:
     rotated = half
     if params.get("rope_type", "default") == "proportional":
         rotated = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-    i = mx.arange(half, dtype=mx.float32)
-    periods = mx.power(theta, 2.0 * i / head_dim)
-    return mx.where(i < rotated, periods, mx.array(math.inf, dtype=mx.float32))
+    # Concrete values, not a lazy graph: a lazy one would be evaluated on the stream of the thread that
+    # built the model, which another thread (an app's generation thread) does not have.
+    periods = [theta ** (2.0 * i / head_dim) if i < rotated else math.inf for i in range(half)]
+    return mx.array(periods, dtype=mx.float32)
 
 
 class Attention(nn.Module):
@@ -71,6 +72,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         kind = "sliding_attention" if self.sliding else "full_attention"
         self._periods = rope_periods(d, cfg.rope_parameters[kind])
+        self.kernels = device_kernels.MLX
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         """``positions``: each row's first position [B] (a run), or every position [B, T]."""
@@ -99,7 +101,7 @@ class Attention(nn.Module):
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
         B, _, T, _ = q.shape
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        out = self.kernels.attention(q, k, v, mask)  # scale 1: the Q/K norms stand in for 1/sqrt(d)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -347,7 +349,7 @@ class DiffusionGemma(nn.Module):
         """The device's fast paths (kernels.py); chosen for the default device when the model is made."""
         self.kernels = kernels
         for layer in self.layers:
-            layer.experts.kernels = kernels
+            layer.experts.kernels = layer.self_attn.kernels = kernels
 
     def make_cache(self, left_padding: list[int] | None = None) -> KVCache:
         """An empty cache for one row, or for ``len(left_padding)`` left-padded rows."""

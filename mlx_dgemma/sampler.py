@@ -32,6 +32,7 @@ import mlx.core as mx
 from . import kernels as device_kernels
 from .cache import CanvasView
 from .config import GenerationConfig
+from .validate import check_entropy_bound, check_temperatures
 
 
 class Random(Protocol):
@@ -87,10 +88,8 @@ class SamplerSettings:
     def __post_init__(self):
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {self.steps!r}")
-        if not self.entropy_bound > 0:
-            raise ValueError(f"entropy bound must be > 0, got {self.entropy_bound}")
-        if self.t_min < 0 or self.t_max <= self.t_min:
-            raise ValueError(f"temperatures need 0 <= temp-min < temp-max, got {self.t_min} and {self.t_max}")
+        check_entropy_bound(self.entropy_bound)
+        check_temperatures(self.t_min, self.t_max)
         if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
             raise ValueError(f"stability threshold must be an integer >= 0, got {self.stability_threshold!r}")
         if not self.confidence_threshold > 0:

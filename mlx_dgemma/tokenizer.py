@@ -17,7 +17,7 @@ from .config import GenerationConfig, ModelConfig
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 
-# Gemma 4's chat format (REFERENCE.md §5), used when the checkpoint ships no template. With the
+# Gemma 4's chat format (as its released chat template writes it), used when the checkpoint ships no template. With the
 # generation prompt comes an empty thought channel: the model answers without thinking.
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -245,9 +245,14 @@ def _read_json(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise TokenizerError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{path} is not UTF-8 text; re-export it") from None
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{path} must be a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _chat_template(folder: Path, settings: dict) -> str | None:

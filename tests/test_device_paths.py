@@ -39,3 +39,19 @@ def test_generation_is_the_same_on_both_paths(checkpoints):
     model.use_kernels(kernels.MLX)
     accelerator = [r.tokens for r in stream_generate(model, tokenizer, prompt, 24, seed=5)]
     assert cpu == accelerator
+
+
+@pytest.mark.parametrize("keys", [600, 1300])
+def test_cpu_attention_over_many_keys_matches_mlx(keys):
+    """Past NUMPY_SOFTMAX_MIN_KEYS the CPU softmax runs in numpy; masked, grouped heads, two rows."""
+    assert keys >= kernels.NUMPY_SOFTMAX_MIN_KEYS
+    q = mx.random.normal((2, 6, 9, 32), key=mx.random.key(0))
+    k = mx.random.normal((2, 2, keys, 32), key=mx.random.key(1))
+    v = mx.random.normal((2, 2, keys, 48), key=mx.random.key(2))
+    mask = mx.random.uniform(shape=(2, 1, 9, keys), key=mx.random.key(3)) < 0.7
+    mask = mask | (mx.arange(keys)[None, None, None] == 0)  # every query sees a key
+    for m in (mask, None):
+        want = np.array(kernels.MLX.attention(q, k, v, m))
+        got = np.array(kernels.CPU.attention(q, k, v, m))
+        assert got.shape == want.shape == (2, 6, 9, 48)
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-5

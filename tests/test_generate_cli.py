@@ -177,7 +177,7 @@ def test_cli_prompt_options(chat_checkpoint, chat_model, args, prompt_ids_kwargs
     (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
     (["--prompt", "x" * 5000], "does not fit the model's context of 4096 tokens"),
     (["--temp-min", "0.9", "--temp-max", "0.5"], "temp-min < temp-max"),
-    (["--entropy-bound", "0"], "entropy bound must be > 0"),
+    (["--entropy-bound", "0"], "--entropy-bound must be > 0"),
 ])
 def test_cli_bad_input_is_a_one_line_error(chat_checkpoint, args, message):
     result = invoke(chat_checkpoint, *args)
