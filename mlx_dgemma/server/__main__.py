@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..generate import DEMO_MODEL
+from ..generate import DEMO_MODEL, PREFILL_STEP_SIZE
 from .app import MAX_REQUEST_BYTES
 
 
@@ -22,7 +22,7 @@ def _positive(ctx, param, value):
               help="Default max_tokens of a request [default: the checkpoint's max_new_tokens].")
 @click.option("--prompt-cache-size", default=10, show_default=True, type=click.IntRange(min=0),
               help="Prompt KV caches kept for reuse (least recently used dropped first).")
-@click.option("--prefill-step-size", default=2048, show_default=True, type=int, callback=_positive,
+@click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True, type=int, callback=_positive,
               help="Prompt tokens encoded per forward.")
 @click.option("--max-request-bytes", default=MAX_REQUEST_BYTES, show_default=True, type=int, callback=_positive,
               help="Largest request body accepted (bigger ones get 413).")
