@@ -97,8 +97,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.rounds = self.finished = self.cancelled = 0
-        # Arrays the model builds lazily on this thread's stream (the rope periods) cannot be evaluated
-        # from the worker's: one small forward here evaluates them.
+        # An array a model builds lazily on this thread's stream cannot be evaluated from the worker's
+        # (MLX: "There is no Stream(cpu, 0) in current thread"): one small forward here evaluates any.
         warm = model.make_cache()
         model.encode(mx.array([tokenizer.bos_token_id]), warm)
         mx.eval(model.denoise(mx.zeros((1, 1), dtype=mx.int32), warm))
