@@ -20,6 +20,34 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class VisionConfig:
+    """The Gemma 4 vision tower (``vision_config``; the reference's ``Gemma4VisionConfig`` defaults)."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 12
+    head_dim: int = 64
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10 * 1024
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 100.0
+    use_clipped_linears: bool = False
+    standardize: bool = False
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "VisionConfig":
+        names = {f for f in cls.__dataclass_fields__ if f != "rope_theta"}
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"vision_config rope_type {rope['rope_type']!r} is not supported (only 'axial')")
+        return cls(**{k: v for k, v in raw.items() if k in names},
+                   rope_theta=float(rope.get("rope_theta", cls.rope_theta)))
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -44,6 +72,11 @@ class ModelConfig:
     bos_token_id: int = 2
     eos_token_id: list[int] = field(default_factory=lambda: [1])
     quantization: dict | None = None
+    vision_config: VisionConfig | None = None
+    image_token_id: int = 258880
+    boi_token_id: int = 255999
+    eoi_token_id: int = 258882
+    use_bidirectional_attention: str | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
@@ -98,6 +131,11 @@ class ModelConfig:
                 bos_token_id=int(text.get("bos_token_id", raw.get("bos_token_id", 2)) or 2),
                 eos_token_id=[int(e) for e in (eos if isinstance(eos, list) else [eos])],
                 quantization=raw.get("quantization"),
+                vision_config=VisionConfig.from_dict(raw["vision_config"]) if raw.get("vision_config") else None,
+                image_token_id=int(raw.get("image_token_id", 258880)),
+                boi_token_id=int(raw.get("boi_token_id", 255999)),
+                eoi_token_id=int(raw.get("eoi_token_id", 258882)),
+                use_bidirectional_attention=text.get("use_bidirectional_attention"),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}; re-export the checkpoint with save_pretrained") from None

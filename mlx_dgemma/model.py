@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from . import cpu_kernels
+from . import cpu_kernels, vision
 from .config import ModelConfig
 
 
@@ -426,17 +426,29 @@ class DiffusionGemma(nn.Module):
             masks[sliding] = allowed
         return masks
 
-    def encode(self, ids: mx.array, cache: KVCache, return_hidden: bool = False) -> mx.array | None:
+    def encode(self, ids: mx.array, cache: KVCache, return_hidden: bool = False, pixel_values=None,
+               image_position_ids=None, mm_token_type_ids=None) -> mx.array | None:
         """Run the causal encoder over ``ids`` [1, T] and append their K/V to ``cache``.
 
         With ``return_hidden`` it returns the final-normed hidden states [1, T, H] (next-token
         prediction through ``head``); otherwise the last layer's feed-forward, which only feeds
         those states, is skipped.
+
+        Images (vision.py): ``pixel_values`` and ``image_position_ids`` as ``images.preprocess``
+        returns them; their soft tokens replace the image tokens of ``ids``, and each run of image
+        tokens (``mm_token_type_ids``, by default the image tokens of ``ids``) attends to itself
+        bidirectionally.
         """
         ids = mx.array(ids, dtype=mx.int32).reshape(1, -1)
         masks = self._encoder_masks(ids.shape[1], cache)
         scalars = self.model.encoder.language_model.layers
         h = self._embed(ids)
+        if pixel_values is not None:
+            h = vision.place_image_features(self, ids, h, pixel_values, image_position_ids)
+            if mm_token_type_ids is None:
+                mm_token_type_ids = np.array(ids) == self.config.image_token_id
+        if mm_token_type_ids is not None and self.config.use_bidirectional_attention == "vision":
+            masks = vision.with_image_blocks(masks, vision.image_blocks(mm_token_type_ids))
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
             attn = layer.self_attn
