@@ -49,11 +49,12 @@ PRESETS: dict[str, dict] = {
     ),
     # A vision tower of its own sizes (GQA, 2-D RoPE, 2x2 pooling, clipped linears, standardized
     # features) and an image processor at 4-pixel patches, so images of tens of pixels give tens of
-    # image tokens; the window is shorter than an image's block of tokens.
+    # image tokens; the window is shorter than an image's block of tokens. Text input widths are
+    # multiples of 32, so that it quantizes at group size 32.
     "vision": dict(
-        vocab_size=431, hidden_size=80, intermediate_size=104, moe_intermediate_size=28,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=20,
-        global_head_dim=36, num_global_key_value_heads=1, num_experts=6, top_k_experts=2,
+        vocab_size=431, hidden_size=160, intermediate_size=224, moe_intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        global_head_dim=72, num_global_key_value_heads=1, num_experts=6, top_k_experts=2,
         sliding_window=9, canvas_length=12,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         vision=dict(hidden_size=44, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .config import GenerationConfig
+from .images import image_inputs, load_image
 from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
 from .template import CanvasTemplate, TemplateError, canvas_clamps, parse_template
@@ -57,14 +58,16 @@ def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str | None = None,
-               chat_template: bool = True) -> list[int]:
-    """Token ids as given, or text through the chat template (or plain, with ``<bos>``)."""
+               chat_template: bool = True, images: int = 0) -> list[int]:
+    """Token ids as given, or text through the chat template (or plain, with ``<bos>``); with
+    ``images``, the user message starts with that many image placeholders."""
     if not isinstance(prompt, str):
         return [int(i) for i in prompt]
     if not chat_template:
         return tokenizer.encode(prompt)
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-    messages.append({"role": "user", "content": prompt})
+    content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
+    messages.append({"role": "user", "content": content})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
 
@@ -109,6 +112,7 @@ def stream_generate(
     profile: Profile | None = None,
     expected_steps: float | None = None,
     template: str | CanvasTemplate | None = None,
+    images: list | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
@@ -128,6 +132,10 @@ def stream_generate(
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
     tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
     whole with the last response (a hole's value is known only when its canvas commits).
+
+    ``images`` (paths or PIL images; a checkpoint with a vision tower) go with the prompt: a text
+    prompt gets one image placeholder per image before the text; ids or an untemplated prompt must
+    hold them (the image token, ``<|image|>``) themselves.
     """
     config = model.config
     defaults = generation_config(model, tokenizer)
@@ -147,7 +155,8 @@ def stream_generate(
         entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
         t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
         freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
-    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
+    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
+    ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})
     check_prompt(ids, config)
     rng = MxRandom(seed) if rng is None else rng
     stop_ids = set(defaults.eos_token_id)
@@ -159,10 +168,10 @@ def stream_generate(
     cache = model.make_cache()
     tic = time.perf_counter()
     if plan.mode == "ar":
-        first_logits = model.next_token_logits(mx.array(ids), cache)
+        first_logits = model.next_token_logits(mx.array(ids), cache, **vision_inputs)
         mx.eval(first_logits)
     else:
-        model.encode(mx.array(ids), cache)
+        model.encode(mx.array(ids), cache, **vision_inputs)
     prompt_tps = len(ids) / (time.perf_counter() - tic)
 
     tic = time.perf_counter()
@@ -437,8 +446,10 @@ def _at_least(minimum: int):
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
+@click.option("--image", "image_files", multiple=True, metavar="PATH",
+              help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy, template_file, schema_file):
+         ignore_chat_template, verbose, view, policy, template_file, schema_file, image_files):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
@@ -450,13 +461,14 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
     if template_file and schema_file:
         raise click.ClickException("give --template or --schema, not both")
     try:
+        images = [load_image(path) for path in image_files] or None  # bad files fail before the model loads
         dgemma, tokenizer = load(model or DEMO_MODEL)
         template = _read_template(tokenizer, template_file, schema_file)
         if isinstance(template, dict):  # a schema: holes sized by a free draft first
             template = drafted_json_template(
                 dgemma, tokenizer, prompt, template, max_tokens=max_tokens, seed=seed, steps=steps,
                 entropy_bound=entropy_bound, temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt,
-                policy=policy, chat_template=not ignore_chat_template)
+                policy=policy, chat_template=not ignore_chat_template, images=images)
         defaults = generation_config(dgemma, tokenizer)
         canvas_view = CanvasView(tokenizer, steps or defaults.max_denoising_steps) if view else None
         responses = []
@@ -464,6 +476,7 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
             dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
             temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
+            images=images,
         ):
             if verbose and not responses:
                 click.echo(response.plan.explain(), err=True)

@@ -207,3 +207,19 @@ def image_from_url(url: str):
     if url.startswith(("http://", "https://")):
         raise ImageError(f"remote image URLs are not fetched ({url[:60]}); send the image as a data URL")
     return load_image(url.removeprefix("file://"))
+
+
+def image_inputs(model, ids: list[int], images) -> tuple[list[int], dict]:
+    """A prompt's ids with its image placeholders expanded, and the keyword arguments of
+    ``model.encode`` that carry the images."""
+    from .vision import has_vision
+
+    if not has_vision(model):
+        raise ImageError("this checkpoint has no vision tower weights: it takes text only, not images")
+    cfg = model.config
+    processor = getattr(model, "image_processor", None) or ImageProcessorConfig.from_dict(
+        {"patch_size": cfg.vision_config.patch_size, "pooling_kernel_size": cfg.vision_config.pooling_kernel_size})
+    inputs = preprocess(images, processor)
+    ids = expand_image_tokens(ids, inputs["num_soft_tokens_per_image"], cfg.image_token_id, cfg.boi_token_id,
+                              cfg.eoi_token_id)
+    return ids, {"pixel_values": inputs["pixel_values"], "image_position_ids": inputs["image_position_ids"]}

@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ConfigError, GenerationConfig, ModelConfig
 from .model import DiffusionGemma
-from .vision import add_vision_modules
+from .images import ImageProcessorConfig
+from .vision import add_vision_modules, has_vision
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
@@ -214,4 +215,6 @@ def load(path_or_repo: str | os.PathLike):
         model.generation_config = GenerationConfig.from_folder(folder, model.config)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+    if has_vision(model):
+        model.image_processor = ImageProcessorConfig.from_folder(folder, model.config.vision_config)
     return model, load_tokenizer(folder, model.config)

@@ -462,13 +462,13 @@ class DiffusionGemma(nn.Module):
         mx.eval(cache.state())
         return self.model.decoder.norm(h) if return_hidden else None
 
-    def next_token_logits(self, ids: mx.array, cache: KVCache) -> mx.array:
+    def next_token_logits(self, ids: mx.array, cache: KVCache, **vision_inputs) -> mx.array:
         """Autoregressive mode: encode ``ids`` [1, T] and return the next-token logits [1, V].
 
         The encoder is trained as a causal LM too, so its final-normed hidden state at the last
         position through the tied, soft-capped head predicts the next token.
         """
-        return self.head(self.encode(ids, cache, return_hidden=True)[:, -1])
+        return self.head(self.encode(ids, cache, return_hidden=True, **vision_inputs)[:, -1])
 
     def denoise(self, canvas: mx.array, cache: KVCache, self_conditioning: mx.array | None = None,
                 self_conditioning_probs: mx.array | None = None, active: mx.array | None = None,
