@@ -190,7 +190,7 @@ def load_image(source):
 def _check_size(image, name: str) -> None:
     if image.width * image.height > MAX_IMAGE_PIXELS:
         raise ImageError(f"{name} is {image.width}x{image.height} pixels, more than the "
-                         f"{MAX_IMAGE_PIXELS // (1024 * 1024)} megapixels accepted; scale it down first")
+                         f"{MAX_IMAGE_PIXELS} pixels accepted; scale it down first")
 
 
 def image_from_url(url: str):
