@@ -26,6 +26,7 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"
 # The vision tower's and the multimodal embedder's keys, loaded when the config has a vision tower.
 VISION_KEY = re.compile(r"^model\.encoder\.(vision_tower|embed_vision)\.")
 _UNUSED = re.compile(r"^lm_head\.|rotary_emb")
+_CLIP_BOUND = re.compile(r"\.(input|output)_(min|max)$")
 # Keys never used: rotary buffers and the tied head.
 # The encoder's copies of tied weights; only its layer scalars are its own.
 _ENCODER_TIED = re.compile(r"^model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$)")
@@ -194,6 +195,8 @@ def load_model(folder: Path) -> DiffusionGemma:
     model = DiffusionGemma(config)
     if config.vision_config is not None and any(VISION_KEY.match(k) for k in weights):
         add_vision_modules(model)
+        if not config.vision_config.use_clipped_linears:  # clipping bounds of unclipped linears are unused
+            weights = {k: v for k, v in weights.items() if not (VISION_KEY.match(k) and _CLIP_BOUND.search(k))}
     else:  # a text-only checkpoint (or config): the vision keys, if any, are not used
         weights = {k: v for k, v in weights.items() if not VISION_KEY.match(k)}
     if config.quantization:
