@@ -207,6 +207,41 @@ def test_replayed_generation_with_two_images_matches_the_reference(tame_chat_che
     assert responses[0].prompt_tokens == len(ids)
 
 
+def test_next_token_logits_with_an_image_match_the_reference(vision_checkpoint):
+    """Autoregressive mode: the encoder's final-normed states through the tied, soft-capped head."""
+    ref = ReferenceSession(load_reference(vision_checkpoint))
+    model, _ = load(vision_checkpoint)
+    inputs = preprocess(PICTURES[:1], model.image_processor)
+    vision = {k: inputs[k] for k in ("pixel_values", "image_position_ids")}
+    ids = expand_image_tokens(prompt_with_images(1), inputs["num_soft_tokens_per_image"], IMAGE, BOI, EOI)
+    with torch.no_grad():
+        ref.encode([ids], **vision)  # fills the cache; the hidden states come from a second, cache-free pass
+        types_ = torch.tensor([[int(i == IMAGE) for i in ids]])
+        masks = ref.model.model.encoder.create_masks_for_generate(
+            config=ref.model.config, inputs_embeds=torch.empty(1, len(ids), 0),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.bool), cache=None,
+            position_ids=torch.arange(len(ids))[None], mm_token_type_ids=types_)
+        hidden = ref.model.model.encoder(
+            input_ids=torch.tensor([ids]), attention_mask=masks, position_ids=torch.arange(len(ids))[None],
+            pixel_values=torch.tensor(inputs["pixel_values"]), image_position_ids=torch.tensor(inputs["image_position_ids"]),
+            mm_token_type_ids=types_).last_hidden_state[:, -1]
+        cap = ref.model.config.text_config.final_logit_softcapping
+        expected = (cap * torch.tanh(ref.model.lm_head(hidden) / cap)).numpy()
+    ours = model.next_token_logits(mx.array([ids]), model.make_cache(), **vision)
+    assert rel_err(ours, expected) <= FP32_BOUND
+
+
+@pytest.mark.parametrize("policy", ["ar", "fast"])
+def test_policies_and_templates_take_images(chat_checkpoint, policy):
+    model, tokenizer = load(chat_checkpoint)
+    answers = [generate(model, tokenizer, "sort: 7 3", C, seed=2, policy=policy, images=pictures,
+                        template="7 {{fill:4}} 3") for pictures in (PICTURES[:1], PICTURES[1:])]
+    assert all(a.startswith("7 ") and a.endswith(" 3") for a in answers)
+    free = [generate(model, tokenizer, "sort: 7 3", C, seed=2, policy=policy, images=pictures)
+            for pictures in (PICTURES[:1], PICTURES[1:])]
+    assert free[0] != free[1]  # the image is seen
+
+
 # The CLI and the Python API
 
 def test_image_prompt_through_the_cli(chat_checkpoint, tmp_path):
