@@ -291,6 +291,15 @@ def test_bad_images_get_a_one_line_error(chat_checkpoint, tmp_path, monkeypatch,
     assert result.output == f"Error: {expected}\n"
 
 
+def test_image_tokens_and_images_must_agree(vision_checkpoint):
+    model, _ = load(vision_checkpoint)
+    inputs = preprocess(PICTURES[:1], model.image_processor)
+    ids = expand_image_tokens(prompt_with_images(1), [62], IMAGE, BOI, EOI)  # one soft token short
+    with pytest.raises(ValueError, match="the prompt has 62 image tokens but the images give 63 soft tokens"):
+        model.encode(mx.array([ids]), model.make_cache(), pixel_values=inputs["pixel_values"],
+                     image_position_ids=inputs["image_position_ids"])
+
+
 def test_image_sources(tmp_path):
     png = io.BytesIO()
     PICTURES[1].save(png, format="PNG")
