@@ -93,8 +93,9 @@ class VisionAttention(nn.Module):
         q = axial_rope(self.q_norm(self.q_proj(x).reshape(T, self.n_heads, -1)), positions, self.theta)
         k = axial_rope(self.k_norm(self.k_proj(x).reshape(T, self.n_kv_heads, -1)), positions, self.theta)
         v = _rms_norm(self.v_proj(x).reshape(T, self.n_kv_heads, -1), None, self.eps)
-        q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0)
+        # In float32, rounded once: torch's CPU attention keeps the scores in float32 at half precision.
+        q, k, v = (a.transpose(1, 0, 2)[None].astype(mx.float32) for a in (q, k, v))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0).astype(x.dtype)
         return self.o_proj(out[0].transpose(1, 0, 2).reshape(T, -1))
 
 
@@ -107,7 +108,8 @@ class VisionMLP(nn.Module):
         self.down_proj = ClippableLinear(cfg.intermediate_size, cfg.hidden_size, clipped)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)  # GELU in float32, rounded once, as torch computes it in half precision
+        return self.down_proj(nn.gelu_approx(gate.astype(mx.float32)).astype(gate.dtype) * self.up_proj(x))
 
 
 class VisionLayer(nn.Module):
@@ -139,7 +141,7 @@ class PatchEmbedder(nn.Module):
     def __call__(self, patches: mx.array, positions: mx.array) -> mx.array:
         x = (2 * (patches - 0.5)).astype(self.input_proj.weight.dtype)  # pixels [0, 1] → [-1, 1]
         table = self.position_embedding_table
-        return self.input_proj(x) + table[0][positions[:, 0]] + table[1][positions[:, 1]]
+        return self.input_proj(x) + (table[0][positions[:, 0]] + table[1][positions[:, 1]])
 
 
 class VisionModel(nn.Module):
@@ -162,8 +164,10 @@ class VisionModel(nn.Module):
         for layer in self.encoder.layers:
             h = layer(h, pos)
         dtype = h.dtype
-        # Pooled, scaled and standardized in float32: the sqrt(width) scaling can overflow float16.
-        h = (pool(positions, kernel) @ h.astype(mx.float32)) * math.sqrt(self.config.hidden_size)
+        # Averaged in float32 and rounded to the working dtype, as the reference does; then scaled and
+        # standardized in float32 (the sqrt(width) scaling can overflow float16).
+        h = (pool(positions, kernel) @ h.astype(mx.float32)).astype(dtype)
+        h = h.astype(mx.float32) * math.sqrt(self.config.hidden_size)
         if self.config.standardize:
             h = (h - self.std_bias.astype(mx.float32)) * self.std_scale.astype(mx.float32)
         return h.astype(dtype)
