@@ -154,7 +154,9 @@ class ModelConfig:
             if heads % kv:
                 raise ConfigError(f"config.json: num_attention_heads {heads} is not a multiple of the {kv} key/value "
                                   "heads; fix the config")
-        if bad := [i for i in (cfg.pad_token_id, cfg.bos_token_id, *cfg.eos_token_id) if i >= cfg.vocab_size]:
+        # A stop id past the vocabulary is allowed: it can never be produced (benchmarks use one so that
+        # random weights never stop early); padding and <bos> are written into prompts, so they must exist.
+        if bad := [i for i in (cfg.pad_token_id, cfg.bos_token_id) if i >= cfg.vocab_size]:
             raise ConfigError(f"config.json: token id {bad[0]} is outside the vocabulary of {cfg.vocab_size}")
         return cfg
 
