@@ -20,6 +20,34 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class VisionConfig:
+    """The Gemma 4 vision tower (``vision_config``; the reference's ``Gemma4VisionConfig`` defaults)."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 12
+    head_dim: int = 64
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10 * 1024
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 100.0
+    use_clipped_linears: bool = False
+    standardize: bool = False
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "VisionConfig":
+        names = {f for f in cls.__dataclass_fields__ if f != "rope_theta"}
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"vision_config rope_type {rope['rope_type']!r} is not supported (only 'axial')")
+        return cls(**{k: v for k, v in raw.items() if k in names},
+                   rope_theta=float(rope.get("rope_theta", cls.rope_theta)))
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -44,6 +72,11 @@ class ModelConfig:
     bos_token_id: int = 2
     eos_token_id: list[int] = field(default_factory=lambda: [1])
     quantization: dict | None = None
+    vision_config: VisionConfig | None = None
+    image_token_id: int = 258880
+    boi_token_id: int = 255999
+    eoi_token_id: int = 258882
+    use_bidirectional_attention: str | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
@@ -104,6 +137,11 @@ class ModelConfig:
             bos_token_id=_whole(text, "bos_token_id", _whole(raw, "bos_token_id", 2, 0, True), 0, True),
             eos_token_id=_token_ids(eos, "config.json eos_token_id"),
             quantization=raw.get("quantization"),
+            vision_config=VisionConfig.from_dict(_section(raw, "vision_config")) if raw.get("vision_config") else None,
+            image_token_id=_whole(raw, "image_token_id", 258880, 0, True),
+            boi_token_id=_whole(raw, "boi_token_id", 255999, 0, True),
+            eoi_token_id=_whole(raw, "eoi_token_id", 258882, 0, True),
+            use_bidirectional_attention=text.get("use_bidirectional_attention"),
         )
         if len(cfg.layer_types) != layers or set(cfg.layer_types) - {SLIDING, FULL}:
             raise ConfigError(
@@ -116,7 +154,9 @@ class ModelConfig:
             if heads % kv:
                 raise ConfigError(f"config.json: num_attention_heads {heads} is not a multiple of the {kv} key/value "
                                   "heads; fix the config")
-        if bad := [i for i in (cfg.pad_token_id, cfg.bos_token_id, *cfg.eos_token_id) if i >= cfg.vocab_size]:
+        # A stop id past the vocabulary is allowed: it can never be produced (benchmarks use one so that
+        # random weights never stop early); padding and <bos> are written into prompts, so they must exist.
+        if bad := [i for i in (cfg.pad_token_id, cfg.bos_token_id) if i >= cfg.vocab_size]:
             raise ConfigError(f"config.json: token id {bad[0]} is outside the vocabulary of {cfg.vocab_size}")
         return cfg
 

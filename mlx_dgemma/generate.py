@@ -24,6 +24,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .config import GenerationConfig
+from .images import image_inputs, load_image
 from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
 from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps, parse_template
@@ -36,20 +37,24 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 PREFILL_STEP_SIZE = 2048  # mlx-lm's default: prompt tokens encoded per forward
 
 
-def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False) -> mx.array | None:
+def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False,
+            **vision_inputs) -> mx.array | None:
     """Encode prompt rows ``ids`` [B, T] into ``cache`` ``step_size`` tokens at a time, evaluating
     after each chunk so that peak memory is one chunk's activations, not the whole prompt's. With
-    ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there)."""
+    ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there).
+    A prompt with images goes in one forward (an image block attends to itself both ways)."""
     ids = mx.array(ids, dtype=mx.int32)
     ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
     T = ids.shape[1]
+    if vision_inputs:
+        step_size = T
     for start in range(0, T, step_size):
         chunk = ids[:, start : start + step_size]
         if logits and start + step_size >= T:
-            out = model.next_token_logits(chunk, cache)
+            out = model.next_token_logits(chunk, cache, **vision_inputs)
             mx.eval(out, cache.state())
             return out
-        model.encode(chunk, cache)
+        model.encode(chunk, cache, **vision_inputs)
         mx.eval(cache.state())
     return None
 
@@ -96,14 +101,16 @@ def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str | None = None,
-               chat_template: bool = True) -> list[int]:
-    """Token ids as given, or text through the chat template (or plain, with ``<bos>``)."""
+               chat_template: bool = True, images: int = 0) -> list[int]:
+    """Token ids as given, or text through the chat template (or plain, with ``<bos>``); with
+    ``images``, the user message starts with that many image placeholders."""
     if not isinstance(prompt, str):
         return [int(i) for i in prompt]
     if not chat_template:
         return tokenizer.encode(prompt)
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-    messages.append({"role": "user", "content": prompt})
+    content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
+    messages.append({"role": "user", "content": content})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
 
@@ -146,6 +153,7 @@ class Job:
     text: TextStream | _TemplateText
     template: CanvasTemplate | None
     end_of_turn: int | None
+    vision_inputs: dict  # images as model.encode takes them (empty without images)
 
     def canvas_clamps(self, tokenizer: Tokenizer, config):
         """The template's (length, Clamp) per canvas, or None without a template."""
@@ -161,7 +169,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
             freeze_after: int | None = None, settings: SamplerSettings | None = None,
             system_prompt: str | None = None, chat_template: bool = True, policy: str = "reference",
             profile: Profile | None = None, expected_steps: float | None = None,
-            template: str | CanvasTemplate | None = None) -> Job:
+            template: str | CanvasTemplate | None = None, images: list | None = None) -> Job:
     """Check a request and settle everything about it before any forward (see ``stream_generate``)."""
     config = model.config
     defaults = generation_config(model, tokenizer)
@@ -180,7 +188,8 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
         t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
         freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
     plan = plan.using(settings)
-    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
+    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
+    ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})
     check_prompt(ids, config, max_tokens if template is None else 1)
     rng = MxRandom(seed) if rng is None else rng
     stop_ids = set(defaults.eos_token_id)
@@ -188,7 +197,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
         check_template_fits(template, len(ids), config)
     text = answer_text(model, tokenizer, template)
 
-    return Job(ids, max_tokens, defaults, plan, settings, rng, stop_ids, text, template, end_of_turn)
+    return Job(ids, max_tokens, defaults, plan, settings, rng, stop_ids, text, template, end_of_turn, vision_inputs)
 
 
 def stream_generate(
@@ -214,6 +223,7 @@ def stream_generate(
     expected_steps: float | None = None,
     template: str | CanvasTemplate | None = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
+    images: list | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
@@ -234,11 +244,15 @@ def stream_generate(
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
     tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
     whole with the last response (a hole's value is known only when its canvas commits).
+
+    ``images`` (paths or PIL images; a checkpoint with a vision tower) go with the prompt: a text
+    prompt gets one image placeholder per image before the text; ids or an untemplated prompt must
+    hold them (the image token, ``<|image|>``) themselves.
     """
     job = prepare(model, tokenizer, prompt, max_tokens, steps=steps, seed=seed, rng=rng, entropy_bound=entropy_bound,
                   temp_min=temp_min, temp_max=temp_max, freeze_after=freeze_after, settings=settings,
                   system_prompt=system_prompt, chat_template=chat_template, policy=policy, profile=profile,
-                  expected_steps=expected_steps, template=template)
+                  expected_steps=expected_steps, template=template, images=images)
     config, defaults, plan, ids, template = model.config, job.defaults, job.plan, job.ids, job.template
     max_tokens, settings, rng, stop_ids, text, end_of_turn = (job.max_tokens, job.settings, job.rng, job.stop_ids,
                                                               job.text, job.end_of_turn)
@@ -246,7 +260,8 @@ def stream_generate(
     with generation_device(model):
         cache = model.make_cache()
         tic = time.perf_counter()
-        first_logits = prefill(model, mx.array(ids), cache, prefill_step_size, logits=plan.mode == "ar")
+        first_logits = prefill(model, mx.array(ids), cache, prefill_step_size, logits=plan.mode == "ar",
+                               **job.vision_inputs)
         prompt_tps = len(ids) / (time.perf_counter() - tic)
 
         tic = time.perf_counter()
@@ -539,8 +554,10 @@ def statistics(responses: list[GenerationResponse]) -> str:
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
+@click.option("--image", "image_files", multiple=True, metavar="PATH",
+              help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy, template_file, prefill_step_size, schema_file):
+         ignore_chat_template, verbose, view, policy, template_file, prefill_step_size, schema_file, image_files):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
@@ -560,13 +577,14 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
         if system_prompt is not None:
             check_text(system_prompt, "--system-prompt")
         check_request(prompt, max_tokens or 1, seed, system_prompt)  # before the model loads
+        images = [load_image(path) for path in image_files] or None  # bad files fail before the model loads
         dgemma, tokenizer = load(model or DEMO_MODEL)
         template = _read_template(tokenizer, template_file, schema_file, dgemma.config.max_position_embeddings)
         if isinstance(template, dict):  # a schema: holes sized by a free draft first
             template = drafted_json_template(
                 dgemma, tokenizer, prompt, template, max_tokens=max_tokens, seed=seed, steps=steps,
                 entropy_bound=entropy_bound, temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt,
-                policy=policy, chat_template=not ignore_chat_template)
+                policy=policy, chat_template=not ignore_chat_template, images=images)
         defaults = generation_config(dgemma, tokenizer)
         canvas_view = CanvasView(tokenizer, steps or defaults.max_denoising_steps) if view else None
         responses = []
@@ -575,6 +593,7 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
             temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
             prefill_step_size=prefill_step_size,
+            images=images,
         ):
             if verbose and not responses:
                 click.echo(response.plan.explain(), err=True)

@@ -18,13 +18,17 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ConfigError, GenerationConfig, ModelConfig
 from .model import DiffusionGemma
+from .images import ImageProcessorConfig
+from .vision import add_vision_modules, has_vision
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
-# Keys a text-only model never uses: the vision tower, rotary buffers and the tied head.
+# The vision tower's and the multimodal embedder's keys, loaded when the config has a vision tower.
 VISION_KEY = re.compile(r"^model\.encoder\.(vision_tower|embed_vision)\.")
 _UNUSED = re.compile(r"^lm_head\.|rotary_emb")
+_CLIP_BOUND = re.compile(r"\.(input|output)_(min|max)$")
+# Keys never used: rotary buffers and the tied head.
 # The encoder's copies of tied weights; only its layer scalars are its own.
 _ENCODER_TIED = re.compile(r"^model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$)")
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
@@ -117,8 +121,12 @@ class ExpertSlice:
 
 def map_key(key: str) -> str | ExpertSlice | None:
     """The model parameter a checkpoint key holds: its name, an ``ExpertSlice`` to be stacked with
-    the other experts, or None for keys a text model does not use."""
-    if VISION_KEY.match(key) or _UNUSED.search(key) or _ENCODER_TIED.match(key):
+    the other experts, or None for keys the model does not use (vision keys keep their names)."""
+    if _UNUSED.search(key):
+        return None
+    if VISION_KEY.match(key):
+        return key
+    if _ENCODER_TIED.match(key):
         return None
     if m := _PER_EXPERT.match(key):
         return ExpertSlice(m[1], int(m[2]), m[3], m[4])
@@ -216,6 +224,12 @@ def load_model(folder: Path) -> DiffusionGemma:
         weights.update(read_safetensors(f))
     weights = sanitize(weights, config.num_experts)
     model = DiffusionGemma(config)
+    if config.vision_config is not None and any(VISION_KEY.match(k) for k in weights):
+        add_vision_modules(model)
+        if not config.vision_config.use_clipped_linears:  # clipping bounds of unclipped linears are unused
+            weights = {k: v for k, v in weights.items() if not (VISION_KEY.match(k) and _CLIP_BOUND.search(k))}
+    else:  # a text-only checkpoint (or config): the vision keys, if any, are not used
+        weights = {k: v for k, v in weights.items() if not VISION_KEY.match(k)}
     if config.quantization:
         _quantize(model, config.quantization, weights)
     check_weights(model, weights)
@@ -235,4 +249,6 @@ def load(path_or_repo: str | os.PathLike):
         model.generation_config = GenerationConfig.from_folder(folder, model.config)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+    if has_vision(model):
+        model.image_processor = ImageProcessorConfig.from_folder(folder, model.config.vision_config)
     return model, load_tokenizer(folder, model.config)

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernels as device_kernels
+from . import vision
 from .cache import CanvasView, KVCache
 from .config import ModelConfig
 
@@ -363,13 +364,19 @@ class DiffusionGemma(nn.Module):
         scale = mx.array(math.sqrt(self.config.hidden_size), dtype=_embedding_dtype(embed, h.dtype))
         return h * scale.astype(h.dtype)
 
-    def encode(self, ids: mx.array, cache: KVCache, return_hidden: bool = False) -> mx.array | None:
+    def encode(self, ids: mx.array, cache: KVCache, return_hidden: bool = False, pixel_values=None,
+               image_position_ids=None, mm_token_type_ids=None) -> mx.array | None:
         """Run the causal encoder over ``ids`` [B, T] (rows left-padded as the cache says) and append
         their K/V to ``cache``; nothing is evaluated here.
 
         With ``return_hidden`` it returns the final-normed hidden states [B, T, H] (next-token
         prediction through ``head``); otherwise the last layer's feed-forward, which only feeds
         those states, is skipped.
+
+        Images (vision.py): ``pixel_values`` and ``image_position_ids`` as ``images.preprocess``
+        returns them; their soft tokens replace the image tokens of ``ids``, and each run of image
+        tokens (``mm_token_type_ids``, by default the image tokens of ``ids``) attends to itself
+        bidirectionally.
         """
         ids = _rows(ids)
         if ids.shape[0] != cache.batch_size:
@@ -378,18 +385,24 @@ class DiffusionGemma(nn.Module):
         masks = [cache.encoder_mask(i, T) for i in range(len(self.layers))]
         scalars = self.model.encoder.language_model.layers
         h = self._embed(ids)
+        if pixel_values is not None:
+            h = vision.place_image_features(self, ids, h, pixel_values, image_position_ids)
+            if mm_token_type_ids is None:
+                mm_token_type_ids = ids == self.config.image_token_id
+        if mm_token_type_ids is not None and self.config.use_bidirectional_attention == "vision":
+            masks = vision.with_image_blocks(masks, vision.image_blocks(mm_token_type_ids))
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
             h = layer(h, positions, masks[i], c, scalars[i].layer_scalar, attention_only=i == last and not return_hidden)
         return self.model.decoder.norm(h) if return_hidden else None
 
-    def next_token_logits(self, ids: mx.array, cache: KVCache) -> mx.array:
+    def next_token_logits(self, ids: mx.array, cache: KVCache, **vision_inputs) -> mx.array:
         """Autoregressive mode: encode ``ids`` [B, T] and return the next-token logits [B, V].
 
         The encoder is trained as a causal LM too, so its final-normed hidden state at the last
         position through the tied, soft-capped head predicts the next token.
         """
-        return self.head(self.encode(ids, cache, return_hidden=True)[:, -1])
+        return self.head(self.encode(ids, cache, return_hidden=True, **vision_inputs)[:, -1])
 
     def denoise(self, canvas: mx.array, cache: KVCache | CanvasView, self_conditioning: mx.array | None = None,
                 self_conditioning_probs: mx.array | None = None, active: mx.array | None = None) -> mx.array:

@@ -17,13 +17,20 @@ from .config import GenerationConfig, ModelConfig
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 
-# Gemma 4's chat format (as its released chat template writes it), used when the checkpoint ships no template. With the
-# generation prompt comes an empty thought channel: the model answers without thinking.
+# Gemma 4's chat format, used when the checkpoint ships no template. With the generation prompt
+# comes an empty thought channel: the model answers without thinking. Content is text, or a list of
+# parts where an image part is the image placeholder, written inline as Gemma 4's template does.
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<|turn>' + role + '\n' + (message['content'] | trim) + '<turn|>\n' }}"
+    "{{ '<|turn>' + role + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<|image|>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<turn|>\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}{%- endif -%}"
 )

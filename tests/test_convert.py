@@ -380,6 +380,8 @@ def mlx_vlm_quantize(model: nn.Module, bits: int = 4, group_size: int = 64) -> d
     def predicate(path, module):
         if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
             return False
+        if "vision" in path:  # mlx-vlm's skip_multimodal_module: the vision tower stays unquantized
+            return False
         if (path.endswith(("embed_tokens", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
                 or ".self_attn." in path or "router" in path):
             quantization[path] = {"group_size": 64, "bits": 8}  # mlx-vlm writes no "mode" here

@@ -126,7 +126,7 @@ def run_ours(path, max_tokens, draws, prompt=PROMPT):
     pad, canvas = tokenizer.pad_token_id, model.config.canvas_length
     tokens = []
     for r in responses:
-        commit = r.drafts[-1].tokens.tolist()  # the whole canvas (the reference returns it all)
+        commit = list(r.drafts[-1].tokens)  # the whole canvas (the reference returns it all)
         if r.finish_reason == "length":  # handed out only up to max_tokens
             assert r.tokens == commit[:len(r.tokens)] and len(tokens) + len(r.tokens) == max_tokens
             tokens += commit
