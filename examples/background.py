@@ -1,6 +1,7 @@
-"""Generation on a background thread, the way a desktop app embeds it: the UI thread stays free,
-receives each committed canvas (and each denoising step, for a progress bar) through callbacks,
-and can cancel between canvases.
+"""Generation on a background thread, the way a desktop app embeds it: one long-lived worker owns
+the model, the UI thread stays free, receives each committed canvas (and each denoising step, for a
+progress bar) through a queue, and can cancel between canvases. (One worker for the app's lifetime,
+not a thread per answer: MLX 0.32 on Linux may abort at exit after a thread that ran the model ended.)
 
     python examples/background.py
 """
@@ -13,28 +14,46 @@ from mlx_dgemma.generate import DEMO_MODEL
 
 
 class Generation:
-    """One answer being written on a worker thread; ``events`` carries what the UI shows."""
+    """One answer: ``events`` carries what the UI shows; ``cancel`` is honoured when a canvas commits."""
 
-    def __init__(self, model, tokenizer, prompt: str, max_tokens: int = 96):
+    def __init__(self, prompt: str, max_tokens: int = 96):
+        self.prompt, self.max_tokens = prompt, max_tokens
         self.events: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(model, tokenizer, prompt, max_tokens), daemon=True)
-        self.thread.start()
 
     def cancel(self):
-        self.cancelled.set()  # honoured when the current canvas commits
+        self.cancelled.set()
 
-    def _run(self, model, tokenizer, prompt, max_tokens):
+
+class Worker:
+    """The thread that owns the model and writes the answers asked of it, one after another."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def submit(self, prompt: str) -> Generation:
+        generation = Generation(prompt)
+        self.jobs.put(generation)
+        return generation
+
+    def _serve(self):
+        while True:
+            self._write(self.jobs.get())
+
+    def _write(self, job: Generation):
         try:
-            on_step = lambda draft: self.events.put(("step", draft.step))  # noqa: E731
-            for response in stream_generate(model, tokenizer, prompt, max_tokens, seed=0, on_step=on_step):
-                self.events.put(("canvas", response.text))
-                if self.cancelled.is_set():
-                    self.events.put(("done", "cancelled"))
+            on_step = lambda draft: job.events.put(("step", draft.step))  # noqa: E731
+            for response in stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, seed=0,
+                                            on_step=on_step):
+                job.events.put(("canvas", response.text))
+                if job.cancelled.is_set():
+                    job.events.put(("done", "cancelled"))
                     return
-            self.events.put(("done", response.finish_reason))
+            job.events.put(("done", response.finish_reason))
         except Exception as error:  # bad input arrives as a one-line ValueError: show it, don't crash the UI
-            self.events.put(("error", str(error)))
+            job.events.put(("error", str(error)))
 
 
 def show(generation: Generation) -> str:
@@ -53,15 +72,15 @@ def show(generation: Generation) -> str:
 
 
 def main():
-    model, tokenizer = load(DEMO_MODEL)
+    worker = Worker(*load(DEMO_MODEL))
     print("a whole answer:")
-    show(Generation(model, tokenizer, "json: name=ada age=36 city=rome color=red"))
+    show(worker.submit("json: name=ada age=36 city=rome color=red"))
     print("cancelled after its first canvas:")
-    generation = Generation(model, tokenizer, "json: name=bob age=41 city=oslo color=blue")
+    generation = worker.submit("json: name=bob age=41 city=oslo color=blue")
     generation.cancel()
     show(generation)
     print("bad input, reported to the UI:")
-    show(Generation(model, tokenizer, "   "))
+    show(worker.submit("   "))
 
 
 if __name__ == "__main__":

@@ -48,3 +48,9 @@ def test_batch_answers_every_prompt():
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_every_example_is_covered(name):
     assert f"test_{name.removesuffix('.py')}" in Path(__file__).read_text() or name in Path(__file__).read_text()
+
+
+def test_openai_client_talks_to_a_server_it_starts():
+    lines = run("openai_client.py").splitlines()
+    assert lines[0].startswith("chat: ") and lines[1].startswith("streamed: ")
+    assert lines[2].startswith("json_schema: {") and "'name'" in lines[2] and "'age'" in lines[2]
