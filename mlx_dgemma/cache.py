@@ -126,8 +126,14 @@ class KVCache:
         return c.keys[..., start : c._idx, :], c.values[..., start : c._idx, :]
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` positions of every row (exact for up to a canvas); returns how many."""
-        n = min(n, self.offset)
+        """Forget the last ``n`` positions of every row; ValueError where that would not be exact (a
+        sliding layer keeps a canvas of history beyond its window, at least)."""
+        if not 0 <= n <= self.offset:
+            raise ValueError(f"cannot trim {n} positions from a cache of {self.offset}")
+        for c, window in zip(self.layers, self.windows):
+            if window is not None and c._idx - n < min(window - 1, self.offset - n):
+                raise ValueError(f"cannot trim {n} positions: a sliding layer keeps only {c._idx - (window - 1)} "
+                                 "beyond its window (a canvas, at least)")
         for c in self.layers:
             c.trim(n)
         return n
