@@ -192,8 +192,8 @@ class Scheduler:
             cache, cached = self.prompt_cache.fetch(key)
             if cache is None:
                 cache = self.model.make_cache()
-            # The engine encodes the last prompt id (its output starts the answer): a text token, as a
-            # prompt ends with the generation prompt, so no image block is split here.
+            # The engine encodes the last prompt id (its output starts the answer). It is never an image
+            # token (an image's tokens end with <eoi>), so no image block is split here.
             end = len(ids) - 1
             if end > cached:
                 images = _images_after(ids, job.vision_inputs, cached, self.model.config.image_token_id)
@@ -278,7 +278,7 @@ def _cache_key(ids: list[int], vision_inputs: dict, image_token_id: int | None) 
 
 def _images_after(ids: list[int], vision_inputs: dict, start: int, image_token_id: int | None) -> dict:
     """The vision inputs of the images whose tokens come at or after ``start`` (a cached prefix holds
-    whole images: it ends before a prompt's last token, which is text)."""
+    whole images: it ends before a prompt's last token, and images end with <eoi>)."""
     if not vision_inputs:
         return {}
     done = sum(token == image_token_id and (i == 0 or ids[i - 1] != image_token_id)
