@@ -27,7 +27,7 @@ from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision
 from .scheduler import Event, Job, Scheduler
 
-MAX_REQUEST_BYTES = 1 << 20
+MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
 MAX_STOP_STRINGS = 4
 # A json_object reply whose free draft is not a JSON object: the draft's answer under one key.
 JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64}}}
