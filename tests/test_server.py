@@ -1,6 +1,9 @@
 """The OpenAI-compatible server on loopback, driven by the official ``openai`` client: a real uvicorn
 server on a free port serving the bundled demo model."""
 
+import base64
+import contextlib
+import io
 import json
 import socket
 import threading
@@ -13,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 import uvicorn
+from PIL import Image
 
 from mlx_dgemma import generate, load
 from mlx_dgemma.generate import DEMO_MODEL
@@ -34,14 +38,14 @@ def demo():
     return load(DEMO_MODEL)
 
 
-@pytest.fixture(scope="module")
-def server(demo):
-    model, tokenizer = demo
+@contextlib.contextmanager
+def serving(model, tokenizer, model_id: str = MODEL_ID, **server_options):
+    """A real uvicorn server for ``model`` on a free loopback port: its base URL while it runs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(Server(model, tokenizer, MODEL_ID, Scheduler(model, tokenizer, prompt_cache_size=4),
-                            max_request_bytes=MAX_BODY))
+    app = create_app(Server(model, tokenizer, model_id, Scheduler(model, tokenizer, prompt_cache_size=4),
+                            **server_options))
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
@@ -49,9 +53,17 @@ def server(demo):
     while not uv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(demo):
+    with serving(*demo, max_request_bytes=MAX_BODY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +241,23 @@ def test_bad_requests_get_openai_errors(client, kwargs, error, param):
     if param == "messages":
         assert body["code"] == "context_length_exceeded"
     assert chat(client, SORT, seed=3).choices[0].message.content == "17 23 42 61 85"  # still serving
+
+
+def test_content_the_demo_cannot_take_is_refused(client):
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    for payload, message in [
+        ("aGVsbG8=", "messages[0]: the image data is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)"),
+        # The demo's chat template (its tiny vision tower is untrained) writes no image placeholders.
+        (base64.b64encode(png.getvalue()).decode(), "the chat template wrote 0 image placeholders for 1 images "
+                                                    "(a template that takes no image parts, or drops them from some messages)"),
+    ]:
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + payload}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(client, [{"type": "text", "text": SORT}, image])
+        assert caught.value.body["message"] == message
+    with pytest.raises(openai.BadRequestError, match="content of type input_audio is not supported"):
+        chat(client, [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
 
 
 def test_malformed_and_oversized_bodies(server, client):

@@ -20,12 +20,14 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..generate import PromptError, check_prompt, check_template_fits, generation_config
+from ..images import ImageError, image_from_url, image_inputs
 from ..policy import POLICIES
 from ..template import TemplateError, json_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
+from ..vision import has_vision
 from .scheduler import Event, Job, Scheduler
 
-MAX_REQUEST_BYTES = 1 << 20
+MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
 MAX_STOP_STRINGS = 4
 # A json_object reply whose free draft is not a JSON object: the draft's answer under one key.
 JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64}}}
@@ -148,13 +150,18 @@ class Server:
             raise BadRequest(f"steps must be at least 1, got {steps}", param="steps")
 
         tools, forced = self._tools(body) if chat else ([], None)
-        ids = self._chat_prompt(body, tools if tools and not forced else None) if chat else self._text_prompt(body)
+        ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
+                              else (self._text_prompt(body), {}))
         job = Job(ids, 0, seed=_get(body, "seed", int, None), policy=policy, steps=steps, stop=stop,
-                  hold=[CALL_OPEN] if tools and not forced else [])
+                  hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
         if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
             scale = max(temperature, 1e-2)
             job.temp_min, job.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
         self._layout(job, body, forced)
+        if vision_inputs and policy in ("ar", "auto") and (job.template or job.redraft):
+            # The engine runs an autoregressive template alone, from the prompt's ids: without the images.
+            raise BadRequest(f"an image prompt with a template, response_format or forced tool call runs with "
+                             f"policy reference or fast, not {policy}", param="policy")
         job.max_tokens = self._fit(ids, max_tokens, max_key)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       forced["function"]["name"] if forced else None,
@@ -188,21 +195,68 @@ class Server:
                              f"got {json.dumps(choice)}", param="tool_choice")
         return tools, named[0]
 
-    def _chat_prompt(self, body: dict, tools: list[dict] | None) -> list[int]:
+    def _chat_prompt(self, body: dict, tools: list[dict] | None) -> tuple[list[int], dict]:
+        """The messages' ids through the chat template, and their images as ``model.encode`` takes them."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", param="messages")
-        plain = []
+        plain, images = [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise BadRequest(f"messages[{i}] must be an object with a role", param="messages")
-            plain.append({**message, "content": _text_content(message.get("content"), i)})
+            content, pictures = self._content(message.get("content"), i)
+            plain.append({**message, "content": content})
+            images += pictures
         extra = {"tools": tools} if tools else {}
         try:
             ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, **extra)
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
-        return self._check_ids(ids, "messages")
+        vision_inputs = {}
+        if images:
+            if (placed := ids.count(self.model.config.image_token_id)) != len(images):
+                raise BadRequest(f"the chat template wrote {placed} image placeholders for {len(images)} images (a "
+                                 "template that takes no image parts, or drops them from some messages)",
+                                 param="messages")
+            try:  # each placeholder the template wrote becomes its image's soft tokens
+                ids, vision_inputs = image_inputs(self.model, ids, images)
+            except ImageError as e:
+                raise BadRequest(f"messages: {e}", param="messages") from None
+        return self._check_ids(ids, "messages"), vision_inputs
+
+    def _content(self, content, index: int) -> tuple[str | list[dict], list]:
+        """A message's content for the chat template (its text, or text and image parts) and its images."""
+        if content is None:
+            return "", []
+        if isinstance(content, str):
+            return content, []
+        if not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
+            raise BadRequest(f"messages[{index}].content must be a string or a list of text and image_url parts",
+                             param="messages")
+        if kinds := {p.get("type") for p in content} - {"text", "image_url"}:
+            raise BadRequest(f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; "
+                             f"send text or image_url", param="messages")
+        if all(p.get("type") == "text" for p in content):
+            return "".join(str(p.get("text", "")) for p in content), []
+        if not has_vision(self.model):
+            raise BadRequest(f"messages[{index}] has an image, but this model takes text only (no vision tower)",
+                             param="messages")
+        parts, images = [], []
+        for part in content:
+            if part.get("type") == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+                continue
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise BadRequest(f'messages[{index}]: an image_url part must be {{"type": "image_url", '
+                                 f'"image_url": {{"url": "data:image/png;base64,..."}}}}', param="messages")
+            try:
+                images.append(image_from_url(url))
+            except ImageError as e:
+                raise BadRequest(f"messages[{index}]: {e}", param="messages") from None
+            parts.append({"type": "image"})
+        return parts, images
 
     def _text_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -382,20 +436,6 @@ def _get(body: dict, key: str, kind, default):
         names = " or ".join(k.__name__ for k in kinds)
         raise BadRequest(f"{key} must be of type {names}, got {json.dumps(value)[:40]}", param=key)
     return value
-
-
-def _text_content(content, index: int) -> str:
-    """A message's text: a string, or the text parts of a list of parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if kinds := {p.get("type") for p in content} - {"text"}:
-            raise BadRequest(f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; "
-                             f"send text", param="messages")
-        return "".join(str(p.get("text", "")) for p in content)
-    raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
 def _json_or_none(text: str):

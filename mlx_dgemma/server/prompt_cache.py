@@ -1,4 +1,5 @@
-"""A bounded LRU cache of encoder KV caches keyed by the token ids they hold.
+"""A bounded LRU cache of encoder KV caches keyed by the token ids they hold (an image prompt's key
+has a hash of the image in place of each of its tokens; scheduler._cache_key).
 
 A multi-turn conversation sends its earlier turns again with every request; the cache of the earlier
 request's prompt is a prefix of the new one, so only the new turns are encoded. A request gets a copy

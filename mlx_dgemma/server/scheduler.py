@@ -10,12 +10,14 @@ A JSON answer may take two generations: a free draft, then the schema's template
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from ..batch import BatchGenerator, BatchRequest, BatchResponse
 from ..generate import PREFILL_STEP_SIZE, answer_text, generation_device, prefill
@@ -67,6 +69,7 @@ class Job:
     redraft: Callable[[str], CanvasTemplate | None] | None = None
     stop: list[str] = field(default_factory=list)  # strings that end the answer (not part of it)
     hold: list[str] = field(default_factory=list)  # strings from which on text waits for the end
+    vision_inputs: dict = field(default_factory=dict)  # the prompt's images as model.encode takes them
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: bool = False
@@ -185,13 +188,17 @@ class Scheduler:
             return
         try:
             ids = job.prompt_ids
-            cache, cached = self.prompt_cache.fetch(ids)
+            key = _cache_key(ids, job.vision_inputs, self.model.config.image_token_id)
+            cache, cached = self.prompt_cache.fetch(key)
             if cache is None:
                 cache = self.model.make_cache()
-            end = len(ids) - 1  # the engine encodes the last prompt id: its output starts the answer
+            # The engine encodes the last prompt id (its output starts the answer). It is never an image
+            # token (an image's tokens end with <eoi>), so no image block is split here.
+            end = len(ids) - 1
             if end > cached:
-                prefill(self.model, mx.array(ids[cached:end]), cache, self.prefill_step_size)
-                self.prompt_cache.insert(ids[:end], cache)
+                images = _images_after(ids, job.vision_inputs, cached, self.model.config.image_token_id)
+                prefill(self.model, mx.array(ids[cached:end]), cache, self.prefill_step_size, **images)
+                self.prompt_cache.insert(key[:end], cache)
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
             drafting = job.redraft is not None
@@ -251,6 +258,34 @@ class Scheduler:
             job.loop.call_soon_threadsafe(job.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
+
+
+def _cache_key(ids: list[int], vision_inputs: dict, image_token_id: int | None) -> list:
+    """The prompt cache's key: the ids, with each image's tokens standing for a hash of its pixels (the
+    same ids with another picture are another prompt; the text before an image still matches)."""
+    if not vision_inputs:
+        return ids
+    pixels, positions = vision_inputs["pixel_values"], vision_inputs["image_position_ids"]
+    digests = iter([hashlib.sha256(np.asarray(p).tobytes() + np.asarray(q).tobytes()).hexdigest()
+                    for p, q in zip(pixels, positions)])
+    key, digest = [], None
+    for i, token in enumerate(ids):
+        if token == image_token_id and (i == 0 or ids[i - 1] != image_token_id):
+            digest = next(digests)
+        key.append(digest if token == image_token_id else token)
+    return key
+
+
+def _images_after(ids: list[int], vision_inputs: dict, start: int, image_token_id: int | None) -> dict:
+    """The vision inputs of the images whose tokens come at or after ``start`` (a cached prefix holds
+    whole images: it ends before a prompt's last token, and images end with <eoi>)."""
+    if not vision_inputs:
+        return {}
+    done = sum(token == image_token_id and (i == 0 or ids[i - 1] != image_token_id)
+               for i, token in enumerate(ids[:start]))
+    if done == len(vision_inputs["pixel_values"]):
+        return {}
+    return {name: value[done:] for name, value in vision_inputs.items()}
 
 
 def _find_any(text: str, needles: list[str], start: int = 0) -> int | None:
