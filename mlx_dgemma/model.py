@@ -52,24 +52,54 @@ def rope_periods(head_dim: int, params: dict) -> mx.array:
 
 @dataclass
 class LayerCache:
-    """Prefix K/V of one layer, [1, kv_heads, T, head_dim]; sliding layers keep the last ``window − 1``."""
+    """Prefix K/V of one layer, [1, kv_heads, T, head_dim]; sliding layers show the last ``window − 1``.
+
+    Stand-in trim until cache.py lands: a sliding layer stores up to ``history`` positions more than
+    it shows, so that ``trim(n)`` for n ≤ history is exact (verified drafting trims rejected drafts)."""
 
     window: int | None
-    keys: mx.array | None = None
-    values: mx.array | None = None
+    history: int = 0
+    stored_keys: mx.array | None = None
+    stored_values: mx.array | None = None
+
+    def _visible(self, stored: mx.array | None) -> mx.array | None:
+        if stored is None or self.window is None or stored.shape[2] <= self.window - 1:
+            return stored
+        return stored[:, :, -(self.window - 1):]
+
+    @property
+    def keys(self) -> mx.array | None:
+        return self._visible(self.stored_keys)
+
+    @property
+    def values(self) -> mx.array | None:
+        return self._visible(self.stored_values)
 
     def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store new K/V and return everything the new positions may attend to (old ⊕ new)."""
-        if self.keys is not None:
-            keys = mx.concatenate([self.keys, keys], axis=2)
-            values = mx.concatenate([self.values, values], axis=2)
-        keep = keys.shape[2] if self.window is None else min(keys.shape[2], self.window - 1)
-        self.keys, self.values = keys[:, :, -keep:], values[:, :, -keep:]
-        return keys, values
+        """Store new K/V and return everything the new positions may attend to (visible old ⊕ new)."""
+        shown, new_positions = self.length, keys.shape[2]
+        if self.stored_keys is not None:
+            keys = mx.concatenate([self.stored_keys, keys], axis=2)
+            values = mx.concatenate([self.stored_values, values], axis=2)
+        total = keys.shape[2]
+        keep = total if self.window is None else min(total, self.window - 1 + self.history)
+        self.stored_keys, self.stored_values = keys[:, :, -keep:], values[:, :, -keep:]
+        first = 0 if self.window is None else total - shown - new_positions
+        return keys[:, :, first:], values[:, :, first:]
+
+    def trim(self, n: int) -> None:
+        """Drop the last ``n`` positions."""
+        if n <= 0:
+            return
+        if n > (0 if self.stored_keys is None else self.stored_keys.shape[2]) or (
+                self.window is not None and n > self.history):
+            raise ValueError(f"cannot trim {n} positions from a sliding layer that keeps {self.history} extra")
+        self.stored_keys, self.stored_values = self.stored_keys[:, :, :-n], self.stored_values[:, :, :-n]
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        keys = self.keys
+        return 0 if keys is None else keys.shape[2]
 
 
 @dataclass
@@ -104,7 +134,16 @@ class KVCache:
     offset: int = 0
 
     def state(self) -> list[mx.array]:
-        return [a for c in self.layers if c.keys is not None for a in (c.keys, c.values)]
+        return [a for c in self.layers if c.stored_keys is not None for a in (c.stored_keys, c.stored_values)]
+
+    def trim(self, n: int) -> None:
+        """Forget the last ``n`` encoded positions (stand-in until cache.py lands): exact for ``n`` up
+        to the sliding layers' extra history (one canvas, see ``DiffusionGemma.make_cache``)."""
+        if not 0 <= n <= self.offset:
+            raise ValueError(f"cannot trim {n} positions from a cache of {self.offset}")
+        for layer in self.layers:
+            layer.trim(n)
+        self.offset -= n
 
 
 class Attention(nn.Module):
@@ -403,7 +442,10 @@ class DiffusionGemma(nn.Module):
 
     def make_cache(self) -> KVCache:
         cfg = self.config
-        return KVCache([LayerCache(cfg.sliding_window if cfg.is_sliding(i) else None) for i in range(len(self.layers))])
+        # Sliding layers keep one canvas of history beyond their window, so that a trim of up to a
+        # canvas (a rejected draft) leaves exactly the window.
+        return KVCache([LayerCache(cfg.sliding_window, cfg.canvas_length) if cfg.is_sliding(i) else LayerCache(None)
+                        for i in range(len(self.layers))])
 
     def _embed(self, ids: mx.array) -> mx.array:
         embed = self.model.decoder.embed_tokens
