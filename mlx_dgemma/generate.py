@@ -18,6 +18,7 @@ import click
 import mlx.core as mx
 import numpy as np
 
+from . import drafting
 from .config import GenerationConfig
 from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
@@ -109,6 +110,9 @@ def stream_generate(
     profile: Profile | None = None,
     expected_steps: float | None = None,
     template: str | CanvasTemplate | None = None,
+    temperature: float | None = None,
+    draft_length: int | None = None,
+    draft_steps: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
@@ -121,8 +125,11 @@ def stream_generate(
     ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
     "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
     cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (active-set
-    compaction, no confirming step, a trimmed last canvas) or "ar". Explicit sampler numbers override
-    the plan; ``freeze_after`` is the compaction's (sampler.SamplerSettings).
+    compaction, no confirming step, a trimmed last canvas), "ar" or "verified" (drafting.py: the
+    decoder drafts ``draft_length`` tokens in ``draft_steps`` steps, the encoder verifies them; one
+    response per round). Explicit sampler numbers override the plan; ``freeze_after`` is the
+    compaction's (sampler.SamplerSettings). ``temperature`` (ar and verified; default 0, greedy)
+    samples the answer at that temperature; verified output has the ar distribution exactly.
 
     ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
@@ -139,9 +146,15 @@ def stream_generate(
     end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     if template is not None:
         max_tokens = len(template) + template.ends_turn
-    if policy == "auto" and profile is None:
+    if profile is None and (policy == "auto" or policy == "verified" and None in (draft_length, draft_steps)):
         profile = cached_profile(model)
-    plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
+    plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
+                     draft_length=draft_length, draft_steps=draft_steps)
+    if temperature and plan.mode == "diffusion":
+        raise ValueError("a temperature applies to autoregressive and verified decoding; "
+                         "diffusion takes --temp-min/--temp-max")
+    if temperature and template is not None:
+        raise ValueError("templates decode greedily; drop the temperature")
     settings = settings or SamplerSettings.from_generation_config(
         defaults, steps=plan.steps if steps is None else steps,
         entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
@@ -158,7 +171,7 @@ def stream_generate(
 
     cache = model.make_cache()
     tic = time.perf_counter()
-    if plan.mode == "ar":
+    if plan.mode in ("ar", "verified"):
         first_logits = model.next_token_logits(mx.array(ids), cache)
         mx.eval(first_logits)
     else:
@@ -170,7 +183,15 @@ def stream_generate(
         blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
                                          config.canvas_length)
     elif plan.mode == "ar":
-        blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
+        blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids,
+                                temperature or 0.0, rng)
+    elif plan.mode == "verified":
+        rule = (drafting.TemplateRule(template, tokenizer, config.vocab_size, end_of_turn) if template is not None
+                else drafting.SampledRule(stop_ids, max_tokens, temperature, rng) if temperature
+                else drafting.GreedyRule(stop_ids, max_tokens))
+        blocks = verified(model, cache, first_logits, rule,
+                          drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature or 0.0),
+                          settings, rng, stop_ids)
     else:
         clamps = None
         if template is not None:
@@ -222,13 +243,17 @@ def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Pl
         model.encode(result.tokens, cache)  # the commit joins the prefix only when another canvas follows
 
 
-def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, stop_ids,
-                   ) -> Iterator[tuple[list[int], bool, int, None, bool]]:
-    """Greedy decoding with the encoder as a causal LM from the prompt's next-token ``logits``,
-    yielded in blocks of ``block`` tokens (one forward per token)."""
+def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, stop_ids, temperature: float = 0.0,
+                   rng: Random | None = None) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+    """Decoding with the encoder as a causal LM from the prompt's next-token ``logits``, greedy or
+    (``temperature`` > 0) sampled through ``rng``, yielded in blocks of ``block`` tokens (one forward
+    per token)."""
     chunk: list[int] = []
     for produced in range(1, max_tokens + 1):
-        token = logits.argmax(-1, keepdims=True)
+        if temperature:
+            token = rng.categorical(drafting.tempered_probs(logits, temperature))[:, None]
+        else:
+            token = logits.argmax(-1, keepdims=True)
         chunk.append(token.item())
         stopped = chunk[-1] in stop_ids
         last = stopped or produced == max_tokens
@@ -242,57 +267,33 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
 
 def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemplate, tokenizer,
                             end_of_turn: int | None, block: int):
-    """A template in autoregressive mode: literal tokens forced, each hole decoded greedily among the
-    tokens its class allows until the model predicts the text that follows it (the rest of the hole
-    is padding, as in a canvas). Yields the template-aligned tokens in blocks of ``block``."""
-    from .template import FREE, token_classes
-
-    pad = tokenizer.pad_token_id
-    classes = token_classes(tokenizer, model.config.vocab_size)
-    tokens = list(template.tokens) + ([end_of_turn] if end_of_turn is not None else [])
-    holes = dict(template.holes)
-    out: list[int] = []
+    """A template in autoregressive mode (drafting.TemplateRule: literal tokens forced, holes decoded
+    greedily in their token class), one forward per token fed. Yields the template-aligned tokens in
+    blocks of ``block``."""
+    rule = drafting.TemplateRule(template, tokenizer, model.config.vocab_size, end_of_turn)
     forwards = [0]  # forwards made by the time each output position was written
-    i = 0
-
-    def feed(token: int):
-        nonlocal logits
+    while True:
+        token = rule.step(logits)
+        forwards += [forwards[-1]] * (len(rule.output) + 1 - len(forwards))
+        if token is None or rule.done:
+            break
         logits = model.next_token_logits(mx.array([[token]]), cache)
         forwards[-1] += 1
-
-    while i < len(tokens):
-        if i not in holes:
-            out.append(tokens[i])
-            if i + 1 < len(tokens):
-                feed(tokens[i])
-            forwards.append(forwards[-1])
-            i += 1
-            continue
-        hole = holes[i]
-        following = tokens[i + hole.size] if i + hole.size < len(tokens) else None
-        chosen: list[int] = []
-        for j in range(hole.size):
-            scores = np.array(logits[0].astype(mx.float32))
-            if hole.kind == "choice":
-                allowed = np.zeros_like(scores, dtype=bool)
-                live = [c for c in hole.choices if c[:j] == chosen]
-                allowed[[c[j] for c in live if len(c) > j]] = True
-                done = any(len(c) == j for c in live)
-            else:
-                allowed = classes[hole.kind]
-                done = j >= hole.required and following not in (None, FREE) and int(scores.argmax()) == following
-            if done or not allowed.any():
-                break
-            token = int(np.where(allowed, scores, -np.inf).argmax())
-            chosen.append(token)
-            feed(token)
-        out += chosen + [pad] * (hole.size - len(chosen))
-        forwards += [forwards[-1]] * hole.size
-        i += hole.size
+    out = rule.output
     for k in range(0, len(out), block):
         chunk = out[k:k + block]
         last = k + block >= len(out)
         yield chunk, last, max(1, forwards[min(k + block, len(out))] - forwards[k]), None, last
+
+
+def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings, schedule: SamplerSettings,
+             rng: Random, stop_ids) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+    """Verified drafting (drafting.py) from the prompt's next-token ``logits``: one block per round,
+    with the round's forwards (draft steps + the verifying encoder pass)."""
+    template = isinstance(rule, drafting.TemplateRule)
+    for tokens, done, forwards, _ in drafting.verified(model, cache, logits, rule, draft, schedule, rng):
+        stopped = done and (template or bool(tokens) and tokens[-1] in stop_ids)
+        yield tokens, stopped, max(forwards, 1), None, done
 
 
 def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs) -> str:

@@ -1,0 +1,165 @@
+"""Verified drafting: the decoder drafts, the encoder verifies; greedy output is the autoregressive
+output token for token, sampled output has the autoregressive distribution; the cache trim it
+relies on is exact."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from convert.random_checkpoint import PRESETS
+from mlx_dgemma import drafting, generate, json_template, load, stream_generate
+from mlx_dgemma.eval import instances
+from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
+from mlx_dgemma.sampler import MxRandom, SamplerSettings
+from mlx_dgemma.tasks import TASKS, json_schema
+
+from .test_model_parity import FP32_BOUND, rel_err
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load(DEMO_MODEL)
+
+
+def test_cache_trim_is_exact_on_full_and_sliding_layers(checkpoints):
+    """Encode, append a draft, trim part of it, encode more == encoding the kept tokens from scratch:
+    the same cache contents and the same logits from every later forward, with a prompt longer than
+    the sliding window (the trim reaches back past what the window shows)."""
+    preset = "pattern"
+    sizes = PRESETS[preset]
+    model, _ = load(checkpoints(preset))
+    window, canvas = sizes["sliding_window"], sizes["canvas_length"]
+    ids = np.random.default_rng(3).integers(3, sizes["vocab_size"], size=(1, 3 * window + 2 * canvas + 5))
+    prompt, draft_a, draft_b = 3 * window + 1, canvas, canvas - 3
+    for kept_a in (0, 1, window // 2, canvas - 1):  # trims of canvas, canvas-1, ... positions
+        trimmed = model.make_cache()
+        model.encode(mx.array(ids[:, :prompt]), trimmed)
+        model.encode(mx.array(ids[:, prompt:prompt + draft_a]), trimmed)
+        trimmed.trim(draft_a - kept_a)
+        end = prompt + kept_a
+        assert trimmed.offset == end
+        after_trim = model.next_token_logits(mx.array(ids[:, end:end + draft_b]), trimmed)
+        fresh = model.make_cache()
+        model.encode(mx.array(ids[:, :end]), fresh)
+        after_fresh = model.next_token_logits(mx.array(ids[:, end:end + draft_b]), fresh)
+        assert rel_err(after_trim, after_fresh) <= FP32_BOUND
+        for a, b in zip(trimmed.layers, fresh.layers):
+            assert a.length == b.length
+            assert rel_err(a.keys, b.keys) <= FP32_BOUND and rel_err(a.values, b.values) <= FP32_BOUND
+        canvas_ids = mx.array(ids[:, :canvas])
+        assert rel_err(model.denoise(canvas_ids, trimmed), model.denoise(canvas_ids, fresh)) <= FP32_BOUND
+
+
+def test_cache_trim_past_the_kept_history_is_refused(checkpoints):
+    model, _ = load(checkpoints("small"))
+    cache = model.make_cache()
+    model.encode(mx.arange(3, 40)[None], cache)
+    with pytest.raises(ValueError, match="cannot trim"):
+        cache.trim(PRESETS["small"]["canvas_length"] + 1)
+    with pytest.raises(ValueError, match="cannot trim"):
+        cache.trim(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy: token for token the autoregressive output
+
+
+def tokens_of(responses) -> list[int]:
+    return [t for r in responses for t in r.tokens]
+
+
+@pytest.mark.parametrize("preset", ["small", "pattern", "mixed"])
+def test_greedy_verified_equals_ar_on_random_checkpoints(checkpoints, preset):
+    """Several draft lengths (2, odd, the whole canvas) and 1-3 draft steps; 40 tokens run over
+    several rounds and several canvas lengths, with prompts longer than the sliding window."""
+    model, tokenizer = load(checkpoints(preset))
+    sizes = PRESETS[preset]
+    prompt = [2] + np.random.default_rng(5).integers(10, sizes["vocab_size"], 2 * sizes["sliding_window"] + 3).tolist()
+    ar = tokens_of(stream_generate(model, tokenizer, prompt, 40, policy="ar"))
+    for length, steps in ((2, 1), (5, 2), (sizes["canvas_length"], 1), (sizes["canvas_length"], 3)):
+        responses = list(stream_generate(model, tokenizer, prompt, 40, policy="verified", seed=length,
+                                         draft_length=length, draft_steps=steps))
+        assert tokens_of(responses) == ar, (length, steps)
+        plan = responses[0].plan
+        assert (plan.mode, plan.draft_length, plan.draft_steps) == ("verified", length, steps)
+        assert all(r.steps == steps + 1 for r in responses[:-1])  # draft steps + one verifying pass
+
+
+def test_a_stop_id_inside_a_draft_ends_it(demo):
+    """With a stop id that first comes up as a draft token the encoder confirms (not as a round's
+    last token, the encoder's own), verified drafting ends there, exactly where AR does."""
+    model, tokenizer = demo
+    prompt = prompt_ids(tokenizer, "json: name=ada city=rome age=36")
+    ar = tokens_of(stream_generate(model, tokenizer, prompt, policy="ar"))
+    rounds = [tokens for tokens, *_ in run_verified(model, prompt, drafting.GreedyRule(set(), 64), 32, 2)]
+    free = [t for tokens in rounds for t in tokens]
+    assert free[:len(ar)] == ar  # AR ended at the model's own stop id
+    before = 1  # the first round begins with the prompt's next token, no draft token
+    inside = []  # tokens whose first occurrence is a kept draft token, before AR's end
+    for k, tokens in enumerate(rounds):
+        tokens = tokens[1:] if k == 0 else tokens
+        inside += [t for i, t in enumerate(tokens[:-1]) if before + i < len(ar) - 1 and t not in ar[:before + i]]
+        before += len(tokens)
+    assert inside, "no round kept a draft token"
+    stop = inside[len(inside) // 2]
+    rounds = list(run_verified(model, prompt, drafting.GreedyRule({stop}, 64), 32, 2))
+    assert [t for tokens, *_ in rounds for t in tokens] == ar[:ar.index(stop) + 1]
+    last_tokens, done, _, kept = rounds[-1]
+    assert done and kept >= 1 and last_tokens[-1] == stop
+
+
+def run_verified(model, prompt, rule, length, steps, seed=0, cache=None, first=None):
+    """drafting.verified from a fresh cache holding ``prompt`` (or the given one and its logits)."""
+    if cache is None:
+        cache = model.make_cache()
+        first = model.next_token_logits(mx.array([prompt]), cache)
+    schedule = SamplerSettings.from_generation_config(model.generation_config)
+    return drafting.verified(model, cache, first, rule, drafting.DraftSettings(length, steps, getattr(
+        rule, "temperature", 0.0)), schedule, MxRandom(seed))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_greedy_verified_equals_ar_on_the_demo_tasks(demo, task):
+    model, tokenizer = demo
+    for i, (prompt, _) in enumerate(instances(task, 4, seed=21)):
+        ar = tokens_of(stream_generate(model, tokenizer, prompt, policy="ar"))
+        for length, steps in ((32, 1), (12, 2)):
+            verified = stream_generate(model, tokenizer, prompt, policy="verified", seed=i, draft_length=length,
+                                       draft_steps=steps)
+            assert tokens_of(verified) == ar, (prompt, length, steps)
+
+
+@pytest.mark.parametrize("template", ["17 {{fill:8}} 85", '{"name": "{{fill:6}}", "age": {{fill:3}}}'])
+def test_templates_verified_equals_ar(demo, template):
+    """Clamped text is forced and the holes are verified: the same template-aligned tokens and text as
+    autoregressive template decoding (which runs the same rule one token at a time)."""
+    model, tokenizer = demo
+    for prompt in ("sort: 42 17 85 23 61", "json: name=bob age=41"):
+        ar = list(stream_generate(model, tokenizer, prompt, policy="ar", template=template))
+        verified = list(stream_generate(model, tokenizer, prompt, policy="verified", template=template,
+                                        draft_length=16, draft_steps=2))
+        assert tokens_of(verified) == tokens_of(ar)
+        assert verified[-1].text == ar[-1].text and verified[-1].finish_reason == "stop"
+
+
+def test_a_schema_template_verified_equals_ar(demo):
+    model, tokenizer = demo
+    prompt = "json: name=eve age=29 city=oslo"
+    schema = json_schema(prompt)
+    template = json_template(tokenizer, schema)
+    ar = generate(model, tokenizer, prompt, policy="ar", template=template)
+    assert generate(model, tokenizer, prompt, policy="verified", template=template, draft_length=32,
+                    draft_steps=2) == ar
+    json.loads(ar)
+
+
+def test_bad_draft_settings_are_refused(demo):
+    model, tokenizer = demo
+    with pytest.raises(ValueError, match="draft length must be an integer from 1 to the model's canvas length 32"):
+        generate(model, tokenizer, "sort: 3 1", policy="verified", draft_length=33, draft_steps=1)
+    with pytest.raises(ValueError, match="draft steps must be a positive integer"):
+        generate(model, tokenizer, "sort: 3 1", policy="verified", draft_length=8, draft_steps=0)
+    with pytest.raises(ValueError, match="diffusion takes --temp-min/--temp-max"):
+        generate(model, tokenizer, "sort: 3 1", policy="reference", temperature=0.5)
