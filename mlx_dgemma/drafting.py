@@ -99,6 +99,14 @@ class SampledRule(GreedyRule):
         """Probability of keeping a draft token drawn from q where the target gives it p."""
         return mx.minimum(1.0, p / q)
 
+    @staticmethod
+    def residual(p: mx.array, q: mx.array) -> mx.array:
+        """What to draw from after a rejection: max(0, p − q) normalised (p where that is all zero,
+        which happens only where p ≤ q everywhere, i.e. p = q, and then nothing is rejected)."""
+        residual = mx.maximum(p - q, 0.0)
+        mass = residual.sum(-1, keepdims=True)
+        return mx.where(mass > 1e-12, residual / mx.maximum(mass, 1e-30), p)
+
     def follow(self, logits, proposed, q=None):
         p = tempered_probs(logits, self.temperature)
         n = len(proposed)
@@ -108,9 +116,7 @@ class SampledRule(GreedyRule):
             keep = self.acceptance(p[rows, idx], q[rows, idx])
             # A Bernoulli draw is a categorical over (reject, accept): every draw goes through ``rng``.
             accept = self.rng.categorical(mx.stack([1 - keep, keep], axis=-1))
-            residual = mx.maximum(p[:n] - q, 0.0)
-            mass = residual.sum(-1, keepdims=True)
-            resampled = self.rng.categorical(mx.where(mass > 1e-12, residual / mass, p[:n]))
+            resampled = self.rng.categorical(self.residual(p[:n], q))
         bonus = self.rng.categorical(p[n:n + 1])
         mx.eval(accept, resampled, bonus)
         for j in range(n):

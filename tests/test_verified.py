@@ -7,11 +7,14 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 from convert.random_checkpoint import PRESETS
 from mlx_dgemma import drafting, generate, json_template, load, stream_generate
+from mlx_dgemma.config import GenerationConfig, ModelConfig
 from mlx_dgemma.eval import instances
-from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
+from mlx_dgemma.generate import DEMO_MODEL, autoregressive, prompt_ids
+from mlx_dgemma.model import DiffusionGemma
 from mlx_dgemma.sampler import MxRandom, SamplerSettings
 from mlx_dgemma.tasks import TASKS, json_schema
 
@@ -111,13 +114,15 @@ def test_a_stop_id_inside_a_draft_ends_it(demo):
 
 
 def run_verified(model, prompt, rule, length, steps, seed=0, cache=None, first=None):
-    """drafting.verified from a fresh cache holding ``prompt`` (or the given one and its logits)."""
+    """drafting.verified from a fresh cache holding ``prompt`` (or the given one and its logits); a
+    sampling rule's random source draws the drafts too."""
     if cache is None:
         cache = model.make_cache()
         first = model.next_token_logits(mx.array([prompt]), cache)
     schedule = SamplerSettings.from_generation_config(model.generation_config)
-    return drafting.verified(model, cache, first, rule, drafting.DraftSettings(length, steps, getattr(
-        rule, "temperature", 0.0)), schedule, MxRandom(seed))
+    temperature, rng = getattr(rule, "temperature", 0.0), getattr(rule, "rng", None) or MxRandom(seed)
+    return drafting.verified(model, cache, first, rule, drafting.DraftSettings(length, steps, temperature), schedule,
+                             rng)
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -163,3 +168,107 @@ def test_bad_draft_settings_are_refused(demo):
         generate(model, tokenizer, "sort: 3 1", policy="verified", draft_length=8, draft_steps=0)
     with pytest.raises(ValueError, match="diffusion takes --temp-min/--temp-max"):
         generate(model, tokenizer, "sort: 3 1", policy="reference", temperature=0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: the autoregressive distribution, exactly
+
+TINY = ModelConfig(vocab_size=5, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=8,
+                   num_global_key_value_heads=1, num_experts=3, top_k_experts=2,
+                   layer_types=["sliding_attention", "full_attention"], sliding_window=3, canvas_length=4)
+PROMPT = [2, 4, 3, 0, 1]  # longer than the window
+TEMPERATURE = 1.3
+DRAWS = 3000
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 5-token vocabulary model with random weights, its encoder scalars unlike the denoiser's so
+    that the draft distribution q differs from the encoder's p (every rule mistake then shows)."""
+    mx.random.seed(3)
+    model = DiffusionGemma(TINY)
+    params = model.parameters()
+    experts = [layer.experts for layer in model.layers]
+    for e in experts:
+        e.gate_up_proj.weight = 0.3 * mx.random.normal(e.gate_up_proj.weight.shape)
+        e.down_proj.weight = 0.3 * mx.random.normal(e.down_proj.weight.shape)
+    for i, scalar in enumerate(model.model.encoder.language_model.layers):
+        scalar.layer_scalar = mx.array([0.4 + 0.3 * i])
+    mx.eval(params)
+    model.generation_config = GenerationConfig()
+    return model
+
+
+def exact_ar_distribution(model, length: int) -> np.ndarray:
+    """P(the first ``length`` tokens after PROMPT) under AR sampling at TEMPERATURE, by enumeration."""
+    V = TINY.vocab_size
+    out = np.zeros((V,) * length)
+    for seq in np.ndindex(*out.shape):
+        cache = model.make_cache()
+        logits = model.head(model.encode(mx.array([PROMPT + list(seq[:-1])]), cache, return_hidden=True))[0]
+        probs = np.array(drafting.tempered_probs(logits[len(PROMPT) - 1:], TEMPERATURE))
+        out[seq] = np.prod([probs[i, t] for i, t in enumerate(seq)])
+    return out
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit of the counts to the probabilities, outcomes expected < 5 times pooled."""
+    counts, expected = counts.ravel(), probs.ravel() / probs.sum() * counts.sum()
+    small = expected < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    return scipy_stats.chisquare(counts, expected).pvalue
+
+
+def sampled_verified_counts(model, length: int = 3, draft_length: int = 3) -> np.ndarray:
+    """Counts of the first ``length`` tokens over DRAWS sampled verified generations (one cache for
+    all, trimmed back to the prompt after each: the trim is exact)."""
+    counts = np.zeros((TINY.vocab_size,) * length, dtype=np.int64)
+    cache = model.make_cache()
+    first = model.next_token_logits(mx.array([PROMPT]), cache)
+    rng = MxRandom(7)
+    for _ in range(DRAWS):
+        rule = drafting.SampledRule(set(), length, TEMPERATURE, rng)
+        for _ in run_verified(model, PROMPT, rule, draft_length, 2, cache=cache, first=first):
+            pass
+        counts[tuple(rule.output)] += 1
+        cache.trim(cache.offset - len(PROMPT))
+    return counts
+
+
+@pytest.fixture(scope="module")
+def exact(tiny):
+    return exact_ar_distribution(tiny, 3)
+
+
+@pytest.mark.slow
+def test_sampled_ar_has_the_ar_distribution(tiny, exact):
+    """The reference point: AR sampling at a temperature (generate.autoregressive) fits the enumerated
+    distribution."""
+    counts = np.zeros_like(exact, dtype=np.int64)
+    rng = MxRandom(5)
+    cache = tiny.make_cache()
+    first = tiny.next_token_logits(mx.array([PROMPT]), cache)
+    for _ in range(DRAWS):
+        blocks = autoregressive(tiny, cache, first, 3, 4, set(), TEMPERATURE, rng)
+        counts[tuple(t for tokens, *_ in blocks for t in tokens)] += 1
+        cache.trim(cache.offset - len(PROMPT))
+    assert chi_square_p(counts, exact) > 1e-3
+
+
+def test_sampled_verified_has_the_ar_distribution(tiny, exact):
+    counts = sampled_verified_counts(tiny)
+    assert chi_square_p(counts, exact) > 1e-3
+
+
+@pytest.mark.parametrize("broken", ["accept always", pytest.param("redraw from p", marks=pytest.mark.slow)])
+def test_the_goodness_of_fit_catches_a_broken_acceptance_rule(tiny, exact, monkeypatch, broken):
+    """The same test fails when the rule is wrong: keeping every draft token (the draft's own
+    distribution), or redrawing a rejected token from p instead of the residual max(0, p − q)."""
+    if broken == "accept always":
+        monkeypatch.setattr(drafting.SampledRule, "acceptance", staticmethod(lambda p, q: mx.ones_like(p)))
+    else:
+        monkeypatch.setattr(drafting.SampledRule, "residual", staticmethod(lambda p, q: p))
+    counts = sampled_verified_counts(tiny)
+    assert chi_square_p(counts, exact) < 1e-6
