@@ -247,28 +247,43 @@ def draft(model, cache, known: list[int], length: int, settings: DraftSettings, 
     return np.array(canvas[0]).tolist(), q
 
 
+@dataclass
+class Round:
+    tokens: list[int]  # what the round added to the rule's output
+    known: int | None  # the next token (decided, not yet encoded); None when decoding is done
+    length: int  # draft positions, the known token included
+    kept: int  # draft tokens kept after the known one
+    forwards: int  # draft steps + the verifying pass
+
+
+def verify_round(model, cache, known: int, rule, settings: DraftSettings, schedule: SamplerSettings,
+                 rng: Random) -> Round:
+    """One round after ``known`` (decided, not in the cache): draft, verify, keep, trim."""
+    before = len(rule.output)
+    length = max(1, min(settings.length, rule.room))
+    if length == 1:  # nothing to draft: an autoregressive step
+        tokens, q, forwards = [known], None, 1
+    else:
+        tokens, q = draft(model, cache, [known] + rule.known(length - 1), length, settings, schedule, rng)
+        forwards = settings.steps + 1
+    logits = model.head(model.encode(mx.array(tokens)[None], cache, return_hidden=True))[0]
+    kept, known = rule.follow(logits, tokens[1:], None if q is None else q[1:])
+    cache.trim(length - 1 - kept)
+    return Round(rule.output[before:], known, length, kept, forwards)
+
+
 def verified(model, cache, first_logits: mx.array, rule, settings: DraftSettings, schedule: SamplerSettings,
              rng: Random) -> Iterator[tuple[list[int], bool, int, int]]:
     """Rounds of verified drafting after the prompt in ``cache`` and its next-token ``first_logits``
     [1, V]: yields (tokens this round adds to ``rule.output``, done, forwards, draft tokens kept)."""
     settings.check(model.config.canvas_length)
     _, known = rule.follow(first_logits.reshape(1, -1), [])
-    emitted = 0
     if known is None:
         yield rule.output, True, 0, 0
         return
-    while True:
-        length = max(1, min(settings.length, rule.room))
-        if length == 1:  # nothing to draft: an autoregressive step
-            tokens, q, forwards = [known], None, 1
-        else:
-            tokens, q = draft(model, cache, [known] + rule.known(length - 1), length, settings, schedule, rng)
-            forwards = settings.steps + 1
-        logits = model.head(model.encode(mx.array(tokens)[None], cache, return_hidden=True))[0]
-        accepted, known = rule.follow(logits, tokens[1:], None if q is None else q[1:])
-        cache.trim(length - 1 - accepted)
-        done = known is None
-        yield rule.output[emitted:], done, forwards, accepted
-        emitted = len(rule.output)
-        if done:
-            return
+    first = rule.output[:]
+    while known is not None:
+        step = verify_round(model, cache, known, rule, settings, schedule, rng)
+        known = step.known
+        yield first + step.tokens, known is None, step.forwards, step.kept
+        first = []

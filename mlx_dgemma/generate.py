@@ -20,7 +20,7 @@ import numpy as np
 
 from . import drafting
 from .config import GenerationConfig
-from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
+from .policy import POLICIES, AutoPlanner, Plan, Profile, auto_planner, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
 from .template import CanvasTemplate, TemplateError, canvas_clamps, parse_template
 from .tokenizer import TextStream, Tokenizer
@@ -148,8 +148,14 @@ def stream_generate(
         max_tokens = len(template) + template.ends_turn
     if profile is None and (policy == "auto" or policy == "verified" and None in (draft_length, draft_steps)):
         profile = cached_profile(model)
-    plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
-                     draft_length=draft_length, draft_steps=draft_steps)
+    planner = None
+    if policy == "auto" and template is None:  # re-planned at every canvas or round
+        planner = (AutoPlanner(defaults, config.canvas_length, profile, expected_steps) if expected_steps
+                   else auto_planner(model, defaults, profile))
+        plan = planner.choose(max_tokens)
+    else:
+        plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
+                         draft_length=draft_length, draft_steps=draft_steps)
     if temperature and plan.mode == "diffusion":
         raise ValueError("a temperature applies to autoregressive and verified decoding; "
                          "diffusion takes --temp-min/--temp-max")
@@ -171,7 +177,7 @@ def stream_generate(
 
     cache = model.make_cache()
     tic = time.perf_counter()
-    if plan.mode in ("ar", "verified"):
+    if plan.mode in ("ar", "verified") or planner is not None:
         first_logits = model.next_token_logits(mx.array(ids), cache)
         mx.eval(first_logits)
     else:
@@ -179,7 +185,10 @@ def stream_generate(
     prompt_tps = len(ids) / (time.perf_counter() - tic)
 
     tic = time.perf_counter()
-    if plan.mode == "ar" and template is not None:
+    if planner is not None:
+        blocks = adaptive(model, cache, first_logits, planner, max_tokens, defaults, rng, stop_ids,
+                          temperature or 0.0)
+    elif plan.mode == "ar" and template is not None:
         blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
                                          config.canvas_length)
     elif plan.mode == "ar":
@@ -216,7 +225,7 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
             drafts=step_drafts,
-            plan=plan,
+            plan=planner.current if planner is not None else plan,
         )
         if finish:
             return
@@ -294,6 +303,65 @@ def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings
     for tokens, done, forwards, _ in drafting.verified(model, cache, logits, rule, draft, schedule, rng):
         stopped = done and (template or bool(tokens) and tokens[-1] in stop_ids)
         yield tokens, stopped, max(forwards, 1), None, done
+
+
+def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, max_tokens: int, defaults: GenerationConfig,
+             rng: Random, stop_ids, temperature: float = 0.0) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+    """The auto policy: before each canvas, AR block (a canvas' worth of tokens) or verified round the
+    planner picks a plan from its current estimates, and learns from what the step did. Everything
+    emitted is in the cache at a switch: a committed canvas is encoded, as is verified drafting's
+    decided next token; ``logits`` are the next-token logits after the cache."""
+    canvas = model.config.canvas_length
+    remaining, known, rule = max_tokens, None, None
+    while True:
+        plan = planner.choose(remaining)
+        if plan.mode != "verified" and known is not None:  # leaving verified drafting
+            logits, known = model.next_token_logits(mx.array([[known]]), cache), None
+        if plan.mode == "diffusion":
+            settings = SamplerSettings.from_generation_config(
+                defaults, steps=plan.steps, entropy_bound=plan.entropy_bound,
+                stability_threshold=plan.stability_threshold, freeze_after=plan.freeze_after)
+            length = plan.last_canvas_length(remaining, canvas)
+            result = denoise_canvas(model, cache, settings, rng, None, length)
+            tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
+            planner.observe_canvas("fast" if plan.freeze_after else "reference", result.steps, len(tokens))
+            remaining -= length
+            last = stopped or remaining <= 0
+            yield tokens, stopped, result.steps, None, last
+            if last:
+                return
+            logits = model.head(model.encode(result.tokens, cache, return_hidden=True)[:, -1])
+        elif plan.mode == "ar":
+            tokens, stopped = [], False
+            for tokens, stopped, *_ in autoregressive(model, cache, logits, min(canvas, remaining), canvas, stop_ids,
+                                                      temperature, rng):
+                pass
+            remaining -= len(tokens)
+            last = stopped or remaining <= 0
+            yield tokens, stopped, len(tokens), None, last
+            if last:
+                return
+            logits = model.next_token_logits(mx.array([tokens[-1:]]), cache)
+        else:
+            emitted, forwards = [], 0
+            if known is None:  # entering verified drafting: decide the next token
+                rule = (drafting.SampledRule(stop_ids, remaining, temperature, rng) if temperature
+                        else drafting.GreedyRule(stop_ids, remaining))
+                _, known = rule.follow(logits, [])
+                emitted = rule.output[:]
+            if known is not None:
+                settings = drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature)
+                step = drafting.verify_round(model, cache, known, rule, settings,
+                                             SamplerSettings.from_generation_config(defaults), rng)
+                known, forwards = step.known, step.forwards
+                planner.observe_round(step.length, plan.draft_steps, step.kept,
+                                      known is not None and step.kept < step.length - 1, len(step.tokens))
+                emitted += step.tokens
+            remaining -= len(emitted)
+            last = known is None
+            yield emitted, last and emitted[-1] in stop_ids, max(forwards, 1), None, last
+            if last:
+                return
 
 
 def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs) -> str:
@@ -392,13 +460,17 @@ def generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: i
 
 def statistics(responses: list[GenerationResponse]) -> str:
     last = responses[-1]
+    verified = last.plan is not None and last.plan.mode == "verified" and last.plan.policy == "verified"
+    unit, forwards = ("rounds", "Forwards per round (draft steps + the verifying pass)") if verified else (
+        "canvases", "Denoising steps per canvas")
+    extra = f", {last.generation_tokens / len(responses):.2f} tokens per round" if verified else ""
     return "\n".join([
         "=" * 10,
         f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec",
-        f"Generation: {last.generation_tokens} tokens in {len(responses)} canvases, "
+        f"Generation: {last.generation_tokens} tokens in {len(responses)} {unit}, "
         f"{last.generation_tps:.3f} tokens-per-sec",
-        f"Denoising steps per canvas: {' '.join(str(r.steps) for r in responses)}; "
-        f"{last.tokens_per_forward:.2f} tokens per forward",
+        f"{forwards}: {' '.join(str(r.steps) for r in responses)}; "
+        f"{last.tokens_per_forward:.2f} tokens per forward{extra}",
         f"Finish: {last.finish_reason}",
         f"Peak memory: {last.peak_memory:.3f} GB",
     ])
@@ -429,9 +501,14 @@ def _at_least(minimum: int):
 @click.option("--verbose", is_flag=True, help="Print statistics after the text.")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
 @click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
-              help="reference: the generation config; auto: diffusion or AR, whichever this device runs faster "
-                   "(measured once, cached); fast: settled positions no longer computed, trimmed last canvas; "
-                   "ar: autoregressive.")
+              help="reference: the generation config; auto: the policy this device runs fastest (measured once, "
+                   "cached; re-chosen as it generates); fast: settled positions no longer computed, trimmed last "
+                   "canvas; ar: autoregressive; verified: the decoder drafts, the encoder verifies (AR's output).")
+@click.option("--draft-length", type=int, callback=_at_least(1),
+              help="verified: canvas positions per draft, the known next token included [default: the policy's].")
+@click.option("--draft-steps", type=int, callback=_at_least(1),
+              help="verified: denoising steps per draft [default: the policy's].")
+@click.option("--temp", type=float, help="ar and verified: sampling temperature [default: 0, greedy].")
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
@@ -439,7 +516,7 @@ def _at_least(minimum: int):
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy, template_file, schema_file):
+         ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file, schema_file):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
@@ -465,9 +542,10 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
             dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
             temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
+            temperature=temp, draft_length=draft_length, draft_steps=draft_steps,
         ):
-            if verbose and not responses:
-                click.echo(response.plan.explain(), err=True)
+            if verbose and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
+                click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
             if canvas_view:
                 canvas_view.commit(response.text)
             else:
@@ -482,6 +560,10 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
         click.echo()
     if verbose:
         click.echo(statistics(responses))
+
+
+def _plan_key(plan: Plan) -> tuple:
+    return plan.mode, plan.freeze_after, plan.draft_length, plan.draft_steps
 
 
 def _read_template(tokenizer, template_file: str | None, schema_file: str | None):

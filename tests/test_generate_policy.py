@@ -46,14 +46,44 @@ def test_fast_policy_trims_the_last_canvas_and_compacts(pattern):
 
 
 def test_auto_policy_follows_the_device_profile(pattern):
-    """Compute-bound steps (time ~ canvas length) lose to AR; bandwidth-bound ones win."""
+    """Auto takes the policy with the most predicted tok/s: AR where every forward costs many AR
+    tokens (compute-bound), diffusion where steps are cheap and few, verified drafting where a short
+    draft and its check cost about an AR token each."""
     model, tokenizer = pattern
-    compute_bound = Profile("mac-like", "measured", {16: 0.016, 256: 0.256}, ar_token_s=0.01, prefill_tok_s=1e3)
-    bandwidth_bound = Profile("gpu-like", "measured", {16: 0.002, 256: 0.004}, ar_token_s=0.004, prefill_tok_s=1e4)
-    mac = next(stream_generate(model, tokenizer, PROMPT, 8, policy="auto", profile=compute_bound, expected_steps=16))
-    gpu = next(stream_generate(model, tokenizer, PROMPT, 8, policy="auto", profile=bandwidth_bound, expected_steps=16))
-    assert mac.plan.mode == "ar" and gpu.plan.mode == "diffusion"
-    assert "mac-like" in mac.plan.explain() and "gpu-like" in gpu.plan.explain()
+    compute_bound = Profile("mac-like", "measured", {2: 0.02, 16: 0.05, 256: 0.256}, ar_token_s=0.01,
+                            prefill_tok_s=1e3, verify_s_by_length={2: 0.02, 16: 0.05})
+    bandwidth_bound = Profile("gpu-like", "measured", {2: 0.002, 16: 0.002, 256: 0.004}, ar_token_s=0.004,
+                              prefill_tok_s=1e4, verify_s_by_length={2: 0.004, 16: 0.004})
+    draft_friendly = Profile("cpu-like", "measured", {2: 0.003, 16: 0.004, 256: 0.064}, ar_token_s=0.004,
+                             prefill_tok_s=1e4, verify_s_by_length={2: 0.003, 16: 0.004})
+    cases = ((compute_bound, 16, "ar"), (bandwidth_bound, 2, "diffusion"), (draft_friendly, 16, "verified"))
+    for profile, steps, mode in cases:
+        response = next(stream_generate(model, tokenizer, PROMPT, 8, policy="auto", profile=profile,
+                                        expected_steps=steps))
+        assert response.plan.mode == mode, profile.device
+        text = response.plan.explain()
+        assert profile.device in text and all(name in text for name in ("reference", "fast", "ar", "verified"))
+
+
+def test_auto_learns_from_what_it_observes(pattern):
+    """A planner that expected short canvases switches away from diffusion once canvases keep running
+    to the step limit (random weights never converge), between canvases of one generation."""
+    from mlx_dgemma.config import GenerationConfig
+    from mlx_dgemma.policy import AutoPlanner
+
+    model, tokenizer = pattern
+    profile = Profile("cpu-like", "measured", {2: 0.008, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
+                      prefill_tok_s=1e4, verify_s_by_length={2: 0.05, 16: 0.05})
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=1)
+    assert planner.choose(64).mode == "diffusion"
+    for _ in range(4):
+        planner.observe_canvas("reference", 8, 16)
+        planner.observe_canvas("fast", 8, 16)
+    assert planner.choose(64).mode == "ar"
+    model._auto_planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=1)
+    model._auto_planner.profile = profile
+    modes = [r.plan.mode for r in stream_generate(model, tokenizer, PROMPT, 64, policy="auto", profile=profile)]
+    assert modes[0] == "diffusion" and "ar" in modes, modes
 
 
 def test_unknown_policy_is_refused(pattern):
