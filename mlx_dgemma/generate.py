@@ -186,7 +186,7 @@ def stream_generate(
 
     tic = time.perf_counter()
     if planner is not None:
-        blocks = adaptive(model, cache, first_logits, planner, max_tokens, defaults, rng, stop_ids,
+        blocks = adaptive(model, cache, first_logits, planner, plan, max_tokens, defaults, rng, stop_ids,
                           temperature or 0.0)
     elif plan.mode == "ar" and template is not None:
         blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
@@ -305,18 +305,21 @@ def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings
         yield tokens, stopped, max(forwards, 1), None, done
 
 
-def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, max_tokens: int, defaults: GenerationConfig,
-             rng: Random, stop_ids, temperature: float = 0.0) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, max_tokens: int,
+             defaults: GenerationConfig, rng: Random, stop_ids, temperature: float = 0.0
+             ) -> Iterator[tuple[list[int], bool, int, None, bool]]:
     """The auto policy: before each canvas, AR block (a canvas' worth of tokens) or verified round the
-    planner picks a plan from its current estimates, and learns from what the step did. Everything
+    planner picks a plan from its current estimates (``plan``: its first choice), and learns from
+    what the step did. Everything
     emitted is in the cache at a switch: a committed canvas is encoded, as is verified drafting's
     decided next token; ``logits`` are the next-token logits after the cache."""
     canvas = model.config.canvas_length
     remaining, known, rule = max_tokens, None, None
     while True:
-        plan = planner.choose(remaining)
+        plan = plan or planner.choose(remaining)
         if plan.mode != "verified" and known is not None:  # leaving verified drafting
             logits, known = model.next_token_logits(mx.array([[known]]), cache), None
+        tic = time.perf_counter()
         if plan.mode == "diffusion":
             settings = SamplerSettings.from_generation_config(
                 defaults, steps=plan.steps, entropy_bound=plan.entropy_bound,
@@ -324,7 +327,8 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, max_tokens: i
             length = plan.last_canvas_length(remaining, canvas)
             result = denoise_canvas(model, cache, settings, rng, None, length)
             tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
-            planner.observe_canvas("fast" if plan.freeze_after else "reference", result.steps, len(tokens))
+            planner.observe_canvas("fast" if plan.freeze_after else "reference", result.steps, len(tokens), length,
+                                   time.perf_counter() - tic)
             remaining -= length
             last = stopped or remaining <= 0
             yield tokens, stopped, result.steps, None, last
@@ -336,6 +340,7 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, max_tokens: i
             for tokens, stopped, *_ in autoregressive(model, cache, logits, min(canvas, remaining), canvas, stop_ids,
                                                       temperature, rng):
                 pass
+            planner.observe_ar(len(tokens), time.perf_counter() - tic)
             remaining -= len(tokens)
             last = stopped or remaining <= 0
             yield tokens, stopped, len(tokens), None, last
@@ -355,13 +360,15 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, max_tokens: i
                                              SamplerSettings.from_generation_config(defaults), rng)
                 known, forwards = step.known, step.forwards
                 planner.observe_round(step.length, plan.draft_steps, step.kept,
-                                      known is not None and step.kept < step.length - 1, len(step.tokens))
+                                      known is not None and step.kept < step.length - 1, len(step.tokens),
+                                      time.perf_counter() - tic)
                 emitted += step.tokens
             remaining -= len(emitted)
             last = known is None
             yield emitted, last and emitted[-1] in stop_ids, max(forwards, 1), None, last
             if last:
                 return
+        plan = None
 
 
 def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs) -> str:

@@ -579,6 +579,8 @@ class AutoPlanner:
         self.tokens_per_canvas = RunningMean(canvas, 1)
         self.acceptance = Acceptance()
         self.round_yield = RunningMean(1.0, 1)  # observed / modelled tokens per round
+        # profile-predicted / observed seconds per plan (host work and load the profile does not see)
+        self.pace = {name: RunningMean(1.0, 1) for name in ("reference", "fast", "ar", "verified")}
         self.current: Plan | None = None
 
     def predictions(self, remaining: int) -> dict[str, tuple[float, str]]:
@@ -596,7 +598,9 @@ class AutoPlanner:
         out["verified"] = (verified * self.round_yield.value,
                            f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round "
                            f"({self.acceptance.describe()})")
-        return out
+        return {name: (tok_s * self.pace[name].value, why + (f", x{self.pace[name].value:.2f} as observed"
+                                                             if self.pace[name].count > 1 else ""))
+                for name, (tok_s, why) in out.items()}
 
     def choose(self, remaining: int) -> Plan:
         predicted = self.predictions(remaining)
@@ -611,14 +615,27 @@ class AutoPlanner:
         self.current = replace(plan, policy="auto", reasons=reasons)
         return self.current
 
-    def observe_canvas(self, policy: str, steps: int, tokens: int) -> None:
-        self.steps["fast" if policy == "fast" else "reference"].add(steps)
+    def observe_canvas(self, policy: str, steps: int, tokens: int, length: int, seconds: float | None = None) -> None:
+        """A canvas of ``length`` positions took ``steps`` steps (``seconds``) and gave ``tokens``."""
+        self.steps[policy].add(steps)
         self.tokens_per_canvas.add(tokens)
+        positions = length if policy == "reference" else max(1, round(FAST_POSITION_SHARE * length))
+        self._pace(policy, steps * self.profile.step_s(positions), seconds)
 
-    def observe_round(self, length: int, steps: int, kept: int, rejected: bool, tokens: int) -> None:
+    def observe_ar(self, tokens: int, seconds: float | None = None) -> None:
+        self._pace("ar", tokens * self.profile.ar_token_s, seconds)
+
+    def observe_round(self, length: int, steps: int, kept: int, rejected: bool, tokens: int,
+                      seconds: float | None = None) -> None:
         modelled = self.acceptance.tokens_per_round(steps, length)
         self.acceptance.observe(steps, length, kept, rejected)
         self.round_yield.add(tokens / modelled)
+        drafted = steps * self.profile.step_s(length) if length > 1 else 0.0
+        self._pace("verified", drafted + self.profile.verify_s(length), seconds)
+
+    def _pace(self, name: str, predicted: float, seconds: float | None) -> None:
+        if seconds:
+            self.pace[name].add(min(4.0, max(0.25, predicted / seconds)))
 
 
 def auto_planner(model, gen: GenerationConfig, profile: Profile) -> AutoPlanner:

@@ -77,13 +77,51 @@ def test_auto_learns_from_what_it_observes(pattern):
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=1)
     assert planner.choose(64).mode == "diffusion"
     for _ in range(4):
-        planner.observe_canvas("reference", 8, 16)
-        planner.observe_canvas("fast", 8, 16)
+        planner.observe_canvas("reference", 8, 16, 16)
+        planner.observe_canvas("fast", 8, 16, 16)
     assert planner.choose(64).mode == "ar"
-    model._auto_planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=1)
-    model._auto_planner.profile = profile
-    modes = [r.plan.mode for r in stream_generate(model, tokenizer, PROMPT, 64, policy="auto", profile=profile)]
-    assert modes[0] == "diffusion" and "ar" in modes, modes
+
+
+def test_auto_switches_plans_between_canvases_and_rounds(pattern):
+    """Whatever auto switches between, the cache holds exactly what was emitted: every AR block and
+    verified round after a switch continues the text as greedy decoding of everything before it would."""
+    from dataclasses import replace
+
+    from mlx_dgemma.config import GenerationConfig
+    from mlx_dgemma.policy import AutoPlanner, make_plan
+
+    class Scripted(AutoPlanner):
+        def __init__(self, modes, *args):
+            super().__init__(*args)
+            self.modes = iter(modes)
+
+        def choose(self, remaining):
+            name = next(self.modes, "ar")
+            plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft_length=5, draft_steps=1)
+            self.current = replace(plan, policy="auto")
+            return self.current
+
+    model, tokenizer = pattern
+    profile = Profile("any", "measured", {16: 0.01}, ar_token_s=0.01, prefill_tok_s=1e3)
+    script = ["verified", "verified", "reference", "verified", "ar", "verified", "fast", "ar"]
+    model._auto_planner = Scripted(script, GenerationConfig(max_denoising_steps=4), 16, profile)
+    responses = list(stream_generate(model, tokenizer, PROMPT, 80, policy="auto", profile=profile))
+    if responses[-1].finish_reason == "stop":
+        pytest.skip("a stop id came up in this random model's output")
+    assert [r.plan.mode for r in responses][:len(script)] == [make_plan(m, GenerationConfig(), 16, 8).mode
+                                                                 for m in script]
+    emitted = list(PROMPT)
+    for r in responses:
+        if r.plan.mode != "diffusion":
+            cache = model.make_cache()
+            logits = model.next_token_logits(mx.array([emitted]), cache)
+            expected = []
+            for _ in r.tokens:
+                expected.append(logits.argmax(-1).item())
+                logits = model.next_token_logits(mx.array([[expected[-1]]]), cache)
+            assert r.tokens == expected, r.plan.mode
+        emitted += r.tokens
+    del model._auto_planner
 
 
 def test_unknown_policy_is_refused(pattern):
