@@ -1,6 +1,7 @@
 """Accuracy of a model on the demo tasks, per task and per policy, on fresh instances.
 
     python -m mlx_dgemma.eval [--model PATH] [-n 50] [--policy reference --policy fast] [--seed 0]
+    python -m mlx_dgemma.eval -n 30 --seed 11 --policy ar --policy verified [--draft-length 32 --draft-steps 2]
     python -m mlx_dgemma.eval --templates [-n 50]
 
 Instances come from the evaluation half of the task space (tasks.py), never the training set.
@@ -157,7 +158,9 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--task", "tasks", multiple=True, type=click.Choice(TASKS), help="Only these tasks.")
 @click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
-def main(model_path, n, policies, seed, tasks, templates):
+@click.option("--draft-length", type=int, help="verified: draft length [default: the policy's].")
+@click.option("--draft-steps", type=int, help="verified: draft steps [default: the policy's].")
+def main(model_path, n, policies, seed, tasks, templates, draft_length, draft_steps):
     from .generate import DEMO_MODEL
     from .loader import CheckpointError, load
 
@@ -173,7 +176,8 @@ def main(model_path, n, policies, seed, tasks, templates):
                                                                        tasks=tasks or TASKS):
                 click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
         else:
-            click.echo(format_scores(policy, evaluate(model, tokenizer, n, seed, policy, tasks or TASKS)))
+            drafts = {"draft_length": draft_length, "draft_steps": draft_steps} if policy == "verified" else {}
+            click.echo(format_scores(policy, evaluate(model, tokenizer, n, seed, policy, tasks or TASKS, **drafts)))
 
 
 if __name__ == "__main__":

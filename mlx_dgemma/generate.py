@@ -123,8 +123,9 @@ def stream_generate(
     canvas to the responses; ``on_step`` is called with it as soon as the step is done.
 
     ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
-    "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
-    cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (active-set
+    "auto" (whichever of the others this device's ``profile`` — measured once and cached when not
+    given — and what the model did so far predict fastest, re-chosen at every canvas or round;
+    ``expected_steps`` per canvas replaces its prior and its memory of earlier generations), "fast" (active-set
     compaction, no confirming step, a trimmed last canvas), "ar" or "verified" (drafting.py: the
     decoder drafts ``draft_length`` tokens in ``draft_steps`` steps, the encoder verifies them; one
     response per round). Explicit sampler numbers override the plan; ``freeze_after`` is the
@@ -152,6 +153,7 @@ def stream_generate(
     if policy == "auto" and template is None:  # re-planned at every canvas or round
         planner = (AutoPlanner(defaults, config.canvas_length, profile, expected_steps) if expected_steps
                    else auto_planner(model, defaults, profile))
+        planner.sampling = bool(temperature)  # a temperature is for ar and verified only
         plan = planner.choose(max_tokens)
     else:
         plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
@@ -467,7 +469,7 @@ def generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: i
 
 def statistics(responses: list[GenerationResponse]) -> str:
     last = responses[-1]
-    verified = last.plan is not None and last.plan.mode == "verified" and last.plan.policy == "verified"
+    verified = all(r.plan is not None and r.plan.mode == "verified" for r in responses)
     unit, forwards = ("rounds", "Forwards per round (draft steps + the verifying pass)") if verified else (
         "canvases", "Denoising steps per canvas")
     extra = f", {last.generation_tokens / len(responses):.2f} tokens per round" if verified else ""

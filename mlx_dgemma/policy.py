@@ -582,6 +582,7 @@ class AutoPlanner:
         # profile-predicted / observed seconds per plan (host work and load the profile does not see)
         self.pace = {name: RunningMean(1.0, 1) for name in ("reference", "fast", "ar", "verified")}
         self.current: Plan | None = None
+        self.sampling = False  # a sampling temperature: only ar and verified decode with one
 
     def predictions(self, remaining: int) -> dict[str, tuple[float, str]]:
         p, C = self.profile, self.canvas
@@ -604,6 +605,8 @@ class AutoPlanner:
 
     def choose(self, remaining: int) -> Plan:
         predicted = self.predictions(remaining)
+        if self.sampling:
+            predicted = {name: predicted[name] for name in ("ar", "verified")}
         best = max(predicted, key=lambda name: predicted[name][0])
         plan = make_plan(best, self.gen, self.canvas, remaining, self.profile)
         if best == "verified":

@@ -272,3 +272,19 @@ def test_the_goodness_of_fit_catches_a_broken_acceptance_rule(tiny, exact, monke
         monkeypatch.setattr(drafting.SampledRule, "residual", staticmethod(lambda p, q: p))
     counts = sampled_verified_counts(tiny)
     assert chi_square_p(counts, exact) < 1e-6
+
+
+def test_cli_verified_prints_the_ar_answer_and_refuses_a_temperature_for_diffusion():
+    from click.testing import CliRunner
+
+    from mlx_dgemma.generate import main
+
+    prompt = ["--prompt", "reverse: a b c d"]
+    ar = CliRunner().invoke(main, prompt + ["--policy", "ar"])
+    verified = CliRunner().invoke(main, prompt + ["--policy", "verified", "--draft-length", "8", "--draft-steps",
+                                                  "1", "--verbose"])
+    assert ar.exit_code == verified.exit_code == 0, verified.output
+    assert ar.output.strip() in verified.output and "tokens per round" in verified.output
+    bad = CliRunner().invoke(main, prompt + ["--temp", "0.5"])
+    assert bad.exit_code != 0 and "diffusion takes --temp-min/--temp-max" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1
