@@ -40,6 +40,7 @@ class DraftSettings:
     length: int
     steps: int
     temperature: float = 0.0
+    reuse: bool = True  # seed a draft with the previous draft's tokens after the rejected one
 
     def check(self, canvas_length: int) -> None:
         if not isinstance(self.length, int) or not 1 <= self.length <= canvas_length:
@@ -219,17 +220,22 @@ def tempered_probs(logits: mx.array, temperature: float) -> mx.array:
 
 
 def draft(model, cache, known: list[int], length: int, settings: DraftSettings, schedule: SamplerSettings,
-          rng: Random) -> tuple[list[int], mx.array | None]:
+          rng: Random, start: list[int] = ()) -> tuple[list[int], mx.array | None]:
     """A draft of ``length`` tokens starting with the ``known`` ones (clamped), denoised after the
     cache (only read) in ``settings.steps`` steps, and, when sampling, the distribution [length, V]
-    its last step drew each position from. ``schedule`` gives the self-conditioning temperatures."""
+    its last step drew each position from. ``schedule`` gives the self-conditioning temperatures.
+    ``start`` seeds the positions after the known ones instead of noise (not clamped)."""
     vocab = model.config.vocab_size
     fixed = np.zeros((1, length), dtype=bool)
     fixed[0, :len(known)] = True
     tokens = np.zeros((1, length), dtype=np.int32)
     tokens[0, :len(known)] = known
     clamp = Clamp(mx.array(fixed), mx.array(tokens))
-    canvas = clamp.apply(rng.canvas((1, length), vocab))
+    canvas = rng.canvas((1, length), vocab)
+    seeded = list(start)[:length - len(known)]
+    if seeded:
+        canvas[0, len(known):len(known) + len(seeded)] = mx.array(seeded, dtype=canvas.dtype)
+    canvas = clamp.apply(canvas)
     self_conditioning = self_conditioning_probs = None
     temperatures = SamplerSettings(steps=settings.steps, t_min=schedule.t_min, t_max=schedule.t_max).temperatures()
     q = None
@@ -254,22 +260,25 @@ class Round:
     length: int  # draft positions, the known token included
     kept: int  # draft tokens kept after the known one
     forwards: int  # draft steps + the verifying pass
+    leftover: list[int]  # the draft's tokens after the first rejected one (a start for the next draft)
 
 
 def verify_round(model, cache, known: int, rule, settings: DraftSettings, schedule: SamplerSettings,
-                 rng: Random) -> Round:
-    """One round after ``known`` (decided, not in the cache): draft, verify, keep, trim."""
+                 rng: Random, start: list[int] = ()) -> Round:
+    """One round after ``known`` (decided, not in the cache): draft (from ``start``: the previous
+    round's leftover), verify, keep, trim."""
     before = len(rule.output)
     length = max(1, min(settings.length, rule.room))
     if length == 1:  # nothing to draft: an autoregressive step
         tokens, q, forwards = [known], None, 1
     else:
-        tokens, q = draft(model, cache, [known] + rule.known(length - 1), length, settings, schedule, rng)
+        tokens, q = draft(model, cache, [known] + rule.known(length - 1), length, settings, schedule, rng,
+                          start if settings.reuse else ())
         forwards = settings.steps + 1
     logits = model.head(model.encode(mx.array(tokens)[None], cache, return_hidden=True))[0]
     kept, known = rule.follow(logits, tokens[1:], None if q is None else q[1:])
     cache.trim(length - 1 - kept)
-    return Round(rule.output[before:], known, length, kept, forwards)
+    return Round(rule.output[before:], known, length, kept, forwards, tokens[kept + 2:])
 
 
 def verified(model, cache, first_logits: mx.array, rule, settings: DraftSettings, schedule: SamplerSettings,
@@ -281,9 +290,9 @@ def verified(model, cache, first_logits: mx.array, rule, settings: DraftSettings
     if known is None:
         yield rule.output, True, 0, 0
         return
-    first = rule.output[:]
+    first, leftover = rule.output[:], []
     while known is not None:
-        step = verify_round(model, cache, known, rule, settings, schedule, rng)
-        known = step.known
+        step = verify_round(model, cache, known, rule, settings, schedule, rng, leftover)
+        known, leftover = step.known, step.leftover
         yield first + step.tokens, known is None, step.forwards, step.kept
         first = []
