@@ -89,7 +89,7 @@ def verified_figures(model, profile: Profile, prefix: int = 64, tokens: int = 64
     rounds, seconds = run_once()
     out["measured"] = {"draft_length": length, "draft_steps": steps, "tokens": tokens,
                        "tokens_per_round": tokens / len(rounds),
-                       "tokens_per_forward": tokens / sum(forwards for _, _, forwards, _ in rounds),
+                       "tokens_per_forward": tokens / sum(r[2] for r in rounds),
                        "tok_s": tokens / seconds}
     return out
 

@@ -284,15 +284,16 @@ def verify_round(model, cache, known: int, rule, settings: DraftSettings, schedu
 def verified(model, cache, first_logits: mx.array, rule, settings: DraftSettings, schedule: SamplerSettings,
              rng: Random) -> Iterator[tuple[list[int], bool, int, int]]:
     """Rounds of verified drafting after the prompt in ``cache`` and its next-token ``first_logits``
-    [1, V]: yields (tokens this round adds to ``rule.output``, done, forwards, draft tokens kept)."""
+    [1, V]: yields (tokens this round adds to ``rule.output``, done, forwards, draft tokens kept, draft
+    length)."""
     settings.check(model.config.canvas_length)
     _, known = rule.follow(first_logits.reshape(1, -1), [])
     if known is None:
-        yield rule.output, True, 0, 0
+        yield rule.output, True, 0, 0, 0
         return
     first, leftover = rule.output[:], []
     while known is not None:
         step = verify_round(model, cache, known, rule, settings, schedule, rng, leftover)
         known, leftover = step.known, step.leftover
-        yield first + step.tokens, known is None, step.forwards, step.kept
+        yield first + step.tokens, known is None, step.forwards, step.kept, step.length
         first = []

@@ -156,8 +156,9 @@ def stream_generate(
         planner.sampling = bool(temperature)  # a temperature is for ar and verified only
         plan = planner.choose(max_tokens)
     else:
+        acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
         plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
-                         draft_length=draft_length, draft_steps=draft_steps)
+                         draft_length=draft_length, draft_steps=draft_steps, acceptance=acceptance)
     if temperature and plan.mode == "diffusion":
         raise ValueError("a temperature applies to autoregressive and verified decoding; "
                          "diffusion takes --temp-min/--temp-max")
@@ -202,7 +203,7 @@ def stream_generate(
                 else drafting.GreedyRule(stop_ids, max_tokens))
         blocks = verified(model, cache, first_logits, rule,
                           drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature or 0.0),
-                          settings, rng, stop_ids)
+                          settings, rng, stop_ids, acceptance)
     else:
         clamps = None
         if template is not None:
@@ -298,11 +299,14 @@ def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemp
 
 
 def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings, schedule: SamplerSettings,
-             rng: Random, stop_ids) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+             rng: Random, stop_ids, acceptance=None) -> Iterator[tuple[list[int], bool, int, None, bool]]:
     """Verified drafting (drafting.py) from the prompt's next-token ``logits``: one block per round,
-    with the round's forwards (draft steps + the verifying encoder pass)."""
+    with the round's forwards (draft steps + the verifying encoder pass); each round updates the
+    running ``acceptance`` estimate (policy.Acceptance) the next generation's plan starts from."""
     template = isinstance(rule, drafting.TemplateRule)
-    for tokens, done, forwards, _ in drafting.verified(model, cache, logits, rule, draft, schedule, rng):
+    for tokens, done, forwards, kept, length in drafting.verified(model, cache, logits, rule, draft, schedule, rng):
+        if acceptance is not None and length > 1:
+            acceptance.observe(draft.steps, length, kept, not done and kept < length - 1)
         stopped = done and (template or bool(tokens) and tokens[-1] in stop_ids)
         yield tokens, stopped, max(forwards, 1), None, done
 

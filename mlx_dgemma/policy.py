@@ -421,8 +421,10 @@ def make_plan(
     expected_steps: float | None = None,
     draft_length: int | None = None,
     draft_steps: int | None = None,
+    acceptance: "Acceptance | None" = None,
 ) -> Plan:
     """Turn a policy name, the generation config, the request and the device profile into a plan.
+    ``acceptance`` is verified drafting's running estimate (the model's, see ``auto_planner``).
 
     ``expected_steps`` is how many steps a canvas typically takes with this model (the stop rule
     usually fires well before the limit); without it the step limit is assumed.
@@ -439,7 +441,7 @@ def make_plan(
     if policy == "ar":
         return replace(reference, mode="ar", reasons=["autoregressive decoding requested (the encoder as a causal LM)"])
     if policy == "verified":
-        return verified_plan(reference, canvas, profile, draft_length, draft_steps)
+        return verified_plan(reference, canvas, profile, draft_length, draft_steps, acceptance)
     if policy == "fast":
         return replace(
             reference, trim_last_canvas=True, freeze_after=FREEZE_AFTER, stability_threshold=0,
@@ -645,7 +647,7 @@ def auto_planner(model, gen: GenerationConfig, profile: Profile) -> AutoPlanner:
     """This model's planner for ``profile``, kept across generations so that what one generation saw
     informs the next."""
     planner = getattr(model, "_auto_planner", None)
-    if planner is None or planner.profile is not profile:
+    if planner is None or planner.profile != profile:
         planner = AutoPlanner(gen, model.config.canvas_length, profile)
         model._auto_planner = planner
     return planner

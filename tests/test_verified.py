@@ -109,7 +109,7 @@ def test_a_stop_id_inside_a_draft_ends_it(demo):
     stop = inside[len(inside) // 2]
     rounds = list(run_verified(model, prompt, drafting.GreedyRule({stop}, 64), 32, 2))
     assert [t for tokens, *_ in rounds for t in tokens] == ar[:ar.index(stop) + 1]
-    last_tokens, done, _, kept = rounds[-1]
+    last_tokens, done, _, kept, _ = rounds[-1]
     assert done and kept >= 1 and last_tokens[-1] == stop
 
 
@@ -288,3 +288,22 @@ def test_cli_verified_prints_the_ar_answer_and_refuses_a_temperature_for_diffusi
     bad = CliRunner().invoke(main, prompt + ["--temp", "0.5"])
     assert bad.exit_code != 0 and "diffusion takes --temp-min/--temp-max" in bad.output
     assert len(bad.output.strip().splitlines()) == 1
+
+
+def test_the_verified_policy_learns_its_acceptance(demo):
+    """Without a draft length and steps the plan comes from the device profile and the model's running
+    acceptance estimate, which every verified round updates."""
+    from mlx_dgemma.policy import Profile, auto_planner
+
+    model, tokenizer = demo
+    profile = Profile("cpu-like", "measured", {2: 0.003, 16: 0.004, 32: 0.005, 256: 0.064}, ar_token_s=0.004,
+                      prefill_tok_s=1e4, verify_s_by_length={2: 0.003, 16: 0.004, 32: 0.005})
+    acceptance = auto_planner(model, model.generation_config, profile).acceptance
+    before = acceptance.alpha(1), acceptance.alpha(2)
+    responses = list(stream_generate(model, tokenizer, "json: name=ada city=rome age=36", policy="verified",
+                                     profile=profile))
+    plan = responses[0].plan
+    assert plan.mode == "verified" and 2 <= plan.draft_length <= 32 and "tokens per round" in plan.explain()
+    seen = sum(acceptance.kept.values()) + sum(acceptance.rejected.values())
+    assert seen > 0 and (acceptance.alpha(1), acceptance.alpha(2)) != before
+    del model._auto_planner
