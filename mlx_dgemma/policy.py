@@ -518,9 +518,12 @@ class Acceptance:
         a = min(self.alpha(steps), 1 - 1e-9)
         return (1 - a ** length) / (1 - a)
 
-    def observe(self, steps: int, length: int, kept: int, rejected: bool) -> None:
-        self.kept[steps] = self.kept.get(steps, 0.0) + kept
-        self.rejected[steps] = self.rejected.get(steps, 0.0) + rejected
+    def observe(self, steps: int, length: int, kept: int, rejected: bool, memory: float = 200.0) -> None:
+        """A round kept ``kept`` draft tokens, then rejected one or not (a stop id, the draft's end);
+        only the last ~``memory`` draft tokens count, so the estimate follows a change of task."""
+        kept_total, rejected_total = self.kept.get(steps, 0.0) + kept, self.rejected.get(steps, 0.0) + rejected
+        fade = min(1.0, memory / max(kept_total + rejected_total, 1e-9))
+        self.kept[steps], self.rejected[steps] = kept_total * fade, rejected_total * fade
 
     def describe(self) -> str:
         seen = sum(self.kept.values()) + sum(self.rejected.values())
@@ -542,18 +545,27 @@ def best_draft(profile: Profile, acceptance: Acceptance, canvas: int, length: in
 # Share of canvas positions the fast policy computes per step (active-set compaction): 74 of 144 on
 # the demo tasks (benchmarks/demo_speed.py).
 FAST_POSITION_SHARE = 0.5
+# auto runs a plan again after this many choices without it, if predicted within this share of the best
+EXPLORE_EVERY = 8
+EXPLORE_WITHIN = 0.6
 
 
 @dataclass
 class RunningMean:
+    """A mean over the last ~``window`` observations (older ones fade), started from a prior."""
+
     total: float
     count: float
+    window: int = 8
 
     @property
     def value(self) -> float:
         return self.total / self.count
 
     def add(self, x: float) -> None:
+        if self.count >= self.window:
+            self.total *= (self.window - 1) / self.count
+            self.count = self.window - 1
         self.total += x
         self.count += 1
 
@@ -572,7 +584,10 @@ class AutoPlanner:
     threshold + 1: the stop rule fires well before the limit on a trained model) worth one canvas;
     tokens per canvas from the whole canvas (one canvas' worth), then the answer tokens each canvas
     gave (a stop id cuts the last); tokens per round from the acceptance model, scaled by the observed
-    ratio of tokens per round to the model's (answers that end mid-draft)."""
+    ratio of tokens per round to the model's (answers that end mid-draft); each prediction times the
+    observed pace of that plan against the profile. Means are over the last ~8 observations, and a
+    plan not run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is
+    run once more, so estimates follow a change of task."""
 
     def __init__(self, gen: GenerationConfig, canvas: int, profile: Profile, expected_steps: float | None = None):
         self.gen, self.canvas, self.profile = gen, canvas, profile
@@ -585,6 +600,7 @@ class AutoPlanner:
         self.pace = {name: RunningMean(1.0, 1) for name in ("reference", "fast", "ar", "verified")}
         self.current: Plan | None = None
         self.sampling = False  # a sampling temperature: only ar and verified decode with one
+        self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
 
     def predictions(self, remaining: int) -> dict[str, tuple[float, str]]:
         p, C = self.profile, self.canvas
@@ -610,13 +626,24 @@ class AutoPlanner:
         if self.sampling:
             predicted = {name: predicted[name] for name in ("ar", "verified")}
         best = max(predicted, key=lambda name: predicted[name][0])
+        # Estimates of a plan that does not run do not move: one close enough to the best is run again
+        # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan.
+        stale = [name for name in predicted if self.idle[name] >= EXPLORE_EVERY
+                 and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]]
+        retry = max(stale, key=lambda name: predicted[name][0]) if stale else None
+        for name in self.idle:
+            self.idle[name] += 1
+        best = retry or best
+        self.idle[best] = 0
         plan = make_plan(best, self.gen, self.canvas, remaining, self.profile)
         if best == "verified":
             plan = verified_plan(plan, self.canvas, self.profile, None, None, self.acceptance)
         reasons = [f"{self.profile.device} ({self.profile.source}), predicted tok/s:"]
         reasons += [f"{name}: {tok_s:.1f} ({why})" for name, (tok_s, why) in
                     sorted(predicted.items(), key=lambda item: -item[1][0])]
-        reasons.append(f"→ {best}; re-chosen at every canvas or round as the estimates move")
+        reasons.append(f"→ {best}" + (f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
+                                      f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)" if retry else "")
+                       + "; re-chosen at every canvas or round as the estimates move")
         self.current = replace(plan, policy="auto", reasons=reasons)
         return self.current
 
