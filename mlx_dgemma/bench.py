@@ -9,14 +9,19 @@ roofline predictions for known Apple and NVIDIA devices (see policy.py for the m
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
-
-import click
-
 from . import fast_blas
-from .policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas
+
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
+
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+
+from .policy import (CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure,  # noqa: E402
+                     predicted_table, time_canvas)
+from .validate import at_least, option, writable_file  # noqa: E402
 
 STEPS = (2, 4, 8, 16, 32, 48)
 
@@ -94,6 +99,36 @@ def verified_figures(model, profile: Profile, prefix: int = 64, tokens: int = 64
     return out
 
 
+def prefix_sweep(model, prefixes, repeats: int = 2, canvas: int = 256, steps: int = 3) -> dict:
+    """Per prompt length: chunked prefill tokens/s, the time of one ``canvas``-position sampler
+    step after that prefix, and the peak memory of both."""
+    import mlx.core as mx
+
+    from .generate import prefill
+
+    canvas = min(canvas, model.config.canvas_length)
+    out = {"step_ms_by_prefix": {}, "prefill_tok_s_by_prefix": {}, "peak_memory_gb_by_prefix": {}}
+    for prefix in prefixes:
+        if prefix + canvas > model.config.max_position_embeddings:
+            raise click.ClickException(f"--prefix {prefix} and a {canvas}-token canvas exceed the model's context "
+                                       f"of {model.config.max_position_embeddings}")
+        ids = mx.random.randint(3, model.config.vocab_size, (1, prefix), key=mx.random.key(1))
+        mx.eval(ids)
+        mx.reset_peak_memory()
+        best = float("inf")
+        for _ in range(repeats):
+            cache = model.make_cache()
+            start = time.perf_counter()
+            prefill(model, ids, cache)
+            best = min(best, time.perf_counter() - start)
+        time_canvas(model, cache, 1, canvas)  # warm-up for this shape
+        step = min(time_canvas(model, cache, steps, canvas) for _ in range(repeats)) / steps
+        out["step_ms_by_prefix"][prefix] = step * 1e3
+        out["prefill_tok_s_by_prefix"][prefix] = prefix / best
+        out["peak_memory_gb_by_prefix"][prefix] = mx.get_peak_memory() / 1e9
+    return out
+
+
 def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3) -> dict[str, float]:
     """Seconds per denoising step spent in each part, each timed alone at ``canvas`` positions."""
     import mlx.core as mx
@@ -105,16 +140,18 @@ def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3)
     model.encode(mx.random.randint(3, cfg.vocab_size, (1, prefix), key=mx.random.key(1)), cache)
     ids = mx.random.randint(0, cfg.vocab_size, (1, canvas), key=mx.random.key(2))
     x = mx.random.normal((1, canvas, cfg.hidden_size), key=mx.random.key(3))
-    logits = model.denoise(ids, cache)
+    view = cache.canvas_view(canvas)  # laid out once per canvas, as the sampler does
+    logits = model.denoise(ids, view)
     decoder, layers, rng = model.model.decoder, model.layers, MxRandom(0)
     _, probs, _, _ = tempered_distribution(logits, mx.array(0.8))
 
     def attention():
         outs = []
-        for layer, c in zip(layers, cache.layers):
-            q, k, v = layer.self_attn.project(layer.input_layernorm(x), cache.offset)
-            k, v = mx.concatenate([c.keys, k], axis=2), mx.concatenate([c.values, v], axis=2)
-            outs.append(layer.post_attention_layernorm(layer.self_attn.attend(q, k, v, None)))
+        view.set_active(None)
+        for layer, layer_view, mask in zip(layers, view.layers, view.masks):
+            q, k, v = layer.self_attn.project(layer.input_layernorm(x), view.positions)
+            k, v = layer_view.update_and_fetch(k, v)
+            outs.append(layer.post_attention_layernorm(layer.self_attn.attend(q, k, v, mask)))
         return outs
 
     def dense_mlp():
@@ -141,7 +178,7 @@ def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3)
         return mx.where(accepted, rng.categorical(p), rng.renoise((1, canvas), cfg.vocab_size)), scaled, argmax
 
     def whole_step():
-        return model.denoise(ids, cache, logits, probs)
+        return model.denoise(ids, view, logits, probs)
 
     parts = dict(attention=attention, experts=experts, dense_mlp=dense_mlp, head=head,
                  self_conditioning=self_conditioning, sampler=sampler, whole_forward=whole_step)
@@ -232,12 +269,35 @@ def plot(r: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+class _Several(click.Option):
+    """An option that takes every value up to the next option: ``--prefix 64 1024 8192``."""
+
+    def add_to_parser(self, parser, ctx):
+        super().add_to_parser(parser, ctx)
+        option = parser._long_opt.get(self.opts[0])
+        take_one = option.process
+
+        def take_all(value, state):
+            values = [value]
+            while state.rargs and not state.rargs[0].startswith("-"):
+                values.append(state.rargs.pop(0))
+            for v in values:
+                take_one(v, state)
+
+        option.process = take_all
+
+
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", required=True, help="Checkpoint folder or Hub id.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
-@click.option("--prefix", default=64, show_default=True, help="Prompt tokens before the canvas.")
-@click.option("--repeats", default=2, show_default=True, help="Timed repeats (best is kept).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
+              help="Write the figures here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
+              help="Write a PNG plot here.")
+@click.option("--prefix", cls=_Several, type=int, multiple=True, default=[64], show_default=True,
+              callback=option(lambda values, name: [at_least(1)(v, name) for v in values]),
+              help="Prompt tokens before the canvas; several (--prefix 64 1024 8192) add a sweep over prompt lengths.")
+@click.option("--repeats", default=2, show_default=True, callback=option(at_least(1)),
+              help="Timed repeats (best is kept).")
 @click.option("--breakdown", is_flag=True, help="Only time each part of a 256-position step.")
 def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
     from .loader import CheckpointError, load
@@ -246,15 +306,22 @@ def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
         model, _ = load(model_path)
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
+    prefixes = list(prefix)
     if breakdown:
-        parts = step_breakdown(model, prefix=prefix, repeats=repeats)
+        parts = step_breakdown(model, prefix=prefixes[0], repeats=repeats)
         for name, seconds in parts.items():
             click.echo(f"{name:<18} {seconds * 1e3:9.1f} ms")
         if json_path:
             json_path.write_text(json.dumps(parts, indent=2))
         return
-    report = run(model, prefix=prefix, repeats=repeats)
+    report = run(model, prefix=prefixes[0], repeats=repeats)
     click.echo(format_report(report))
+    if len(prefixes) > 1:
+        report.update(prefix_sweep(model, prefixes, repeats))
+        click.echo("prefix  prefill tok/s  step ms (256 positions)  peak GB")
+        for p in prefixes:
+            click.echo(f"{p:>6}  {report['prefill_tok_s_by_prefix'][p]:>13.1f}  {report['step_ms_by_prefix'][p]:>23.1f}"
+                       f"  {report['peak_memory_gb_by_prefix'][p]:>7.3f}")
     if json_path:
         json_path.write_text(json.dumps(report, indent=2))
     if plot_path:

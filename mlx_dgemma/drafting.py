@@ -239,8 +239,9 @@ def draft(model, cache, known: list[int], length: int, settings: DraftSettings, 
     self_conditioning = self_conditioning_probs = None
     temperatures = SamplerSettings(steps=settings.steps, t_min=schedule.t_min, t_max=schedule.t_max).temperatures()
     q = None
+    view = cache.canvas_view(length)  # the prefix laid out once for the draft's steps
     for step, temperature in enumerate(temperatures, start=1):
-        logits = model.denoise(canvas, cache, self_conditioning, self_conditioning_probs)
+        logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs)
         if step == settings.steps:
             if settings.temperature > 0:
                 q = tempered_probs(logits[0], settings.temperature)

@@ -14,14 +14,19 @@ parse and validate), and the same with holes sized by a free generation's values
 
 from __future__ import annotations
 
-import random
-import statistics
-import time
-from dataclasses import dataclass, field
+from . import fast_blas
 
-import click
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-from .tasks import TASKS, answer_template, check, json_schema, make_instance
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import click  # noqa: E402
+
+from .tasks import TASKS, answer_template, check, json_schema, make_instance  # noqa: E402
+from .validate import at_least, check_seed, option  # noqa: E402
 
 
 @dataclass
@@ -152,10 +157,11 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
 
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", help="Checkpoint folder [default: the bundled demo model].")
-@click.option("-n", "--instances", "n", default=50, show_default=True, help="Fresh instances per task.")
+@click.option("-n", "--instances", "n", default=50, show_default=True, callback=option(at_least(1)),
+              help="Fresh instances per task.")
 @click.option("--policy", "policies", multiple=True, default=["reference"], show_default=True,
               type=click.Choice(["reference", "fast", "ar", "verified", "auto"]))
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, callback=option(check_seed))
 @click.option("--task", "tasks", multiple=True, type=click.Choice(TASKS), help="Only these tasks.")
 @click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
 @click.option("--draft-length", type=int, help="verified: draft length [default: the policy's].")

@@ -1,36 +1,80 @@
 """Block-autoregressive generation: encode the prompt, denoise a canvas, commit it, encode it, and on to
-the next canvas, as the reference ``generate()`` does (REFERENCE.md §3.2). Python API shaped like
-mlx-lm's (``generate``, ``stream_generate``) and the CLI::
+the next canvas, as the reference ``generate()`` does. Python API shaped like mlx-lm's
+(``generate``, ``stream_generate``) and the CLI::
 
     python -m mlx_dgemma.generate --prompt "sort: 42 17 85 23 61" --view
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from . import fast_blas
 
-import click
-import mlx.core as mx
-import numpy as np
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from . import drafting
 from .config import GenerationConfig
+from .images import image_inputs, load_image
 from .policy import POLICIES, AutoPlanner, Plan, Profile, auto_planner, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
-from .template import CanvasTemplate, TemplateError, canvas_clamps, parse_template
+from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps, parse_template
 from .tokenizer import TextStream, Tokenizer
+from .validate import (PromptError, at_least, check_entropy_bound, check_request, check_seed, check_temperature,
+                       check_text, decode_utf8, option)
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"
+PREFILL_STEP_SIZE = 2048  # mlx-lm's default: prompt tokens encoded per forward
 
 
-class PromptError(ValueError):
-    """A prompt the model cannot take."""
+def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False,
+            **vision_inputs) -> mx.array | None:
+    """Encode prompt rows ``ids`` [B, T] into ``cache`` ``step_size`` tokens at a time, evaluating
+    after each chunk so that peak memory is one chunk's activations, not the whole prompt's. With
+    ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there).
+    A prompt with images goes in one forward (an image block attends to itself both ways)."""
+    ids = mx.array(ids, dtype=mx.int32)
+    ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+    T = ids.shape[1]
+    if vision_inputs:
+        step_size = T
+    for start in range(0, T, step_size):
+        chunk = ids[:, start : start + step_size]
+        if logits and start + step_size >= T:
+            out = model.next_token_logits(chunk, cache, **vision_inputs)
+            mx.eval(out, cache.state())
+            return out
+        model.encode(chunk, cache, **vision_inputs)
+        mx.eval(cache.state())
+    return None
+
+
+@contextlib.contextmanager
+def generation_device(model):
+    """On Metal, as mlx-lm does: a stream of its own for generation and the model's memory wired
+    for the duration (elsewhere nothing changes)."""
+    if not mx.metal.is_available():
+        yield
+        return
+    limit = mx.device_info()["max_recommended_working_set_size"]
+    old = mx.set_wired_limit(limit)
+    try:
+        with mx.stream(mx.new_stream(mx.default_device())):
+            yield
+    finally:
+        mx.synchronize()
+        mx.set_wired_limit(old)
 
 
 @dataclass
@@ -38,9 +82,9 @@ class GenerationResponse:
     """One committed canvas."""
 
     text: str  # the text this canvas adds to the answer
-    tokens: list[int]  # the canvas's committed ids, up to and including a stop id
+    tokens: list[int]  # the canvas's committed ids, up to and including a stop id, within max_tokens
     steps: int  # denoising steps this canvas took
-    tokens_per_forward: float  # non-pad tokens committed so far per denoising forward
+    tokens_per_forward: float  # non-pad tokens committed so far per denoising forward (whole canvases)
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int  # committed so far
@@ -58,26 +102,34 @@ def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str | None = None,
-               chat_template: bool = True) -> list[int]:
-    """Token ids as given, or text through the chat template (or plain, with ``<bos>``)."""
+               chat_template: bool = True, images: int = 0) -> list[int]:
+    """Token ids as given, or text through the chat template (or plain, with ``<bos>``); with
+    ``images``, the user message starts with that many image placeholders."""
     if not isinstance(prompt, str):
         return [int(i) for i in prompt]
     if not chat_template:
         return tokenizer.encode(prompt)
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-    messages.append({"role": "user", "content": prompt})
+    content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
+    messages.append({"role": "user", "content": content})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
 
-def check_prompt(ids: list[int], config) -> None:
+def check_prompt(ids: list[int], config, max_tokens: int = 1) -> None:
+    """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` takes."""
     if not ids:
         raise PromptError("the prompt is empty")
     if bad := [i for i in ids if not 0 <= i < config.vocab_size]:
         raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
-    context = config.max_position_embeddings
-    if len(ids) + config.canvas_length > context:
-        raise PromptError(f"the prompt is {len(ids)} tokens: with a {config.canvas_length}-token canvas after it, "
+    context, canvas = config.max_position_embeddings, config.canvas_length
+    if len(ids) + canvas > context:
+        raise PromptError(f"the prompt is {len(ids)} tokens: with a {canvas}-token canvas after it, "
                           f"it does not fit the model's context of {context} tokens")
+    canvases = -(-max_tokens // canvas)
+    if len(ids) + canvases * canvas > context:
+        room = (context - len(ids)) // canvas * canvas
+        raise PromptError(f"{max_tokens} max tokens take {canvases} canvases of {canvas} after the {len(ids)}-token "
+                          f"prompt, past the model's context of {context} tokens; ask for at most {room}")
 
 
 def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
@@ -86,6 +138,86 @@ def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
         if token in stop_ids:
             return canvas[: i + 1], True
     return canvas, False
+
+
+@dataclass
+class Job:
+    """One prompt made ready to generate: its ids, plan, sampler settings, draws and text decoder."""
+
+    ids: list[int]
+    max_tokens: int
+    defaults: GenerationConfig
+    plan: Plan
+    settings: SamplerSettings
+    rng: Random
+    stop_ids: set[int]
+    text: TextStream | _TemplateText
+    template: CanvasTemplate | None
+    end_of_turn: int | None
+    vision_inputs: dict  # images as model.encode takes them (empty without images)
+    planner: AutoPlanner | None = None  # the auto policy's, which re-plans at every canvas or round
+    acceptance: object = None  # verified drafting's running estimate (policy.Acceptance)
+    temperature: float = 0.0  # ar and verified sampling (0: greedy)
+
+    def canvas_clamps(self, tokenizer: Tokenizer, config):
+        """The template's (length, Clamp) per canvas, or None without a template."""
+        if self.template is None:
+            return None
+        return canvas_clamps(self.template, tokenizer, config.vocab_size, config.canvas_length, self.end_of_turn,
+                             self.plan.last_canvas_length)
+
+
+def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, *,
+            steps: int | None = None, seed: int | None = None, rng: Random | None = None,
+            entropy_bound: float | None = None, temp_min: float | None = None, temp_max: float | None = None,
+            freeze_after: int | None = None, settings: SamplerSettings | None = None,
+            system_prompt: str | None = None, chat_template: bool = True, policy: str = "reference",
+            profile: Profile | None = None, expected_steps: float | None = None,
+            template: str | CanvasTemplate | None = None, images: list | None = None,
+            temperature: float | None = None, draft_length: int | None = None, draft_steps: int | None = None) -> Job:
+    """Check a request and settle everything about it before any forward (see ``stream_generate``)."""
+    config = model.config
+    defaults = generation_config(model, tokenizer)
+    max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
+    prompt = check_request(prompt, max_tokens, seed, system_prompt, chat_template)
+    template = as_template(tokenizer, template, limit=config.max_position_embeddings)
+    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
+    if template is not None:
+        max_tokens = len(template) + template.ends_turn
+    if profile is None and (policy == "auto" or policy == "verified" and None in (draft_length, draft_steps)):
+        profile = cached_profile(model)
+    planner = acceptance = None
+    if policy == "auto" and template is None:  # re-planned at every canvas or round
+        planner = (AutoPlanner(defaults, config.canvas_length, profile, expected_steps) if expected_steps
+                   else auto_planner(model, defaults, profile))
+        planner.sampling = bool(temperature)  # a temperature is for ar and verified only
+        plan = planner.choose(max_tokens)
+    else:
+        acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
+        plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
+                         draft_length=draft_length, draft_steps=draft_steps, acceptance=acceptance)
+    if temperature and plan.mode == "diffusion":
+        raise ValueError("a temperature applies to autoregressive and verified decoding; "
+                         "diffusion takes --temp-min/--temp-max")
+    if temperature and template is not None:
+        raise ValueError("templates decode greedily; drop the temperature")
+    settings = settings or SamplerSettings.from_generation_config(
+        defaults, steps=plan.steps if steps is None else steps,
+        entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
+        t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
+        freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
+    plan = plan.using(settings)
+    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
+    ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})
+    check_prompt(ids, config, max_tokens if template is None else 1)
+    rng = MxRandom(seed) if rng is None else rng
+    stop_ids = set(defaults.eos_token_id)
+    if template is not None:
+        check_template_fits(template, len(ids), config)
+    text = answer_text(model, tokenizer, template)
+
+    return Job(ids, max_tokens, defaults, plan, settings, rng, stop_ids, text, template, end_of_turn, vision_inputs,
+               planner, acceptance, temperature or 0.0)
 
 
 def stream_generate(
@@ -113,14 +245,17 @@ def stream_generate(
     temperature: float | None = None,
     draft_length: int | None = None,
     draft_steps: int | None = None,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
+    images: list | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
     ``prompt`` is text (the chat template is applied unless ``chat_template=False``) or token ids.
-    Unset numbers come from the checkpoint's generation config; ``max_tokens`` is rounded up to whole
-    canvases, as the reference does. ``rng`` replaces the seeded ``mx.random`` draws; ``settings``
-    replaces the sampler settings built from the rest. ``drafts=True`` attaches each step's argmax
-    canvas to the responses; ``on_step`` is called with it as soon as the step is done.
+    Unset numbers come from the checkpoint's generation config; ``max_tokens`` is computed in whole
+    canvases, as the reference does, and the text and tokens handed out stop at it. ``rng`` replaces
+    the seeded ``mx.random`` draws; ``settings`` replaces the sampler settings built from the rest.
+    ``drafts=True`` attaches each step's argmax canvas to the responses; ``on_step`` is called with it
+    as soon as the step is done.
 
     ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
     "auto" (whichever of the others this device's ``profile`` — measured once and cached when not
@@ -136,102 +271,74 @@ def stream_generate(
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
     tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
     whole with the last response (a hole's value is known only when its canvas commits).
+
+    ``images`` (paths or PIL images; a checkpoint with a vision tower) go with the prompt: a text
+    prompt gets one image placeholder per image before the text; ids or an untemplated prompt must
+    hold them (the image token, ``<|image|>``) themselves.
     """
-    config = model.config
-    defaults = generation_config(model, tokenizer)
-    max_tokens = defaults.max_new_tokens if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    if isinstance(template, str):
-        template = parse_template(tokenizer, template)
-    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
-    if template is not None:
-        max_tokens = len(template) + template.ends_turn
-    if profile is None and (policy == "auto" or policy == "verified" and None in (draft_length, draft_steps)):
-        profile = cached_profile(model)
-    planner = None
-    if policy == "auto" and template is None:  # re-planned at every canvas or round
-        planner = (AutoPlanner(defaults, config.canvas_length, profile, expected_steps) if expected_steps
-                   else auto_planner(model, defaults, profile))
-        planner.sampling = bool(temperature)  # a temperature is for ar and verified only
-        plan = planner.choose(max_tokens)
-    else:
-        acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
-        plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
-                         draft_length=draft_length, draft_steps=draft_steps, acceptance=acceptance)
-    if temperature and plan.mode == "diffusion":
-        raise ValueError("a temperature applies to autoregressive and verified decoding; "
-                         "diffusion takes --temp-min/--temp-max")
-    if temperature and template is not None:
-        raise ValueError("templates decode greedily; drop the temperature")
-    settings = settings or SamplerSettings.from_generation_config(
-        defaults, steps=plan.steps if steps is None else steps,
-        entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
-        t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
-        freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
-    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template)
-    check_prompt(ids, config)
-    rng = MxRandom(seed) if rng is None else rng
-    stop_ids = set(defaults.eos_token_id)
-    text = TextStream(tokenizer, stop_ids)
-    if template is not None:
-        _check_template_fits(template, len(ids), config)
-        text = _TemplateText(tokenizer, template, stop_ids, end_of_turn)
+    job = prepare(model, tokenizer, prompt, max_tokens, steps=steps, seed=seed, rng=rng, entropy_bound=entropy_bound,
+                  temp_min=temp_min, temp_max=temp_max, freeze_after=freeze_after, settings=settings,
+                  system_prompt=system_prompt, chat_template=chat_template, policy=policy, profile=profile,
+                  expected_steps=expected_steps, template=template, images=images, temperature=temperature,
+                  draft_length=draft_length, draft_steps=draft_steps)
+    config, defaults, plan, ids, template = model.config, job.defaults, job.plan, job.ids, job.template
+    max_tokens, settings, rng, stop_ids, text, end_of_turn = (job.max_tokens, job.settings, job.rng, job.stop_ids,
+                                                              job.text, job.end_of_turn)
 
-    cache = model.make_cache()
-    tic = time.perf_counter()
-    if plan.mode in ("ar", "verified") or planner is not None:
-        first_logits = model.next_token_logits(mx.array(ids), cache)
-        mx.eval(first_logits)
-    else:
-        model.encode(mx.array(ids), cache)
-    prompt_tps = len(ids) / (time.perf_counter() - tic)
+    with generation_device(model):
+        cache = model.make_cache()
+        tic = time.perf_counter()
+        planner, temperature = job.planner, job.temperature
+        first_logits = prefill(model, mx.array(ids), cache, prefill_step_size,
+                               logits=plan.mode in ("ar", "verified") or planner is not None, **job.vision_inputs)
+        prompt_tps = len(ids) / (time.perf_counter() - tic)
 
-    tic = time.perf_counter()
-    if planner is not None:
-        blocks = adaptive(model, cache, first_logits, planner, plan, max_tokens, defaults, rng, stop_ids,
-                          temperature or 0.0)
-    elif plan.mode == "ar" and template is not None:
-        blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
-                                         config.canvas_length)
-    elif plan.mode == "ar":
-        blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids,
-                                temperature or 0.0, rng)
-    elif plan.mode == "verified":
-        rule = (drafting.TemplateRule(template, tokenizer, config.vocab_size, end_of_turn) if template is not None
-                else drafting.SampledRule(stop_ids, max_tokens, temperature, rng) if temperature
-                else drafting.GreedyRule(stop_ids, max_tokens))
-        blocks = verified(model, cache, first_logits, rule,
-                          drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature or 0.0),
-                          settings, rng, stop_ids, acceptance)
-    else:
-        clamps = None
-        if template is not None:
-            clamps = canvas_clamps(template, tokenizer, config.vocab_size, config.canvas_length, end_of_turn,
-                                   plan.last_canvas_length)
-        blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
-    total_steps = generated = non_pad = 0
-    for tokens, stopped, forwards, step_drafts, last in blocks:
-        total_steps += forwards
-        generated += len(tokens)
-        non_pad += sum(t != defaults.pad_token_id for t in tokens)
-        finish = "stop" if stopped else "length" if last else None
-        yield GenerationResponse(
-            text=text.add(tokens, final=finish is not None),
-            tokens=tokens,
-            steps=forwards,
-            tokens_per_forward=non_pad / total_steps,
-            prompt_tokens=len(ids),
-            prompt_tps=prompt_tps,
-            generation_tokens=generated,
-            generation_tps=generated / (time.perf_counter() - tic),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            drafts=step_drafts,
-            plan=planner.current if planner is not None else plan,
-        )
-        if finish:
-            return
+        tic = time.perf_counter()
+        if planner is not None:
+            blocks = adaptive(model, cache, first_logits, planner, plan, max_tokens, defaults, rng, stop_ids,
+                              temperature)
+        elif plan.mode == "ar" and template is not None:
+            blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
+                                             config.canvas_length)
+        elif plan.mode == "ar":
+            blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids,
+                                    temperature, rng)
+        elif plan.mode == "verified":
+            rule = (drafting.TemplateRule(template, tokenizer, config.vocab_size, end_of_turn) if template is not None
+                    else drafting.SampledRule(stop_ids, max_tokens, temperature, rng) if temperature
+                    else drafting.GreedyRule(stop_ids, max_tokens))
+            blocks = verified(model, cache, first_logits, rule,
+                              drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature),
+                              settings, rng, stop_ids, job.acceptance)
+        else:
+            clamps = job.canvas_clamps(tokenizer, config)
+            blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
+        total_steps = generated = non_pad = 0
+        for tokens, stopped, forwards, step_drafts, last in blocks:
+            total_steps += forwards
+            non_pad += sum(t != defaults.pad_token_id for t in tokens)  # the reference's statistic
+            room = max_tokens - generated
+            if template is None and len(tokens) >= room:  # a canvas may compute more than was asked for
+                stopped, last = stopped and len(tokens) <= room, True
+                tokens = tokens[:room]
+            generated += len(tokens)
+            finish = "stop" if stopped else "length" if last else None
+            yield GenerationResponse(
+                text=text.add(tokens, final=finish is not None),
+                tokens=tokens,
+                steps=forwards,
+                tokens_per_forward=non_pad / total_steps,
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=generated,
+                generation_tps=generated / (time.perf_counter() - tic),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                drafts=step_drafts,
+                plan=planner.current if planner is not None else plan,
+            )
+            if finish:
+                return
 
 
 def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Plan, rng: Random, stop_ids,
@@ -259,13 +366,21 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
                    rng: Random | None = None) -> Iterator[tuple[list[int], bool, int, None, bool]]:
     """Decoding with the encoder as a causal LM from the prompt's next-token ``logits``, greedy or
     (``temperature`` > 0) sampled through ``rng``, yielded in blocks of ``block`` tokens (one forward
-    per token)."""
-    chunk: list[int] = []
-    for produced in range(1, max_tokens + 1):
+    per token). The next token's forward is queued before the current one is read, so the host never
+    waits on an idle device."""
+
+    def pick(logits: mx.array) -> mx.array:
         if temperature:
-            token = rng.categorical(drafting.tempered_probs(logits, temperature))[:, None]
-        else:
-            token = logits.argmax(-1, keepdims=True)
+            return rng.categorical(drafting.tempered_probs(logits, temperature))[:, None]
+        return logits.argmax(-1, keepdims=True)
+
+    chunk: list[int] = []
+    token = pick(logits)
+    for produced in range(1, max_tokens + 1):
+        following = None
+        if produced < max_tokens:
+            following = pick(model.next_token_logits(token, cache))
+            mx.async_eval(following)
         chunk.append(token.item())
         stopped = chunk[-1] in stop_ids
         last = stopped or produced == max_tokens
@@ -274,7 +389,7 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
             if last:
                 return
             chunk = []
-        logits = model.next_token_logits(token, cache)
+        token = following
 
 
 def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemplate, tokenizer,
@@ -385,6 +500,8 @@ def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, ma
 
     template = infill_template(tokenizer, suffix, max_fill, model.config.canvas_length)
     kwargs.setdefault("chat_template", False)
+    if isinstance(prefix, str) and not kwargs["chat_template"]:  # an empty or blank prefix is a fine start
+        prefix = tokenizer.encode(check_text(prefix, "the prefix"))
     responses = list(stream_generate(model, tokenizer, prefix, template=template, **kwargs))
     answer = responses[-1].text
     tail = tokenizer.decode(template.tokens[template.holes[0][1].size:])
@@ -398,13 +515,25 @@ def drafted_json_template(model, tokenizer: Tokenizer, prompt: str | list[int], 
     time against 54% with upper-bound holes and 94% free, always valid."""
     from .template import json_template
 
-    json_template(tokenizer, schema)  # a bad schema fails before any generation
+    limit = model.config.max_position_embeddings
+    json_template(tokenizer, schema, limit=limit)  # a bad schema fails before any generation
     free = generate(model, tokenizer, prompt, **kwargs)
     try:
         draft = json.loads(free)
     except ValueError:
         draft = None
-    return json_template(tokenizer, schema, draft=draft)
+    return json_template(tokenizer, schema, draft=draft, limit=limit)
+
+
+def answer_text(model, tokenizer: Tokenizer, template: CanvasTemplate | None = None):
+    """What an answer's committed tokens read as, handed out piece by piece (``.add(ids, final)``):
+    the clean text, or a template's answer (whole with the last piece)."""
+    defaults = generation_config(model, tokenizer)
+    stop_ids = set(defaults.eos_token_id)
+    if template is None:
+        return TextStream(tokenizer, stop_ids)
+    end_of_turn = _end_of_turn(tokenizer, defaults) if template.ends_turn else None
+    return _TemplateText(tokenizer, template, stop_ids, end_of_turn)
 
 
 def _end_of_turn(tokenizer, defaults: GenerationConfig) -> int | None:
@@ -412,7 +541,8 @@ def _end_of_turn(tokenizer, defaults: GenerationConfig) -> int | None:
     return turn_end if turn_end is not None else (defaults.eos_token_id[0] if defaults.eos_token_id else None)
 
 
-def _check_template_fits(template: CanvasTemplate, prompt_length: int, config) -> None:
+def check_template_fits(template: CanvasTemplate, prompt_length: int, config) -> None:
+    """A ``TemplateError`` naming the culprit when the template's canvases run past the context."""
     canvas = config.canvas_length
     needed = -(-(len(template) + template.ends_turn) // canvas) * canvas
     context = config.max_position_embeddings
@@ -489,27 +619,23 @@ def statistics(responses: list[GenerationResponse]) -> str:
     ])
 
 
-def _at_least(minimum: int):
-    def check(ctx, param, value):
-        if value is not None and value < minimum:
-            raise click.ClickException(f"--{param.name.replace('_', '-')} must be at least {minimum}, got {value}")
-        return value
-
-    return check
-
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
 @click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True,
               help="Message to the model; '-' reads stdin.")
 @click.option("--system-prompt", help="System message for the chat template.")
-@click.option("--max-tokens", "-m", type=int, callback=_at_least(1),
-              help="Tokens to generate, rounded up to whole canvases [default: the checkpoint's max_new_tokens].")
-@click.option("--steps", type=int, callback=_at_least(1), help="Most denoising steps per canvas.")
-@click.option("--entropy-bound", type=float, help="Entropy bound of the sampler's acceptance (nats).")
-@click.option("--temp-min", type=float, help="Temperature at the last denoising step.")
-@click.option("--temp-max", type=float, help="Temperature at the first denoising step.")
-@click.option("--seed", type=int, help="Seed of the sampler's random draws.")
+@click.option("--max-tokens", "-m", type=int, callback=option(at_least(1)),
+              help="Most tokens to print (computed in whole canvases) [default: the checkpoint's max_new_tokens].")
+@click.option("--steps", type=int, callback=option(at_least(1)), help="Most denoising steps per canvas.")
+@click.option("--entropy-bound", type=float, callback=option(check_entropy_bound),
+              help="Entropy bound of the sampler's acceptance (nats).")
+@click.option("--temp-min", type=float, callback=option(check_temperature),
+              help="Temperature at the last denoising step.")
+@click.option("--temp-max", type=float, callback=option(check_temperature),
+              help="Temperature at the first denoising step.")
+@click.option("--seed", type=int, callback=option(check_seed),
+              help="Seed of the sampler's random draws (0 to 2**64 - 1).")
 @click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
 @click.option("--verbose", is_flag=True, help="Print statistics after the text.")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
@@ -517,37 +643,52 @@ def _at_least(minimum: int):
               help="reference: the generation config; auto: the policy this device runs fastest (measured once, "
                    "cached; re-chosen as it generates); fast: settled positions no longer computed, trimmed last "
                    "canvas; ar: autoregressive; verified: the decoder drafts, the encoder verifies (AR's output).")
-@click.option("--draft-length", type=int, callback=_at_least(1),
+@click.option("--draft-length", type=int, callback=option(at_least(1)),
               help="verified: canvas positions per draft, the known next token included [default: the policy's].")
-@click.option("--draft-steps", type=int, callback=_at_least(1),
+@click.option("--draft-steps", type=int, callback=option(at_least(1)),
               help="verified: denoising steps per draft [default: the policy's].")
-@click.option("--temp", type=float, help="ar and verified: sampling temperature [default: 0, greedy].")
+@click.option("--temp", type=float, callback=option(check_temperature),
+              help="ar and verified: sampling temperature [default: 0, greedy].")
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
+@click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True, callback=option(at_least(1)),
+              help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
+@click.option("--image", "image_files", multiple=True, metavar="PATH",
+              help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file, schema_file):
+         ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file, prefill_step_size,
+         schema_file, image_files):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
 
-    if prompt == "-":
-        prompt = click.get_text_stream("stdin").read()
     if model is None and not DEMO_MODEL.is_dir():
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
     if template_file and schema_file:
         raise click.ClickException("give --template or --schema, not both")
+    if system_prompt is not None and ignore_chat_template:
+        raise click.ClickException("--system-prompt needs the chat template: drop --ignore-chat-template "
+                                   "or put the system text in --prompt")
     try:
+        if prompt == "-":
+            stdin = getattr(sys.stdin, "buffer", None)
+            prompt = decode_utf8(stdin.read(), "the prompt on stdin") if stdin else sys.stdin.read()
+        check_text(prompt, "--prompt")
+        if system_prompt is not None:
+            check_text(system_prompt, "--system-prompt")
+        check_request(prompt, max_tokens or 1, seed, system_prompt)  # before the model loads
+        images = [load_image(path) for path in image_files] or None  # bad files fail before the model loads
         dgemma, tokenizer = load(model or DEMO_MODEL)
-        template = _read_template(tokenizer, template_file, schema_file)
+        template = _read_template(tokenizer, template_file, schema_file, dgemma.config.max_position_embeddings)
         if isinstance(template, dict):  # a schema: holes sized by a free draft first
             template = drafted_json_template(
                 dgemma, tokenizer, prompt, template, max_tokens=max_tokens, seed=seed, steps=steps,
                 entropy_bound=entropy_bound, temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt,
-                policy=policy, chat_template=not ignore_chat_template)
+                policy=policy, chat_template=not ignore_chat_template, images=images)
         defaults = generation_config(dgemma, tokenizer)
         canvas_view = CanvasView(tokenizer, steps or defaults.max_denoising_steps) if view else None
         responses = []
@@ -556,6 +697,7 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
             temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
             temperature=temp, draft_length=draft_length, draft_steps=draft_steps,
+            prefill_step_size=prefill_step_size, images=images,
         ):
             if verbose and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
                 click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
@@ -579,8 +721,9 @@ def _plan_key(plan: Plan) -> tuple:
     return plan.mode, plan.freeze_after, plan.draft_length, plan.draft_steps
 
 
-def _read_template(tokenizer, template_file: str | None, schema_file: str | None):
-    """The --template file's template, or the --schema file's schema (checked)."""
+def _read_template(tokenizer, template_file: str | None, schema_file: str | None, limit: int):
+    """The --template file's template, or the --schema file's schema (checked); ``limit`` is the
+    model's context, which no template can outgrow."""
     from .template import json_template
 
     path = template_file or schema_file
@@ -590,13 +733,18 @@ def _read_template(tokenizer, template_file: str | None, schema_file: str | None
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise TemplateError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise TemplateError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                            "save it as UTF-8") from None
     if template_file:
-        return parse_template(tokenizer, text.removesuffix("\n"))  # the newline that ends the file
+        return parse_template(tokenizer, text.removesuffix("\n"), limit=limit)  # the newline that ends the file
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise TemplateError(f"{path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
-    json_template(tokenizer, schema)  # a bad schema fails here, before any generation
+    except RecursionError:
+        raise TemplateError(f"{path} is nested too deeply to read; flatten the schema") from None
+    json_template(tokenizer, schema, limit=limit)  # a bad schema fails here, before any generation
     return schema
 
 

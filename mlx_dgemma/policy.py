@@ -10,8 +10,10 @@ on how many steps a canvas takes: the crossover is ``256 · t_token / t_step(256
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import platform
 import sys
 import time
@@ -86,7 +88,7 @@ EFFICIENCY = {
     "nvidia": Efficiency(compute=0.12, bandwidth=0.7, per_layer_s=20e-6),
 }
 
-# The released google/diffusiongemma-26B-A4B-it (REFERENCE.md §1).
+# The released google/diffusiongemma-26B-A4B-it (its config.json's text_config).
 RELEASED = ModelConfig(
     vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
     num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -200,10 +202,18 @@ class Profile:
 
     @classmethod
     def from_json(cls, raw: dict) -> "Profile":
-        raw = dict(raw)
-        for key in ("step_s_by_canvas", "verify_s_by_length"):
-            raw[key] = {int(k): float(v) for k, v in raw.get(key, {}).items()}
-        return cls(**raw)
+        """A profile from ``to_json``'s dict; ValueError if any figure is missing or not a positive time."""
+        try:
+            raw = dict(raw)
+            raw["step_s_by_canvas"] = {int(k): float(v) for k, v in raw["step_s_by_canvas"].items()}
+            raw["verify_s_by_length"] = {int(k): float(v) for k, v in raw.get("verify_s_by_length", {}).items()}
+            profile = cls(**raw)
+            figures = [*profile.step_s_by_canvas.values(), float(profile.ar_token_s), float(profile.prefill_tok_s)]
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a device profile ({type(e).__name__}: {e})") from None
+        if not profile.step_s_by_canvas or not all(0 < f < float("inf") for f in figures):
+            raise ValueError("not a device profile (its times must be positive)")
+        return profile
 
 
 def _interpolate(points_by_length: dict[int, float], length: int) -> float:
@@ -311,6 +321,7 @@ def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, 
     cache = model.make_cache()
     start = time.perf_counter()
     model.encode(ids, cache)
+    mx.eval(cache.state())
     prefill_s = time.perf_counter() - start
     drafts = [n for n in draft_lengths if n <= cfg.canvas_length]
     step_s = {}
@@ -325,6 +336,7 @@ def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, 
     def ar_run():
         ar_cache = model.make_cache()
         model.encode(ids, ar_cache)
+        mx.eval(ar_cache.state())
         token = ids[:, -1:]
         start = time.perf_counter()
         for _ in range(ar_tokens):
@@ -349,20 +361,41 @@ def time_verify(model, cache, length: int) -> float:
     return time.perf_counter() - start
 
 
-def profile_cache_path(model, root: Path | None = None) -> Path:
-    root = root or Path.home() / ".cache" / "mlx_dgemma" / "profiles"
+def profile_cache_path(model, root: Path | None = None) -> Path | None:
+    """Where this machine's profile of ``model`` is cached; None without a home folder to keep it in."""
+    if root is None:
+        try:
+            root = Path.home() / ".cache" / "mlx_dgemma" / "profiles"
+        except (RuntimeError, KeyError):  # no HOME and no password entry
+            return None
     return root / f"{platform.node() or 'host'}-{model_fingerprint(model)}.json"
 
 
 def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Profile:
-    """The measured profile of this machine and model, measured once and cached on disk."""
+    """The measured profile of this machine and model, measured once and cached on disk. A damaged
+    cache file is measured again and replaced; a cache that cannot be written is said, not fatal."""
     path = profile_cache_path(model, root)
-    if path.exists() and not refresh:
-        return Profile.from_json(json.loads(path.read_text()))
+    if path is not None and path.is_file() and not refresh:
+        try:
+            return Profile.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0] or type(e).__name__
+            print(f"ignoring the damaged device profile {path} ({reason}); measuring again", file=sys.stderr)
     print(f"measuring denoising steps and AR tokens on this device, once (cached in {path})", file=sys.stderr)
     profile = measure(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.to_json(), indent=2))
+    if path is None:
+        print("no home folder to cache the device profile in; it will be measured again next time", file=sys.stderr)
+        return profile
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(profile.to_json(), indent=2))
+        tmp.replace(path)  # whole or not at all: a killed run leaves no truncated cache
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        print(f"cannot cache the device profile in {path} ({e.strerror or e}); it will be measured again "
+              "next time", file=sys.stderr)
     return profile
 
 
@@ -391,6 +424,7 @@ class Plan:
         head = f"plan ({self.policy}): {self.mode}"
         if self.mode == "diffusion":
             head += f", ≤{self.steps} steps/canvas, entropy bound {self.entropy_bound:g}"
+            head += f", t {self.t_min:g}–{self.t_max:g}"
             if self.freeze_after:
                 head += f", positions settled for {self.freeze_after} step(s) frozen"
             if self.stability_threshold is not None:
@@ -399,6 +433,19 @@ class Plan:
         if self.mode == "verified":
             head += f", drafts of {self.draft_length} tokens in {self.draft_steps} step(s), verified by the encoder"
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
+
+    def using(self, settings) -> Plan:
+        """The plan with the sampler settings the generation really uses (the caller's overrides of
+        steps, bound, temperatures, freezing and stability), naming those that differ from it."""
+        numbers = {"steps": settings.steps, "entropy_bound": settings.entropy_bound, "t_min": settings.t_min,
+                   "t_max": settings.t_max, "freeze_after": settings.freeze_after}
+        if self.stability_threshold is not None:  # None: the generation config's, whatever it is
+            numbers["stability_threshold"] = settings.stability_threshold
+        changed = {k: v for k, v in numbers.items() if getattr(self, k) != v}
+        if not changed:
+            return self
+        given = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in changed.items())
+        return replace(self, **changed, reasons=self.reasons + [f"set by the caller: {given}"])
 
     def last_canvas_length(self, remaining: int, canvas: int) -> int:
         """Length of a canvas when only ``remaining`` tokens are still wanted: whole canvases unless

@@ -35,12 +35,14 @@ def test_ar_policy_is_greedy_decoding_through_the_encoder(pattern):
 def test_fast_policy_trims_the_last_canvas_and_compacts(pattern):
     model, tokenizer = pattern
     eos = model.generation_config.eos_token_id
-    reference = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="reference"))
-    fast = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="fast"))
+    reference = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="reference", drafts=True))
+    fast = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="fast", drafts=True))
     if any(r.finish_reason == "stop" for r in reference + fast):
         pytest.skip(f"a stop id {eos} came up in this random model's output")
-    assert [len(r.tokens) for r in reference] == [16, 16]  # whole canvases, as the reference does
-    assert [len(r.tokens) for r in fast] == [16, 8]  # 5 tokens still wanted -> a canvas of 8
+    computed = lambda responses: [len(r.drafts[-1].tokens) for r in responses]  # noqa: E731
+    assert computed(reference) == [16, 16]  # whole canvases, as the reference does
+    assert computed(fast) == [16, 8]  # 5 tokens still wanted -> a canvas of 8
+    assert [len(r.tokens) for r in reference] == [len(r.tokens) for r in fast] == [16, 5]  # 21 handed out
     plan = fast[0].plan
     assert plan.freeze_after >= 1 and plan.stability_threshold == 0 and reference[0].plan.freeze_after == 0
 
