@@ -19,7 +19,8 @@ from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
-from .policy import CANVAS_LENGTHS, Profile, measure, predicted_table, time_canvas  # noqa: E402
+from .policy import (CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure,  # noqa: E402
+                     predicted_table, time_canvas)
 from .validate import at_least, option, writable_file  # noqa: E402
 
 STEPS = (2, 4, 8, 16, 32, 48)
@@ -53,9 +54,49 @@ def run(model, prefix: int = 64, steps_list=STEPS, measured_steps=(4, 8), repeat
         "diffusion_tok_s_by_steps": {s: profile.diffusion_tok_s(s, canvas) for s in steps_list},
         "crossover_steps": profile.crossover_steps(canvas),
         "sampler_check": check,
+        "verify_s_by_length": profile.verify_s_by_length,
+        "verified": verified_figures(model, profile, prefix),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "predicted": predicted_table(),
     }
+
+
+def verified_figures(model, profile: Profile, prefix: int = 64, tokens: int = 64) -> dict:
+    """Verified drafting on this device: the draft length and steps the policy picks from the profile
+    at the demo's acceptance (and at half of it), their predicted tok/s, and one measured greedy run of
+    ``tokens`` tokens after a random prompt (tokens per round, per forward, tok/s: a random checkpoint's
+    drafts are rarely kept, a trained model's acceptance is what eval's verified rows show)."""
+    import mlx.core as mx
+
+    from . import drafting
+    from .sampler import MxRandom, SamplerSettings
+
+    canvas = model.config.canvas_length
+    out = {}
+    for key, acceptance in (("demo_acceptance", Acceptance()), ("half_acceptance", Acceptance.scaled(0.5))):
+        length, steps, tok_s = best_draft(profile, acceptance, canvas)
+        out[key] = {"draft_length": length, "draft_steps": steps, "predicted_tok_s": tok_s,
+                    "tokens_per_round": acceptance.tokens_per_round(steps, length)}
+    length, steps = out["demo_acceptance"]["draft_length"], out["demo_acceptance"]["draft_steps"]
+    ids = mx.random.randint(3, model.config.vocab_size, (1, prefix), key=mx.random.key(4))
+    schedule = SamplerSettings()
+
+    def run_once():
+        cache = model.make_cache()
+        first = model.next_token_logits(ids, cache)
+        mx.eval(first)
+        start = time.perf_counter()
+        rounds = list(drafting.verified(model, cache, first, drafting.GreedyRule(set(), tokens),
+                                        drafting.DraftSettings(length, steps), schedule, MxRandom(0)))
+        return rounds, time.perf_counter() - start
+
+    run_once()  # warm-up
+    rounds, seconds = run_once()
+    out["measured"] = {"draft_length": length, "draft_steps": steps, "tokens": tokens,
+                       "tokens_per_round": tokens / len(rounds),
+                       "tokens_per_forward": tokens / sum(r[2] for r in rounds),
+                       "tok_s": tokens / seconds}
+    return out
 
 
 def prefix_sweep(model, prefixes, repeats: int = 2, canvas: int = 256, steps: int = 3) -> dict:
@@ -171,10 +212,24 @@ def format_report(r: dict) -> str:
     for s, c in sorted(r["sampler_check"].items()):
         lines.append(f"sampler run, {s} steps: {c['measured_tok_s']:.2f} tok/s measured vs "
                      f"{c['from_step_time_tok_s']:.2f} from step time")
-    lines.append("predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy.py):")
-    lines.append(f"{'device':<10} {'AR tok/s':>9} {'diffusion':>10} {'speedup':>8}")
+    v = r["verified"]
+    for key, what in (("demo_acceptance", "the demo's acceptance"), ("half_acceptance", "half of it")):
+        d = v[key]
+        lines.append(f"verified drafting predicted at {what}: drafts of {d['draft_length']} in {d['draft_steps']} "
+                     f"step(s), {d['tokens_per_round']:.1f} tokens per round, {d['predicted_tok_s']:.2f} tok/s "
+                     f"({d['predicted_tok_s'] / r['ar_tok_s']:.2f}x AR)")
+    m = v["measured"]
+    lines.append(f"verified drafting measured (this checkpoint's own acceptance, {m['tokens']} tokens): drafts of "
+                 f"{m['draft_length']} in {m['draft_steps']} step(s), {m['tokens_per_round']:.2f} tokens per round, "
+                 f"{m['tokens_per_forward']:.2f} per forward, {m['tok_s']:.2f} tok/s")
+    lines.append("predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy.py; verified "
+                 "at the demo's acceptance and at half of it, best draft length L and steps k):")
+    lines.append(f"{'device':<10} {'AR tok/s':>9} {'diffusion':>10} {'speedup':>8} {'verified':>9} {'L/k':>6} "
+                 f"{'half':>7} {'L/k':>6}")
     for name, p in r["predicted"].items():
-        lines.append(f"{name:<10} {p['ar_tok_s']:9.1f} {p['diffusion_tok_s']:10.1f} {p['speedup']:7.2f}x")
+        lines.append(f"{name:<10} {p['ar_tok_s']:9.1f} {p['diffusion_tok_s']:10.1f} {p['speedup']:7.2f}x "
+                     f"{p['verified_tok_s']:9.1f} {p['verified_length']:>3}/{p['verified_steps']} "
+                     f"{p['verified_half_tok_s']:7.1f} {p['verified_half_length']:>3}/{p['verified_half_steps']}")
     return "\n".join(lines)
 
 

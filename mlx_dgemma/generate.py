@@ -23,9 +23,10 @@ import click  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from . import drafting
 from .config import GenerationConfig
 from .images import image_inputs, load_image
-from .policy import POLICIES, Plan, Profile, cached_profile, make_plan
+from .policy import POLICIES, AutoPlanner, Plan, Profile, auto_planner, cached_profile, make_plan
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
 from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps, parse_template
 from .tokenizer import TextStream, Tokenizer
@@ -154,6 +155,9 @@ class Job:
     template: CanvasTemplate | None
     end_of_turn: int | None
     vision_inputs: dict  # images as model.encode takes them (empty without images)
+    planner: AutoPlanner | None = None  # the auto policy's, which re-plans at every canvas or round
+    acceptance: object = None  # verified drafting's running estimate (policy.Acceptance)
+    temperature: float = 0.0  # ar and verified sampling (0: greedy)
 
     def canvas_clamps(self, tokenizer: Tokenizer, config):
         """The template's (length, Clamp) per canvas, or None without a template."""
@@ -169,7 +173,8 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
             freeze_after: int | None = None, settings: SamplerSettings | None = None,
             system_prompt: str | None = None, chat_template: bool = True, policy: str = "reference",
             profile: Profile | None = None, expected_steps: float | None = None,
-            template: str | CanvasTemplate | None = None, images: list | None = None) -> Job:
+            template: str | CanvasTemplate | None = None, images: list | None = None,
+            temperature: float | None = None, draft_length: int | None = None, draft_steps: int | None = None) -> Job:
     """Check a request and settle everything about it before any forward (see ``stream_generate``)."""
     config = model.config
     defaults = generation_config(model, tokenizer)
@@ -179,9 +184,23 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
     end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     if template is not None:
         max_tokens = len(template) + template.ends_turn
-    if policy == "auto" and profile is None:
+    if profile is None and (policy == "auto" or policy == "verified" and None in (draft_length, draft_steps)):
         profile = cached_profile(model)
-    plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps)
+    planner = acceptance = None
+    if policy == "auto" and template is None:  # re-planned at every canvas or round
+        planner = (AutoPlanner(defaults, config.canvas_length, profile, expected_steps) if expected_steps
+                   else auto_planner(model, defaults, profile))
+        planner.sampling = bool(temperature)  # a temperature is for ar and verified only
+        plan = planner.choose(max_tokens)
+    else:
+        acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
+        plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
+                         draft_length=draft_length, draft_steps=draft_steps, acceptance=acceptance)
+    if temperature and plan.mode == "diffusion":
+        raise ValueError("a temperature applies to autoregressive and verified decoding; "
+                         "diffusion takes --temp-min/--temp-max")
+    if temperature and template is not None:
+        raise ValueError("templates decode greedily; drop the temperature")
     settings = settings or SamplerSettings.from_generation_config(
         defaults, steps=plan.steps if steps is None else steps,
         entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
@@ -197,7 +216,8 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
         check_template_fits(template, len(ids), config)
     text = answer_text(model, tokenizer, template)
 
-    return Job(ids, max_tokens, defaults, plan, settings, rng, stop_ids, text, template, end_of_turn, vision_inputs)
+    return Job(ids, max_tokens, defaults, plan, settings, rng, stop_ids, text, template, end_of_turn, vision_inputs,
+               planner, acceptance, temperature or 0.0)
 
 
 def stream_generate(
@@ -222,6 +242,9 @@ def stream_generate(
     profile: Profile | None = None,
     expected_steps: float | None = None,
     template: str | CanvasTemplate | None = None,
+    temperature: float | None = None,
+    draft_length: int | None = None,
+    draft_steps: int | None = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
     images: list | None = None,
 ) -> Iterator[GenerationResponse]:
@@ -235,10 +258,14 @@ def stream_generate(
     as soon as the step is done.
 
     ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
-    "auto" (diffusion or autoregressive, whichever this device's ``profile`` — measured once and
-    cached when not given — says is faster at ``expected_steps`` per canvas), "fast" (active-set
-    compaction, no confirming step, a trimmed last canvas) or "ar". Explicit sampler numbers override
-    the plan; ``freeze_after`` is the compaction's (sampler.SamplerSettings).
+    "auto" (whichever of the others this device's ``profile`` — measured once and cached when not
+    given — and what the model did so far predict fastest, re-chosen at every canvas or round;
+    ``expected_steps`` per canvas replaces its prior and its memory of earlier generations), "fast" (active-set
+    compaction, no confirming step, a trimmed last canvas), "ar" or "verified" (drafting.py: the
+    decoder drafts ``draft_length`` tokens in ``draft_steps`` steps, the encoder verifies them; one
+    response per round). Explicit sampler numbers override the plan; ``freeze_after`` is the
+    compaction's (sampler.SamplerSettings). ``temperature`` (ar and verified; default 0, greedy)
+    samples the answer at that temperature; verified output has the ar distribution exactly.
 
     ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
@@ -252,7 +279,8 @@ def stream_generate(
     job = prepare(model, tokenizer, prompt, max_tokens, steps=steps, seed=seed, rng=rng, entropy_bound=entropy_bound,
                   temp_min=temp_min, temp_max=temp_max, freeze_after=freeze_after, settings=settings,
                   system_prompt=system_prompt, chat_template=chat_template, policy=policy, profile=profile,
-                  expected_steps=expected_steps, template=template, images=images)
+                  expected_steps=expected_steps, template=template, images=images, temperature=temperature,
+                  draft_length=draft_length, draft_steps=draft_steps)
     config, defaults, plan, ids, template = model.config, job.defaults, job.plan, job.ids, job.template
     max_tokens, settings, rng, stop_ids, text, end_of_turn = (job.max_tokens, job.settings, job.rng, job.stop_ids,
                                                               job.text, job.end_of_turn)
@@ -260,16 +288,28 @@ def stream_generate(
     with generation_device(model):
         cache = model.make_cache()
         tic = time.perf_counter()
-        first_logits = prefill(model, mx.array(ids), cache, prefill_step_size, logits=plan.mode == "ar",
-                               **job.vision_inputs)
+        planner, temperature = job.planner, job.temperature
+        first_logits = prefill(model, mx.array(ids), cache, prefill_step_size,
+                               logits=plan.mode in ("ar", "verified") or planner is not None, **job.vision_inputs)
         prompt_tps = len(ids) / (time.perf_counter() - tic)
 
         tic = time.perf_counter()
-        if plan.mode == "ar" and template is not None:
+        if planner is not None:
+            blocks = adaptive(model, cache, first_logits, planner, plan, max_tokens, defaults, rng, stop_ids,
+                              temperature)
+        elif plan.mode == "ar" and template is not None:
             blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
                                              config.canvas_length)
         elif plan.mode == "ar":
-            blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids)
+            blocks = autoregressive(model, cache, first_logits, max_tokens, config.canvas_length, stop_ids,
+                                    temperature, rng)
+        elif plan.mode == "verified":
+            rule = (drafting.TemplateRule(template, tokenizer, config.vocab_size, end_of_turn) if template is not None
+                    else drafting.SampledRule(stop_ids, max_tokens, temperature, rng) if temperature
+                    else drafting.GreedyRule(stop_ids, max_tokens))
+            blocks = verified(model, cache, first_logits, rule,
+                              drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature),
+                              settings, rng, stop_ids, job.acceptance)
         else:
             clamps = job.canvas_clamps(tokenizer, config)
             blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
@@ -295,7 +335,7 @@ def stream_generate(
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
                 drafts=step_drafts,
-                plan=plan,
+                plan=planner.current if planner is not None else plan,
             )
             if finish:
                 return
@@ -322,17 +362,24 @@ def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Pl
         model.encode(result.tokens, cache)  # the commit joins the prefix only when another canvas follows
 
 
-def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, stop_ids,
-                   ) -> Iterator[tuple[list[int], bool, int, None, bool]]:
-    """Greedy decoding with the encoder as a causal LM from the prompt's next-token ``logits``,
-    yielded in blocks of ``block`` tokens (one forward per token). The next token's forward is
-    queued before the current one is read, so the host never waits on an idle device."""
+def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, stop_ids, temperature: float = 0.0,
+                   rng: Random | None = None) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+    """Decoding with the encoder as a causal LM from the prompt's next-token ``logits``, greedy or
+    (``temperature`` > 0) sampled through ``rng``, yielded in blocks of ``block`` tokens (one forward
+    per token). The next token's forward is queued before the current one is read, so the host never
+    waits on an idle device."""
+
+    def pick(logits: mx.array) -> mx.array:
+        if temperature:
+            return rng.categorical(drafting.tempered_probs(logits, temperature))[:, None]
+        return logits.argmax(-1, keepdims=True)
+
     chunk: list[int] = []
-    token = logits.argmax(-1, keepdims=True)
+    token = pick(logits)
     for produced in range(1, max_tokens + 1):
         following = None
         if produced < max_tokens:
-            following = model.next_token_logits(token, cache).argmax(-1, keepdims=True)
+            following = pick(model.next_token_logits(token, cache))
             mx.async_eval(following)
         chunk.append(token.item())
         stopped = chunk[-1] in stop_ids
@@ -347,57 +394,102 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
 
 def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemplate, tokenizer,
                             end_of_turn: int | None, block: int):
-    """A template in autoregressive mode: literal tokens forced, each hole decoded greedily among the
-    tokens its class allows until the model predicts the text that follows it (the rest of the hole
-    is padding, as in a canvas). Yields the template-aligned tokens in blocks of ``block``."""
-    from .template import FREE, token_classes
-
-    pad = tokenizer.pad_token_id
-    classes = token_classes(tokenizer, model.config.vocab_size)
-    tokens = list(template.tokens) + ([end_of_turn] if end_of_turn is not None else [])
-    holes = dict(template.holes)
-    out: list[int] = []
+    """A template in autoregressive mode (drafting.TemplateRule: literal tokens forced, holes decoded
+    greedily in their token class), one forward per token fed. Yields the template-aligned tokens in
+    blocks of ``block``."""
+    rule = drafting.TemplateRule(template, tokenizer, model.config.vocab_size, end_of_turn)
     forwards = [0]  # forwards made by the time each output position was written
-    i = 0
-
-    def feed(token: int):
-        nonlocal logits
+    while True:
+        token = rule.step(logits)
+        forwards += [forwards[-1]] * (len(rule.output) + 1 - len(forwards))
+        if token is None or rule.done:
+            break
         logits = model.next_token_logits(mx.array([[token]]), cache)
         forwards[-1] += 1
-
-    while i < len(tokens):
-        if i not in holes:
-            out.append(tokens[i])
-            if i + 1 < len(tokens):
-                feed(tokens[i])
-            forwards.append(forwards[-1])
-            i += 1
-            continue
-        hole = holes[i]
-        following = tokens[i + hole.size] if i + hole.size < len(tokens) else None
-        chosen: list[int] = []
-        for j in range(hole.size):
-            scores = np.array(logits[0].astype(mx.float32))
-            if hole.kind == "choice":
-                allowed = np.zeros_like(scores, dtype=bool)
-                live = [c for c in hole.choices if c[:j] == chosen]
-                allowed[[c[j] for c in live if len(c) > j]] = True
-                done = any(len(c) == j for c in live)
-            else:
-                allowed = classes[hole.kind]
-                done = j >= hole.required and following not in (None, FREE) and int(scores.argmax()) == following
-            if done or not allowed.any():
-                break
-            token = int(np.where(allowed, scores, -np.inf).argmax())
-            chosen.append(token)
-            feed(token)
-        out += chosen + [pad] * (hole.size - len(chosen))
-        forwards += [forwards[-1]] * hole.size
-        i += hole.size
+    out = rule.output
     for k in range(0, len(out), block):
         chunk = out[k:k + block]
         last = k + block >= len(out)
         yield chunk, last, max(1, forwards[min(k + block, len(out))] - forwards[k]), None, last
+
+
+def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings, schedule: SamplerSettings,
+             rng: Random, stop_ids, acceptance=None) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+    """Verified drafting (drafting.py) from the prompt's next-token ``logits``: one block per round,
+    with the round's forwards (draft steps + the verifying encoder pass); each round updates the
+    running ``acceptance`` estimate (policy.Acceptance) the next generation's plan starts from."""
+    template = isinstance(rule, drafting.TemplateRule)
+    for tokens, done, forwards, kept, length in drafting.verified(model, cache, logits, rule, draft, schedule, rng):
+        if acceptance is not None and length > 1:
+            acceptance.observe(draft.steps, length, kept, not done and kept < length - 1)
+        stopped = done and (template or bool(tokens) and tokens[-1] in stop_ids)
+        yield tokens, stopped, max(forwards, 1), None, done
+
+
+def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, max_tokens: int,
+             defaults: GenerationConfig, rng: Random, stop_ids, temperature: float = 0.0
+             ) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+    """The auto policy: before each canvas, AR block (a canvas' worth of tokens) or verified round the
+    planner picks a plan from its current estimates (``plan``: its first choice), and learns from
+    what the step did. Everything
+    emitted is in the cache at a switch: a committed canvas is encoded, as is verified drafting's
+    decided next token; ``logits`` are the next-token logits after the cache."""
+    canvas = model.config.canvas_length
+    remaining, known, rule = max_tokens, None, None
+    while True:
+        plan = plan or planner.choose(remaining)
+        if plan.mode != "verified" and known is not None:  # leaving verified drafting
+            logits, known = model.next_token_logits(mx.array([[known]]), cache), None
+        tic = time.perf_counter()
+        if plan.mode == "diffusion":
+            settings = SamplerSettings.from_generation_config(
+                defaults, steps=plan.steps, entropy_bound=plan.entropy_bound,
+                stability_threshold=plan.stability_threshold, freeze_after=plan.freeze_after)
+            length = plan.last_canvas_length(remaining, canvas)
+            result = denoise_canvas(model, cache, settings, rng, None, length)
+            tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
+            planner.observe_canvas("fast" if plan.freeze_after else "reference", result.steps, len(tokens), length,
+                                   time.perf_counter() - tic)
+            remaining -= length
+            last = stopped or remaining <= 0
+            yield tokens, stopped, result.steps, None, last
+            if last:
+                return
+            logits = model.head(model.encode(result.tokens, cache, return_hidden=True)[:, -1])
+        elif plan.mode == "ar":
+            tokens, stopped = [], False
+            for tokens, stopped, *_ in autoregressive(model, cache, logits, min(canvas, remaining), canvas, stop_ids,
+                                                      temperature, rng):
+                pass
+            planner.observe_ar(len(tokens), time.perf_counter() - tic)
+            remaining -= len(tokens)
+            last = stopped or remaining <= 0
+            yield tokens, stopped, len(tokens), None, last
+            if last:
+                return
+            logits = model.next_token_logits(mx.array([tokens[-1:]]), cache)
+        else:
+            emitted, forwards = [], 0
+            if known is None:  # entering verified drafting: decide the next token
+                rule = (drafting.SampledRule(stop_ids, remaining, temperature, rng) if temperature
+                        else drafting.GreedyRule(stop_ids, remaining))
+                _, known = rule.follow(logits, [])
+                emitted = rule.output[:]
+            if known is not None:
+                settings = drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature)
+                step = drafting.verify_round(model, cache, known, rule, settings,
+                                             SamplerSettings.from_generation_config(defaults), rng)
+                known, forwards = step.known, step.forwards
+                planner.observe_round(step.length, plan.draft_steps, step.kept,
+                                      known is not None and step.kept < step.length - 1, len(step.tokens),
+                                      time.perf_counter() - tic)
+                emitted += step.tokens
+            remaining -= len(emitted)
+            last = known is None
+            yield emitted, last and emitted[-1] in stop_ids, max(forwards, 1), None, last
+            if last:
+                return
+        plan = None
 
 
 def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs) -> str:
@@ -511,16 +603,21 @@ def generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: i
 
 def statistics(responses: list[GenerationResponse]) -> str:
     last = responses[-1]
+    verified = all(r.plan is not None and r.plan.mode == "verified" for r in responses)
+    unit, forwards = ("rounds", "Forwards per round (draft steps + the verifying pass)") if verified else (
+        "canvases", "Denoising steps per canvas")
+    extra = f", {last.generation_tokens / len(responses):.2f} tokens per round" if verified else ""
     return "\n".join([
         "=" * 10,
         f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec",
-        f"Generation: {last.generation_tokens} tokens in {len(responses)} canvases, "
+        f"Generation: {last.generation_tokens} tokens in {len(responses)} {unit}, "
         f"{last.generation_tps:.3f} tokens-per-sec",
-        f"Denoising steps per canvas: {' '.join(str(r.steps) for r in responses)}; "
-        f"{last.tokens_per_forward:.2f} tokens per forward",
+        f"{forwards}: {' '.join(str(r.steps) for r in responses)}; "
+        f"{last.tokens_per_forward:.2f} tokens per forward{extra}",
         f"Finish: {last.finish_reason}",
         f"Peak memory: {last.peak_memory:.3f} GB",
     ])
+
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -543,9 +640,15 @@ def statistics(responses: list[GenerationResponse]) -> str:
 @click.option("--verbose", is_flag=True, help="Print statistics after the text.")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
 @click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
-              help="reference: the generation config; auto: diffusion or AR, whichever this device runs faster "
-                   "(measured once, cached); fast: settled positions no longer computed, trimmed last canvas; "
-                   "ar: autoregressive.")
+              help="reference: the generation config; auto: the policy this device runs fastest (measured once, "
+                   "cached; re-chosen as it generates); fast: settled positions no longer computed, trimmed last "
+                   "canvas; ar: autoregressive; verified: the decoder drafts, the encoder verifies (AR's output).")
+@click.option("--draft-length", type=int, callback=option(at_least(1)),
+              help="verified: canvas positions per draft, the known next token included [default: the policy's].")
+@click.option("--draft-steps", type=int, callback=option(at_least(1)),
+              help="verified: denoising steps per draft [default: the policy's].")
+@click.option("--temp", type=float, callback=option(check_temperature),
+              help="ar and verified: sampling temperature [default: 0, greedy].")
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
@@ -557,7 +660,8 @@ def statistics(responses: list[GenerationResponse]) -> str:
 @click.option("--image", "image_files", multiple=True, metavar="PATH",
               help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
-         ignore_chat_template, verbose, view, policy, template_file, prefill_step_size, schema_file, image_files):
+         ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file, prefill_step_size,
+         schema_file, image_files):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     from .loader import load
     from .view import CanvasView
@@ -592,11 +696,11 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
             dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
             temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
             chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
-            prefill_step_size=prefill_step_size,
-            images=images,
+            temperature=temp, draft_length=draft_length, draft_steps=draft_steps,
+            prefill_step_size=prefill_step_size, images=images,
         ):
-            if verbose and not responses:
-                click.echo(response.plan.explain(), err=True)
+            if verbose and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
+                click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
             if canvas_view:
                 canvas_view.commit(response.text)
             else:
@@ -611,6 +715,10 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
         click.echo()
     if verbose:
         click.echo(statistics(responses))
+
+
+def _plan_key(plan: Plan) -> tuple:
+    return plan.mode, plan.freeze_after, plan.draft_length, plan.draft_steps
 
 
 def _read_template(tokenizer, template_file: str | None, schema_file: str | None, limit: int):
