@@ -7,8 +7,9 @@ that has finished leaves the cache. Autoregressive rows take one token per round
 forward. New requests join at the next round. Each row keeps its own draws and settings, so row i
 of ``batch_generate`` gives the text ``generate`` gives for that prompt and seed alone.
 
-Rows that cannot share a forward (a template decoded autoregressively) run alone, one canvas or
-block of tokens per round, through ``stream_generate``.
+Rows that cannot share a forward (verified drafting, the auto policy, a template decoded
+autoregressively) run alone, one canvas, block of tokens or verified round per round, through
+``stream_generate``.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ class BatchGenerator:
                       policy=request.policy, template=request.template)
         row = _Row(next(self._uids), job, job.canvas_clamps(self.tokenizer, self.model.config),
                    remaining=job.max_tokens, cache=request.cache)
-        if job.plan.mode == "ar" and job.template is not None:
+        # Rows whose forwards do not line up with others' run alone: verified drafting (rounds of their own
+        # length), auto (re-plans per canvas or round), an autoregressive template (one forced token at a time).
+        if job.plan.mode == "verified" or job.planner is not None or job.plan.mode == "ar" and job.template is not None:
             row.solo = stream_generate(self.model, self.tokenizer, job.ids, job.max_tokens, seed=request.seed,
                                        steps=request.steps, temp_min=request.temp_min, temp_max=request.temp_max,
                                        policy=request.policy, template=job.template)

@@ -142,7 +142,7 @@ def demo():
 DEMO_PROMPTS = ["sort: 42 17 85 23 61", "reverse: planet", "add: 417 85", "json: name=ada age=36 city=rome"]
 
 
-@pytest.mark.parametrize("policy", ["reference", "ar", "fast"])
+@pytest.mark.parametrize("policy", ["reference", "ar", "fast", "verified"])
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_batch_generate_equals_generate_on_the_demo(demo, policy, rows):
     model, tokenizer = demo
