@@ -4,6 +4,7 @@ equal a single process's at the same seed; and ranks that cannot connect, die or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -43,8 +44,9 @@ def single(*args: str) -> subprocess.CompletedProcess:
 
 
 def sharded(*args: str, ranks: int = 2) -> subprocess.CompletedProcess:
-    command = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--python", sys.executable, "--",
-               "-m", "mlx_dgemma.generate", *args]
+    # Ports of our own: two launches on one machine at the default ports would join each other's ring.
+    command = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(_free_ports(ranks)),
+               "--python", sys.executable, "--", "-m", "mlx_dgemma.generate", *args]
     return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
 
 
@@ -178,14 +180,20 @@ def test_three_ranks_and_no_seed_agree(many_experts):
 # -- ranks that cannot connect, die or hang ----------------------------------------------------
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports free on loopback."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError("no free ports on loopback")
 
 
 def _rank(rank: int, hostfile: Path, *args: str, timeout: str = "4") -> subprocess.Popen:
@@ -196,7 +204,8 @@ def _rank(rank: int, hostfile: Path, *args: str, timeout: str = "4") -> subproce
 
 def _hostfile(tmp_path: Path) -> Path:
     path = tmp_path / "hosts.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _ports(2)]))
+    first = _free_ports(2)
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in (first, first + 1)]))
     return path
 
 
