@@ -140,6 +140,20 @@ def test_two_ranks_on_the_demo_other_policies(policy):
     assert_same_text("--prompt", "reverse: a b c d e f", "--seed", "11", "--max-tokens", "64", "--policy", policy)
 
 
+@needs_launch
+@pytest.mark.slow
+def test_two_ranks_plan_auto_from_rank_0s_profile(tmp_path):
+    """Each rank's own timings would differ; they measure together and all use rank 0's profile."""
+    first = _free_ports(2)
+    command = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(first), "--python", sys.executable,
+               "--", "-m", "mlx_dgemma.generate", "--prompt", PROMPT, "--policy", "auto", "--seed", "2"]
+    for _ in range(2):  # measured, then read from rank 0's cache
+        run = subprocess.run(command, capture_output=True, text=True, env=_env(HOME=str(tmp_path)), timeout=300,
+                             cwd=ROOT)
+        assert run.returncode == 0 and run.stdout.strip(), run.stderr
+    assert len(list((tmp_path / ".cache" / "mlx_dgemma" / "profiles").glob("*.json"))) == 1
+
+
 @pytest.fixture(scope="module")
 def many_experts(checkpoints, tmp_path_factory):
     """A random reference checkpoint whose experts are 85% of its weights, with the demo's tokenizer,
