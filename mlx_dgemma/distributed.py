@@ -223,8 +223,7 @@ def load_model(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | N
             continue
         if isinstance(target, ExpertSlice):
             if start <= target.expert < stop:
-                local = ExpertSlice(target.prefix, target.expert - start, target.projection, target.part)
-                per_expert.setdefault(target.target, {})[local] = _evaluated(read_tensor(info))
+                per_expert.setdefault(target.target, {})[target] = _evaluated(read_tensor(info))
         elif _STACKED_EXPERTS.search(target):
             if info.shape[0] != config.num_experts:
                 raise CheckpointError(f"weight {key} has {info.shape[0]} experts, the config has "
@@ -233,7 +232,7 @@ def load_model(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | N
         else:
             weights[target] = _evaluated(read_tensor(info))
     for target, slices in per_expert.items():
-        weights[target] = stack_experts(slices, stop - start)
+        weights[target] = stack_experts(slices, stop - start, start=start)
     if config.quantization:
         _quantize(model, config.quantization, weights)
     check_weights(model, weights)
@@ -268,8 +267,12 @@ def sharded_load(path_or_repo: str | os.PathLike, group: mx.distributed.Group | 
 
 
 def from_rank0(value, group: mx.distributed.Group | None = None):
-    """Rank 0's ``value`` (anything JSON can hold) on every rank; the value itself without a group."""
-    group = group or mx.distributed.init()
+    """Rank 0's ``value`` (anything JSON can hold) on every rank; the value itself in a process no
+    launcher started (where ``mx.distributed.init`` could start an MPI of its own)."""
+    if group is None:
+        if not launched():
+            return value
+        group = mx.distributed.init()
     if group.size() == 1:
         return value
     raw = json.dumps(value).encode() if group.rank() == 0 else b""

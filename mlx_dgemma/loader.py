@@ -135,8 +135,9 @@ def map_key(key: str) -> str | ExpertSlice | None:
     return key
 
 
-def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int) -> mx.array:
-    """The slices of one stacked parameter → [E, out, in]; gate and up rows are concatenated."""
+def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int, start: int = 0) -> mx.array:
+    """The slices of one stacked parameter → [E, out, in]; gate and up rows are concatenated.
+    ``start``: the slices are experts ``start .. start + num_experts - 1`` (a rank's share)."""
     by_projection: dict[str, dict[int, mx.array]] = {}
     for s, value in slices.items():
         by_projection.setdefault(s.projection, {})[s.expert] = value
@@ -144,11 +145,12 @@ def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int) -> m
     stacked: dict[str, mx.array] = {}
     for projection, experts in sorted(by_projection.items()):
         name = f"{first.prefix}.{{}}.{projection}.{first.part}"
-        if missing := sorted(set(range(num_experts)) - set(experts)):
+        wanted = range(start, start + num_experts)
+        if missing := sorted(set(wanted) - set(experts)):
             raise CheckpointError(f"missing weight {name.format(missing[0])}")
-        if extra := sorted(set(experts) - set(range(num_experts))):
+        if extra := sorted(set(experts) - set(wanted)):
             raise CheckpointError(f"unexpected weight {name.format(extra[0])}: the config has {num_experts} experts")
-        stacked[projection] = mx.stack([experts[e] for e in range(num_experts)])
+        stacked[projection] = mx.stack([experts[e] for e in wanted])
     if "down_proj" in stacked:
         return stacked["down_proj"]
     if set(stacked) != {"gate_proj", "up_proj"}:

@@ -142,6 +142,22 @@ def test_two_ranks_on_the_demo_other_policies(policy):
 
 @needs_launch
 @pytest.mark.slow
+def test_batch_engine_templates_and_schemas_on_two_ranks():
+    command = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(2)), "--python",
+               sys.executable, str(ROOT / "tests" / "sharded_check.py"), str(DEMO)]
+    run = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["ranks"] == 2 and seen["experts"] == [0, 4]  # the demo's 8 experts, rank 0's half
+    whole, sharded = seen["whole"], seen["sharded"]
+    assert sharded["no_seed"]  # rank 0's seed on both ranks, or they would have parted ways
+    del whole["no_seed"], sharded["no_seed"]
+    assert sharded == whole
+    assert all(whole["batch"]) and whole["template"].startswith("17 ") and json.loads(whole["schema"])
+
+
+@needs_launch
+@pytest.mark.slow
 def test_two_ranks_plan_auto_from_rank_0s_profile(tmp_path):
     """Each rank's own timings would differ; they measure together and all use rank 0's profile."""
     first = _free_ports(2)
@@ -168,15 +184,34 @@ def many_experts(checkpoints, tmp_path_factory):
     assert done.returncode == 0, done.stderr
     for f in DEMO.glob("tokenizer*"):
         shutil.copy(f, quantized)
-    return folder, quantized
+    per_expert = folder.parent / "per-expert"  # the layout with one tensor per expert and projection
+    shutil.copytree(folder, per_expert)
+    weights = mx.load(str(per_expert / "model.safetensors"))
+    inner = many_experts_config()["moe_intermediate_size"]
+    for key in [k for k in weights if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        stacked = weights.pop(key)
+        for e in range(stacked.shape[0]):
+            if key.endswith("down_proj"):
+                weights[f"{key[:-len('down_proj')]}{e}.down_proj.weight"] = stacked[e]
+            else:
+                weights[f"{key[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = stacked[e, :inner]
+                weights[f"{key[:-len('gate_up_proj')]}{e}.up_proj.weight"] = stacked[e, inner:]
+    mx.save_safetensors(str(per_expert / "model.safetensors"), weights)
+    return {"fp32": folder, "4-bit": quantized, "per-expert": per_expert}
+
+
+def many_experts_config() -> dict:
+    from convert.random_checkpoint import PRESETS
+
+    return PRESETS["many-experts"]
 
 
 @needs_launch
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["reference", "ar", "fast"])
-@pytest.mark.parametrize("which", ["fp32", "4-bit"])
+@pytest.mark.parametrize("which, policy", [("fp32", "reference"), ("fp32", "ar"), ("fp32", "fast"),
+                                           ("4-bit", "reference"), ("4-bit", "ar"), ("per-expert", "reference")])
 def test_two_ranks_write_the_single_process_text_on_a_random_checkpoint(many_experts, policy, which):
-    folder = many_experts[which == "4-bit"]
+    folder = many_experts[which]
     assert_same_text("--model", str(folder), "--prompt", "hello there", "--seed", "5", "--max-tokens", "48",
                      "--policy", policy)
 
@@ -186,7 +221,7 @@ def test_two_ranks_write_the_single_process_text_on_a_random_checkpoint(many_exp
 def test_three_ranks_and_no_seed_agree(many_experts):
     """Uneven shares (11/11/10 experts); without --seed every rank still draws rank 0's seed (else
     their canvases, step counts and collectives would part ways)."""
-    run = sharded("--model", str(many_experts[0]), "--prompt", "hello", "--max-tokens", "32", ranks=3)
+    run = sharded("--model", str(many_experts["fp32"]), "--prompt", "hello", "--max-tokens", "32", ranks=3)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip()
 
@@ -252,7 +287,7 @@ def _start_long_run(tmp_path: Path, model: Path, timeout: str = "4"):
 @needs_launch
 @pytest.mark.slow
 def test_a_rank_that_dies_ends_the_others_with_one_line(tmp_path, many_experts):
-    rank0, rank1 = _start_long_run(tmp_path, many_experts[0])
+    rank0, rank1 = _start_long_run(tmp_path, many_experts["fp32"])
     rank1.kill()
     start = time.monotonic()
     _, err = rank0.communicate(timeout=60)
@@ -264,7 +299,7 @@ def test_a_rank_that_dies_ends_the_others_with_one_line(tmp_path, many_experts):
 @needs_launch
 @pytest.mark.slow
 def test_a_rank_that_hangs_ends_the_others_after_the_timeout(tmp_path, many_experts):
-    rank0, rank1 = _start_long_run(tmp_path, many_experts[0], timeout="3")
+    rank0, rank1 = _start_long_run(tmp_path, many_experts["fp32"], timeout="3")
     os.kill(rank1.pid, signal.SIGSTOP)  # alive, connected, silent: a machine frozen or a link gone dark
     try:
         start = time.monotonic()
