@@ -30,8 +30,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .config import ConfigError, GenerationConfig, ModelConfig
-from .loader import (CheckpointError, ExpertSlice, _quantize, check_weights, map_key, resolve, stack_experts,
+from .config import ConfigError, GenerationConfig
+from .loader import (CheckpointError, ExpertSlice, build_model, map_key, read_config, resolve, stack_experts,
                      weight_files)
 from .model import DiffusionGemma
 from .safetensors_io import TensorInfo, read_header, read_tensor
@@ -203,10 +203,7 @@ def _agree_on_checkpoint(group: mx.distributed.Group, tensors: list[tuple[str, T
 def load_model(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | None = None) -> DiffusionGemma:
     """This rank's part of the checkpoint in ``folder``: its experts (their rows of stacked tensors,
     or their per-expert tensors) and every other weight whole; checked as strictly as ``loader``."""
-    try:
-        config = ModelConfig.from_file(folder / "config.json")
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+    config = read_config(folder)
     model = DiffusionGemma(config)
     start, stop = shard(model, group, watchdog)
     tensors = _checkpoint_tensors(folder)
@@ -233,14 +230,7 @@ def load_model(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | N
             weights[target] = _evaluated(read_tensor(info))
     for target, slices in per_expert.items():
         weights[target] = stack_experts(slices, stop - start, start=start)
-    if config.quantization:
-        _quantize(model, config.quantization, weights)
-    check_weights(model, weights)
-    from mlx.utils import tree_unflatten
-
-    model.update(tree_unflatten(list(weights.items())))
-    model.eval()
-    mx.eval(model.parameters())
+    build_model(model, weights)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # everyone loaded
     return model
 

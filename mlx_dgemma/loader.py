@@ -216,16 +216,25 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def load_model(folder: Path) -> DiffusionGemma:
+def read_config(folder: Path) -> ModelConfig:
     try:
-        config = ModelConfig.from_file(folder / "config.json")
+        return ModelConfig.from_file(folder / "config.json")
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+
+
+def load_model(folder: Path) -> DiffusionGemma:
+    config = read_config(folder)
     weights: dict[str, mx.array] = {}
     for f in weight_files(folder):
         weights.update(read_safetensors(f))
-    weights = sanitize(weights, config.num_experts)
-    model = DiffusionGemma(config)
+    return build_model(DiffusionGemma(config), sanitize(weights, config.num_experts))
+
+
+def build_model(model: DiffusionGemma, weights: dict[str, mx.array]) -> DiffusionGemma:
+    """``weights`` (by model name) into ``model``: with the vision modules when they are there,
+    quantized as the config says, checked strictly, evaluated."""
+    config = model.config
     if config.vision_config is not None and any(VISION_KEY.match(k) for k in weights):
         add_vision_modules(model)
         if not config.vision_config.use_clipped_linears:  # clipping bounds of unclipped linears are unused
