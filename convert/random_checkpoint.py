@@ -39,6 +39,14 @@ PRESETS: dict[str, dict] = {
         sliding_window=5, canvas_length=12,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     ),
+    # Experts are 85% of the weights and every size divides by 64 (quantizable): sharding tests.
+    "many-experts": dict(
+        vocab_size=448, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        global_head_dim=64, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
+        sliding_window=7, canvas_length=16,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
     # Two full layers, MHA on full layers, top-1 routing, a non-default soft-cap.
     "mixed": dict(
         vocab_size=300, hidden_size=48, intermediate_size=80, moe_intermediate_size=20,

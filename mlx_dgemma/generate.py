@@ -13,6 +13,7 @@ fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
@@ -663,9 +664,6 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
          ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file, prefill_step_size,
          schema_file, image_files):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
-    from .loader import load
-    from .view import CanvasView
-
     if model is None and not DEMO_MODEL.is_dir():
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
     if template_file and schema_file:
@@ -673,42 +671,34 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
     if system_prompt is not None and ignore_chat_template:
         raise click.ClickException("--system-prompt needs the chat template: drop --ignore-chat-template "
                                    "or put the system text in --prompt")
+    from . import distributed
+
+    group = watchdog = None
+    if distributed.launched():  # under mlx.launch: one model over every rank; rank 0 prints
+        try:
+            group = distributed.init()
+        except distributed.DistributedError as e:
+            raise click.ClickException(str(e)) from None
+        if group.size() > 1:
+            watchdog = distributed.Watchdog(group.rank(), distributed.timeout_seconds())
+            if group.rank() != 0:
+                sys.stdout, view, verbose = open(os.devnull, "w"), False, False
+        else:
+            group = None
     try:
-        if prompt == "-":
-            stdin = getattr(sys.stdin, "buffer", None)
-            prompt = decode_utf8(stdin.read(), "the prompt on stdin") if stdin else sys.stdin.read()
-        check_text(prompt, "--prompt")
-        if system_prompt is not None:
-            check_text(system_prompt, "--system-prompt")
-        check_request(prompt, max_tokens or 1, seed, system_prompt)  # before the model loads
-        images = [load_image(path) for path in image_files] or None  # bad files fail before the model loads
-        dgemma, tokenizer = load(model or DEMO_MODEL)
-        template = _read_template(tokenizer, template_file, schema_file, dgemma.config.max_position_embeddings)
-        if isinstance(template, dict):  # a schema: holes sized by a free draft first
-            template = drafted_json_template(
-                dgemma, tokenizer, prompt, template, max_tokens=max_tokens, seed=seed, steps=steps,
-                entropy_bound=entropy_bound, temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt,
-                policy=policy, chat_template=not ignore_chat_template, images=images)
-        defaults = generation_config(dgemma, tokenizer)
-        canvas_view = CanvasView(tokenizer, steps or defaults.max_denoising_steps) if view else None
-        responses = []
-        for response in stream_generate(
-            dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
-            temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
-            chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
-            temperature=temp, draft_length=draft_length, draft_steps=draft_steps,
-            prefill_step_size=prefill_step_size, images=images,
-        ):
-            if verbose and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
-                click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
-            if canvas_view:
-                canvas_view.commit(response.text)
-            else:
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-            responses.append(response)
+        with watchdog.watching() if watchdog else contextlib.nullcontext():
+            responses, canvas_view = _generate_cli(
+                model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
+                ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file,
+                prefill_step_size, schema_file, image_files, group, watchdog)
     except ValueError as e:  # bad input: checkpoint, prompt or settings; the message says which
         raise click.ClickException(str(e)) from None
+    except distributed.DistributedError as e:
+        raise click.ClickException(str(e)) from None
+    except RuntimeError as e:  # a collective whose peer is gone
+        if group is None or (reason := distributed.lost_peer(e)) is None:
+            raise
+        raise click.ClickException(f"rank {group.rank()}: lost the connection to another rank ({reason})") from None
     if canvas_view:
         canvas_view.close()
     else:
@@ -719,6 +709,53 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
 
 def _plan_key(plan: Plan) -> tuple:
     return plan.mode, plan.freeze_after, plan.draft_length, plan.draft_steps
+
+
+def _generate_cli(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
+                  ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file,
+                  prefill_step_size, schema_file, image_files, group, watchdog):
+    """The CLI's work on one rank: the model (or this rank's share of it), the text as it commits."""
+    from . import distributed
+    from .loader import load
+    from .view import CanvasView
+
+    if prompt == "-":
+        stdin = getattr(sys.stdin, "buffer", None)
+        prompt = decode_utf8(stdin.read(), "the prompt on stdin") if stdin else sys.stdin.read()
+    check_text(prompt, "--prompt")
+    if system_prompt is not None:
+        check_text(system_prompt, "--system-prompt")
+    check_request(prompt, max_tokens or 1, seed, system_prompt)  # before the model loads
+    images = [load_image(path) for path in image_files] or None  # bad files fail before the model loads
+    if group is None:
+        dgemma, tokenizer = load(model or DEMO_MODEL)
+    else:
+        dgemma, tokenizer = distributed.sharded_load(model or DEMO_MODEL, group, watchdog)
+    template = _read_template(tokenizer, template_file, schema_file, dgemma.config.max_position_embeddings)
+    if isinstance(template, dict):  # a schema: holes sized by a free draft first
+        template = drafted_json_template(
+            dgemma, tokenizer, prompt, template, max_tokens=max_tokens, seed=seed, steps=steps,
+            entropy_bound=entropy_bound, temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt,
+            policy=policy, chat_template=not ignore_chat_template, images=images)
+    defaults = generation_config(dgemma, tokenizer)
+    canvas_view = CanvasView(tokenizer, steps or defaults.max_denoising_steps) if view else None
+    responses = []
+    for response in stream_generate(
+        dgemma, tokenizer, prompt, max_tokens, seed=seed, steps=steps, entropy_bound=entropy_bound,
+        temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt, policy=policy, template=template,
+        chat_template=not ignore_chat_template, on_step=canvas_view.step if canvas_view else None,
+        temperature=temp, draft_length=draft_length, draft_steps=draft_steps,
+        prefill_step_size=prefill_step_size, images=images,
+    ):
+        if verbose and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
+            click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
+        if canvas_view:
+            canvas_view.commit(response.text)
+        else:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+        responses.append(response)
+    return responses, canvas_view
 
 
 def _read_template(tokenizer, template_file: str | None, schema_file: str | None, limit: int):

@@ -135,8 +135,9 @@ def map_key(key: str) -> str | ExpertSlice | None:
     return key
 
 
-def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int) -> mx.array:
-    """The slices of one stacked parameter → [E, out, in]; gate and up rows are concatenated."""
+def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int, start: int = 0) -> mx.array:
+    """The slices of one stacked parameter → [E, out, in]; gate and up rows are concatenated.
+    ``start``: the slices are experts ``start .. start + num_experts - 1`` (a rank's share)."""
     by_projection: dict[str, dict[int, mx.array]] = {}
     for s, value in slices.items():
         by_projection.setdefault(s.projection, {})[s.expert] = value
@@ -144,11 +145,12 @@ def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int) -> m
     stacked: dict[str, mx.array] = {}
     for projection, experts in sorted(by_projection.items()):
         name = f"{first.prefix}.{{}}.{projection}.{first.part}"
-        if missing := sorted(set(range(num_experts)) - set(experts)):
+        wanted = range(start, start + num_experts)
+        if missing := sorted(set(wanted) - set(experts)):
             raise CheckpointError(f"missing weight {name.format(missing[0])}")
-        if extra := sorted(set(experts) - set(range(num_experts))):
+        if extra := sorted(set(experts) - set(wanted)):
             raise CheckpointError(f"unexpected weight {name.format(extra[0])}: the config has {num_experts} experts")
-        stacked[projection] = mx.stack([experts[e] for e in range(num_experts)])
+        stacked[projection] = mx.stack([experts[e] for e in wanted])
     if "down_proj" in stacked:
         return stacked["down_proj"]
     if set(stacked) != {"gate_proj", "up_proj"}:
@@ -214,16 +216,25 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def load_model(folder: Path) -> DiffusionGemma:
+def read_config(folder: Path) -> ModelConfig:
     try:
-        config = ModelConfig.from_file(folder / "config.json")
+        return ModelConfig.from_file(folder / "config.json")
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+
+
+def load_model(folder: Path) -> DiffusionGemma:
+    config = read_config(folder)
     weights: dict[str, mx.array] = {}
     for f in weight_files(folder):
         weights.update(read_safetensors(f))
-    weights = sanitize(weights, config.num_experts)
-    model = DiffusionGemma(config)
+    return build_model(DiffusionGemma(config), sanitize(weights, config.num_experts))
+
+
+def build_model(model: DiffusionGemma, weights: dict[str, mx.array]) -> DiffusionGemma:
+    """``weights`` (by model name) into ``model``: with the vision modules when they are there,
+    quantized as the config says, checked strictly, evaluated."""
+    config = model.config
     if config.vision_config is not None and any(VISION_KEY.match(k) for k in weights):
         add_vision_modules(model)
         if not config.vision_config.use_clipped_linears:  # clipping bounds of unclipped linears are unused

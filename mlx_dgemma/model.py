@@ -201,6 +201,9 @@ class Experts(nn.Module):
         self.inner = cfg.moe_intermediate_size
         self.num_experts = cfg.num_experts
         self.kernels = device_kernels.MLX
+        # Under mx.distributed (distributed.py): this rank's contiguous range of experts, whose
+        # weights alone it holds, and the group its share of the output is summed over.
+        self.shard = None
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
         shape, k = x.shape, idx.shape[-1]
@@ -213,17 +216,49 @@ class Experts(nn.Module):
         # gather_mm takes float32 weights only on the CPU, where the kernels then never choose it
         gather_ok = isinstance(self.gate_up_proj, ExpertLinear) and self.gate_up_proj.weight.dtype == mx.float32
         counts = self.kernels.expert_counts(sorted_idx, self.num_experts, gather_ok)
-        if counts is not None:
-            gate_up = self.gate_up_proj.segments(xs, counts)
-            h = nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
-            y = self.down_proj.segments(h, counts).astype(x.dtype)
+        if self.shard is not None:
+            # Each copy's output comes from the one rank that holds its expert (the others add
+            # zeros): the very numbers of a single process, so sharded text equals unsharded text.
+            y = self.shard.all_sum(self._local_outputs(xs, sorted_idx, counts).astype(x.dtype))
+        elif counts is not None:
+            y = self._ffn_segments(xs, counts).astype(x.dtype)
         else:
-            gate_up = self.gate_up_proj(xs[:, None, :], sorted_idx)
-            h = nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
-            y = self.down_proj(h, sorted_idx)[:, 0]
+            y = self._ffn_gather(xs, sorted_idx)
         y = y[mx.argsort(order)].reshape(-1, k, shape[-1])
         out = (y.astype(mx.float32) * weights.reshape(-1, k, 1)).sum(axis=1)
         return out.astype(x.dtype).reshape(shape)
+
+    def _ffn_segments(self, xs: mx.array, counts: list[int]) -> mx.array:
+        gate_up = self.gate_up_proj.segments(xs, counts)
+        return self.down_proj.segments(nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :], counts)
+
+    def _ffn_gather(self, xs: mx.array, sorted_idx: mx.array) -> mx.array:
+        gate_up = self.gate_up_proj(xs[:, None, :], sorted_idx)
+        h = nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
+        return self.down_proj(h, sorted_idx)[:, 0]
+
+    def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None) -> mx.array:
+        """The outputs [N, H] of the copies routed to this rank's experts, zero for the others."""
+        start, stop = self.shard.start, self.shard.stop
+        n = stop - start
+        if counts is not None:  # this rank's copies are one run of the sorted ones
+            first = sum(counts[:start])
+            last = first + sum(counts[start:stop])
+            parts = [mx.zeros((first, xs.shape[-1]), xs.dtype)]
+            if last > first:
+                parts.append(self._ffn_segments(xs[first:last], counts[start:stop]).astype(xs.dtype))
+            parts.append(mx.zeros((xs.shape[0] - last, xs.shape[-1]), xs.dtype))
+            return mx.concatenate(parts)
+        local = sorted_idx.astype(mx.int32) - start
+        mine = (local >= 0) & (local < n)
+        # Other ranks' copies borrow the lowest / highest local expert in use (no other weights
+        # read, the indices stay sorted); their outputs are zeroed.
+        lowest = mx.where(mine, local, n).min()
+        highest = mx.where(mine, local, -1).max()
+        below = mx.where(lowest < n, lowest, 0)
+        above = mx.where(highest >= 0, highest, 0)
+        local = mx.where(local < 0, below, mx.where(local >= n, above, local))
+        return mx.where(mine[:, None], self._ffn_gather(xs, local), 0)
 
 
 class Layer(nn.Module):

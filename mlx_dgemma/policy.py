@@ -373,16 +373,27 @@ def profile_cache_path(model, root: Path | None = None) -> Path | None:
 
 def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Profile:
     """The measured profile of this machine and model, measured once and cached on disk. A damaged
-    cache file is measured again and replaced; a cache that cannot be written is said, not fatal."""
+    cache file is measured again and replaced; a cache that cannot be written is said, not fatal.
+    A model sharded over several ranks (distributed.py) uses rank 0's profile on every rank, so
+    that all of them plan alike; they measure together, since every forward involves them all."""
+    group = getattr(model, "group", None)
+    lead = group is None or group.rank() == 0
     path = profile_cache_path(model, root)
-    if path is not None and path.is_file() and not refresh:
-        try:
-            return Profile.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError) as e:
-            reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0] or type(e).__name__
-            print(f"ignoring the damaged device profile {path} ({reason}); measuring again", file=sys.stderr)
-    print(f"measuring denoising steps and AR tokens on this device, once (cached in {path})", file=sys.stderr)
+    profile = _read_cached_profile(path) if lead and not refresh else None
+    if group is not None:
+        from .distributed import from_rank0
+
+        if not from_rank0(profile is None, group):
+            return Profile.from_json(from_rank0(profile.to_json() if lead else None, group))
+    elif profile is not None:
+        return profile
+    if lead:
+        print(f"measuring denoising steps and AR tokens on this device, once (cached in {path})", file=sys.stderr)
     profile = measure(model)
+    if group is not None:
+        profile = Profile.from_json(from_rank0(profile.to_json(), group))
+    if not lead:
+        return profile
     if path is None:
         print("no home folder to cache the device profile in; it will be measured again next time", file=sys.stderr)
         return profile
@@ -397,6 +408,17 @@ def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Pr
         print(f"cannot cache the device profile in {path} ({e.strerror or e}); it will be measured again "
               "next time", file=sys.stderr)
     return profile
+
+
+def _read_cached_profile(path: Path | None) -> Profile | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return Profile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0] or type(e).__name__
+        print(f"ignoring the damaged device profile {path} ({reason}); measuring again", file=sys.stderr)
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

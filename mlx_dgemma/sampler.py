@@ -52,7 +52,11 @@ class MxRandom:
     """``Random`` on ``mx.random`` with its own key, split once per draw (global RNG state is untouched)."""
 
     def __init__(self, seed: int | None = None):
-        self.seed = secrets.randbits(32) if seed is None else seed
+        if seed is None:
+            from .distributed import from_rank0
+
+            seed = from_rank0(secrets.randbits(32))  # under mx.distributed every rank draws rank 0's seed
+        self.seed = seed
         self._key = mx.random.key(self.seed)
 
     def _next_key(self) -> mx.array:
