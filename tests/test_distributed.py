@@ -135,7 +135,7 @@ def test_two_ranks_write_the_single_process_text_on_the_demo():
 
 @needs_launch
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["ar", "fast"])
+@pytest.mark.parametrize("policy", ["ar", "fast", "verified"])
 def test_two_ranks_on_the_demo_other_policies(policy):
     assert_same_text("--prompt", "reverse: a b c d e f", "--seed", "11", "--max-tokens", "64", "--policy", policy)
 
@@ -208,7 +208,7 @@ def many_experts_config() -> dict:
 
 @needs_launch
 @pytest.mark.slow
-@pytest.mark.parametrize("which, policy", [("fp32", "reference"), ("fp32", "ar"), ("fp32", "fast"),
+@pytest.mark.parametrize("which, policy", [("fp32", "reference"), ("fp32", "ar"), ("fp32", "fast"), ("fp32", "verified"),
                                            ("4-bit", "reference"), ("4-bit", "ar"), ("per-expert", "reference")])
 def test_two_ranks_write_the_single_process_text_on_a_random_checkpoint(many_experts, policy, which):
     folder = many_experts[which]
