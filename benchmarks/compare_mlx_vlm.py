@@ -6,10 +6,10 @@ number of steps (random weights never converge and the EOS id is unreachable, so
 fp32, and the same BLAS (OpenBLAS preloaded for both). Runs alternate, so both see the same
 machine noise; the ratios are what to read.
 
-Set-up: a separate venv for the peer (see ../shared/peer/bench_mlx_vlm.py):
+Set-up: a separate venv for the peer, and the project's mlx-vlm runner script (--peer-script):
     python3 -m venv .peer-venv && .peer-venv/bin/pip install "mlx[cpu]==0.32.4" mlx-lm==0.32.2 mlx-vlm==0.7.10
 Run (nothing else on the machine):
-    python benchmarks/compare_mlx_vlm.py --peer-python .peer-venv/bin/python --rounds 3 --steps 8
+    python benchmarks/compare_mlx_vlm.py --peer-python .peer-venv/bin/python --peer-script PATH --rounds 3 --steps 8
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
-PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peer" / "bench_mlx_vlm.py"
 
 
 def run_ours(checkpoint: Path, prompt_ids: list[int], max_tokens: int, steps: int, policy: str) -> dict:
@@ -66,6 +65,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--peer-python", default=".peer-venv/bin/python")
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/dgemma-compare-ck"))
+    p.add_argument("--peer-script", type=Path, help="The runner of mlx-vlm's DiffusionGemma engine (bench_mlx_vlm.py)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=512)
@@ -79,13 +79,15 @@ def main() -> None:
         print(json.dumps(run_ours(a.checkpoint, json.loads(a.prompt_ids), a.max_tokens, a.steps, a.policy)))
         return
 
+    if a.peer_script is None or not a.peer_script.is_file():
+        p.error("--peer-script: give the path of the mlx-vlm runner script (bench_mlx_vlm.py)")
     from mlx_dgemma.fast_blas import kernel_family
 
     # Same library and the same kernels for both (Debian's OpenBLAS would pick SSE3 ones on its own).
     env = dict(os.environ, LD_PRELOAD=OPENBLAS, HF_HUB_OFFLINE="1")
     if family := kernel_family():
         env.setdefault("OPENBLAS_CORETYPE", family)
-    peer = [a.peer_python, str(PEER_SCRIPT), "--temperature", "1.0", "--full-canvas", "--steps", str(a.steps),
+    peer = [a.peer_python, str(a.peer_script), "--temperature", "1.0", "--full-canvas", "--steps", str(a.steps),
             "--max-tokens", str(a.max_tokens)]
     if not (a.checkpoint / "model.safetensors").exists():
         subprocess_json(peer + ["--save-dir", str(a.checkpoint), "--warmup", "0", "--max-tokens", "64",

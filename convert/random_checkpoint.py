@@ -39,6 +39,14 @@ PRESETS: dict[str, dict] = {
         sliding_window=5, canvas_length=12,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     ),
+    # Experts are 85% of the weights and every size divides by 64 (quantizable): sharding tests.
+    "many-experts": dict(
+        vocab_size=448, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        global_head_dim=64, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
+        sliding_window=7, canvas_length=16,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
     # Two full layers, MHA on full layers, top-1 routing, a non-default soft-cap.
     "mixed": dict(
         vocab_size=300, hidden_size=48, intermediate_size=80, moe_intermediate_size=20,
@@ -47,7 +55,26 @@ PRESETS: dict[str, dict] = {
         sliding_window=6, canvas_length=10, final_logit_softcapping=25.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
     ),
+    # A vision tower of its own sizes (GQA, 2-D RoPE, 2x2 pooling, clipped linears, standardized
+    # features) and an image processor at 4-pixel patches, so images of tens of pixels give tens of
+    # image tokens; the window is shorter than an image's block of tokens. Text input widths are
+    # multiples of 32, so that it quantizes at group size 32.
+    "vision": dict(
+        vocab_size=431, hidden_size=160, intermediate_size=224, moe_intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        global_head_dim=72, num_global_key_value_heads=1, num_experts=6, top_k_experts=2,
+        sliding_window=9, canvas_length=12,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        vision=dict(hidden_size=44, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=12, patch_size=4, pooling_kernel_size=2,
+                    position_embedding_size=150, standardize=True, use_clipped_linears=True),
+        image_processor=dict(max_soft_tokens=70),
+    ),
 }
+
+# The vision tower of the text-only presets: the reference always builds one.
+SMALL_VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=2, head_dim=8, position_embedding_size=16)
 
 
 def build_reference(preset: str | dict = "small", seed: int = 0, init_std: float = 0.06, tame: bool = False,
@@ -72,12 +99,13 @@ def build_reference(preset: str | dict = "small", seed: int = 0, init_std: float
 
     sizes = copy.deepcopy(PRESETS[preset] if isinstance(preset, str) else preset)
     canvas = sizes.pop("canvas_length")
+    vision_sizes = sizes.pop("vision", SMALL_VISION)
+    sizes.pop("image_processor", None)
     text = DiffusionGemmaTextConfig(
         **sizes, max_position_embeddings=4096, use_bidirectional_attention="vision",
         pad_token_id=0, eos_token_id=1, bos_token_id=2, initializer_range=init_std,
     )
-    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=2, head_dim=8, position_embedding_size=16)
+    vision = Gemma4VisionConfig(**vision_sizes)
     v = sizes["vocab_size"]
     cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas,
                                image_token_id=v - 3, boi_token_id=v - 2, eoi_token_id=v - 1,
@@ -85,6 +113,8 @@ def build_reference(preset: str | dict = "small", seed: int = 0, init_std: float
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     _perturb(model, seed, tame)
+    if "vision" in (PRESETS[preset] if isinstance(preset, str) else preset):
+        _perturb_vision(model, seed)
     if converging:
         _make_converging(model)
     model.generation_config = DiffusionGemmaGenerationConfig(
@@ -115,6 +145,32 @@ def _perturb(model, seed: int, tame: bool) -> None:
                 layer.self_attn.k_norm.weight.mul_(0.3)
 
 
+def _perturb_vision(model, seed: int) -> None:
+    """Weights large enough that images move the logits; distinct norm weights, position tables,
+    standardization and clipping bounds that clip some activations (all are 1, 0 or ±inf at init)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 2)
+    encoder = model.model.encoder
+    with torch.no_grad():
+        for name, p in encoder.vision_tower.named_parameters():
+            if name.endswith("linear.weight") or name.endswith("input_proj.weight"):
+                p.mul_(5.0)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("position_embedding_table"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        tower = encoder.vision_tower
+        tower.std_bias.copy_(0.2 * torch.randn(tower.std_bias.shape, generator=g))
+        tower.std_scale.copy_(0.5 + torch.rand(tower.std_scale.shape, generator=g))
+        for i, (name, module) in enumerate(tower.named_modules()):
+            if hasattr(module, "input_min"):
+                module.input_min.fill_(-2.0 - 0.05 * (i % 7))
+                module.input_max.fill_(2.2 + 0.05 * (i % 5))
+                module.output_min.fill_(-1.0 - 0.04 * (i % 3))
+                module.output_max.fill_(1.1 + 0.03 * (i % 4))
+
+
 def _make_converging(model) -> None:
     import torch
 
@@ -138,7 +194,21 @@ def save(model, out: Path, dtype: str = "float32") -> Path:
 
 def build(out: Path, preset: str | dict = "small", seed: int = 0, dtype: str = "float32", tame: bool = False,
           converging: bool = False) -> Path:
-    return save(build_reference(preset, seed, tame=tame, converging=converging), out, dtype)
+    out = save(build_reference(preset, seed, tame=tame, converging=converging), out, dtype)
+    sizes = PRESETS[preset] if isinstance(preset, str) else preset
+    if "image_processor" in sizes:
+        save_image_processor(out, sizes)
+    return out
+
+
+def save_image_processor(out: Path, sizes: dict) -> None:
+    """The reference's image processor, at the vision tower's patch and pooling sizes, saved as the
+    reference saves it (preprocessor_config.json)."""
+    from transformers import Gemma4ImageProcessorPil
+
+    vision = sizes["vision"]
+    Gemma4ImageProcessorPil(patch_size=vision["patch_size"], pooling_kernel_size=vision["pooling_kernel_size"],
+                            **sizes["image_processor"]).save_pretrained(out)
 
 
 def write_global_head_spelling(folder: Path) -> None:

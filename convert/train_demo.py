@@ -6,7 +6,7 @@ The model is the reference PyTorch ``DiffusionGemmaForBlockDiffusion`` from tran
 so the checkpoint is by construction a real DiffusionGemma that the reference loads with
 ``from_pretrained`` and runs with its own ``generate()``.  PyTorch rather than MLX because (a) the
 reference *is* the spec, so nothing the MLX port gets wrong can leak into the demo weights, and (b)
-MLX on this Linux CPU is slow for training (netlib BLAS, slow element-wise ops; DESIGN.md).
+MLX on this Linux CPU is slow for training (netlib BLAS, slow element-wise ops).
 
 Tasks (``mlx_dgemma/tasks.py``): sort, reverse, add, json, mixed uniformly, train split only.
 
@@ -52,7 +52,7 @@ Objective (the published one), all in one batched pass per step:
   denoising step).
 * Total loss = decoder CE + 1.0 * encoder CE.
 
-Making the signal count (DESIGN.md: accuracy moved only after ~1000 steps, half the loss on padding):
+Making the signal count (a first run: accuracy moved only after ~1000 steps, half the loss on padding):
 one encoder pass serves all canvases of an example; the character tokenizer puts the answer right at
 the canvas start so canvases are mostly answer (padding is a minority of canvas positions except for
 short add/reverse answers); batches are bucketed by canvas count so no compute goes to unscored

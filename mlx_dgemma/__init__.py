@@ -1,17 +1,48 @@
-"""mlx-dgemma: Google's DiffusionGemma on MLX."""
+"""mlx-dgemma: Google's DiffusionGemma on MLX.
 
-import warnings
+Importing the package does nothing else; the first use of its API (``mlx_dgemma.load`` and the
+rest below) loads the fast BLAS on Linux first (fast_blas.py: it must precede ``mlx.core``).
+"""
 
-from . import fast_blas
+import importlib
+import sys
+import types
 
-fast_blas.load()  # before anything imports mlx.core
+_API = {
+    "load": "loader",
+    "generate": "generate",
+    "stream_generate": "generate",
+    "infill": "generate",
+    "drafted_json_template": "generate",
+    "batch_generate": "batch",
+    "BatchGenerator": "batch",
+    "parse_template": "template",
+    "json_template": "template",
+}
 
-from .generate import drafted_json_template, generate, infill, stream_generate
-from .loader import load
-from .template import json_template, parse_template
+__all__ = list(_API)
 
-# `python -m mlx_dgemma.generate` runs the CLI module this package has already imported for its API;
-# runpy warns about that, harmlessly (the module only defines things until its __main__ block).
-warnings.filterwarnings("ignore", message=r"'mlx_dgemma\.generate' found in sys\.modules", category=RuntimeWarning)
 
-__all__ = ["load", "generate", "stream_generate", "infill", "parse_template", "json_template", "drafted_json_template"]
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'mlx_dgemma' has no attribute {name!r}")
+    from . import fast_blas
+
+    fast_blas.load()
+    value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """``mlx_dgemma.generate`` is the function even once the submodule of that name is imported
+    (the import system would set the package attribute to the module; the module stays reachable
+    as ``sys.modules["mlx_dgemma.generate"]``, which is what ``import mlx_dgemma.generate`` uses)."""
+
+    def __setattr__(self, name, value):
+        if name in _API and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -9,14 +9,19 @@ roofline predictions for known Apple and NVIDIA devices (see policy.py for the m
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
-
-import click
-
 from . import fast_blas
-from .policy import CANVAS_LENGTHS, Profile, measure, predicted_table, time_canvas
+
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
+
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+
+from .policy import (CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure,  # noqa: E402
+                     predicted_table, time_canvas)
+from .validate import at_least, option, writable_file  # noqa: E402
 
 STEPS = (2, 4, 8, 16, 32, 48)
 
@@ -49,9 +54,79 @@ def run(model, prefix: int = 64, steps_list=STEPS, measured_steps=(4, 8), repeat
         "diffusion_tok_s_by_steps": {s: profile.diffusion_tok_s(s, canvas) for s in steps_list},
         "crossover_steps": profile.crossover_steps(canvas),
         "sampler_check": check,
+        "verify_s_by_length": profile.verify_s_by_length,
+        "verified": verified_figures(model, profile, prefix),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "predicted": predicted_table(),
     }
+
+
+def verified_figures(model, profile: Profile, prefix: int = 64, tokens: int = 64) -> dict:
+    """Verified drafting on this device: the draft length and steps the policy picks from the profile
+    at the demo's acceptance (and at half of it), their predicted tok/s, and one measured greedy run of
+    ``tokens`` tokens after a random prompt (tokens per round, per forward, tok/s: a random checkpoint's
+    drafts are rarely kept, a trained model's acceptance is what eval's verified rows show)."""
+    import mlx.core as mx
+
+    from . import drafting
+    from .sampler import MxRandom, SamplerSettings
+
+    canvas = model.config.canvas_length
+    out = {}
+    for key, acceptance in (("demo_acceptance", Acceptance()), ("half_acceptance", Acceptance.scaled(0.5))):
+        length, steps, tok_s = best_draft(profile, acceptance, canvas)
+        out[key] = {"draft_length": length, "draft_steps": steps, "predicted_tok_s": tok_s,
+                    "tokens_per_round": acceptance.tokens_per_round(steps, length)}
+    length, steps = out["demo_acceptance"]["draft_length"], out["demo_acceptance"]["draft_steps"]
+    ids = mx.random.randint(3, model.config.vocab_size, (1, prefix), key=mx.random.key(4))
+    schedule = SamplerSettings()
+
+    def run_once():
+        cache = model.make_cache()
+        first = model.next_token_logits(ids, cache)
+        mx.eval(first)
+        start = time.perf_counter()
+        rounds = list(drafting.verified(model, cache, first, drafting.GreedyRule(set(), tokens),
+                                        drafting.DraftSettings(length, steps), schedule, MxRandom(0)))
+        return rounds, time.perf_counter() - start
+
+    run_once()  # warm-up
+    rounds, seconds = run_once()
+    out["measured"] = {"draft_length": length, "draft_steps": steps, "tokens": tokens,
+                       "tokens_per_round": tokens / len(rounds),
+                       "tokens_per_forward": tokens / sum(r[2] for r in rounds),
+                       "tok_s": tokens / seconds}
+    return out
+
+
+def prefix_sweep(model, prefixes, repeats: int = 2, canvas: int = 256, steps: int = 3) -> dict:
+    """Per prompt length: chunked prefill tokens/s, the time of one ``canvas``-position sampler
+    step after that prefix, and the peak memory of both."""
+    import mlx.core as mx
+
+    from .generate import prefill
+
+    canvas = min(canvas, model.config.canvas_length)
+    out = {"step_ms_by_prefix": {}, "prefill_tok_s_by_prefix": {}, "peak_memory_gb_by_prefix": {}}
+    for prefix in prefixes:
+        if prefix + canvas > model.config.max_position_embeddings:
+            raise click.ClickException(f"--prefix {prefix} and a {canvas}-token canvas exceed the model's context "
+                                       f"of {model.config.max_position_embeddings}")
+        ids = mx.random.randint(3, model.config.vocab_size, (1, prefix), key=mx.random.key(1))
+        mx.eval(ids)
+        mx.reset_peak_memory()
+        best = float("inf")
+        for _ in range(repeats):
+            cache = model.make_cache()
+            start = time.perf_counter()
+            prefill(model, ids, cache)
+            best = min(best, time.perf_counter() - start)
+        time_canvas(model, cache, 1, canvas)  # warm-up for this shape
+        step = min(time_canvas(model, cache, steps, canvas) for _ in range(repeats)) / steps
+        out["step_ms_by_prefix"][prefix] = step * 1e3
+        out["prefill_tok_s_by_prefix"][prefix] = prefix / best
+        out["peak_memory_gb_by_prefix"][prefix] = mx.get_peak_memory() / 1e9
+    return out
 
 
 def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3) -> dict[str, float]:
@@ -65,16 +140,18 @@ def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3)
     model.encode(mx.random.randint(3, cfg.vocab_size, (1, prefix), key=mx.random.key(1)), cache)
     ids = mx.random.randint(0, cfg.vocab_size, (1, canvas), key=mx.random.key(2))
     x = mx.random.normal((1, canvas, cfg.hidden_size), key=mx.random.key(3))
-    logits = model.denoise(ids, cache)
+    view = cache.canvas_view(canvas)  # laid out once per canvas, as the sampler does
+    logits = model.denoise(ids, view)
     decoder, layers, rng = model.model.decoder, model.layers, MxRandom(0)
     _, probs, _, _ = tempered_distribution(logits, mx.array(0.8))
 
     def attention():
         outs = []
-        for layer, c in zip(layers, cache.layers):
-            q, k, v = layer.self_attn.project(layer.input_layernorm(x), cache.offset)
-            k, v = mx.concatenate([c.keys, k], axis=2), mx.concatenate([c.values, v], axis=2)
-            outs.append(layer.post_attention_layernorm(layer.self_attn.attend(q, k, v, None)))
+        view.set_active(None)
+        for layer, layer_view, mask in zip(layers, view.layers, view.masks):
+            q, k, v = layer.self_attn.project(layer.input_layernorm(x), view.positions)
+            k, v = layer_view.update_and_fetch(k, v)
+            outs.append(layer.post_attention_layernorm(layer.self_attn.attend(q, k, v, mask)))
         return outs
 
     def dense_mlp():
@@ -101,7 +178,7 @@ def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3)
         return mx.where(accepted, rng.categorical(p), rng.renoise((1, canvas), cfg.vocab_size)), scaled, argmax
 
     def whole_step():
-        return model.denoise(ids, cache, logits, probs)
+        return model.denoise(ids, view, logits, probs)
 
     parts = dict(attention=attention, experts=experts, dense_mlp=dense_mlp, head=head,
                  self_conditioning=self_conditioning, sampler=sampler, whole_forward=whole_step)
@@ -135,10 +212,24 @@ def format_report(r: dict) -> str:
     for s, c in sorted(r["sampler_check"].items()):
         lines.append(f"sampler run, {s} steps: {c['measured_tok_s']:.2f} tok/s measured vs "
                      f"{c['from_step_time_tok_s']:.2f} from step time")
-    lines.append("predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy.py):")
-    lines.append(f"{'device':<10} {'AR tok/s':>9} {'diffusion':>10} {'speedup':>8}")
+    v = r["verified"]
+    for key, what in (("demo_acceptance", "the demo's acceptance"), ("half_acceptance", "half of it")):
+        d = v[key]
+        lines.append(f"verified drafting predicted at {what}: drafts of {d['draft_length']} in {d['draft_steps']} "
+                     f"step(s), {d['tokens_per_round']:.1f} tokens per round, {d['predicted_tok_s']:.2f} tok/s "
+                     f"({d['predicted_tok_s'] / r['ar_tok_s']:.2f}x AR)")
+    m = v["measured"]
+    lines.append(f"verified drafting measured (this checkpoint's own acceptance, {m['tokens']} tokens): drafts of "
+                 f"{m['draft_length']} in {m['draft_steps']} step(s), {m['tokens_per_round']:.2f} tokens per round, "
+                 f"{m['tokens_per_forward']:.2f} per forward, {m['tok_s']:.2f} tok/s")
+    lines.append("predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy.py; verified "
+                 "at the demo's acceptance and at half of it, best draft length L and steps k):")
+    lines.append(f"{'device':<10} {'AR tok/s':>9} {'diffusion':>10} {'speedup':>8} {'verified':>9} {'L/k':>6} "
+                 f"{'half':>7} {'L/k':>6}")
     for name, p in r["predicted"].items():
-        lines.append(f"{name:<10} {p['ar_tok_s']:9.1f} {p['diffusion_tok_s']:10.1f} {p['speedup']:7.2f}x")
+        lines.append(f"{name:<10} {p['ar_tok_s']:9.1f} {p['diffusion_tok_s']:10.1f} {p['speedup']:7.2f}x "
+                     f"{p['verified_tok_s']:9.1f} {p['verified_length']:>3}/{p['verified_steps']} "
+                     f"{p['verified_half_tok_s']:7.1f} {p['verified_half_length']:>3}/{p['verified_half_steps']}")
     return "\n".join(lines)
 
 
@@ -178,12 +269,35 @@ def plot(r: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+class _Several(click.Option):
+    """An option that takes every value up to the next option: ``--prefix 64 1024 8192``."""
+
+    def add_to_parser(self, parser, ctx):
+        super().add_to_parser(parser, ctx)
+        option = parser._long_opt.get(self.opts[0])
+        take_one = option.process
+
+        def take_all(value, state):
+            values = [value]
+            while state.rargs and not state.rargs[0].startswith("-"):
+                values.append(state.rargs.pop(0))
+            for v in values:
+                take_one(v, state)
+
+        option.process = take_all
+
+
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", required=True, help="Checkpoint folder or Hub id.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here.")
-@click.option("--prefix", default=64, show_default=True, help="Prompt tokens before the canvas.")
-@click.option("--repeats", default=2, show_default=True, help="Timed repeats (best is kept).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
+              help="Write the figures here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
+              help="Write a PNG plot here.")
+@click.option("--prefix", cls=_Several, type=int, multiple=True, default=[64], show_default=True,
+              callback=option(lambda values, name: [at_least(1)(v, name) for v in values]),
+              help="Prompt tokens before the canvas; several (--prefix 64 1024 8192) add a sweep over prompt lengths.")
+@click.option("--repeats", default=2, show_default=True, callback=option(at_least(1)),
+              help="Timed repeats (best is kept).")
 @click.option("--breakdown", is_flag=True, help="Only time each part of a 256-position step.")
 def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
     from .loader import CheckpointError, load
@@ -192,15 +306,22 @@ def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
         model, _ = load(model_path)
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
+    prefixes = list(prefix)
     if breakdown:
-        parts = step_breakdown(model, prefix=prefix, repeats=repeats)
+        parts = step_breakdown(model, prefix=prefixes[0], repeats=repeats)
         for name, seconds in parts.items():
             click.echo(f"{name:<18} {seconds * 1e3:9.1f} ms")
         if json_path:
             json_path.write_text(json.dumps(parts, indent=2))
         return
-    report = run(model, prefix=prefix, repeats=repeats)
+    report = run(model, prefix=prefixes[0], repeats=repeats)
     click.echo(format_report(report))
+    if len(prefixes) > 1:
+        report.update(prefix_sweep(model, prefixes, repeats))
+        click.echo("prefix  prefill tok/s  step ms (256 positions)  peak GB")
+        for p in prefixes:
+            click.echo(f"{p:>6}  {report['prefill_tok_s_by_prefix'][p]:>13.1f}  {report['step_ms_by_prefix'][p]:>23.1f}"
+                       f"  {report['peak_memory_gb_by_prefix'][p]:>7.3f}")
     if json_path:
         json_path.write_text(json.dumps(report, indent=2))
     if plot_path:

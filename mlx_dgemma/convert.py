@@ -10,23 +10,29 @@ with per-module overrides in config.json), so it loads in mlx-vlm as well as her
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import shutil
-import sys
-import tempfile
-import uuid
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator
+from . import fast_blas
 
-import click
-import mlx.core as mx
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-from .config import ConfigError, ModelConfig
-from .loader import (
+import copy  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import uuid  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
+
+import click  # noqa: E402
+import mlx.core as mx  # noqa: E402
+
+from .config import ConfigError, ModelConfig  # noqa: E402
+from .loader import (  # noqa: E402
     HUB_PATTERNS,
     VISION_KEY,
     WEIGHTS_INDEX,
@@ -38,8 +44,8 @@ from .loader import (
     stack_experts,
     weight_files,
 )
-from .model import DiffusionGemma
-from .safetensors_io import ShardWriter, TensorInfo, TensorSpec, read_header, read_tensor, shard_names, write_index
+from .model import DiffusionGemma  # noqa: E402
+from .safetensors_io import ShardWriter, TensorInfo, TensorSpec, read_header, read_tensor, shard_names, write_index  # noqa: E402
 
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}  # (group size, bits)
@@ -47,10 +53,21 @@ RECIPES = ("mixed", "uniform")
 DTYPES = ("bfloat16", "float16", "float32")
 _COPIED = [p for p in HUB_PATTERNS if p != "*.safetensors"]  # tokenizer, chat template, generation config
 _REWRITTEN = {"config.json", WEIGHTS_INDEX}
+MARKER = ".mlx_dgemma_conversion.json"  # written last into every output: its files, so --force replaces only those
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class ConversionError(ValueError):
     """A conversion that cannot be done as asked; the message says why in one line."""
+
+
+class ConversionStopped(BaseException):
+    """SIGTERM or SIGHUP during a conversion (raised like KeyboardInterrupt, after which the partial
+    output is removed)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"conversion stopped by {signal.Signals(signum).name}; the partial output was removed")
 
 
 @dataclass(frozen=True)
@@ -83,8 +100,9 @@ class Quantization:
     recipe: str = "mixed"
 
     @classmethod
-    def from_flags(cls, bits: int | None = None, group_size: int | None = None, mode: str = "affine",
+    def from_flags(cls, bits: int | None = None, group_size: int | None = None, mode: str | None = None,
                    recipe: str | None = None) -> "Quantization":
+        mode = mode or "affine"
         if mode not in MODE_DEFAULTS:
             raise ConversionError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODE_DEFAULTS)}")
         recipe = recipe or "mixed"
@@ -327,32 +345,133 @@ def copy_side_files(src: Path, folder: Path) -> None:
     """Tokenizer, chat template, generation config: every small file a loader reads besides weights."""
     for pattern in _COPIED:
         for path in src.glob(pattern):
-            if path.is_file() and path.name not in _REWRITTEN:
+            if path.is_file() and path.name not in _REWRITTEN and path.name != MARKER:
                 shutil.copy2(path, folder / path.name)
+
+
+def write_marker(folder: Path) -> None:
+    """The list of the files this conversion wrote, written last: what ``--force`` may replace."""
+    files = sorted(p.name for p in folder.iterdir())
+    (folder / MARKER).write_text(json.dumps({"written_by": "mlx_dgemma.convert", "files": files}, indent=1))
+
+
+def foreign_files(dst: Path) -> list[str]:
+    """The entries of ``dst`` a conversion did not write (all of them where it has no valid marker)."""
+    entries = sorted(p.name for p in dst.iterdir())
+    try:
+        marker = json.loads((dst / MARKER).read_text())
+        files = marker["files"] if marker.get("written_by") == "mlx_dgemma.convert" else []
+        ours = {MARKER, *files} if isinstance(files, list) and all(isinstance(f, str) for f in files) else set()
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        ours = set()
+    return [name for name in entries if name not in ours or not (dst / name).is_file() or (dst / name).is_symlink()]
+
+
+def check_destination(dst: Path, force: bool) -> None:
+    """Refuse a destination whose replacement could lose anything: a file or link, a folder holding
+    files a conversion did not write (even with ``force``), or an earlier conversion without ``force``."""
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+        raise ConversionError(f"{dst} exists and is not a plain folder (a file or a link); choose another --mlx-path")
+    if not dst.exists():
+        return
+    if foreign := foreign_files(dst):
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise ConversionError(f"{dst} holds files a conversion did not write ({foreign[0]}{more}); "
+                              "choose another --mlx-path (--force replaces only an earlier conversion)")
+    if not force:
+        raise ConversionError(f"{dst} already exists; pass --force to replace it")
+
+
+def check_apart(src: Path, dst: Path) -> None:
+    """The destination may neither be, hold, nor lie inside the source (replacing it would delete it)."""
+    source, target = src.resolve(), dst.resolve()
+    if target == source:
+        raise ConversionError(f"{dst} is the source checkpoint; choose another --mlx-path")
+    if source.is_relative_to(target):
+        raise ConversionError(f"{dst} contains the source checkpoint {src}; choose an --mlx-path outside it")
+    if target.is_relative_to(source):
+        raise ConversionError(f"{dst} is inside the source checkpoint {src}; choose an --mlx-path outside it")
+
+
+@contextmanager
+def _stop_signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ConversionStopped (once; a second is ignored while cleaning up), so a
+    killed conversion removes its partial output. Signals reach only the main thread's handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise ConversionStopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _staging_prefix(dst: Path) -> str:
+    return f".{dst.name}."
+
+
+def sweep_stale_staging(dst: Path) -> list[Path]:
+    """Remove the temporary folders of earlier conversions to ``dst`` whose process is gone (killed
+    by SIGKILL or a power cut, say); a live process's folder is left alone. Returns what was removed."""
+    removed = []
+    prefix = _staging_prefix(dst)
+    for path in dst.parent.iterdir() if dst.parent.is_dir() else []:
+        name = path.name
+        if not (name.startswith(prefix) and name.endswith(".converting") and path.is_dir()):
+            continue
+        pid = name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 @contextmanager
 def staging_folder(dst: Path, force: bool) -> Iterator[Path]:
-    """A temporary sibling of ``dst`` that replaces it when the block succeeds and vanishes when it fails."""
+    """A temporary sibling of ``dst`` (named with this process's id) that replaces it when the block
+    succeeds and vanishes when it fails, is interrupted, or gets SIGTERM/SIGHUP."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".converting", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the result should not be
-    try:
-        yield tmp
-        _replace(tmp, dst, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    sweep_stale_staging(dst)
+    tmp = None
+    with _stop_signals_raise():
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}.", suffix=".converting",
+                                        dir=dst.parent))
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the result should not be
+            yield tmp
+            write_marker(tmp)
+            _replace(tmp, dst, force)
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _replace(new: Path, dst: Path, force: bool) -> None:
-    if not dst.exists():
+    if not dst.exists() and not dst.is_symlink():
         new.rename(dst)
         return
-    if not force:
-        raise ConversionError(f"{dst} already exists; pass --force to replace it")
+    check_destination(dst, force)  # again: the destination may have changed during the conversion
     old = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.old")
     dst.rename(old)
     try:
@@ -369,7 +488,7 @@ def convert(
     quantize: bool = False,
     q_group_size: int | None = None,
     q_bits: int | None = None,
-    q_mode: str = "affine",
+    q_mode: str | None = None,
     quant_predicate: str | None = None,
     dtype: str | None = None,
     force: bool = False,
@@ -379,18 +498,25 @@ def convert(
 ) -> Path:
     """Convert ``hf_path`` (folder or Hub id) into an MLX checkpoint at ``mlx_path``; returns its path.
 
-    Raises CheckpointError for a source that cannot be read and ConversionError for a conversion
-    that cannot be done as asked; either way nothing is left at ``mlx_path``.
+    ``force`` replaces an earlier conversion at ``mlx_path``, never a folder holding other files, the
+    source or a folder around it. Raises CheckpointError for a source that cannot be read and
+    ConversionError for a conversion that cannot be done as asked; either way nothing is left at
+    ``mlx_path``, as after ConversionStopped (SIGTERM, SIGHUP) or KeyboardInterrupt.
     """
     dst = Path(mlx_path).expanduser()
-    if dst.exists() and not force:
-        raise ConversionError(f"{dst} already exists; pass --force to replace it")
+    given = [flag for flag, value in (("--q-bits", q_bits), ("--q-group-size", q_group_size), ("--q-mode", q_mode),
+                                      ("--quant-predicate", quant_predicate)) if value is not None]
+    if given and not quantize:
+        raise ConversionError(f"{given[0]} needs -q/--quantize (without it the model is written unquantized); "
+                              "add -q or drop it")
+    if Path(hf_path).expanduser().is_dir():  # a local source: the most telling refusal first
+        check_apart(Path(hf_path).expanduser(), dst)
+    check_destination(dst, force)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     quantization = Quantization.from_flags(q_bits, q_group_size, q_mode, quant_predicate) if quantize else None
     src = resolve(hf_path)
-    if dst.resolve() == src.resolve():
-        raise ConversionError(f"{dst} is the source checkpoint; choose another --mlx-path")
+    check_apart(src, dst)
     plan = make_plan(src, quantization, dtype)
     with staging_folder(dst, force) as folder:
         write_weights(plan, folder, max_shard_bytes, progress)
@@ -411,7 +537,8 @@ _CONTEXT = {"help_option_names": ["-h", "--help"]}
 _hf_path = click.option("--hf-path", "--model", required=True, help="Hugging Face checkpoint: a local folder or a Hub id.")
 _q_group_size = click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default=None,
                              help="Group size of the quantized modules (default: the mode's, 64 for affine).")
-_q_mode = click.option("--q-mode", type=click.Choice(list(MODE_DEFAULTS)), default="affine", show_default=True)
+_q_mode = click.option("--q-mode", type=click.Choice(list(MODE_DEFAULTS)), default=None,
+                       help="Quantization mode [default: affine].")
 _dtype = click.option("--dtype", type=click.Choice(DTYPES), default=None,
                       help="Type of the unquantized tensors and the scales (default: the config's dtype).")
 
@@ -432,7 +559,7 @@ def _int(value: str | None) -> int | None:
               help="'mixed' (default): embeddings, attention, router and dense MLP at 8 bits, group 64; "
                    "'uniform': everything at --q-bits.")
 @_dtype
-@click.option("--force", is_flag=True, help="Replace --mlx-path if it exists.")
+@click.option("--force", is_flag=True, help="Replace --mlx-path if it holds an earlier conversion (and nothing else).")
 @click.option("--report", is_flag=True, help="Afterwards, measure the logit error against the source.")
 def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, quant_predicate, dtype, force, report):
     """Convert a Hugging Face DiffusionGemma checkpoint to MLX."""
@@ -441,6 +568,9 @@ def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, q
                       q_mode=q_mode, quant_predicate=quant_predicate, dtype=dtype, force=force, report=report)
     except _ERRORS as e:
         raise click.ClickException(str(e)) from None
+    except ConversionStopped as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(128 + e.signum)
     click.echo(f"wrote {dst}")
 
 
@@ -461,7 +591,7 @@ def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir
 
     try:
         click.echo(sweep(hf_path, list(recipes or RECIPES), [int(b) for b in bits or ("4", "8")],
-                         _int(q_group_size), q_mode, dtype, work_dir))
+                         _int(q_group_size), q_mode or "affine", dtype, work_dir))
     except _ERRORS as e:
         raise click.ClickException(str(e)) from None
 

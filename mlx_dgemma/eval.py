@@ -1,6 +1,7 @@
 """Accuracy of a model on the demo tasks, per task and per policy, on fresh instances.
 
     python -m mlx_dgemma.eval [--model PATH] [-n 50] [--policy reference --policy fast] [--seed 0]
+    python -m mlx_dgemma.eval -n 30 --seed 11 --policy ar --policy verified [--draft-length 32 --draft-steps 2]
     python -m mlx_dgemma.eval --templates [-n 50]
 
 Instances come from the evaluation half of the task space (tasks.py), never the training set.
@@ -13,14 +14,19 @@ parse and validate), and the same with holes sized by a free generation's values
 
 from __future__ import annotations
 
-import random
-import statistics
-import time
-from dataclasses import dataclass, field
+from . import fast_blas
 
-import click
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-from .tasks import TASKS, UNSEEN_TASKS, answer_template, check, json_schema, make_instance
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import click  # noqa: E402
+
+from .tasks import TASKS, UNSEEN_TASKS, answer_template, check, json_schema, make_instance  # noqa: E402
+from .validate import at_least, check_seed, option  # noqa: E402
 
 
 @dataclass
@@ -31,6 +37,9 @@ class TaskScore:
     tokens: int = 0
     forwards: int = 0
     seconds: float = 0.0
+    rounds: int = 0  # verified drafting's rounds (one response each)
+    round_tokens: int = 0  # tokens those rounds produced
+    plans: dict[str, int] = field(default_factory=dict)  # responses per plan mode (what auto chose)
 
     @property
     def accuracy(self) -> float:
@@ -60,6 +69,11 @@ def evaluate(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "refere
             score.steps += [r.steps for r in responses]
             score.tokens += responses[-1].generation_tokens
             score.forwards += sum(r.steps for r in responses)
+            for r in responses:
+                score.plans[r.plan.mode] = score.plans.get(r.plan.mode, 0) + 1
+            verified = [r for r in responses if r.plan.mode == "verified"]
+            score.rounds += len(verified)
+            score.round_tokens += sum(len(r.tokens) for r in verified)
         scores[task] = score
     return scores
 
@@ -124,25 +138,37 @@ def _keeps_given_text(template: str, text: str) -> bool:
 
 
 def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
+    """One table per policy: accuracy, median forwards per canvas (per round for verified drafting:
+    draft steps + the verifying pass), tokens per forward, tokens per round (verified) and tok/s;
+    for auto, the share of canvases/rounds each mode ran."""
     lines = [f"policy {policy}",
-             f"  {'task':<8} {'accuracy':>9} {'median steps/canvas':>20} {'tokens/forward':>15} {'tok/s':>8}"]
+             f"  {'task':<8} {'accuracy':>9} {'median forwards/canvas':>22} {'tokens/forward':>15} "
+             f"{'tokens/round':>13} {'tok/s':>8}"]
     for task, s in scores.items():
-        lines.append(f"  {task:<8} {s.accuracy:8.1%} {statistics.median(s.steps):20.1f} "
-                     f"{s.tokens / max(s.forwards, 1):15.2f} {s.tokens / s.seconds:8.1f}")
+        rounds = f"{s.round_tokens / s.rounds:13.2f}" if s.rounds else f"{'':13}"
+        line = (f"  {task:<8} {s.accuracy:8.1%} {statistics.median(s.steps):22.1f} "
+                f"{s.tokens / max(s.forwards, 1):15.2f} {rounds} {s.tokens / s.seconds:8.1f}")
+        if policy == "auto":
+            total = sum(s.plans.values())
+            line += "  " + ", ".join(f"{mode} {n / total:.0%}" for mode, n in sorted(s.plans.items()))
+        lines.append(line)
     return "\n".join(lines)
 
 
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", help="Checkpoint folder [default: the bundled demo model].")
-@click.option("-n", "--instances", "n", default=50, show_default=True, help="Fresh instances per task.")
+@click.option("-n", "--instances", "n", default=50, show_default=True, callback=option(at_least(1)),
+              help="Fresh instances per task.")
 @click.option("--policy", "policies", multiple=True, default=["reference"], show_default=True,
-              type=click.Choice(["reference", "fast", "ar", "auto"]))
-@click.option("--seed", default=0, show_default=True)
+              type=click.Choice(["reference", "fast", "ar", "verified", "auto"]))
+@click.option("--seed", default=0, show_default=True, callback=option(check_seed))
 @click.option("--task", "tasks", multiple=True, type=click.Choice(TASKS + UNSEEN_TASKS),
               help="Only these tasks (upper: one the demo model never saw, for fine-tuning).")
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
-def main(model_path, n, policies, seed, tasks, adapter_path, templates):
+@click.option("--draft-length", type=int, help="verified: draft length [default: the policy's].")
+@click.option("--draft-steps", type=int, help="verified: draft steps [default: the policy's].")
+def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_length, draft_steps):
     from .generate import DEMO_MODEL
     from .loader import load
 
@@ -158,7 +184,8 @@ def main(model_path, n, policies, seed, tasks, adapter_path, templates):
                                                                        tasks=tasks or TASKS):
                 click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
         else:
-            click.echo(format_scores(policy, evaluate(model, tokenizer, n, seed, policy, tasks or TASKS)))
+            drafts = {"draft_length": draft_length, "draft_steps": draft_steps} if policy == "verified" else {}
+            click.echo(format_scores(policy, evaluate(model, tokenizer, n, seed, policy, tasks or TASKS, **drafts)))
 
 
 if __name__ == "__main__":

@@ -10,18 +10,22 @@ config are copied from the base model.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
+from . import fast_blas
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-from .convert import MAX_SHARD_BYTES, copy_side_files, split_into_shards, staging_folder
-from .model import ExpertLinear, QuantizedExpertLinear
-from .safetensors_io import ShardWriter, TensorSpec, shard_names, write_index
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
+
+from .convert import MAX_SHARD_BYTES, copy_side_files, split_into_shards, staging_folder  # noqa: E402
+from .model import ExpertLinear, QuantizedExpertLinear  # noqa: E402
+from .safetensors_io import ShardWriter, TensorSpec, shard_names, write_index  # noqa: E402
 
 
 def fuse_adapters(model, dequantize: bool = False):

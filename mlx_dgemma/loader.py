@@ -4,6 +4,7 @@ must be there with its shape, and nothing else may be."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -17,13 +18,17 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ConfigError, GenerationConfig, ModelConfig
 from .model import DiffusionGemma
+from .images import ImageProcessorConfig
+from .vision import add_vision_modules, has_vision
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
-# Keys a text-only model never uses: the vision tower, rotary buffers and the tied head.
+# The vision tower's and the multimodal embedder's keys, loaded when the config has a vision tower.
 VISION_KEY = re.compile(r"^model\.encoder\.(vision_tower|embed_vision)\.")
 _UNUSED = re.compile(r"^lm_head\.|rotary_emb")
+_CLIP_BOUND = re.compile(r"\.(input|output)_(min|max)$")
+# Keys never used: rotary buffers and the tied head.
 # The encoder's copies of tied weights; only its layer scalars are its own.
 _ENCODER_TIED = re.compile(r"^model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$)")
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
@@ -39,6 +44,18 @@ def resolve(path_or_repo: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     text = str(path_or_repo)
+    try:  # a path through a link that leads nowhere: say so, rather than look it up on the Hub
+        path.resolve(strict=True)
+    except RuntimeError:  # Python < 3.13 reports a loop this way
+        raise CheckpointError(f"model path {text!r} runs into a symbolic link loop; point it at a checkpoint folder") \
+            from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"model path {text!r} runs into a symbolic link loop; point it at a checkpoint "
+                                  "folder") from None
+        if path.is_symlink():
+            raise CheckpointError(f"model path {text!r} is a broken symbolic link (to {os.readlink(path)!r}); "
+                                  "point it at a checkpoint folder") from None
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise CheckpointError(f"model path {text!r} is not a folder; pass a checkpoint folder or a Hub id (org/name)")
     from huggingface_hub import snapshot_download
@@ -58,9 +75,15 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / WEIGHTS_INDEX
     if index.exists():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError):
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map')") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map each tensor name to a shard file name; "
+                                  "re-export the checkpoint")
+        names = sorted(set(weight_map.values()))
+        if bad := [n for n in names if Path(n).name != n]:
+            raise CheckpointError(f"{index} names shard {bad[0]!r}, which is not a file name in {folder}")
         files = [folder / n for n in names]
         for f in files:
             if not f.exists():
@@ -98,8 +121,12 @@ class ExpertSlice:
 
 def map_key(key: str) -> str | ExpertSlice | None:
     """The model parameter a checkpoint key holds: its name, an ``ExpertSlice`` to be stacked with
-    the other experts, or None for keys a text model does not use."""
-    if VISION_KEY.match(key) or _UNUSED.search(key) or _ENCODER_TIED.match(key):
+    the other experts, or None for keys the model does not use (vision keys keep their names)."""
+    if _UNUSED.search(key):
+        return None
+    if VISION_KEY.match(key):
+        return key
+    if _ENCODER_TIED.match(key):
         return None
     if m := _PER_EXPERT.match(key):
         return ExpertSlice(m[1], int(m[2]), m[3], m[4])
@@ -108,8 +135,9 @@ def map_key(key: str) -> str | ExpertSlice | None:
     return key
 
 
-def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int) -> mx.array:
-    """The slices of one stacked parameter → [E, out, in]; gate and up rows are concatenated."""
+def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int, start: int = 0) -> mx.array:
+    """The slices of one stacked parameter → [E, out, in]; gate and up rows are concatenated.
+    ``start``: the slices are experts ``start .. start + num_experts - 1`` (a rank's share)."""
     by_projection: dict[str, dict[int, mx.array]] = {}
     for s, value in slices.items():
         by_projection.setdefault(s.projection, {})[s.expert] = value
@@ -117,11 +145,12 @@ def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int) -> m
     stacked: dict[str, mx.array] = {}
     for projection, experts in sorted(by_projection.items()):
         name = f"{first.prefix}.{{}}.{projection}.{first.part}"
-        if missing := sorted(set(range(num_experts)) - set(experts)):
+        wanted = range(start, start + num_experts)
+        if missing := sorted(set(wanted) - set(experts)):
             raise CheckpointError(f"missing weight {name.format(missing[0])}")
-        if extra := sorted(set(experts) - set(range(num_experts))):
+        if extra := sorted(set(experts) - set(wanted)):
             raise CheckpointError(f"unexpected weight {name.format(extra[0])}: the config has {num_experts} experts")
-        stacked[projection] = mx.stack([experts[e] for e in range(num_experts)])
+        stacked[projection] = mx.stack([experts[e] for e in wanted])
     if "down_proj" in stacked:
         return stacked["down_proj"]
     if set(stacked) != {"gate_proj", "up_proj"}:
@@ -162,6 +191,8 @@ def _quantize(model: nn.Module, quantization: dict, weights: dict[str, mx.array]
 
 
 def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Every parameter there, nothing else, each with its shape and a dtype of its kind: floating point
+    where the model holds floats, exactly the packed type where it holds quantized integers."""
     expected = dict(tree_flatten(model.parameters()))
     for key in expected:
         if key not in weights:
@@ -173,18 +204,43 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
             raise CheckpointError(
                 f"weight {key} has shape {tuple(value.shape)}, the config implies {tuple(expected[key].shape)}"
             )
+        want = expected[key].dtype
+        floating = mx.issubdtype(want, mx.floating)
+        if (mx.issubdtype(value.dtype, mx.floating) != floating) or (not floating and value.dtype != want):
+            kind = "a floating-point type (float32, float16 or bfloat16)" if floating else _dtype_name(want)
+            raise CheckpointError(f"weight {key} has dtype {_dtype_name(value.dtype)}, expected {kind}; "
+                                  "re-export the checkpoint")
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def read_config(folder: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_file(folder / "config.json")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def load_model(folder: Path) -> DiffusionGemma:
-    try:
-        config = ModelConfig.from_file(folder / "config.json")
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+    config = read_config(folder)
     weights: dict[str, mx.array] = {}
     for f in weight_files(folder):
         weights.update(read_safetensors(f))
-    weights = sanitize(weights, config.num_experts)
-    model = DiffusionGemma(config)
+    return build_model(DiffusionGemma(config), sanitize(weights, config.num_experts))
+
+
+def build_model(model: DiffusionGemma, weights: dict[str, mx.array]) -> DiffusionGemma:
+    """``weights`` (by model name) into ``model``: with the vision modules when they are there,
+    quantized as the config says, checked strictly, evaluated."""
+    config = model.config
+    if config.vision_config is not None and any(VISION_KEY.match(k) for k in weights):
+        add_vision_modules(model)
+        if not config.vision_config.use_clipped_linears:  # clipping bounds of unclipped linears are unused
+            weights = {k: v for k, v in weights.items() if not (VISION_KEY.match(k) and _CLIP_BOUND.search(k))}
+    else:  # a text-only checkpoint (or config): the vision keys, if any, are not used
+        weights = {k: v for k, v in weights.items() if not VISION_KEY.match(k)}
     if config.quantization:
         _quantize(model, config.quantization, weights)
     check_weights(model, weights)
@@ -210,4 +266,6 @@ def load(path_or_repo: str | os.PathLike, adapter_path: str | os.PathLike | None
         model.generation_config = GenerationConfig.from_folder(folder, model.config)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+    if has_vision(model):
+        model.image_processor = ImageProcessorConfig.from_folder(folder, model.config.vision_config)
     return model, load_tokenizer(folder, model.config)

@@ -12,20 +12,24 @@ move between the two; the loss is DiffusionGemma's (train.py), not a next-token 
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
-from pathlib import Path
+from . import fast_blas
 
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-import numpy as np
-from mlx.utils import tree_flatten
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-from . import train
-from .data import iterate_batches, load_dataset
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from . import train  # noqa: E402
+from .data import iterate_batches, load_dataset  # noqa: E402
 
 ADAPTERS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -2,6 +2,10 @@
 bidirectional denoiser, a KV cache the encoder appends to and the denoiser only reads, the
 self-conditioning block and the tied, soft-capped head.
 
+Every method takes B rows (prompts left-padded to a common length, see cache.py). One layer body
+serves both halves; the encoder and the denoiser differ only in their masks, caches and layer
+scalars. Device-specific fast paths live behind ``kernels.Kernels``, chosen when the model is made.
+
 Module paths mirror the Hugging Face checkpoint (``model.decoder.layers.N...``) so that weights load
 by name and mlx-lm style per-module quantization overrides apply as written.
 """
@@ -9,12 +13,12 @@ by name and mlx-lm style per-module quantization overrides apply as written.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from . import cpu_kernels
+
+from . import kernels as device_kernels
+from . import vision
+from .cache import CanvasView, KVCache
 from .config import ModelConfig
 
 
@@ -45,66 +49,10 @@ def rope_periods(head_dim: int, params: dict) -> mx.array:
     rotated = half
     if params.get("rope_type", "default") == "proportional":
         rotated = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-    i = mx.arange(half, dtype=mx.float32)
-    periods = mx.power(theta, 2.0 * i / head_dim)
-    return mx.where(i < rotated, periods, mx.array(math.inf, dtype=mx.float32))
-
-
-@dataclass
-class LayerCache:
-    """Prefix K/V of one layer, [1, kv_heads, T, head_dim]; sliding layers keep the last ``window − 1``."""
-
-    window: int | None
-    keys: mx.array | None = None
-    values: mx.array | None = None
-
-    def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store new K/V and return everything the new positions may attend to (old ⊕ new)."""
-        if self.keys is not None:
-            keys = mx.concatenate([self.keys, keys], axis=2)
-            values = mx.concatenate([self.values, values], axis=2)
-        keep = keys.shape[2] if self.window is None else min(keys.shape[2], self.window - 1)
-        self.keys, self.values = keys[:, :, -keep:], values[:, :, -keep:]
-        return keys, values
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-
-@dataclass
-class FrozenCanvas:
-    """Canvas positions the sampler no longer recomputes (active-set compaction, the fast policy):
-    per layer, the K/V they had when last computed, which the positions still being denoised keep
-    attending to. ``last`` holds the latest ``denoise`` call's K/V of the positions it computed."""
-
-    keys: list[mx.array | None]
-    values: list[mx.array | None]
-    last: list[tuple[mx.array, mx.array] | None]
-
-    @classmethod
-    def empty(cls, layers: int) -> "FrozenCanvas":
-        return cls([None] * layers, [None] * layers, [None] * layers)
-
-    def freeze(self, rows: mx.array) -> None:
-        """Keep the K/V of ``rows`` (indexes into the latest call's computed positions) for good."""
-        for i, (k, v) in enumerate(self.last):
-            k, v = k[:, :, rows], v[:, :, rows]
-            if self.keys[i] is not None:
-                k = mx.concatenate([self.keys[i], k], axis=2)
-                v = mx.concatenate([self.values[i], v], axis=2)
-            self.keys[i], self.values[i] = k, v
-
-
-@dataclass
-class KVCache:
-    """The encoder's cache: one ``LayerCache`` per layer and the number of positions encoded."""
-
-    layers: list[LayerCache]
-    offset: int = 0
-
-    def state(self) -> list[mx.array]:
-        return [a for c in self.layers if c.keys is not None for a in (c.keys, c.values)]
+    # Concrete values, not a lazy graph: a lazy one would be evaluated on the stream of the thread that
+    # built the model, which another thread (an app's generation thread) does not have.
+    periods = [theta ** (2.0 * i / head_dim) if i < rotated else math.inf for i in range(half)]
+    return mx.array(periods, dtype=mx.float32)
 
 
 class Attention(nn.Module):
@@ -125,37 +73,36 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         kind = "sliding_attention" if self.sliding else "full_attention"
         self._periods = rope_periods(d, cfg.rope_parameters[kind])
+        self.kernels = device_kernels.MLX
 
-    def _rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
-        if isinstance(offset, int):
+    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
+        """``positions``: each row's first position [B] (a run), or every position [B, T]."""
+        if positions.ndim == 1:
             return mx.fast.rope(
-                x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._periods
+                x, self.head_dim, traditional=False, base=None, scale=1.0, offset=positions, freqs=self._periods
             )
-        # Positions that are not a run (a compacted canvas, or [B, T] per row in training): the same
-        # rotation, spelled out.
-        angles = offset.astype(mx.float32)[..., None] / self._periods
-        if angles.ndim == 3:
-            angles = angles[:, None]  # [B, 1, T, head_dim / 2]: one set of positions per row
-        cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
-        half = self.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+        # Positions that are not a run (a compacted canvas): each position as a run of one, so that
+        # the rotation is the very same arithmetic.
+        B, H, T, D = x.shape
+        runs = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)
+        runs = mx.fast.rope(runs, self.head_dim, traditional=False, base=None, scale=1.0,
+                            offset=positions.reshape(-1), freqs=self._periods)
+        return runs.reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
-    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Queries, keys and values as [B, heads, T, head_dim], normed and rotated; ``offset`` is the
-        first position, or an array of T positions, or [B, T] positions (one set per row)."""
+    def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values as [B, heads, T, head_dim], normed and rotated at ``positions``."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim))
         k_raw = self.k_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim)
         v_raw = self.v_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim) if self.sliding else k_raw
-        q = self._rope(q.transpose(0, 2, 1, 3), offset)
-        k = self._rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset)
+        q = self._rope(q.transpose(0, 2, 1, 3), positions)
+        k = self._rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), positions)
         v = rms_norm_noscale(v_raw, self.eps).transpose(0, 2, 1, 3)
         return q, k, v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
         B, _, T, _ = q.shape
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        out = self.kernels.attention(q, k, v, mask)  # scale 1: the Q/K norms stand in for 1/sqrt(d)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -245,12 +192,6 @@ def _per_segment(x: mx.array, counts: list[int], product) -> mx.array:
     return mx.concatenate(outputs)
 
 
-# Rows per expert (on average) from which per-expert BLAS beats gather_mm on the CPU. Measured on 2
-# cores (benchmarks/expert_dispatch.py): gather 0.85x the time at 0.2-1 rows (an AR token), 0.95x at
-# 2, 1.1x at 4, 1.4-1.9x from 8.
-SEGMENT_MIN_ROWS = 1
-
-
 class Experts(nn.Module):
     """``num_experts`` GeGLU FFNs; fused ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
 
@@ -260,16 +201,10 @@ class Experts(nn.Module):
         self.down_proj = ExpertLinear(cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts)
         self.inner = cfg.moe_intermediate_size
         self.num_experts = cfg.num_experts
-
-    def _per_expert_products(self, rows: int) -> bool:
-        """On the CPU, one BLAS product per expert, unless experts get few rows each (a short
-        canvas, a single AR token) and gather_mm's row-by-row products, without the host sync,
-        cost less; gather_mm on the CPU takes float32 weights only."""
-        if not cpu_kernels.on_cpu():
-            return False
-        weight = self.gate_up_proj.weight
-        few = rows < SEGMENT_MIN_ROWS * self.num_experts
-        return not (few and isinstance(self.gate_up_proj, ExpertLinear) and weight.dtype == mx.float32)
+        self.kernels = device_kernels.MLX
+        # Under mx.distributed (distributed.py): this rank's contiguous range of experts, whose
+        # weights alone it holds, and the group its share of the output is summed over.
+        self.shard = None
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
         shape, k = x.shape, idx.shape[-1]
@@ -279,21 +214,52 @@ class Experts(nn.Module):
         order = mx.argsort(flat)
         sorted_idx = flat[order]
         xs = x[order // k]
-        if self._per_expert_products(xs.shape[0]):
-            # MLX's CPU gather_mm multiplies row by row (and only in float32); one BLAS product per
-            # expert is ~4x faster. It needs the per-expert counts on the host: one sync per layer,
-            # which costs nothing on the CPU, where there is no device queue to drain.
-            counts = np.bincount(np.array(sorted_idx), minlength=self.num_experts).tolist()
-            gate_up = self.gate_up_proj.segments(xs, counts)
-            h = nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
-            y = self.down_proj.segments(h, counts).astype(x.dtype)
+        # gather_mm takes float32 weights only on the CPU, where the kernels then never choose it
+        gather_ok = isinstance(self.gate_up_proj, ExpertLinear) and self.gate_up_proj.weight.dtype == mx.float32
+        counts = self.kernels.expert_counts(sorted_idx, self.num_experts, gather_ok)
+        if self.shard is not None:
+            # Each copy's output comes from the one rank that holds its expert (the others add
+            # zeros): the very numbers of a single process, so sharded text equals unsharded text.
+            y = self.shard.all_sum(self._local_outputs(xs, sorted_idx, counts).astype(x.dtype))
+        elif counts is not None:
+            y = self._ffn_segments(xs, counts).astype(x.dtype)
         else:
-            gate_up = self.gate_up_proj(xs[:, None, :], sorted_idx)
-            h = nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
-            y = self.down_proj(h, sorted_idx)[:, 0]
+            y = self._ffn_gather(xs, sorted_idx)
         y = y[mx.argsort(order)].reshape(-1, k, shape[-1])
         out = (y.astype(mx.float32) * weights.reshape(-1, k, 1)).sum(axis=1)
         return out.astype(x.dtype).reshape(shape)
+
+    def _ffn_segments(self, xs: mx.array, counts: list[int]) -> mx.array:
+        gate_up = self.gate_up_proj.segments(xs, counts)
+        return self.down_proj.segments(nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :], counts)
+
+    def _ffn_gather(self, xs: mx.array, sorted_idx: mx.array) -> mx.array:
+        gate_up = self.gate_up_proj(xs[:, None, :], sorted_idx)
+        h = nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
+        return self.down_proj(h, sorted_idx)[:, 0]
+
+    def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None) -> mx.array:
+        """The outputs [N, H] of the copies routed to this rank's experts, zero for the others."""
+        start, stop = self.shard.start, self.shard.stop
+        n = stop - start
+        if counts is not None:  # this rank's copies are one run of the sorted ones
+            first = sum(counts[:start])
+            last = first + sum(counts[start:stop])
+            parts = [mx.zeros((first, xs.shape[-1]), xs.dtype)]
+            if last > first:
+                parts.append(self._ffn_segments(xs[first:last], counts[start:stop]).astype(xs.dtype))
+            parts.append(mx.zeros((xs.shape[0] - last, xs.shape[-1]), xs.dtype))
+            return mx.concatenate(parts)
+        local = sorted_idx.astype(mx.int32) - start
+        mine = (local >= 0) & (local < n)
+        # Other ranks' copies borrow the lowest / highest local expert in use (no other weights
+        # read, the indices stay sorted); their outputs are zeroed.
+        lowest = mx.where(mine, local, n).min()
+        highest = mx.where(mine, local, -1).max()
+        below = mx.where(lowest < n, lowest, 0)
+        above = mx.where(highest >= 0, highest, 0)
+        local = mx.where(local < 0, below, mx.where(local >= n, above, local))
+        return mx.where(mine[:, None], self._ffn_gather(xs, local), 0)
 
 
 class Layer(nn.Module):
@@ -317,6 +283,16 @@ class Layer(nn.Module):
         ):
             setattr(self, name, RMSNorm(dims, eps))
         self.layer_scalar = mx.ones((1,))  # the denoiser's; the encoder's live in EncoderScalars
+
+    def __call__(self, h: mx.array, positions: mx.array, mask: mx.array | None, cache, scalar: mx.array,
+                 attention_only: bool = False) -> mx.array:
+        """One layer over h [B, T, H] at ``positions``: ``cache`` appends the new K/V and returns all
+        the keys they attend to (the encoder's cache, or a canvas view for the denoiser)."""
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(h), positions)
+        k, v = cache.update_and_fetch(k, v)
+        r = h + self.post_attention_layernorm(attn.attend(q, k, v, mask))
+        return r if attention_only else self.feed_forward(r) * scalar
 
     def feed_forward(self, r: mx.array) -> mx.array:
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
@@ -400,14 +376,23 @@ class DiffusionGemma(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
+        self.use_kernels(device_kernels.for_device())
 
     @property
     def layers(self) -> list[Layer]:
         return self.model.decoder.layers
 
-    def make_cache(self) -> KVCache:
+    def use_kernels(self, kernels: device_kernels.Kernels) -> None:
+        """The device's fast paths (kernels.py); chosen for the default device when the model is made."""
+        self.kernels = kernels
+        for layer in self.layers:
+            layer.experts.kernels = layer.self_attn.kernels = kernels
+
+    def make_cache(self, left_padding: list[int] | None = None) -> KVCache:
+        """An empty cache for one row, or for ``len(left_padding)`` left-padded rows."""
         cfg = self.config
-        return KVCache([LayerCache(cfg.sliding_window if cfg.is_sliding(i) else None) for i in range(len(self.layers))])
+        windows = [cfg.sliding_window if cfg.is_sliding(i) else None for i in range(len(self.layers))]
+        return KVCache(windows, left_padding or [0], slack=cfg.canvas_length)
 
     def _embed(self, ids: mx.array) -> mx.array:
         embed = self.model.decoder.embed_tokens
@@ -415,69 +400,72 @@ class DiffusionGemma(nn.Module):
         scale = mx.array(math.sqrt(self.config.hidden_size), dtype=_embedding_dtype(embed, h.dtype))
         return h * scale.astype(h.dtype)
 
-    def _encoder_masks(self, length: int, cache: KVCache) -> dict[bool, mx.array | None]:
-        """Causal masks for ``length`` new positions after the cache, keyed by ``sliding``."""
-        masks = {}
-        q_pos = mx.arange(cache.offset, cache.offset + length)[:, None]
-        for layer, c in zip(self.layers, cache.layers):
-            sliding = layer.self_attn.sliding
-            if sliding in masks:
-                continue
-            k_pos = mx.arange(cache.offset - c.length, cache.offset + length)[None, :]
-            allowed = k_pos <= q_pos
-            if sliding:
-                allowed = allowed & (k_pos > q_pos - self.config.sliding_window)
-            masks[sliding] = allowed
-        return masks
+    def encode(self, ids: mx.array, cache: KVCache, return_hidden: bool = False, pixel_values=None,
+               image_position_ids=None, mm_token_type_ids=None) -> mx.array | None:
+        """Run the causal encoder over ``ids`` [B, T] (rows left-padded as the cache says) and append
+        their K/V to ``cache``; nothing is evaluated here.
 
-    def encode(self, ids: mx.array, cache: KVCache, return_hidden: bool = False) -> mx.array | None:
-        """Run the causal encoder over ``ids`` [1, T] and append their K/V to ``cache``.
-
-        With ``return_hidden`` it returns the final-normed hidden states [1, T, H] (next-token
+        With ``return_hidden`` it returns the final-normed hidden states [B, T, H] (next-token
         prediction through ``head``); otherwise the last layer's feed-forward, which only feeds
         those states, is skipped.
+
+        Images (vision.py): ``pixel_values`` and ``image_position_ids`` as ``images.preprocess``
+        returns them; their soft tokens replace the image tokens of ``ids``, and each run of image
+        tokens (``mm_token_type_ids``, by default the image tokens of ``ids``) attends to itself
+        bidirectionally.
         """
-        ids = mx.array(ids, dtype=mx.int32).reshape(1, -1)
-        masks = self._encoder_masks(ids.shape[1], cache)
+        ids = _rows(ids)
+        if ids.shape[0] != cache.batch_size:
+            raise ValueError(f"{ids.shape[0]} rows of ids for a cache of {cache.batch_size} rows")
+        T, positions = ids.shape[1], cache.lengths
+        masks = [cache.encoder_mask(i, T) for i in range(len(self.layers))]
         scalars = self.model.encoder.language_model.layers
         h = self._embed(ids)
+        if pixel_values is not None:
+            h = vision.place_image_features(self, ids, h, pixel_values, image_position_ids)
+            if mm_token_type_ids is None:
+                mm_token_type_ids = ids == self.config.image_token_id
+        if mm_token_type_ids is not None and self.config.use_bidirectional_attention == "vision":
+            masks = vision.with_image_blocks(masks, vision.image_blocks(mm_token_type_ids))
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), cache.offset)
-            k, v = c.append(k, v)
-            r = h + layer.post_attention_layernorm(attn.attend(q, k, v, masks[attn.sliding]))
-            if i == last and not return_hidden:
-                break
-            h = layer.feed_forward(r) * scalars[i].layer_scalar
-        cache.offset += ids.shape[1]
-        mx.eval(cache.state())
+            h = layer(h, positions, masks[i], c, scalars[i].layer_scalar, attention_only=i == last and not return_hidden)
         return self.model.decoder.norm(h) if return_hidden else None
 
-    def next_token_logits(self, ids: mx.array, cache: KVCache) -> mx.array:
-        """Autoregressive mode: encode ``ids`` [1, T] and return the next-token logits [1, V].
+    def next_token_logits(self, ids: mx.array, cache: KVCache, **vision_inputs) -> mx.array:
+        """Autoregressive mode: encode ``ids`` [B, T] and return the next-token logits [B, V].
 
         The encoder is trained as a causal LM too, so its final-normed hidden state at the last
         position through the tied, soft-capped head predicts the next token.
         """
-        return self.head(self.encode(ids, cache, return_hidden=True)[:, -1])
+        return self.head(self.encode(ids, cache, return_hidden=True, **vision_inputs)[:, -1])
 
-    def denoise(self, canvas: mx.array, cache: KVCache, self_conditioning: mx.array | None = None,
-                self_conditioning_probs: mx.array | None = None, active: mx.array | None = None,
-                frozen: FrozenCanvas | None = None) -> mx.array:
-        """Logits [1, C, V] (float32, soft-capped) for a canvas [1, C]; the cache is only read.
+    def denoise(self, canvas: mx.array, cache: KVCache | CanvasView, self_conditioning: mx.array | None = None,
+                self_conditioning_probs: mx.array | None = None, active: mx.array | None = None) -> mx.array:
+        """Logits [B, C, V] (float32, soft-capped) for a canvas [B, C]; the cache is only read.
 
-        ``self_conditioning`` is the previous step's temperature-scaled logits [1, C, V] or None.
-        A sampler that already has their softmax passes it as ``self_conditioning_probs`` to save a
-        vocabulary-wide pass (used with float32 embeddings, where it is the same number).
+        ``cache`` is the encoder's cache, or a ``CanvasView`` of it that the sampler lays out once
+        per canvas (``cache.canvas_view(C)``) and passes to every step. ``self_conditioning`` is
+        the previous step's temperature-scaled logits [B, C, V] or None. A sampler that already has
+        their softmax passes it as ``self_conditioning_probs`` to save a vocabulary-wide pass (used
+        with float32 embeddings, where it is the same number).
 
-        Active-set compaction (not the reference's computation): with ``active`` (sorted canvas
-        indexes [A]) only those positions are computed, ``canvas`` and the self-conditioning inputs
-        hold just their rows, and they attend to the prefix, to each other and to ``frozen``'s K/V;
-        the logits are [1, A, V]. ``frozen.last`` receives the computed positions' K/V.
+        Active-set compaction (not the reference's computation): with ``active`` (canvas indexes
+        [B, A], sorted per row; a view is required) only those positions are computed: ``canvas``
+        and the self-conditioning inputs hold just their rows, they attend to the prefix, to each
+        other and to the K/V the view holds for the other canvas positions from when they were
+        last computed; the logits are [B, A, V].
         """
-        canvas = mx.array(canvas, dtype=mx.int32).reshape(1, -1)
-        positions = cache.offset if active is None else cache.offset + active
+        canvas = _rows(canvas)
+        if isinstance(cache, KVCache):
+            if active is not None:
+                raise ValueError("active-set compaction needs a CanvasView that keeps the canvas's K/V")
+            cache = cache.canvas_view(canvas.shape[1])
+        view = cache
+        if active is not None and active.ndim == 1:
+            active = mx.broadcast_to(active[None], canvas.shape)
+        positions = view.positions if active is None else view.positions[:, None] + active
+        view.set_active(active)
         decoder = self.model.decoder
         h = self._embed(canvas)
         signal = None
@@ -487,32 +475,21 @@ class DiffusionGemma(nn.Module):
                 probs = self_conditioning_probs
             else:
                 # The reference keeps the previous step's logits in the embedding dtype before the softmax.
-                logits = self_conditioning.astype(dtype).astype(mx.float32)
-                probs = (cpu_kernels.softmax(logits) if cpu_kernels.on_cpu()
-                         else mx.softmax(logits, axis=-1, precise=True)).astype(dtype)
+                probs = self.kernels.softmax(self_conditioning.astype(dtype).astype(mx.float32)).astype(dtype)
             scale = mx.array(math.sqrt(self.config.hidden_size), dtype=dtype).astype(h.dtype)
             signal = (_soft_embed(decoder.embed_tokens, probs) * scale).astype(h.dtype)
         h = decoder.self_conditioning(h, signal)
-        for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), positions)
-            if frozen is not None:
-                frozen.last[i] = (k, v)
-                if frozen.keys[i] is not None:
-                    k = mx.concatenate([frozen.keys[i], k], axis=2)
-                    v = mx.concatenate([frozen.values[i], v], axis=2)
-            if c.keys is not None:  # the canvas sees the cached prefix and itself, bidirectionally
-                k = mx.concatenate([c.keys, k], axis=2)
-                v = mx.concatenate([c.values, v], axis=2)
-            r = h + layer.post_attention_layernorm(attn.attend(q, k, v, None))
-            h = layer.feed_forward(r) * layer.layer_scalar
+        for layer, layer_view, mask in zip(self.layers, view.layers, view.masks):
+            h = layer(h, positions, mask, layer_view, layer.layer_scalar)
         return self.head(decoder.norm(h))
 
     def head(self, hidden: mx.array) -> mx.array:
         """Tied output head with the fp32 soft-cap."""
-        embed = self.model.decoder.embed_tokens
-        cap = self.config.final_logit_softcapping
-        logits = embed.as_linear(hidden).astype(mx.float32)
-        if cpu_kernels.on_cpu():
-            return cpu_kernels.softcap(logits, cap)
-        return cap * mx.tanh(logits / cap)
+        logits = self.model.decoder.embed_tokens.as_linear(hidden).astype(mx.float32)
+        return self.kernels.softcap(logits, self.config.final_logit_softcapping)
+
+
+def _rows(ids) -> mx.array:
+    """Token ids as int32 [B, T] (a flat sequence is one row)."""
+    ids = mx.array(ids, dtype=mx.int32) if not isinstance(ids, mx.array) else ids.astype(mx.int32)
+    return ids.reshape(1, -1) if ids.ndim < 2 else ids

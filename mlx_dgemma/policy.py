@@ -10,8 +10,10 @@ on how many steps a canvas takes: the crossover is ``256 · t_token / t_step(256
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import platform
 import sys
 import time
@@ -23,7 +25,9 @@ import mlx.core as mx
 from .config import FULL, GenerationConfig, ModelConfig
 
 CANVAS_LENGTHS = (16, 32, 64, 128, 256)
-POLICIES = ("reference", "auto", "fast", "ar")
+DRAFT_LENGTHS = (2, 4, 8, 16, 32, 64, 128, 256)  # verified drafting's candidates (up to the canvas length)
+DRAFT_STEPS = (1, 2)
+POLICIES = ("reference", "auto", "fast", "ar", "verified")
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ EFFICIENCY = {
     "nvidia": Efficiency(compute=0.12, bandwidth=0.7, per_layer_s=20e-6),
 }
 
-# The released google/diffusiongemma-26B-A4B-it (REFERENCE.md §1).
+# The released google/diffusiongemma-26B-A4B-it (its config.json's text_config).
 RELEASED = ModelConfig(
     vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
     num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -99,13 +103,31 @@ class Cost:
     bytes: float
 
 
-def forward_cost(cfg: ModelConfig, tokens: int, prefix: int, bits: float, denoise: bool) -> Cost:
+def forward_cost(cfg: ModelConfig, tokens: int, prefix: int, bits: float, denoise: bool,
+                 logits: int | None = None) -> Cost:
     """FLOPs and bytes moved by one forward over ``tokens`` positions after ``prefix`` cached ones.
 
-    ``bits`` is the average bits per weight (16 for bf16, ≈4.5 for the 4-bit mixed recipe). Weights
-    are read once per forward; an expert is read if any token routes to it.
+    The cost model, the same for a 256-position step, a 2-token draft and an AR token:
+
+    - weights are read once per forward (``bits`` per weight on average: 16 for bf16, ≈4.5 for the
+      4-bit mixed recipe): every layer's attention, dense MLP and router, the tied embedding/head
+      (H·V), and each expert at least one position routes to. With E experts and top-k routing, L
+      positions touch E·(1 − (1 − k/E)^L) of them on average (8 of 128: 6% for one token, 40% at
+      L = 8, 87% at 32, all at 256): a short draft on a mixture of experts reads most of the model,
+      which is why it costs several AR tokens on a bandwidth-bound device;
+    - FLOPs: 2 per weight per position for the dense parts and the top-k experts; attention over the
+      keys each position sees (denoising: the prefix and the whole canvas; the encoder: the prefix and
+      the causal half of the new tokens); the head over ``logits`` positions (default: every position
+      when denoising, the last one otherwise; a verifying pass takes all); denoising adds the
+      self-conditioning soft embedding (V·H per position) and MLP;
+    - bytes: the weights, the K/V cache read (bf16), and fp32 logits passes ([logits, V]: ~4 when
+      denoising — soft-cap, tempered softmax, entropy, self-conditioning softmax — 2 otherwise);
+    - seconds (``predicted_seconds``): max(FLOPs / (peak · compute efficiency), bytes / (bandwidth ·
+      bandwidth efficiency)) plus a fixed cost per layer per forward (launches and synchronisation),
+      which dominates short passes on a small model.
     """
     H, V = cfg.hidden_size, cfg.vocab_size
+    logits = (tokens if denoise else 1) if logits is None else logits
     weight_bytes = bits / 8
     macs = 0.0
     params = 0.0
@@ -118,15 +140,14 @@ def forward_cost(cfg: ModelConfig, tokens: int, prefix: int, bits: float, denois
         expert = 3 * H * cfg.moe_intermediate_size
         touched = cfg.num_experts * (1 - (1 - cfg.top_k_experts / cfg.num_experts) ** tokens)
         seen = prefix if cfg.layer_types[layer] == FULL else min(prefix, cfg.sliding_window - 1)
-        keys = seen + (tokens if denoise else 1)
+        keys = seen + (tokens if denoise else (tokens + 1) / 2)
         macs += tokens * (attn + dense + cfg.top_k_experts * expert)
         macs += tokens * 2 * cfg.num_attention_heads * d * keys
         params += attn + dense + touched * expert
         kv_bytes += 2 * seen * kv * d * 2
-    heads = 2 if denoise else 1  # the tied head, plus the self-conditioning soft embedding
-    macs += heads * tokens * H * V + (3 * tokens * H * cfg.intermediate_size if denoise else 0)
+    macs += logits * H * V + (tokens * H * V + 3 * tokens * H * cfg.intermediate_size if denoise else 0)
     params += H * V
-    logits_bytes = 4 * 4 * tokens * V if denoise else 0  # fp32 logits, ~4 vocabulary passes
+    logits_bytes = 4 * (4 if denoise else 2) * logits * V if logits > 1 else 0
     return Cost(flops=2 * macs, bytes=params * weight_bytes + kv_bytes + logits_bytes)
 
 
@@ -147,17 +168,23 @@ class Profile:
     ar_token_s: float
     prefill_tok_s: float
     dtype: str = ""
+    # One encoder forward over L tokens with next-token logits at each (verified drafting's check).
+    verify_s_by_length: dict[int, float] = field(default_factory=dict)
 
     def step_s(self, canvas: int) -> float:
         """Step time at any canvas length, interpolated linearly between measured lengths."""
-        points = sorted(self.step_s_by_canvas.items())
-        if canvas <= points[0][0]:
-            return points[0][1] * max(canvas, 1) / points[0][0] if len(points) == 1 else points[0][1]
-        for (c0, s0), (c1, s1) in zip(points, points[1:]):
-            if canvas <= c1:
-                return s0 + (s1 - s0) * (canvas - c0) / (c1 - c0)
-        c_last, s_last = points[-1]
-        return s_last * canvas / c_last
+        return _interpolate(self.step_s_by_canvas, canvas)
+
+    def verify_s(self, length: int) -> float:
+        """An encoder pass over ``length`` tokens with their next-token logits; where it was not
+        measured, a denoising step of that length (the same layers, one vocabulary pass fewer)."""
+        if length == 1:
+            return self.ar_token_s
+        return _interpolate(self.verify_s_by_length, length) if self.verify_s_by_length else self.step_s(length)
+
+    def verified_tok_s(self, length: int, steps: int, tokens_per_round: float) -> float:
+        """Tokens/s of verified drafting: a round is ``steps`` denoising steps and one verify pass."""
+        return tokens_per_round / (steps * self.step_s(length) + self.verify_s(length))
 
     @property
     def ar_tok_s(self) -> float:
@@ -175,9 +202,30 @@ class Profile:
 
     @classmethod
     def from_json(cls, raw: dict) -> "Profile":
-        raw = dict(raw)
-        raw["step_s_by_canvas"] = {int(k): float(v) for k, v in raw["step_s_by_canvas"].items()}
-        return cls(**raw)
+        """A profile from ``to_json``'s dict; ValueError if any figure is missing or not a positive time."""
+        try:
+            raw = dict(raw)
+            raw["step_s_by_canvas"] = {int(k): float(v) for k, v in raw["step_s_by_canvas"].items()}
+            raw["verify_s_by_length"] = {int(k): float(v) for k, v in raw.get("verify_s_by_length", {}).items()}
+            profile = cls(**raw)
+            figures = [*profile.step_s_by_canvas.values(), float(profile.ar_token_s), float(profile.prefill_tok_s)]
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a device profile ({type(e).__name__}: {e})") from None
+        if not profile.step_s_by_canvas or not all(0 < f < float("inf") for f in figures):
+            raise ValueError("not a device profile (its times must be positive)")
+        return profile
+
+
+def _interpolate(points_by_length: dict[int, float], length: int) -> float:
+    """Linear between measured lengths; below the shortest, its value; beyond the longest, proportional."""
+    points = sorted(points_by_length.items())
+    if length <= points[0][0]:
+        return points[0][1] * max(length, 1) / points[0][0] if len(points) == 1 else points[0][1]
+    for (c0, s0), (c1, s1) in zip(points, points[1:]):
+        if length <= c1:
+            return s0 + (s1 - s0) * (length - c0) / (c1 - c0)
+    c_last, s_last = points[-1]
+    return s_last * length / c_last
 
 
 def default_bits(device: Device, cfg: ModelConfig = RELEASED) -> float:
@@ -206,20 +254,28 @@ def predict(device: Device | str, cfg: ModelConfig = RELEASED, bits: float | Non
     if bits is None:
         bits = default_bits(device, cfg)
     layers = cfg.num_hidden_layers
-    steps = {
-        c: predicted_seconds(device, forward_cost(cfg, c, prefix, bits, denoise=True), layers) for c in CANVAS_LENGTHS
-    }
+    lengths = sorted(set(CANVAS_LENGTHS) | set(DRAFT_LENGTHS))
+    steps = {c: predicted_seconds(device, forward_cost(cfg, c, prefix, bits, denoise=True), layers) for c in lengths}
+    verify = {n: predicted_seconds(device, forward_cost(cfg, n, prefix, bits, denoise=False, logits=n), layers)
+              for n in DRAFT_LENGTHS}
     ar = predicted_seconds(device, forward_cost(cfg, 1, prefix, bits, denoise=False), layers)
     prefill = predicted_seconds(device, forward_cost(cfg, prefix, 0, bits, denoise=False), layers)
-    return Profile(device.name, "predicted", steps, ar, prefix / prefill, f"{bits:g}-bit")
+    return Profile(device.name, "predicted", steps, ar, prefix / prefill, f"{bits:g}-bit", verify)
 
 
 def predicted_table(steps: float = 16, cfg: ModelConfig = RELEASED) -> dict[str, dict[str, float]]:
+    """Per known device: AR and diffusion (``steps`` per 256-canvas) tok/s, and verified drafting at
+    its best draft length and steps for the demo's acceptance (``PRIOR_ALPHA``: a draft of 32 keeps
+    ~6.7 tokens per round with one step, ~9.7 with two) and at half those tokens per round."""
     table = {}
     for name in KNOWN_DEVICES:
         p = predict(name, cfg)
         diffusion = p.diffusion_tok_s(steps)
-        table[name] = {"ar_tok_s": p.ar_tok_s, "diffusion_tok_s": diffusion, "speedup": diffusion / p.ar_tok_s}
+        row = {"ar_tok_s": p.ar_tok_s, "diffusion_tok_s": diffusion, "speedup": diffusion / p.ar_tok_s}
+        for key, acceptance in (("verified", Acceptance()), ("verified_half", Acceptance.scaled(0.5))):
+            length, draft_steps, tok_s = best_draft(p, acceptance, cfg.canvas_length if cfg.canvas_length else 256)
+            row.update({f"{key}_tok_s": tok_s, f"{key}_length": length, f"{key}_steps": draft_steps})
+        table[name] = row
     return table
 
 
@@ -239,7 +295,8 @@ def device_name() -> str:
 def model_fingerprint(model) -> str:
     cfg = model.config
     dtype = str(model.model.decoder.norm.weight.dtype)
-    raw = json.dumps([asdict(cfg), dtype, str(mx.default_device())], sort_keys=True, default=str)
+    # "verified": profiles from before verified drafting lack its timings and are measured again
+    raw = json.dumps([asdict(cfg), dtype, str(mx.default_device()), "verified"], sort_keys=True, default=str)
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -255,23 +312,31 @@ def time_canvas(model, cache, steps: int, canvas: int, seed: int = 0) -> float:
 
 
 def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, ar_tokens: int = 8,
-            steps: int = 3) -> Profile:
-    """Time real sampler steps (forward, self-conditioning, sampling) per canvas length, AR tokens
-    and prefill on this device; each figure is the best of ``repeats`` after a warm-up."""
+            steps: int = 3, draft_lengths=DRAFT_LENGTHS) -> Profile:
+    """Time real sampler steps (forward, self-conditioning, sampling) per canvas length (and per draft
+    length up to the model's canvas), verifying encoder passes per draft length, AR tokens and
+    prefill on this device; each figure is the best of ``repeats`` after a warm-up."""
     cfg = model.config
     ids = mx.random.randint(3, cfg.vocab_size, (1, prefix), key=mx.random.key(0))
     cache = model.make_cache()
     start = time.perf_counter()
     model.encode(ids, cache)
+    mx.eval(cache.state())
     prefill_s = time.perf_counter() - start
+    drafts = [n for n in draft_lengths if n <= cfg.canvas_length]
     step_s = {}
-    for c in canvases:
+    for c in sorted(set(canvases) | set(drafts)):
         time_canvas(model, cache, 1, c)  # warm-up: kernels and buffers for this shape
         step_s[c] = min(time_canvas(model, cache, steps, c) for _ in range(repeats)) / steps
+    verify_s = {}
+    for n in drafts:
+        time_verify(model, cache, n)
+        verify_s[n] = min(time_verify(model, cache, n) for _ in range(repeats))
 
     def ar_run():
         ar_cache = model.make_cache()
         model.encode(ids, ar_cache)
+        mx.eval(ar_cache.state())
         token = ids[:, -1:]
         start = time.perf_counter()
         for _ in range(ar_tokens):
@@ -282,24 +347,78 @@ def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, 
     ar_run()
     ar = min(ar_run() for _ in range(repeats))
     dtype = str(model.model.decoder.norm.weight.dtype).replace("mlx.core.", "")
-    return Profile(device_name(), "measured", step_s, ar, prefix / prefill_s, dtype)
+    return Profile(device_name(), "measured", step_s, ar, prefix / prefill_s, dtype, verify_s)
 
 
-def profile_cache_path(model, root: Path | None = None) -> Path:
-    root = root or Path.home() / ".cache" / "mlx_dgemma" / "profiles"
+def time_verify(model, cache, length: int) -> float:
+    """Seconds for verified drafting's check: an encoder pass over ``length`` tokens, their
+    next-token predictions on the host, and the cache trimmed back."""
+    ids = mx.random.randint(3, model.config.vocab_size, (1, length), key=mx.random.key(length))
+    start = time.perf_counter()
+    predictions = model.head(model.encode(ids, cache, return_hidden=True))[0].argmax(-1)
+    predictions.tolist()
+    cache.trim(length)
+    return time.perf_counter() - start
+
+
+def profile_cache_path(model, root: Path | None = None) -> Path | None:
+    """Where this machine's profile of ``model`` is cached; None without a home folder to keep it in."""
+    if root is None:
+        try:
+            root = Path.home() / ".cache" / "mlx_dgemma" / "profiles"
+        except (RuntimeError, KeyError):  # no HOME and no password entry
+            return None
     return root / f"{platform.node() or 'host'}-{model_fingerprint(model)}.json"
 
 
 def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Profile:
-    """The measured profile of this machine and model, measured once and cached on disk."""
+    """The measured profile of this machine and model, measured once and cached on disk. A damaged
+    cache file is measured again and replaced; a cache that cannot be written is said, not fatal.
+    A model sharded over several ranks (distributed.py) uses rank 0's profile on every rank, so
+    that all of them plan alike; they measure together, since every forward involves them all."""
+    group = getattr(model, "group", None)
+    lead = group is None or group.rank() == 0
     path = profile_cache_path(model, root)
-    if path.exists() and not refresh:
-        return Profile.from_json(json.loads(path.read_text()))
-    print(f"measuring denoising steps and AR tokens on this device, once (cached in {path})", file=sys.stderr)
+    profile = _read_cached_profile(path) if lead and not refresh else None
+    if group is not None:
+        from .distributed import from_rank0
+
+        if not from_rank0(profile is None, group):
+            return Profile.from_json(from_rank0(profile.to_json() if lead else None, group))
+    elif profile is not None:
+        return profile
+    if lead:
+        print(f"measuring denoising steps and AR tokens on this device, once (cached in {path})", file=sys.stderr)
     profile = measure(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.to_json(), indent=2))
+    if group is not None:
+        profile = Profile.from_json(from_rank0(profile.to_json(), group))
+    if not lead:
+        return profile
+    if path is None:
+        print("no home folder to cache the device profile in; it will be measured again next time", file=sys.stderr)
+        return profile
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(profile.to_json(), indent=2))
+        tmp.replace(path)  # whole or not at all: a killed run leaves no truncated cache
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        print(f"cannot cache the device profile in {path} ({e.strerror or e}); it will be measured again "
+              "next time", file=sys.stderr)
     return profile
+
+
+def _read_cached_profile(path: Path | None) -> Profile | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return Profile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0] or type(e).__name__
+        print(f"ignoring the damaged device profile {path} ({reason}); measuring again", file=sys.stderr)
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,17 +439,35 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     freeze_after: int = 0  # active-set compaction (sampler.SamplerSettings.freeze_after)
     stability_threshold: int | None = None  # None: the generation config's
+    draft_length: int = 0  # verified drafting (drafting.py): canvas positions per draft, the known token included
+    draft_steps: int = 0  # verified drafting: denoising steps per draft
 
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"
         if self.mode == "diffusion":
             head += f", ≤{self.steps} steps/canvas, entropy bound {self.entropy_bound:g}"
+            head += f", t {self.t_min:g}–{self.t_max:g}"
             if self.freeze_after:
                 head += f", positions settled for {self.freeze_after} step(s) frozen"
             if self.stability_threshold is not None:
                 head += f", stability threshold {self.stability_threshold}"
             head += ", last canvas trimmed to the tokens wanted" if self.trim_last_canvas else ", full canvases"
+        if self.mode == "verified":
+            head += f", drafts of {self.draft_length} tokens in {self.draft_steps} step(s), verified by the encoder"
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
+
+    def using(self, settings) -> Plan:
+        """The plan with the sampler settings the generation really uses (the caller's overrides of
+        steps, bound, temperatures, freezing and stability), naming those that differ from it."""
+        numbers = {"steps": settings.steps, "entropy_bound": settings.entropy_bound, "t_min": settings.t_min,
+                   "t_max": settings.t_max, "freeze_after": settings.freeze_after}
+        if self.stability_threshold is not None:  # None: the generation config's, whatever it is
+            numbers["stability_threshold"] = settings.stability_threshold
+        changed = {k: v for k, v in numbers.items() if getattr(self, k) != v}
+        if not changed:
+            return self
+        given = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in changed.items())
+        return replace(self, **changed, reasons=self.reasons + [f"set by the caller: {given}"])
 
     def last_canvas_length(self, remaining: int, canvas: int) -> int:
         """Length of a canvas when only ``remaining`` tokens are still wanted: whole canvases unless
@@ -351,8 +488,12 @@ def make_plan(
     max_tokens: int,
     profile: Profile | None = None,
     expected_steps: float | None = None,
+    draft_length: int | None = None,
+    draft_steps: int | None = None,
+    acceptance: "Acceptance | None" = None,
 ) -> Plan:
     """Turn a policy name, the generation config, the request and the device profile into a plan.
+    ``acceptance`` is verified drafting's running estimate (the model's, see ``auto_planner``).
 
     ``expected_steps`` is how many steps a canvas typically takes with this model (the stop rule
     usually fires well before the limit); without it the step limit is assumed.
@@ -368,6 +509,8 @@ def make_plan(
         return reference
     if policy == "ar":
         return replace(reference, mode="ar", reasons=["autoregressive decoding requested (the encoder as a causal LM)"])
+    if policy == "verified":
+        return verified_plan(reference, canvas, profile, draft_length, draft_steps, acceptance)
     if policy == "fast":
         return replace(
             reference, trim_last_canvas=True, freeze_after=FREEZE_AFTER, stability_threshold=0,
@@ -380,21 +523,227 @@ def make_plan(
     # auto
     if profile is None:
         return replace(reference, trim_last_canvas=True, reasons=reference.reasons + ["no device profile: diffusion"])
-    steps = expected_steps or gen.max_denoising_steps
-    crossover = profile.crossover_steps(canvas)
-    wanted = min(max_tokens, canvas)
-    diffusion = profile.diffusion_tok_s(steps, canvas) * wanted / canvas
-    reasons = [
-        f"{profile.device} ({profile.source}): step {profile.step_s(canvas) * 1e3:.1f} ms at canvas {canvas}, "
-        f"AR token {profile.ar_token_s * 1e3:.2f} ms",
-        f"diffusion beats AR below {crossover:.1f} steps per canvas; expect {steps:.1f} "
-        f"→ diffusion {diffusion:.1f} vs AR {profile.ar_tok_s:.1f} tok/s",
-    ]
-    if diffusion < profile.ar_tok_s:
-        return replace(reference, mode="ar", reasons=reasons + ["autoregressive is faster on this device"])
-    trim = profile.step_s(16) < 0.8 * profile.step_s(canvas)
-    reasons.append(
-        "diffusion is faster; " + ("steps are compute-bound, so the last canvas is trimmed"
-                                   if trim else "steps are bandwidth-bound, trimming the last canvas saves little")
-    )
-    return replace(reference, policy="auto", trim_last_canvas=trim, reasons=reasons)
+    return AutoPlanner(gen, canvas, profile, expected_steps).choose(max_tokens)
+
+
+def verified_plan(reference: Plan, canvas: int, profile: Profile | None, length: int | None, steps: int | None,
+                  acceptance: "Acceptance | None" = None) -> Plan:
+    """Verified drafting with the given draft length and steps, the rest chosen for ``profile``."""
+    reasons = ["verified drafting: the decoder drafts, the encoder verifies and encodes the draft in one "
+               "forward; the output is autoregressive decoding's"]
+    if length is None or steps is None:
+        if profile is None:
+            best_length, best_steps = min(canvas, 32), 2
+            reasons.append(f"no device profile: drafts of {best_length} in {best_steps} steps")
+        else:
+            acceptance = acceptance or Acceptance()
+            best_length, best_steps, tok_s = best_draft(profile, acceptance, canvas, length, steps)
+            reasons.append(f"{profile.device} ({profile.source}): {best_length} positions in {best_steps} step(s) "
+                           f"predicted fastest, {acceptance.tokens_per_round(best_steps, best_length):.1f} tokens "
+                           f"per round at {tok_s:.1f} tok/s ({acceptance.describe()})")
+        length = best_length if length is None else length
+        steps = best_steps if steps is None else steps
+    return replace(reference, mode="verified", draft_length=length, draft_steps=steps, reasons=reasons)
+
+
+# Per-draft-token acceptance of verified drafting on the demo tasks, from one and two draft steps
+# (DEMO_ACCEPTANCE): a draft of 32 kept 6.3-12.2 tokens per round with one step, 10.2-23.8 with two.
+PRIOR_ALPHA = {1: 0.85, 2: 0.9}
+
+
+@dataclass
+class Acceptance:
+    """Running estimate of verified drafting's acceptance: with ``k`` draft steps, a draft token is
+    kept with probability ``alpha(k)`` given that the ones before it were, so a round of L positions
+    yields (1 − α^L)/(1 − α) tokens on average (the kept ones plus the encoder's next token). α is
+    kept / (kept + rejections) over the rounds seen, started from a prior worth ``prior_weight``
+    draft tokens; a round that ends at a stop id or at the draft's end counts its kept tokens only."""
+
+    kept: dict[int, float] = field(default_factory=dict)
+    rejected: dict[int, float] = field(default_factory=dict)
+    prior_weight: float = 20.0
+    prior: dict[int, float] = field(default_factory=lambda: dict(PRIOR_ALPHA))
+
+    @classmethod
+    def scaled(cls, factor: float, length: int = 32) -> "Acceptance":
+        """The prior with ``factor`` times its tokens per round at drafts of ``length`` (0.5: half)."""
+        base = cls()
+        prior = {}
+        for k in base.prior:
+            target, low, high = factor * base.tokens_per_round(k, length), 0.0, 1.0 - 1e-9
+            for _ in range(60):
+                mid = (low + high) / 2
+                low, high = (mid, high) if (1 - mid ** length) / (1 - mid) < target else (low, mid)
+            prior[k] = low
+        return cls(prior=prior)
+
+    def alpha(self, steps: int) -> float:
+        prior = self.prior.get(steps, self.prior[max(self.prior)])
+        kept = self.kept.get(steps, 0.0) + self.prior_weight * prior
+        rejected = self.rejected.get(steps, 0.0) + self.prior_weight * (1 - prior)
+        return kept / (kept + rejected)
+
+    def tokens_per_round(self, steps: int, length: int) -> float:
+        a = min(self.alpha(steps), 1 - 1e-9)
+        return (1 - a ** length) / (1 - a)
+
+    def observe(self, steps: int, length: int, kept: int, rejected: bool, memory: float = 200.0) -> None:
+        """A round kept ``kept`` draft tokens, then rejected one or not (a stop id, the draft's end);
+        only the last ~``memory`` draft tokens count, so the estimate follows a change of task."""
+        kept_total, rejected_total = self.kept.get(steps, 0.0) + kept, self.rejected.get(steps, 0.0) + rejected
+        fade = min(1.0, memory / max(kept_total + rejected_total, 1e-9))
+        self.kept[steps], self.rejected[steps] = kept_total * fade, rejected_total * fade
+
+    def describe(self) -> str:
+        seen = sum(self.kept.values()) + sum(self.rejected.values())
+        alphas = ", ".join(f"{self.alpha(k):.2f} at {k} step(s)" for k in DRAFT_STEPS)
+        return f"a draft token kept with probability {alphas}; {seen:.0f} draft tokens seen"
+
+
+def best_draft(profile: Profile, acceptance: Acceptance, canvas: int, length: int | None = None,
+               steps: int | None = None) -> tuple[int, int, float]:
+    """(draft length, draft steps, predicted tok/s) with the most predicted tokens per second among
+    the candidate lengths up to the canvas and 1-2 steps (either may be fixed by the caller)."""
+    lengths = [length] if length else [n for n in DRAFT_LENGTHS if n <= canvas] or [canvas]
+    options = [(profile.verified_tok_s(n, k, acceptance.tokens_per_round(k, n)), n, k)
+               for n in lengths for k in ([steps] if steps else DRAFT_STEPS)]
+    tok_s, n, k = max(options)
+    return n, k, tok_s
+
+
+# Share of canvas positions the fast policy computes per step (active-set compaction): 74 of 144 on
+# the demo tasks (benchmarks/demo_speed.py).
+FAST_POSITION_SHARE = 0.5
+# auto runs a plan again after this many choices without it, if predicted within this share of the best
+EXPLORE_EVERY = 8
+EXPLORE_WITHIN = 0.6
+
+
+@dataclass
+class RunningMean:
+    """A mean over the last ~``window`` observations (older ones fade), started from a prior."""
+
+    total: float
+    count: float
+    window: int = 8
+
+    @property
+    def value(self) -> float:
+        return self.total / self.count
+
+    def add(self, x: float) -> None:
+        if self.count >= self.window:
+            self.total *= (self.window - 1) / self.count
+            self.count = self.window - 1
+        self.total += x
+        self.count += 1
+
+
+class AutoPlanner:
+    """The auto policy: before each canvas, AR block or verified round, the plan with the most predicted
+    tokens per second among reference, fast, ar and verified, from the device profile and what this
+    model has done so far; the estimates are updated as it generates, so a plan that turns out slower
+    than predicted is left for the next best at the next canvas or round.
+
+    Predicted tok/s: reference = tokens per canvas / (steps per canvas · step time at the canvas);
+    fast = the same at ``FAST_POSITION_SHARE`` of the canvas's positions; ar = 1 / token time;
+    verified = tokens per round / (draft steps · step time at the draft length + the verifying pass),
+    at the draft length and steps ``best_draft`` picks from the acceptance estimate. Steps per canvas
+    start from a prior of the generation config (a quarter of the step limit, at least the stability
+    threshold + 1: the stop rule fires well before the limit on a trained model) worth one canvas;
+    tokens per canvas from the whole canvas (one canvas' worth), then the answer tokens each canvas
+    gave (a stop id cuts the last); tokens per round from the acceptance model, scaled by the observed
+    ratio of tokens per round to the model's (answers that end mid-draft); each prediction times the
+    observed pace of that plan against the profile. Means are over the last ~8 observations, and a
+    plan not run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is
+    run once more, so estimates follow a change of task."""
+
+    def __init__(self, gen: GenerationConfig, canvas: int, profile: Profile, expected_steps: float | None = None):
+        self.gen, self.canvas, self.profile = gen, canvas, profile
+        prior = expected_steps or max(gen.stability_threshold + 1, gen.max_denoising_steps / 4)
+        self.steps = {"reference": RunningMean(prior, 1), "fast": RunningMean(prior, 1)}
+        self.tokens_per_canvas = RunningMean(canvas, 1)
+        self.acceptance = Acceptance()
+        self.round_yield = RunningMean(1.0, 1)  # observed / modelled tokens per round
+        # profile-predicted / observed seconds per plan (host work and load the profile does not see)
+        self.pace = {name: RunningMean(1.0, 1) for name in ("reference", "fast", "ar", "verified")}
+        self.current: Plan | None = None
+        self.sampling = False  # a sampling temperature: only ar and verified decode with one
+        self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
+
+    def predictions(self, remaining: int) -> dict[str, tuple[float, str]]:
+        p, C = self.profile, self.canvas
+        tokens = min(self.tokens_per_canvas.value, remaining, C)
+        length, steps, verified = best_draft(p, self.acceptance, C)
+        out = {}
+        for name in ("reference", "fast"):
+            positions = C if name == "reference" else max(1, round(FAST_POSITION_SHARE * C))
+            n = self.steps[name].value
+            out[name] = (tokens / (n * p.step_s(positions)),
+                         f"{n:.1f} steps per canvas of {positions} computed positions, {tokens:.1f} tokens per canvas")
+        out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
+        per_round = self.acceptance.tokens_per_round(steps, length) * self.round_yield.value
+        out["verified"] = (verified * self.round_yield.value,
+                           f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round "
+                           f"({self.acceptance.describe()})")
+        return {name: (tok_s * self.pace[name].value, why + (f", x{self.pace[name].value:.2f} as observed"
+                                                             if self.pace[name].count > 1 else ""))
+                for name, (tok_s, why) in out.items()}
+
+    def choose(self, remaining: int) -> Plan:
+        predicted = self.predictions(remaining)
+        if self.sampling:
+            predicted = {name: predicted[name] for name in ("ar", "verified")}
+        best = max(predicted, key=lambda name: predicted[name][0])
+        # Estimates of a plan that does not run do not move: one close enough to the best is run again
+        # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan.
+        stale = [name for name in predicted if self.idle[name] >= EXPLORE_EVERY
+                 and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]]
+        retry = max(stale, key=lambda name: predicted[name][0]) if stale else None
+        for name in self.idle:
+            self.idle[name] += 1
+        best = retry or best
+        self.idle[best] = 0
+        plan = make_plan(best, self.gen, self.canvas, remaining, self.profile)
+        if best == "verified":
+            plan = verified_plan(plan, self.canvas, self.profile, None, None, self.acceptance)
+        reasons = [f"{self.profile.device} ({self.profile.source}), predicted tok/s:"]
+        reasons += [f"{name}: {tok_s:.1f} ({why})" for name, (tok_s, why) in
+                    sorted(predicted.items(), key=lambda item: -item[1][0])]
+        reasons.append(f"→ {best}" + (f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
+                                      f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)" if retry else "")
+                       + "; re-chosen at every canvas or round as the estimates move")
+        self.current = replace(plan, policy="auto", reasons=reasons)
+        return self.current
+
+    def observe_canvas(self, policy: str, steps: int, tokens: int, length: int, seconds: float | None = None) -> None:
+        """A canvas of ``length`` positions took ``steps`` steps (``seconds``) and gave ``tokens``."""
+        self.steps[policy].add(steps)
+        self.tokens_per_canvas.add(tokens)
+        positions = length if policy == "reference" else max(1, round(FAST_POSITION_SHARE * length))
+        self._pace(policy, steps * self.profile.step_s(positions), seconds)
+
+    def observe_ar(self, tokens: int, seconds: float | None = None) -> None:
+        self._pace("ar", tokens * self.profile.ar_token_s, seconds)
+
+    def observe_round(self, length: int, steps: int, kept: int, rejected: bool, tokens: int,
+                      seconds: float | None = None) -> None:
+        modelled = self.acceptance.tokens_per_round(steps, length)
+        self.acceptance.observe(steps, length, kept, rejected)
+        self.round_yield.add(tokens / modelled)
+        drafted = steps * self.profile.step_s(length) if length > 1 else 0.0
+        self._pace("verified", drafted + self.profile.verify_s(length), seconds)
+
+    def _pace(self, name: str, predicted: float, seconds: float | None) -> None:
+        if seconds:
+            self.pace[name].add(min(4.0, max(0.25, predicted / seconds)))
+
+
+def auto_planner(model, gen: GenerationConfig, profile: Profile) -> AutoPlanner:
+    """This model's planner for ``profile``, kept across generations so that what one generation saw
+    informs the next."""
+    planner = getattr(model, "_auto_planner", None)
+    if planner is None or planner.profile != profile:
+        planner = AutoPlanner(gen, model.config.canvas_length, profile)
+        model._auto_planner = planner
+    return planner

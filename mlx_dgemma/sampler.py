@@ -1,6 +1,6 @@
 """One canvas of DiffusionGemma's denoising loop, exactly as the reference ``generate()`` runs it.
 
-Per step (``cur`` counts down N..1, REFERENCE.md §3.2): denoise the canvas; divide the logits by
+Per step (``cur`` counts down N..1): denoise the canvas; divide the logits by
 ``T = t_min + (t_max - t_min) * cur / N``; sample a denoiser canvas from the tempered distribution;
 accept the lowest-entropy positions whose summed entropy stays within the bound; renoise every other
 position uniformly; stop once the argmax canvas is stable and the mean entropy is below the
@@ -12,6 +12,10 @@ budget or the stop rule's mean entropy; other positions may be limited to a clas
 clamp the loop is the reference's, draw for draw.
 
 All randomness goes through one small object (``Random``) so tests can replay the reference's draws.
+
+A canvas in progress is a ``CanvasRun`` (``CompactedRun`` under active-set compaction): it says what
+the next forward should compute and takes that forward's logits. ``denoise_runs`` drives several
+rows' runs with one batched forward per step; ``denoise_canvas`` is the one-row case.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import struct
+
 import mlx.core as mx
-import numpy as np
 
-from . import cpu_kernels
+from . import kernels as device_kernels
+from .cache import CanvasView
 from .config import GenerationConfig
-
-_FLOAT32_MIN = float(np.finfo(np.float32).min)
+from .validate import check_entropy_bound, check_temperatures
 
 
 class Random(Protocol):
@@ -47,7 +52,11 @@ class MxRandom:
     """``Random`` on ``mx.random`` with its own key, split once per draw (global RNG state is untouched)."""
 
     def __init__(self, seed: int | None = None):
-        self.seed = secrets.randbits(32) if seed is None else seed
+        if seed is None:
+            from .distributed import from_rank0
+
+            seed = from_rank0(secrets.randbits(32))  # under mx.distributed every rank draws rank 0's seed
+        self.seed = seed
         self._key = mx.random.key(self.seed)
 
     def _next_key(self) -> mx.array:
@@ -83,10 +92,8 @@ class SamplerSettings:
     def __post_init__(self):
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {self.steps!r}")
-        if not self.entropy_bound > 0:
-            raise ValueError(f"entropy bound must be > 0, got {self.entropy_bound}")
-        if self.t_min < 0 or self.t_max <= self.t_min:
-            raise ValueError(f"temperatures need 0 <= temp-min < temp-max, got {self.t_min} and {self.t_max}")
+        check_entropy_bound(self.entropy_bound)
+        check_temperatures(self.t_min, self.t_max)
         if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
             raise ValueError(f"stability threshold must be an integer >= 0, got {self.stability_threshold!r}")
         if not self.confidence_threshold > 0:
@@ -110,9 +117,14 @@ class SamplerSettings:
     def temperatures(self) -> list[mx.array]:
         """The temperature of each step, first to last, rounded as the reference computes it: in
         float32, because its step counter is an int32 tensor."""
-        f32 = np.float32
-        span, low = f32(self.t_max - self.t_min), f32(self.t_min)
-        return [mx.array(low + span * (f32(cur) / f32(self.steps))) for cur in range(self.steps, 0, -1)]
+        span, low = _f32(self.t_max - self.t_min), _f32(self.t_min)
+        return [mx.array(_f32(low + _f32(span * _f32(cur / self.steps)))) for cur in range(self.steps, 0, -1)]
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32: an operation on float32 values done in float64 and rounded so is the
+    float32 operation's result (correctly rounded), with no numpy."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass
@@ -154,10 +166,10 @@ class Draft:
     """What one denoising step produced, for live views (host copies)."""
 
     step: int
-    tokens: np.ndarray  # the argmax canvas [C]
-    accepted: np.ndarray  # bool [C]: positions that kept the denoiser's token
+    tokens: list[int]  # the argmax canvas [C]
+    accepted: list[bool]  # [C]: positions that kept the denoiser's token
     mean_entropy: float
-    fixed: np.ndarray | None = None  # bool [C]: clamped by a template or frozen by compaction
+    fixed: list[bool] | None = None  # [C]: clamped by a template or frozen by compaction
 
 
 @dataclass
@@ -168,22 +180,10 @@ class CanvasResult:
     probs: mx.array | None = None  # the last step's tempered distribution [1, C, V]
 
 
-def tempered_distribution(logits: mx.array, temperature: mx.array):
+def tempered_distribution(logits: mx.array, temperature: mx.array, kernels: device_kernels.Kernels | None = None):
     """All the step needs from the vocabulary: tempered logits, probabilities, entropy (nats) and
-    argmax, from one tempered log-softmax (numpy on the CPU, see cpu_kernels.py)."""
-    if cpu_kernels.on_cpu():
-        return cpu_kernels.tempered_distribution(logits, temperature)
-    return _tempered_distribution(logits, temperature)
-
-
-@mx.compile
-def _tempered_distribution(logits: mx.array, temperature: mx.array):
-    scaled = logits / temperature
-    log_probs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-    probs = mx.exp(log_probs)
-    # The reference's Categorical.entropy clamps log-probabilities so that p = 0 adds 0, not nan.
-    entropy = -(probs * mx.maximum(log_probs, _FLOAT32_MIN)).sum(axis=-1)
-    return scaled, probs, entropy, mx.argmax(scaled, axis=-1).astype(mx.int32)
+    argmax, from one tempered log-softmax."""
+    return (kernels or device_kernels.for_device()).tempered_distribution(logits, temperature)
 
 
 def accept_mask(entropy: mx.array, bound: float) -> mx.array:
@@ -214,6 +214,212 @@ class StopRule:
         return stable & (mean_entropy < self.confidence)
 
 
+class CanvasRun:
+    """One row's canvas through the reference loop: ``inputs()`` for the next forward, ``advance``
+    with its logits (lazy; returns what to evaluate), then ``settle()`` once evaluated. ``result``
+    is set when the canvas is committed."""
+
+    def __init__(self, settings: SamplerSettings, rng: Random, length: int, vocab: int,
+                 kernels: device_kernels.Kernels, clamp: Clamp | None = None,
+                 on_step: Callable[[Draft], None] | None = None):
+        self.settings, self.rng, self.vocab, self.kernels = settings, rng, vocab, kernels
+        self.clamp, self.on_step = clamp, on_step
+        self.shape = (1, length)
+        canvas = rng.canvas(self.shape, vocab)
+        self.canvas = canvas if clamp is None else clamp.apply(canvas)
+        self.temperatures = settings.temperatures()
+        self.step = 0
+        self.stop_rule = StopRule(settings, self.shape)
+        self.self_conditioning = self.self_conditioning_probs = None
+        self.result: CanvasResult | None = None
+
+    @property
+    def length(self) -> int:
+        return self.shape[1]
+
+    def inputs(self) -> tuple[mx.array, mx.array | None, mx.array | None, mx.array | None]:
+        """Canvas tokens [1, A], self-conditioning logits and probabilities, active indexes [A] or None."""
+        return self.canvas, self.self_conditioning, self.self_conditioning_probs, None
+
+    def advance(self, logits: mx.array) -> list[mx.array]:
+        clamp, shape = self.clamp, self.shape
+        temperature = self.temperatures[self.step]
+        self.step += 1
+        if clamp is not None:
+            logits = clamp.restrict(logits)
+        scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, self.kernels)
+        denoised = self.rng.categorical(probs)
+        if clamp is None:
+            mean_entropy = entropy.mean()
+        else:
+            entropy, mean_entropy = clamp.free_entropy(entropy)
+            argmax = clamp.apply(argmax)
+        accepted = accept_mask(entropy, self.settings.entropy_bound)
+        canvas = mx.where(accepted, denoised, self.rng.renoise(shape, self.vocab))
+        self.canvas = canvas if clamp is None else clamp.apply(canvas)
+        self.stop = self.stop_rule(argmax, mean_entropy)
+        self.self_conditioning, self.self_conditioning_probs = scaled, probs
+        self._draft = (argmax, accepted, mean_entropy)
+        # The step's one wait for the device; reading what it evaluated costs nothing more.
+        pending = [self.stop, self.canvas, scaled]
+        return pending + [argmax, accepted, mean_entropy] if self.on_step else pending
+
+    def settle(self) -> None:
+        argmax, accepted, mean_entropy = self._draft
+        if self.on_step is not None:
+            fixed = None if self.clamp is None else self.clamp.fixed[0].tolist()
+            self.on_step(Draft(self.step, argmax[0].tolist(), accepted[0].tolist(), mean_entropy.item(), fixed))
+        if self.stop.item():
+            self.result = _commit(CanvasResult(argmax, self.step, True, self.self_conditioning_probs), self.clamp)
+        elif self.step == self.settings.steps:
+            self.result = _commit(CanvasResult(argmax, self.step, False, self.self_conditioning_probs), self.clamp)
+
+
+class CompactedRun(CanvasRun):
+    """The same loop with active-set compaction: positions that settled (accepted with an unchanged
+    argmax and an entropy under the stop rule's threshold for ``freeze_after`` steps) keep their
+    token and their last K/V (in the canvas view), and only the others are recomputed, so a step
+    costs about the share of the canvas still moving. Not the reference's computation (settled
+    positions stop seeing later changes); the fast policy measures what it costs in accuracy.
+    Which positions are still computed is known on the host: one more sync per step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        C = self.length
+        self.fixed = mx.zeros((C,), dtype=mx.bool_) if self.clamp is None else self.clamp.fixed[0]
+        self.free = C if self.clamp is None else int((~self.fixed).sum().item())
+        self.active = list(range(C))  # positions still computed
+        self.frozen = mx.zeros((C,), dtype=mx.bool_)
+        self.streak = mx.zeros((C,), dtype=mx.int32)
+        self.entropy_all = mx.zeros((C,), dtype=mx.float32)
+        self.argmax_all = mx.full((C,), -1, dtype=mx.int32)
+        self.tokens = self.canvas[0]
+        self.probs_all = None  # [C, V], kept only when the clamp snaps choices from it
+
+    def _index(self) -> mx.array:
+        return mx.array(self.active, dtype=mx.int32)
+
+    def inputs(self):
+        index = self._index()
+        return self.tokens[index][None], self.self_conditioning, self.self_conditioning_probs, \
+            index if len(self.active) < self.length else None
+
+    def advance(self, logits: mx.array) -> list[mx.array]:
+        settings, clamp = self.settings, self.clamp
+        C, A = self.length, len(self.active)
+        index = self._index()
+        temperature = self.temperatures[self.step]
+        self.step += 1
+        if clamp is not None:
+            logits = clamp.restrict(logits, index if A < C else None)
+        scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, self.kernels)
+        denoised = self.rng.categorical(probs)[0]
+        renoise = self.rng.renoise((1, A), self.vocab)[0]
+        entropy_a, argmax_a, fixed_a, tokens_a = entropy[0], argmax[0], self.fixed[index], self.tokens[index]
+        if clamp is not None:
+            argmax_a = mx.where(fixed_a, tokens_a, argmax_a)
+        budget = mx.zeros((C,), dtype=mx.float32)
+        budget[index] = mx.where(fixed_a, 0.0, entropy_a)
+        accepted = accept_mask(budget, settings.entropy_bound) | self.frozen
+        accepted_a = accepted[index]
+        new = mx.where(accepted_a, denoised, renoise)
+        self.tokens[index] = mx.where(fixed_a, tokens_a, new)
+        confident = entropy_a < settings.confidence_threshold  # as sure as the stop rule wants the canvas
+        steady = accepted_a & (argmax_a == self.argmax_all[index]) & (fixed_a | ((new == argmax_a) & confident))
+        self.streak[index] = mx.where(steady, self.streak[index] + 1, 0)
+        self.entropy_all[index] = entropy_a
+        self.argmax_all[index] = argmax_a
+        if self.probs_all is not None or (clamp is not None and clamp.finish is not None):
+            if self.probs_all is None:
+                self.probs_all = mx.zeros((C, self.vocab), dtype=mx.float32)
+            self.probs_all[index] = probs[0]
+        free_entropy = mx.where(self.fixed, 0.0, self.entropy_all).sum()
+        mean_entropy = free_entropy / self.free if self.free else mx.array(0.0)
+        self.stop = self.stop_rule(self.argmax_all[None], mean_entropy)
+        settle = (self.streak[index] >= settings.freeze_after).tolist()
+        if any(settle):
+            rows = mx.array([p for p, s in zip(self.active, settle) if s], dtype=mx.int32)
+            self.frozen[rows] = True
+            self.tokens[rows] = self.argmax_all[rows]
+            keep = [i for i, s in enumerate(settle) if not s]
+            self.active = [self.active[i] for i in keep]
+            keep = mx.array(keep, dtype=mx.int32)
+            scaled, probs = scaled[:, keep], probs[:, keep]
+        self.self_conditioning, self.self_conditioning_probs = scaled, probs
+        self._draft = (accepted, mean_entropy)
+        return [self.stop, scaled, self.tokens]
+
+    def settle(self) -> None:
+        accepted, mean_entropy = self._draft
+        if self.on_step is not None:
+            self.on_step(Draft(self.step, self.argmax_all.tolist(), accepted.tolist(), mean_entropy.item(),
+                               (self.fixed | self.frozen).tolist()))
+        converged = bool(self.stop.item()) or not self.active
+        if converged or self.step == self.settings.steps:
+            result = CanvasResult(self.argmax_all[None], self.step, converged)
+            if self.probs_all is not None:
+                result.probs = self.probs_all[None]
+            self.result = _commit(result, self.clamp)
+
+
+def new_run(model, settings: SamplerSettings, rng: Random, length: int | None = None, clamp: Clamp | None = None,
+            on_step: Callable[[Draft], None] | None = None) -> CanvasRun:
+    """A canvas run of ``length`` (default: the model's canvas) after whatever prefix it is denoised on."""
+    kind = CompactedRun if settings.freeze_after else CanvasRun
+    return kind(settings, rng, length or model.config.canvas_length, model.config.vocab_size, model.kernels,
+                clamp, on_step)
+
+
+def denoise_runs(model, view: CanvasView, runs: list[CanvasRun]) -> list[CanvasResult]:
+    """Drive the canvas runs of ``view``'s rows (all of one length) to their commits with one
+    batched forward per step; a row whose canvas is committed leaves the batch."""
+    rows = list(range(len(runs)))
+    while rows:
+        batch = [runs[r] for r in rows]
+        inputs = [run.inputs() for run in batch]
+        tokens, sc, sc_probs, active = _stack(inputs, batch[0].length)
+        logits = model.denoise(tokens, view, sc, sc_probs, active)
+        pending = []
+        for i, run in enumerate(batch):
+            pending += run.advance(logits[i : i + 1, : inputs[i][0].shape[1]])
+        mx.eval(pending)
+        for run in batch:
+            run.settle()
+        still = [r for r in rows if runs[r].result is None]
+        if still and len(still) < len(rows):
+            view = view.select([rows.index(r) for r in still])
+        rows = still
+    return [run.result for run in runs]
+
+
+def _stack(inputs, length: int):
+    """One batch of forward inputs from the rows' own; under compaction the rows' active sets are
+    padded to the longest by repeating their last index (the same position computed twice, written
+    to the same slot with the same K/V, its extra logits ignored)."""
+    tokens, sc, sc_probs, active = zip(*inputs)
+    if len(tokens) == 1:
+        return tokens[0], sc[0], sc_probs[0], None if active[0] is None else active[0][None]
+    if any(s is None for s in sc) and not all(s is None for s in sc):
+        raise RuntimeError("rows of one batch must be at the same denoising step")
+    if all(a is None for a in active):
+        return (mx.concatenate(tokens), None if sc[0] is None else mx.concatenate(sc),
+                None if any(p is None for p in sc_probs) else mx.concatenate(sc_probs), None)
+    active = [mx.arange(length, dtype=mx.int32) if a is None else a for a in active]
+    width = max(a.shape[0] for a in active)
+
+    def pad(x, axis):
+        extra = width - x.shape[axis]
+        if not extra:
+            return x
+        last = mx.take(x, mx.array([x.shape[axis] - 1]), axis=axis)
+        return mx.concatenate([x, mx.repeat(last, extra, axis=axis)], axis=axis)
+
+    return (mx.concatenate([pad(t, 1) for t in tokens]),
+            None if sc[0] is None else mx.concatenate([pad(s, 1) for s in sc]),
+            None if any(p is None for p in sc_probs) else mx.concatenate([pad(p, 1) for p in sc_probs]),
+            mx.stack([pad(a, 0) for a in active]))
+
+
 def denoise_canvas(
     model,
     cache,
@@ -228,117 +434,11 @@ def denoise_canvas(
     ``canvas_length`` defaults to the model's; a policy may denoise a shorter last canvas. ``clamp``
     fixes or limits positions (see ``Clamp``).
     """
-    shape = (1, canvas_length or model.config.canvas_length)
-    vocab = model.config.vocab_size
-    canvas = rng.canvas(shape, vocab)
-    if clamp is not None:
-        canvas = clamp.apply(canvas)
-    if settings.freeze_after:
-        return _denoise_compacted(model, cache, settings, rng, on_step, canvas, clamp)
-    stop_rule = StopRule(settings, shape)
-    self_conditioning = self_conditioning_probs = None
-    for step, temperature in enumerate(settings.temperatures(), start=1):
-        logits = model.denoise(canvas, cache, self_conditioning, self_conditioning_probs)
-        if clamp is not None:
-            logits = clamp.restrict(logits)
-        scaled, probs, entropy, argmax = tempered_distribution(logits, temperature)
-        denoised = rng.categorical(probs)
-        if clamp is None:
-            mean_entropy = entropy.mean()
-        else:
-            entropy, mean_entropy = clamp.free_entropy(entropy)
-            argmax = clamp.apply(argmax)
-        accepted = accept_mask(entropy, settings.entropy_bound)
-        canvas = mx.where(accepted, denoised, rng.renoise(shape, vocab))
-        if clamp is not None:
-            canvas = clamp.apply(canvas)
-        stop = stop_rule(argmax, mean_entropy)
-        self_conditioning, self_conditioning_probs = scaled, probs
-        # The step's one wait for the device; reading what it evaluated costs nothing more.
-        if on_step is None:
-            mx.eval(stop, canvas, self_conditioning)
-        else:
-            mx.eval(stop, canvas, self_conditioning, argmax, accepted, mean_entropy)
-            on_step(Draft(step, np.array(argmax[0]), np.array(accepted[0]), mean_entropy.item(),
-                          None if clamp is None else np.array(clamp.fixed[0])))
-        if stop.item():
-            return _commit(CanvasResult(argmax, step, True, probs), clamp)
-    return _commit(CanvasResult(argmax, settings.steps, False, probs), clamp)
+    run = new_run(model, settings, rng, canvas_length, clamp, on_step)
+    return denoise_runs(model, cache.canvas_view(run.length), [run])[0]
 
 
 def _commit(result: CanvasResult, clamp: Clamp | None) -> CanvasResult:
     if clamp is not None and clamp.finish is not None:
         result.tokens = clamp.finish(result.tokens, result.probs)
     return result
-
-
-def _denoise_compacted(model, cache, settings: SamplerSettings, rng: Random, on_step, canvas: mx.array,
-                       clamp: Clamp | None) -> CanvasResult:
-    """The same loop with active-set compaction: positions that settled (accepted with an unchanged
-    argmax for ``freeze_after`` steps) keep their token and their last K/V, and only the others are
-    recomputed, so a step costs about the share of the canvas still moving. Not the reference's
-    computation (settled positions stop seeing later changes); the fast policy measures what it costs
-    in accuracy. Per-position bookkeeping is on the host: [C] numbers, one more sync per step."""
-    from .model import FrozenCanvas
-
-    shape, vocab = canvas.shape, model.config.vocab_size
-    C = shape[1]
-    stop_rule = StopRule(settings, shape)
-    store = FrozenCanvas.empty(len(model.layers))
-    fixed = np.zeros(C, dtype=bool) if clamp is None else np.array(clamp.fixed[0])
-    active = np.arange(C)  # positions still computed
-    frozen = np.zeros(C, dtype=bool)
-    streak = np.zeros(C, dtype=np.int32)
-    entropy_all = np.zeros(C, dtype=np.float32)
-    argmax_all = np.full(C, -1, dtype=np.int32)
-    tokens = np.array(canvas[0])
-    probs_all = None  # [C, V] on the host, kept only when the clamp snaps choices from it
-    self_conditioning = self_conditioning_probs = None
-    for step, temperature in enumerate(settings.temperatures(), start=1):
-        compact = len(active) < C
-        index = mx.array(active.astype(np.int32)) if compact else None
-        logits = model.denoise(mx.array(tokens[active])[None], cache, self_conditioning, self_conditioning_probs,
-                               active=index, frozen=store)
-        if clamp is not None:
-            logits = clamp.restrict(logits, index)
-        scaled, probs, entropy, argmax = tempered_distribution(logits, temperature)
-        denoised = rng.categorical(probs)
-        renoise = rng.renoise((1, len(active)), vocab)
-        mx.eval(entropy, argmax, denoised, renoise)
-        entropy_a, argmax_a = np.array(entropy[0]), np.array(argmax[0])
-        if clamp is not None:
-            argmax_a = np.where(fixed[active], tokens[active], argmax_a)
-        budget = np.zeros(C, dtype=np.float32)
-        budget[active] = np.where(fixed[active], 0.0, entropy_a)
-        accepted = np.array(accept_mask(mx.array(budget), settings.entropy_bound)) | frozen
-        new = np.where(accepted[active], np.array(denoised[0]), np.array(renoise[0]))
-        tokens[active] = np.where(fixed[active], tokens[active], new)
-        confident = entropy_a < settings.confidence_threshold  # as sure as the stop rule wants the canvas
-        steady = accepted[active] & (argmax_a == argmax_all[active]) & (fixed[active] | ((new == argmax_a) & confident))
-        streak[active] = np.where(steady, streak[active] + 1, 0)
-        entropy_all[active], argmax_all[active] = entropy_a, argmax_a
-        if probs_all is not None or (clamp is not None and clamp.finish is not None):
-            probs_all = np.zeros((C, vocab), np.float32) if probs_all is None else probs_all
-            probs_all[active] = np.array(probs[0])
-        mean_entropy = mx.array(entropy_all[~fixed].mean() if (~fixed).any() else 0.0)
-        stop = stop_rule(mx.array(argmax_all)[None], mean_entropy)
-        settle = streak[active] >= settings.freeze_after
-        if settle.any():
-            rows = np.flatnonzero(settle)
-            store.freeze(mx.array(rows.astype(np.int32)))
-            frozen[active[rows]] = True
-            tokens[active[rows]] = argmax_all[active[rows]]
-            keep = mx.array(np.flatnonzero(~settle).astype(np.int32))
-            active = active[~settle]
-            scaled, probs = scaled[:, keep], probs[:, keep]
-        self_conditioning, self_conditioning_probs = scaled, probs
-        if on_step is not None:
-            on_step(Draft(step, argmax_all.copy(), accepted.copy(), float(mean_entropy.item()), fixed | frozen))
-        if stop.item() or len(active) == 0:
-            result = CanvasResult(mx.array(argmax_all)[None], step, True)
-            break
-    else:
-        result = CanvasResult(mx.array(argmax_all)[None], settings.steps, False)
-    if probs_all is not None:
-        result.probs = mx.array(probs_all)[None]
-    return _commit(result, clamp)

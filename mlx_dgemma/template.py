@@ -6,7 +6,7 @@ clamped (fixed from the first draft to the commit, sampler.Clamp) and holes the 
     {"name": "{{fill:12}}", "age": {{fill:3}}}
     def area(r):\\n    {{fill:40}}\\n    return a
 
-``{{fill:N}}`` is a hole of at most N tokens, ``{{fill}}`` one of ``DEFAULT_HOLE``; unused hole
+``{{fill:N}}`` is a hole of at most N tokens (``{{ fill:N }}`` too), ``{{fill}}`` one of ``DEFAULT_HOLE``; unused hole
 positions end as padding, which the output drops. After the template the rest of its last canvas is
 clamped to the end-of-turn token and padding, the way every answer ends in training, and generation
 stops there. A hole takes no stop id, except the end of turn where that is the text that follows it.
@@ -33,6 +33,9 @@ from .sampler import Clamp
 DEFAULT_HOLE = 16  # tokens of a {{fill}} without a size
 DEFAULT_STRING = 16  # tokens of a string value without maxLength
 DEFAULT_DIGITS = 6  # digits of an integer without a maximum
+DECIMALS = 4  # fractional digits a number hole leaves room for
+MAX_DEPTH = 64  # nesting levels of a schema
+TEMPLATE_LIMIT = 1 << 20  # positions a template may take when the caller does not give the model's context
 FREE = -1  # a hole position in CanvasTemplate.tokens
 _NEG = -1e9  # the bias of a token a position may not take (finite: no inf - inf anywhere)
 
@@ -44,7 +47,7 @@ class TemplateError(ValueError):
 @dataclass
 class Hole:
     size: int
-    kind: str = "text"  # a token class: text, string, digits, signed, or choice
+    kind: str = "text"  # a token class: text, string, digits, signed, number, or choice
     required: int = 0  # leading positions that may not be padding
     choices: list[list[int]] | None = None  # for kind "choice": the token sequences it may end as
     where: str = ""  # for error messages: "line 1, column 9" or "$.age"
@@ -106,8 +109,8 @@ class CanvasTemplate:
 # ------------------------------------------------------------------------------------------------
 # text templates
 
-_HOLE = re.compile(r"\{\{([A-Za-z_]\w*)(?::([^}]*))?\}\}")
-_OPEN = re.compile(r"\{\{[A-Za-z_]")
+_HOLE = re.compile(r"\{\{\s*([A-Za-z_]\w*)\s*(?::([^}]*))?\}\}")
+_OPEN = re.compile(r"\{\{(?:[A-Za-z_]|\s+fill\b)")
 
 
 def _place(text: str, offset: int) -> str:
@@ -116,9 +119,13 @@ def _place(text: str, offset: int) -> str:
     return f"line {line}, column {column}"
 
 
-def parse_template(tokenizer, text: str) -> CanvasTemplate:
-    """A text template with ``{{fill}}`` / ``{{fill:N}}`` holes. ``{{`` followed by a letter starts a
-    hole (so a misspelt one is an error, not text); any other ``{{`` is literal text."""
+def parse_template(tokenizer, text: str, limit: int | None = None) -> CanvasTemplate:
+    """A text template with ``{{fill}}`` / ``{{fill:N}}`` holes. ``{{`` followed by a letter (or by
+    spaces and ``fill``) starts a hole, so a misspelt one is an error, not text; any other ``{{`` is
+    literal text. ``limit`` (the model's context) bounds the positions the template may take."""
+    if not isinstance(text, str):
+        raise TemplateError(f"a template is text, got {type(text).__name__}")
+    limit = TEMPLATE_LIMIT if limit is None else limit
     tokens: list[int] = []
     holes: list[tuple[int, Hole]] = []
     position = 0
@@ -140,6 +147,9 @@ def parse_template(tokenizer, text: str) -> CanvasTemplate:
         else:
             raise TemplateError(f"hole at {where}: the size must be a positive integer, got {size!r}")
         tokens += _literal(tokenizer, text[position:start])
+        if len(tokens) + n > limit:
+            raise TemplateError(f"the hole at {where} ({n} tokens) runs past the model's context of {limit} "
+                                "positions; make it smaller")
         holes.append((len(tokens), Hole(n, where=where)))
         tokens += [FREE] * n
         position = hole.end()
@@ -147,6 +157,16 @@ def parse_template(tokenizer, text: str) -> CanvasTemplate:
     if not holes and not tokens:
         raise TemplateError("the template is empty")
     return CanvasTemplate(tokens, holes)
+
+
+def as_template(tokenizer, template, limit: int | None = None) -> CanvasTemplate | None:
+    """A ``CanvasTemplate`` from what a caller passed as a template: text (parsed), one, or None."""
+    if template is None or isinstance(template, CanvasTemplate):
+        return template
+    if isinstance(template, str):
+        return parse_template(tokenizer, template, limit)
+    raise TemplateError(f"template must be text with {{{{fill:N}}}} holes or a CanvasTemplate, "
+                        f"got {type(template).__name__}")
 
 
 def _literal(tokenizer, text: str) -> list[int]:
@@ -181,37 +201,75 @@ _SUPPORTED = {
 @dataclass
 class _Builder:
     tokenizer: Any
+    limit: int = TEMPLATE_LIMIT
     tokens: list[int] = field(default_factory=list)
     holes: list[tuple[int, Hole]] = field(default_factory=list)
+    depth: int = 0
 
     def text(self, s: str) -> None:
         self.tokens += _literal(self.tokenizer, s)
 
     def hole(self, hole: Hole) -> int:
+        self.room(hole.size, hole.where)
         self.holes.append((len(self.tokens), hole))
         self.tokens += [FREE] * hole.size
         return len(self.holes) - 1
+
+    def room(self, size: int, path: str) -> None:
+        """Refuse, before building it, what would take the template past the model's context."""
+        if len(self.tokens) + size > self.limit:
+            raise TemplateError(f"schema at {path} takes the template past the model's context of {self.limit} "
+                                "positions; lower its maxItems, maxLength or maximum")
+
+
+def _count(schema: dict, key: str, path: str, default: int) -> int:
+    """A schema's item or length bound: a non-negative integer."""
+    value = schema.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
+            or (isinstance(value, float) and not value.is_integer()):
+        raise TemplateError(f"{key} at {path} must be a non-negative integer, got {json.dumps(value)}")
+    return int(value)
+
+
+def _bound(schema: dict, key: str, path: str) -> float | None:
+    """A schema's minimum or maximum: a finite number, or None."""
+    value = schema.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not np.isfinite(value)):
+        raise TemplateError(f"{key} at {path} must be a finite number, got {json.dumps(value)}")
+    return value
 
 
 _NO_DRAFT = object()
 
 
-def json_template(tokenizer, schema: dict, draft: Any = _NO_DRAFT) -> CanvasTemplate:
+def json_template(tokenizer, schema: dict, draft: Any = _NO_DRAFT, limit: int | None = None) -> CanvasTemplate:
     """The template of a JSON value of ``schema``; its ``render`` gives the Python value.
 
     ``draft`` (a value parsed from a free generation, say) sizes the holes: a string or integer hole
     as long as the draft's value there (within the schema's bounds), an array with the draft's
     number of items. Holes at their value's length keep the model's layout; upper-bound holes make
-    it stretch values towards the clamped text after them."""
+    it stretch values towards the clamped text after them. ``limit`` (the model's context) bounds
+    the positions the template may take."""
     if not isinstance(schema, dict):
         raise TemplateError(f"a JSON schema is an object, got {type(schema).__name__}")
-    builder = _Builder(tokenizer)
+    builder = _Builder(tokenizer, TEMPLATE_LIMIT if limit is None else limit)
     value_of = _node(builder, schema, "$", draft)
     return CanvasTemplate(builder.tokens, builder.holes, render=value_of)
 
 
 def _node(b: _Builder, schema: dict, path: str, draft: Any = _NO_DRAFT) -> Callable[[list[str]], Any]:
     """Append the schema's layout to ``b``; return the function that reads its value from hole texts."""
+    if b.depth >= MAX_DEPTH:
+        raise TemplateError(f"schema at {path[:60]}…: nested deeper than {MAX_DEPTH} levels; flatten it")
+    b.depth += 1
+    try:
+        return _layout(b, schema, path, draft)
+    finally:
+        b.depth -= 1
+
+
+def _layout(b: _Builder, schema: dict, path: str, draft: Any) -> Callable[[list[str]], Any]:
     if not isinstance(schema, dict):
         raise TemplateError(f"schema at {path} must be an object, got {json.dumps(schema)}")
     if "const" in schema:
@@ -235,7 +293,7 @@ def _node(b: _Builder, schema: dict, path: str, draft: Any = _NO_DRAFT) -> Calla
     if kind == "string":
         return _string(b, schema, path, draft)
     if kind in ("integer", "number"):
-        return _integer(b, schema, path, draft)
+        return _number(b, schema, path, draft, integer=kind == "integer")
     if kind == "boolean":
         return _choice(b, [True, False], path)
     b.text("null")
@@ -244,6 +302,8 @@ def _node(b: _Builder, schema: dict, path: str, draft: Any = _NO_DRAFT) -> Calla
 
 def _object(b: _Builder, schema: dict, path: str, draft: Any):
     properties = schema.get("properties", {})
+    if not isinstance(properties, dict):
+        raise TemplateError(f"properties at {path} must be an object, got {json.dumps(properties)}")
     if not properties:
         raise TemplateError(f"object at {path} needs 'properties' (its keys are clamped)")
     readers = {}
@@ -259,9 +319,10 @@ def _object(b: _Builder, schema: dict, path: str, draft: Any):
 def _array(b: _Builder, schema: dict, path: str, draft: Any):
     if "maxItems" not in schema:
         raise TemplateError(f"array at {path} needs maxItems (the canvas has a fixed size)")
-    most, least = int(schema["maxItems"]), int(schema.get("minItems", 0))
-    if not 0 <= least <= most:
+    most, least = _count(schema, "maxItems", path, 0), _count(schema, "minItems", path, 0)
+    if not least <= most:
         raise TemplateError(f"array at {path}: needs 0 <= minItems <= maxItems, got {least} and {most}")
+    b.room(most, path)  # each item takes a position at least
     if isinstance(draft, list):  # the draft's item count, all required
         most = least = min(max(len(draft), least), most)
     items = []
@@ -287,8 +348,8 @@ def _array(b: _Builder, schema: dict, path: str, draft: Any):
 
 
 def _string(b: _Builder, schema: dict, path: str, draft: Any):
-    longest = int(schema.get("maxLength", DEFAULT_STRING))
-    shortest = int(schema.get("minLength", 0))
+    longest = _count(schema, "maxLength", path, DEFAULT_STRING)
+    shortest = _count(schema, "minLength", path, 0)
     if not 0 <= shortest <= longest or longest < 1:
         raise TemplateError(f"string at {path}: needs 0 <= minLength <= maxLength and maxLength >= 1")
     size = longest
@@ -301,25 +362,35 @@ def _string(b: _Builder, schema: dict, path: str, draft: Any):
     return lambda values: values[index][:longest]
 
 
-def _integer(b: _Builder, schema: dict, path: str, draft: Any):
-    low, high = schema.get("minimum"), schema.get("maximum")
+def _number(b: _Builder, schema: dict, path: str, draft: Any, integer: bool):
+    """An integer hole (digits, maybe a sign) or a number hole (with a decimal point and ``DECIMALS``
+    more digits); the value is clamped into the schema's range."""
+    low, high = _bound(schema, "minimum", path), _bound(schema, "maximum", path)
     if low is not None and high is not None and low > high:
         raise TemplateError(f"number at {path}: minimum {low} is above maximum {high}")
+    if integer:
+        low, high = (None if low is None else int(np.ceil(low))), (None if high is None else int(np.floor(high)))
+        if low is not None and high is not None and low > high:
+            raise TemplateError(f"integer at {path}: no integer lies between minimum {schema['minimum']} "
+                                f"and maximum {schema['maximum']}")
     widest = max(len(str(int(v))) for v in (low, high) if v is not None) if (low, high) != (None, None) \
         else DEFAULT_DIGITS
     signed = low is None or low < 0
-    size = widest + signed
+    size = widest + signed + (0 if integer else 1 + DECIMALS)
     if isinstance(draft, (int, float)) and not isinstance(draft, bool):
-        size = min(size, max(1, len(str(int(draft)))))
-    index = b.hole(Hole(size, "signed" if signed else "digits", required=1, where=path))
+        size = min(size, max(1, len(str(int(draft) if integer else draft))))
+    kind = "number" if not integer else "signed" if signed else "digits"
+    index = b.hole(Hole(size, kind, required=1, where=path))
+    pattern = r"-?\d+" if integer else r"-?(\d+\.?\d*|\.\d+)"
+    parse = int if integer else float
 
     def value(values):
         text = values[index]
-        number = int(text) if re.fullmatch(r"-?\d+", text) else 0
+        number = parse(text) if re.fullmatch(pattern, text) else parse(0)
         if low is not None:
-            number = max(number, int(np.ceil(low)))
+            number = max(number, low)
         if high is not None:
-            number = min(number, int(np.floor(high)))
+            number = min(number, high)
         return number
 
     return value
@@ -349,6 +420,7 @@ def token_classes(tokenizer, vocab: int) -> dict[str, np.ndarray]:
     string = np.zeros(vocab, dtype=bool)
     digits = np.zeros(vocab, dtype=bool)
     minus = np.zeros(vocab, dtype=bool)
+    point = np.zeros(vocab, dtype=bool)
     for i in range(vocab):
         if i in stops or i == pad:
             text[i] = False
@@ -357,7 +429,9 @@ def token_classes(tokenizer, vocab: int) -> dict[str, np.ndarray]:
         string[i] = bool(s) and not any(c in '"\\' or ord(c) < 32 for c in s)
         digits[i] = s.isascii() and s.isdigit()
         minus[i] = s == "-"
-    classes = {"text": text, "string": string, "digits": digits, "signed": digits | minus}
+        point[i] = s == "."
+    classes = {"text": text, "string": string, "digits": digits, "signed": digits | minus,
+               "number": digits | minus | point}
     tokenizer._template_classes = classes
     return classes
 

@@ -17,13 +17,20 @@ from .config import GenerationConfig, ModelConfig
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 
-# Gemma 4's chat format (REFERENCE.md §5), used when the checkpoint ships no template. With the
-# generation prompt comes an empty thought channel: the model answers without thinking.
+# Gemma 4's chat format, used when the checkpoint ships no template. With the generation prompt
+# comes an empty thought channel: the model answers without thinking. Content is text, or a list of
+# parts where an image part is the image placeholder, written inline as Gemma 4's template does.
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<|turn>' + role + '\n' + (message['content'] | trim) + '<turn|>\n' }}"
+    "{{ '<|turn>' + role + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<|image|>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<turn|>\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}{%- endif -%}"
 )
@@ -175,24 +182,47 @@ class Tokenizer:
     def decode_clean(self, ids, stop_ids=None) -> str:
         return self.decode(self.clean(ids, stop_ids))
 
+    def decode_thought(self, ids, stop_ids=None) -> str:
+        """The text ``clean`` hides: the inside of each ``<|channel>name\n…<channel|>`` span before the
+        first stop id, without the channel's name line (an unclosed span counts up to the end)."""
+        stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        hidden = {self.pad_token_id, self.bos_token_id}
+        opener, closer = self._thought
+        spans: list[list[int]] = []
+        in_thought = False
+        for token in (int(i) for i in ids):
+            if token in stops:
+                break
+            if in_thought and token == closer:
+                in_thought = False
+            elif in_thought and token not in hidden:
+                spans[-1].append(token)
+            elif opener is not None and token == opener:
+                in_thought = True
+                spans.append([])
+        texts = [self.decode(span) for span in spans]
+        return "".join(text.partition("\n")[2] for text in texts)
+
     def _special_text(self, token: int) -> str:
         piece = self._backend.piece(token) if self._backend else None
         return piece or ""
 
 
 class TextStream:
-    """The clean text of a growing token sequence, handed out as it grows. An incomplete UTF-8
+    """The clean text (or with ``thought=True`` the thought channel's) of a growing token sequence,
+    handed out as it grows. An incomplete UTF-8
     character at the end is held back until the next piece completes it (or ``final``)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_ids=None):
+    def __init__(self, tokenizer: Tokenizer, stop_ids=None, thought: bool = False):
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
+        self.decode = tokenizer.decode_thought if thought else tokenizer.decode_clean  # the thought channel, or the answer
         self.tokens: list[int] = []
         self.text = ""
 
     def add(self, ids, final: bool = False) -> str:
         self.tokens.extend(int(i) for i in ids)
-        text = self.tokenizer.decode_clean(self.tokens, self.stop_ids)
+        text = self.decode(self.tokens, self.stop_ids)
         if not final:
             text = text.rstrip("\ufffd")
         if not text.startswith(self.text):
@@ -222,9 +252,14 @@ def _read_json(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise TokenizerError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{path} is not UTF-8 text; re-export it") from None
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{path} must be a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _chat_template(folder: Path, settings: dict) -> str | None:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import shutil
 import sys
 
-import numpy as np
-
 from .sampler import Draft
 
 ACCEPTED, SETTLED, CHANGING, STATUS, RESET = "\x1b[1;32m", "", "\x1b[2m", "\x1b[36m", "\x1b[0m"
@@ -36,16 +34,16 @@ class CanvasView:
         self.stream = stream or sys.stdout
         self.ansi = self.stream.isatty() if ansi is None else ansi
         self.canvas = 1
-        self.previous: np.ndarray | None = None
+        self.previous: list[int] | None = None
         self.column = 0  # where the committed text ends on its last line
         self.drawn = False
 
     def step(self, draft: Draft) -> None:
         pieces = [_visible(self.tokenizer.piece(int(t))) for t in draft.tokens]
         status = (f"canvas {self.canvas} · step {draft.step}/{self.steps} · "
-                  f"{int(draft.accepted.sum())}/{len(pieces)} accepted · mean entropy {draft.mean_entropy:.3f}")
+                  f"{sum(draft.accepted)}/{len(pieces)} accepted · mean entropy {draft.mean_entropy:.3f}")
         if draft.fixed is not None:
-            status += f" · {int(draft.fixed.sum())} fixed"
+            status += f" · {sum(draft.fixed)} fixed"
         if self.ansi:
             self._redraw(pieces, draft, status)
         else:

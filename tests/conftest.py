@@ -10,7 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # One switch for every parity suite: DGEMMA_TEST_DEVICE=gpu runs MLX on Metal or CUDA and the
 # reference on the matching torch device (mps / cuda); the default is cpu for both.
-import mlx_dgemma  # noqa: E402,F401  (first: it points MLX at the fast BLAS before mlx.core loads)
+from mlx_dgemma import fast_blas  # noqa: E402
+
+fast_blas.load()  # before mlx.core loads: MLX's matmuls then use OpenBLAS where it is installed
 import mlx.core as mx  # noqa: E402
 
 if os.environ.get("DGEMMA_TEST_DEVICE", "cpu") == "gpu":

@@ -39,11 +39,23 @@ class ReferenceSession:
         self.length = 0
 
     @torch.no_grad()
-    def encode(self, ids) -> None:
+    def encode(self, ids, pixel_values=None, image_position_ids=None) -> None:
+        """Encode ``ids``; with images, as generate() does: the image tokens marked in
+        ``mm_token_type_ids`` (as the processor marks them) and the encoder masks built from them."""
         device = self.model.device
         ids = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=device).reshape(1, -1)
         positions = torch.arange(self.length, self.length + ids.shape[1], device=device)[None]
-        self.model.model.encoder(input_ids=ids, cache=self.cache, position_ids=positions)
+        vision = {}
+        if pixel_values is not None:
+            types = (ids == self.model.config.image_token_id).long()
+            masks = self.model.model.encoder.create_masks_for_generate(
+                config=self.model.config, inputs_embeds=torch.empty(1, ids.shape[1], 0, device=device),
+                attention_mask=torch.ones(1, self.length + ids.shape[1], dtype=torch.bool, device=device),
+                cache=self.cache, position_ids=positions, mm_token_type_ids=types)
+            vision = dict(pixel_values=torch.as_tensor(np.asarray(pixel_values), device=device),
+                          image_position_ids=torch.as_tensor(np.asarray(image_position_ids), device=device),
+                          mm_token_type_ids=types, attention_mask=masks)
+        self.model.model.encoder(input_ids=ids, cache=self.cache, position_ids=positions, **vision)
         self.length += ids.shape[1]
 
     @torch.no_grad()

@@ -25,13 +25,24 @@ def test_bench_json_and_plot(checkpoints, tmp_path):
                 "crossover_steps", "predicted"):
         assert key in r, key
     steps = {int(c): s for c, s in r["step_s_by_canvas"].items()}
-    assert sorted(steps) == [16, 32, 64, 128, 256] and all(s > 0 for s in steps.values())
+    # the canvas lengths, and the draft lengths up to the model's canvas (12) for verified drafting
+    assert sorted(steps) == [2, 4, 8, 16, 32, 64, 128, 256] and all(s > 0 for s in steps.values())
     for n, tok_s in r["diffusion_tok_s_by_steps"].items():
         assert tok_s == pytest.approx(256 / (int(n) * steps[256]), rel=0.1)
     # The crossover is where diffusion's tok/s meets AR's.
     assert 256 / (r["crossover_steps"] * steps[256]) == pytest.approx(r["ar_tok_s"], rel=1e-6)
     assert set(r["predicted"]) == set(KNOWN_DEVICES)
     assert "crossover" in result.output and "H100" in result.output
+    # verified drafting: the encoder pass per draft length, a measured run (64 tokens, at least one per
+    # round: the encoder's own token), predictions for this device and for each known one
+    v = r["verified"]
+    assert {int(n) for n in r["verify_s_by_length"]} == {2, 4, 8}
+    assert v["measured"]["tokens_per_round"] >= 1 and v["measured"]["tok_s"] > 0
+    assert v["measured"]["tokens_per_forward"] == pytest.approx(
+        v["measured"]["tokens_per_round"] / (v["measured"]["draft_steps"] + 1), rel=0.35)
+    assert v["half_acceptance"]["tokens_per_round"] < v["demo_acceptance"]["tokens_per_round"]
+    assert all(p["verified_tok_s"] > p["verified_half_tok_s"] > 0 for p in r["predicted"].values())
+    assert "verified drafting measured" in result.output
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -11,7 +11,6 @@ import pytest
 
 from convert import random_checkpoint
 from mlx_dgemma import load
-from mlx_dgemma.model import FrozenCanvas
 from mlx_dgemma.sampler import MxRandom, SamplerSettings, denoise_canvas
 
 PROMPT = [2] + list(range(10, 50))  # longer than the pattern preset's sliding window
@@ -38,14 +37,13 @@ def test_compacted_denoise_matches_the_full_one(model_and_cache, self_conditione
     if self_conditioned:
         scaled = mx.random.normal((1, C, V), key=mx.random.key(2)) * 3
         probs = mx.softmax(scaled, axis=-1)
-    store = FrozenCanvas.empty(len(model.layers))
-    full = model.denoise(canvas, cache, scaled, probs, frozen=store)
+    view = cache.canvas_view(C)  # keeps each canvas position's K/V from when it was last computed
+    full = model.denoise(canvas, view, scaled, probs)
     frozen_rows = np.array([0, 2, 3, C // 2, C - 1])
     active = np.setdiff1d(np.arange(C), frozen_rows).astype(np.int32)
-    store.freeze(mx.array(frozen_rows.astype(np.int32)))
     a = mx.array(active)
-    part = model.denoise(canvas[:, a], cache, None if scaled is None else scaled[:, a],
-                         None if probs is None else probs[:, a], active=a, frozen=store)
+    part = model.denoise(canvas[:, a], view, None if scaled is None else scaled[:, a],
+                         None if probs is None else probs[:, a], active=a)
     assert part.shape == (1, len(active), V)
     assert relative(part, full[:, a]) < 1e-4
 
@@ -55,9 +53,14 @@ def test_explicit_positions_rotate_like_a_run(model_and_cache):
     C, V = model.config.canvas_length, model.config.vocab_size
     canvas = mx.random.randint(0, V, (1, C), key=mx.random.key(3))
     full = model.denoise(canvas, cache)
-    everything = model.denoise(canvas, cache, active=mx.arange(C, dtype=mx.int32), frozen=FrozenCanvas.empty(
-        len(model.layers)))
+    everything = model.denoise(canvas, cache.canvas_view(C), active=mx.arange(C, dtype=mx.int32))
     assert relative(everything, full) < 1e-4
+
+
+def test_compaction_needs_a_view(model_and_cache):
+    model, cache = model_and_cache
+    with pytest.raises(ValueError, match="needs a CanvasView"):
+        model.denoise(mx.zeros((1, 3), dtype=mx.int32), cache, active=mx.arange(3))
 
 
 def test_nothing_frozen_is_the_reference_loop(model_and_cache):

@@ -1,12 +1,12 @@
-"""The Metal/CUDA code paths, run on the CPU: MLX's gather_mm experts and MLX's vocabulary math
-must give what the CPU paths (per-expert BLAS products, numpy transcendentals) give."""
+"""The Metal/CUDA kernels, run on the CPU: MLX's gather_mm experts and MLX's vocabulary math must
+give what the CPU kernels (per-expert BLAS products, numpy transcendentals) give."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from convert.random_checkpoint import PRESETS
-from mlx_dgemma import cpu_kernels, load, stream_generate
+from mlx_dgemma import kernels, load, stream_generate
 
 
 def forward(model, prompt, canvas, sc=None):
@@ -16,7 +16,7 @@ def forward(model, prompt, canvas, sc=None):
 
 
 @pytest.mark.parametrize("preset", ["pattern", "mixed"])
-def test_accelerator_paths_match_cpu_paths(checkpoints, preset, monkeypatch):
+def test_accelerator_paths_match_cpu_paths(checkpoints, preset):
     model, _ = load(checkpoints(preset))
     sizes = PRESETS[preset]
     rng = np.random.default_rng(0)
@@ -24,17 +24,34 @@ def test_accelerator_paths_match_cpu_paths(checkpoints, preset, monkeypatch):
     canvas = rng.integers(0, sizes["vocab_size"], (1, sizes["canvas_length"]))
     cpu = forward(model, prompt, canvas)
     cpu_sc = forward(model, prompt, canvas, mx.array(cpu / 0.7))
-    monkeypatch.setattr(cpu_kernels, "on_cpu", lambda: False)
+    assert model.kernels is kernels.CPU
+    model.use_kernels(kernels.MLX)
     accelerator = forward(model, prompt, canvas)
     accelerator_sc = forward(model, prompt, canvas, mx.array(cpu / 0.7))
     for a, b in ((cpu, accelerator), (cpu_sc, accelerator_sc)):
         assert np.abs(a - b).max() / np.abs(b).max() < 1e-5
 
 
-def test_generation_is_the_same_on_both_paths(checkpoints, monkeypatch):
+def test_generation_is_the_same_on_both_paths(checkpoints):
     model, tokenizer = load(checkpoints("small", tame=True))
     prompt = [2, 10, 11, 12, 13, 14, 15]
     cpu = [r.tokens for r in stream_generate(model, tokenizer, prompt, 24, seed=5)]
-    monkeypatch.setattr(cpu_kernels, "on_cpu", lambda: False)
+    model.use_kernels(kernels.MLX)
     accelerator = [r.tokens for r in stream_generate(model, tokenizer, prompt, 24, seed=5)]
     assert cpu == accelerator
+
+
+@pytest.mark.parametrize("keys", [600, 1300])
+def test_cpu_attention_over_many_keys_matches_mlx(keys):
+    """Past NUMPY_SOFTMAX_MIN_KEYS the CPU softmax runs in numpy; masked, grouped heads, two rows."""
+    assert keys >= kernels.NUMPY_SOFTMAX_MIN_KEYS
+    q = mx.random.normal((2, 6, 9, 32), key=mx.random.key(0))
+    k = mx.random.normal((2, 2, keys, 32), key=mx.random.key(1))
+    v = mx.random.normal((2, 2, keys, 48), key=mx.random.key(2))
+    mask = mx.random.uniform(shape=(2, 1, 9, keys), key=mx.random.key(3)) < 0.7
+    mask = mask | (mx.arange(keys)[None, None, None] == 0)  # every query sees a key
+    for m in (mask, None):
+        want = np.array(kernels.MLX.attention(q, k, v, m))
+        got = np.array(kernels.CPU.attention(q, k, v, m))
+        assert got.shape == want.shape == (2, 6, 9, 48)
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-5

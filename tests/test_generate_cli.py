@@ -72,7 +72,7 @@ def test_responses_describe_each_canvas(chat_model, reference_run):
     assert [r.finish_reason for r in reference_run] == [None, None, "length"]
     for i, r in enumerate(reference_run):
         assert len(r.tokens) == C and r.steps == STEPS == len(r.drafts)
-        assert r.drafts[-1].tokens.tolist() == r.tokens  # the commit is the last step's argmax
+        assert r.drafts[-1].tokens == r.tokens  # the commit is the last step's argmax
         assert r.generation_tokens == (i + 1) * C
         assert r.tokens_per_forward == pytest.approx(C / STEPS)
         assert r.prompt_tokens == len(prompt_ids(tokenizer, PROMPT)) and r.prompt_tps > 0 and r.generation_tps > 0
@@ -125,7 +125,7 @@ def test_cli_view_shows_every_step(chat_checkpoint, chat_model, reference_run):
     for canvas, response in enumerate(reference_run, start=1):
         for draft in response.drafts:
             pieces = "".join(_visible(tokenizer.piece(t)) for t in draft.tokens)
-            expected.append(f"[canvas {canvas} · step {draft.step}/{STEPS} · {draft.accepted.sum()}/{C} accepted · "
+            expected.append(f"[canvas {canvas} · step {draft.step}/{STEPS} · {sum(draft.accepted)}/{C} accepted · "
                             f"mean entropy {draft.mean_entropy:.3f}] {pieces}")
         expected.append(f"[canvas {canvas} committed] {response.text}")
     assert result.output.splitlines() == expected
@@ -177,7 +177,7 @@ def test_cli_prompt_options(chat_checkpoint, chat_model, args, prompt_ids_kwargs
     (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
     (["--prompt", "x" * 5000], "does not fit the model's context of 4096 tokens"),
     (["--temp-min", "0.9", "--temp-max", "0.5"], "temp-min < temp-max"),
-    (["--entropy-bound", "0"], "entropy bound must be > 0"),
+    (["--entropy-bound", "0"], "--entropy-bound must be > 0"),
 ])
 def test_cli_bad_input_is_a_one_line_error(chat_checkpoint, args, message):
     result = invoke(chat_checkpoint, *args)

@@ -35,28 +35,116 @@ def test_ar_policy_is_greedy_decoding_through_the_encoder(pattern):
 def test_fast_policy_trims_the_last_canvas_and_compacts(pattern):
     model, tokenizer = pattern
     eos = model.generation_config.eos_token_id
-    reference = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="reference"))
-    fast = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="fast"))
+    reference = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="reference", drafts=True))
+    fast = list(stream_generate(model, tokenizer, PROMPT, 21, seed=1, policy="fast", drafts=True))
     if any(r.finish_reason == "stop" for r in reference + fast):
         pytest.skip(f"a stop id {eos} came up in this random model's output")
-    assert [len(r.tokens) for r in reference] == [16, 16]  # whole canvases, as the reference does
-    assert [len(r.tokens) for r in fast] == [16, 8]  # 5 tokens still wanted -> a canvas of 8
+    computed = lambda responses: [len(r.drafts[-1].tokens) for r in responses]  # noqa: E731
+    assert computed(reference) == [16, 16]  # whole canvases, as the reference does
+    assert computed(fast) == [16, 8]  # 5 tokens still wanted -> a canvas of 8
+    assert [len(r.tokens) for r in reference] == [len(r.tokens) for r in fast] == [16, 5]  # 21 handed out
     plan = fast[0].plan
     assert plan.freeze_after >= 1 and plan.stability_threshold == 0 and reference[0].plan.freeze_after == 0
 
 
 def test_auto_policy_follows_the_device_profile(pattern):
-    """Compute-bound steps (time ~ canvas length) lose to AR; bandwidth-bound ones win."""
+    """Auto takes the policy with the most predicted tok/s: AR where every forward costs many AR
+    tokens (compute-bound), diffusion where steps are cheap and few, verified drafting where a short
+    draft and its check cost about an AR token each."""
     model, tokenizer = pattern
-    compute_bound = Profile("mac-like", "measured", {16: 0.016, 256: 0.256}, ar_token_s=0.01, prefill_tok_s=1e3)
-    bandwidth_bound = Profile("gpu-like", "measured", {16: 0.002, 256: 0.004}, ar_token_s=0.004, prefill_tok_s=1e4)
-    mac = next(stream_generate(model, tokenizer, PROMPT, 8, policy="auto", profile=compute_bound, expected_steps=16))
-    gpu = next(stream_generate(model, tokenizer, PROMPT, 8, policy="auto", profile=bandwidth_bound, expected_steps=16))
-    assert mac.plan.mode == "ar" and gpu.plan.mode == "diffusion"
-    assert "mac-like" in mac.plan.explain() and "gpu-like" in gpu.plan.explain()
+    compute_bound = Profile("mac-like", "measured", {2: 0.02, 16: 0.05, 256: 0.256}, ar_token_s=0.01,
+                            prefill_tok_s=1e3, verify_s_by_length={2: 0.02, 16: 0.05})
+    bandwidth_bound = Profile("gpu-like", "measured", {2: 0.002, 16: 0.002, 256: 0.004}, ar_token_s=0.004,
+                              prefill_tok_s=1e4, verify_s_by_length={2: 0.004, 16: 0.004})
+    draft_friendly = Profile("cpu-like", "measured", {2: 0.003, 16: 0.004, 256: 0.064}, ar_token_s=0.004,
+                             prefill_tok_s=1e4, verify_s_by_length={2: 0.003, 16: 0.004})
+    cases = ((compute_bound, 16, "ar"), (bandwidth_bound, 2, "diffusion"), (draft_friendly, 16, "verified"))
+    for profile, steps, mode in cases:
+        response = next(stream_generate(model, tokenizer, PROMPT, 8, policy="auto", profile=profile,
+                                        expected_steps=steps))
+        assert response.plan.mode == mode, profile.device
+        text = response.plan.explain()
+        assert profile.device in text and all(name in text for name in ("reference", "fast", "ar", "verified"))
+
+
+def test_auto_learns_from_what_it_observes(pattern):
+    """A planner that expected short canvases switches away from diffusion once canvases keep running
+    to the step limit (random weights never converge), between canvases of one generation."""
+    from mlx_dgemma.config import GenerationConfig
+    from mlx_dgemma.policy import AutoPlanner
+
+    model, tokenizer = pattern
+    profile = Profile("cpu-like", "measured", {2: 0.008, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
+                      prefill_tok_s=1e4, verify_s_by_length={2: 0.05, 16: 0.05})
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=1)
+    assert planner.choose(64).mode == "diffusion"
+    for _ in range(4):
+        planner.observe_canvas("reference", 8, 16, 16)
+        planner.observe_canvas("fast", 8, 16, 16)
+    assert planner.choose(64).mode == "ar"
+
+
+def test_auto_switches_plans_between_canvases_and_rounds(pattern):
+    """Whatever auto switches between, the cache holds exactly what was emitted: every AR block and
+    verified round after a switch continues the text as greedy decoding of everything before it would."""
+    from dataclasses import replace
+
+    from mlx_dgemma.config import GenerationConfig
+    from mlx_dgemma.policy import AutoPlanner, make_plan
+
+    class Scripted(AutoPlanner):
+        def __init__(self, modes, *args):
+            super().__init__(*args)
+            self.modes = iter(modes)
+
+        def choose(self, remaining):
+            name = next(self.modes, "ar")
+            plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft_length=5, draft_steps=1)
+            self.current = replace(plan, policy="auto")
+            return self.current
+
+    model, tokenizer = pattern
+    profile = Profile("any", "measured", {16: 0.01}, ar_token_s=0.01, prefill_tok_s=1e3)
+    script = ["verified", "verified", "reference", "verified", "ar", "verified", "fast", "ar"]
+    model._auto_planner = Scripted(script, GenerationConfig(max_denoising_steps=4), 16, profile)
+    responses = list(stream_generate(model, tokenizer, PROMPT, 80, policy="auto", profile=profile))
+    if responses[-1].finish_reason == "stop":
+        pytest.skip("a stop id came up in this random model's output")
+    assert [r.plan.mode for r in responses][:len(script)] == [make_plan(m, GenerationConfig(), 16, 8).mode
+                                                                 for m in script]
+    emitted = list(PROMPT)
+    for r in responses:
+        if r.plan.mode != "diffusion":
+            cache = model.make_cache()
+            logits = model.next_token_logits(mx.array([emitted]), cache)
+            expected = []
+            for _ in r.tokens:
+                expected.append(logits.argmax(-1).item())
+                logits = model.next_token_logits(mx.array([[expected[-1]]]), cache)
+            assert r.tokens == expected, r.plan.mode
+        emitted += r.tokens
+    del model._auto_planner
 
 
 def test_unknown_policy_is_refused(pattern):
     model, tokenizer = pattern
     with pytest.raises(ValueError, match="unknown policy 'turbo'"):
         next(stream_generate(model, tokenizer, PROMPT, 8, policy="turbo"))
+
+
+def test_auto_runs_a_close_second_again_now_and_then():
+    """Estimates of a plan that does not run cannot move, so auto re-runs a close second every
+    EXPLORE_EVERY choices (and then follows what it sees), but never a plan far behind."""
+    from mlx_dgemma.config import GenerationConfig
+    from mlx_dgemma.policy import EXPLORE_EVERY, AutoPlanner
+
+    profile = Profile("cpu-like", "measured", {2: 0.006, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
+                      prefill_tok_s=1e4, verify_s_by_length={2: 0.006, 16: 0.016})
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=48), 16, profile, expected_steps=48)
+    predicted = planner.predictions(64)
+    assert max(predicted, key=lambda n: predicted[n][0]) == "ar"
+    assert predicted["verified"][0] > 0.6 * predicted["ar"][0] > predicted["reference"][0]
+    plans = [planner.choose(64) for _ in range(2 * EXPLORE_EVERY + 2)]
+    modes = [plan.mode for plan in plans]
+    assert modes.count("verified") == 2 and modes.count("diffusion") == 0
+    assert all("run again to check" in plan.explain() for plan in plans if plan.mode == "verified")

@@ -72,7 +72,9 @@ def test_fast_plan_cuts_work():
 def test_measured_profile_is_cached(checkpoints, tmp_path):
     model, _ = load(checkpoints("small"))
     profile = cached_profile(model, root=tmp_path)
-    assert profile.source == "measured" and set(profile.step_s_by_canvas) == {16, 32, 64, 128, 256}
+    assert profile.source == "measured" and set(profile.step_s_by_canvas) == {2, 4, 8, 16, 32, 64, 128, 256}
+    assert set(profile.verify_s_by_length) == {2, 4, 8}  # draft lengths up to the canvas (12)
+    assert all(s > 0 for s in profile.verify_s_by_length.values())
     assert all(s > 0 for s in profile.step_s_by_canvas.values()) and profile.ar_token_s > 0
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1

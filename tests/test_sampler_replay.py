@@ -124,7 +124,14 @@ def run_ours(path, max_tokens, draws, prompt=PROMPT):
     responses = list(stream_generate(model, tokenizer, prompt, max_tokens, rng=rng, drafts=True))
     assert rng.used == len(rng.draws), f"we used {rng.used} of the reference's {len(rng.draws)} draws"
     pad, canvas = tokenizer.pad_token_id, model.config.canvas_length
-    tokens = [t for r in responses for t in r.tokens + [pad] * (canvas - len(r.tokens))]
+    tokens = []
+    for r in responses:
+        commit = list(r.drafts[-1].tokens)  # the whole canvas (the reference returns it all)
+        if r.finish_reason == "length":  # handed out only up to max_tokens
+            assert r.tokens == commit[:len(r.tokens)] and len(tokens) + len(r.tokens) == max_tokens
+            tokens += commit
+        else:
+            tokens += r.tokens + [pad] * (canvas - len(r.tokens))
     return tokens, responses
 
 
@@ -133,7 +140,7 @@ def assert_replay_matches(path, max_tokens, prompt=PROMPT):
     tokens, responses = run_ours(path, max_tokens, draws, prompt)
     assert tokens == ref_tokens
     assert [r.steps for r in responses] == [len(d) for d in ref_drafts]
-    assert [[d.tokens.tolist() for d in r.drafts] for r in responses] == ref_drafts
+    assert [[d.tokens for d in r.drafts] for r in responses] == ref_drafts
     assert responses[-1].tokens_per_forward == pytest.approx(ref_tpf)
     return ref_tokens, ref_drafts, responses
 
@@ -147,9 +154,10 @@ def test_one_canvas(small):
 @pytest.mark.parametrize("preset", ["small", "mixed"])
 def test_three_canvases(checkpoints, preset):
     canvas = random_checkpoint.PRESETS[preset]["canvas_length"]
-    # 3C - 5 new tokens round up to three whole canvases, as in the reference.
+    # 3C - 5 new tokens round up to three whole canvases, as in the reference; 3C - 5 are handed out.
     tokens, drafts, responses = assert_replay_matches(checkpoints(preset, tame=True), max_tokens=3 * canvas - 5)
     assert len(tokens) == 3 * canvas and len(responses) == 3
+    assert sum(len(r.tokens) for r in responses) == responses[-1].generation_tokens == 3 * canvas - 5
     assert [r.finish_reason for r in responses] == [None, None, "length"]
 
 

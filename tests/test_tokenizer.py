@@ -93,6 +93,19 @@ def test_text_stream_hands_out_text_as_it_grows(tokenizers):
     assert pieces == ["", "caf", "é ok", ""]
 
 
+def test_thought_channel_is_read_apart_from_the_answer(tokenizers):
+    tok = tokenizers[0]
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    turn_end = tok.token_id("<turn|>")
+    ids = enc("<|channel>thought\nsmall ones") + [0] + enc(" first<channel|>1 3") + [turn_end] + enc("<|channel>x\nno")
+    assert tok.decode_thought(ids, stop_ids=[turn_end]) == "small ones first"
+    assert tok.decode_clean(ids, stop_ids=[turn_end]) == "1 3"
+    assert tok.decode_thought(enc("no thought here"), stop_ids=[1]) == ""
+    stream = TextStream(tok, stop_ids=[1], thought=True)
+    pieces = [stream.add(enc("<|channel>thou")), stream.add(enc("ght\nhm")), stream.add(enc("m<channel|>ok"))]
+    assert pieces == ["", "hm", "m"]  # nothing until the channel's name line is complete
+
+
 def test_checkpoint_without_tokenizer_files_loads_and_takes_token_ids(checkpoints):
     model, tokenizer = load(checkpoints("small"))
     assert not tokenizer.has_vocabulary

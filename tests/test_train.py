@@ -155,7 +155,8 @@ def test_full_fine_tune_trains_the_last_layers_only(checkpoints):
 
 def quantized_demo():
     model, _ = load(DEMO_MODEL)
-    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    nn.quantize(model, group_size=32, bits=4,  # the vision tower stays as it is, as the converter keeps it
+                class_predicate=lambda path, m: isinstance(m, nn.Linear) and "vision" not in path)
     return model
 
 

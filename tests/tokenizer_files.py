@@ -27,15 +27,17 @@ def write_sentencepiece(folder: Path, model_file: Path, chat_template: str | Non
     (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_tokenizer_json(folder: Path, model_file: Path) -> None:
-    """The sentencepiece vocabulary as a Gemma-style ``tokenizer.json`` (same ids), no chat template."""
+def write_tokenizer_json(folder: Path, model_file: Path, extra: dict[str, int] | None = None) -> None:
+    """The sentencepiece vocabulary as a Gemma-style ``tokenizer.json`` (same ids), no chat template;
+    ``extra`` adds special tokens at given ids (e.g. the image tokens at the top of the vocabulary)."""
     import sentencepiece as spm
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    vocab.update(extra or {})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in SPECIAL])
+    tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in SPECIAL + list(extra or {})])
     tok.save(str(Path(folder) / "tokenizer.json"))

@@ -1,0 +1,239 @@
+"""KV caches: the encoder appends to them, verified drafting trims them, and the denoiser reads a
+per-canvas view of them.
+
+Rows of a batch are left-padded to a common length, as in mlx-lm's batched generation: every row
+appends at the same physical index, padding keys are masked out, and each row's RoPE positions
+count from its first real token. The layer caches have the API of mlx-lm's ``BatchKVCache``
+(``update_and_fetch``, ``offset``, ``left_padding``, ``trim``, ``filter``, ``extend``, ``state``);
+they are not mlx-lm's because importing anything from mlx_lm imports transformers (≈ 7 s here),
+and a sliding window must stay trimmable, which mlx-lm's rotating cache is not once it wraps.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class LayerCache:
+    """One layer's K/V for B left-padded rows, [B, kv_heads, capacity, head_dim], grown in chunks of
+    ``step`` positions. ``window``: a sliding-window layer keeps at least its last ``keep``
+    positions (the reference's window − 1 plus a canvas, so that trimming up to a canvas leaves
+    exactly the reference's window); older ones are dropped a chunk at a time."""
+
+    step = 256
+
+    def __init__(self, left_padding: list[int], keep: int | None = None):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.left_padding = mx.array(left_padding, dtype=mx.int32)  # physical index of each row's first token
+        self.offset = mx.array([-p for p in left_padding], dtype=mx.int32)  # each row's tokens = next RoPE position
+        self._idx = 0  # physical positions stored
+        self.keep = keep
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append [B, kv_heads, S, head_dim] and return every stored position (the new ones' masks
+        say which each may see)."""
+        prev, S = self._idx, keys.shape[2]
+        if self.keys is None or prev + S > self.keys.shape[2]:
+            B, H, _, D = keys.shape
+            grow = -(-S // self.step) * self.step
+            room_k = mx.zeros((B, H, grow, D), keys.dtype)
+            room_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = room_k, room_v
+            else:
+                self.keys = mx.concatenate([self.keys[..., :prev, :], room_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :prev, :], room_v], axis=2)
+        self._idx += S
+        self.offset = self.offset + S
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        fetched = self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+        if self.keep is not None and (drop := self._idx - self.keep) >= self.step:
+            self.keys, self.values = self.keys[..., drop:, :], self.values[..., drop:, :]
+            self._idx -= drop
+            self.left_padding = self.left_padding - drop
+        return fetched
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def filter(self, rows: mx.array) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+        self.offset, self.left_padding = self.offset[rows], self.left_padding[rows]
+
+    def extend(self, other: LayerCache) -> None:
+        """Append ``other``'s rows, left-padding the side with fewer stored positions."""
+        end = max(self._idx, other._idx)
+
+        def aligned(c: LayerCache) -> tuple[mx.array, mx.array, mx.array]:
+            pad = [(0, 0), (0, 0), (end - c._idx, 0), (0, 0)]
+            return (mx.pad(c.keys[..., : c._idx, :], pad), mx.pad(c.values[..., : c._idx, :], pad),
+                    c.left_padding + (end - c._idx))
+
+        (k1, v1, p1), (k2, v2, p2) = aligned(self), aligned(other)
+        self.keys, self.values = mx.concatenate([k1, k2]), mx.concatenate([v1, v2])
+        self.left_padding = mx.concatenate([p1, p2])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = end
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+
+class KVCache:
+    """The encoder's cache of a model: one cache per layer, ``B`` left-padded rows.
+
+    ``offset``: physical positions encoded (padding included; for one unpadded row, its tokens);
+    ``lengths``: each row's real tokens, i.e. the RoPE position of its next token. The last layer
+    is always a full-attention one (the config forces it), so its cache speaks for the rows."""
+
+    def __init__(self, windows: list[int | None], left_padding: list[int], slack: int):
+        self.windows = windows
+        self.layers = [LayerCache(left_padding, None if w is None else w - 1 + slack) for w in windows]
+        self.padded = any(p > 0 for p in left_padding)  # known on the host: masks need no sync
+
+    @property
+    def _rows(self) -> LayerCache:
+        return self.layers[-1]
+
+    @property
+    def offset(self) -> int:
+        return self._rows._idx
+
+    @property
+    def lengths(self) -> mx.array:
+        return self._rows.offset
+
+    @property
+    def batch_size(self) -> int:
+        return self._rows.left_padding.shape[0]
+
+    def state(self) -> list[mx.array]:
+        return [a for c in self.layers if c.keys is not None for a in c.state]
+
+    def layer_keys(self, i: int) -> tuple[mx.array, mx.array]:
+        """Layer i's stored K/V, [B, kv_heads, T, head_dim] (sliding layers: the last window − 1)."""
+        c, window = self.layers[i], self.windows[i]
+        if c.keys is None:
+            raise ValueError("the cache is empty: encode a prompt first")
+        start = 0 if window is None else max(0, c._idx - (window - 1))
+        return c.keys[..., start : c._idx, :], c.values[..., start : c._idx, :]
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` positions of every row; ValueError where that would not be exact (a
+        sliding layer keeps a canvas of history beyond its window, at least)."""
+        if not 0 <= n <= self.offset:
+            raise ValueError(f"cannot trim {n} positions from a cache of {self.offset}")
+        for c, window in zip(self.layers, self.windows):
+            if window is not None and c._idx - n < min(window - 1, self.offset - n):
+                raise ValueError(f"cannot trim {n} positions: a sliding layer keeps only {c._idx - (window - 1)} "
+                                 "beyond its window (a canvas, at least)")
+        for c in self.layers:
+            c.trim(n)
+        return n
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
+        index = mx.array(rows, dtype=mx.int32)
+        for c in self.layers:
+            c.filter(index)
+
+    def extend(self, other: KVCache) -> None:
+        """Append ``other``'s rows; the side with fewer positions is left-padded so all rows end together."""
+        if other.offset != self.offset:
+            self.padded = True
+        self.padded |= other.padded
+        for a, b in zip(self.layers, other.layers):
+            a.extend(b)
+
+    def encoder_mask(self, i: int, length: int) -> mx.array | None:
+        """Which keys each of ``length`` new positions of layer i may attend to, [B|1, 1, T, K] bool,
+        computed before they are appended: causal, inside the window on sliding layers, never a
+        padding key, except itself (so that a padding query attends to something and stays finite)."""
+        c, window = self.layers[i], self.windows[i]
+        start = c._idx
+        q = mx.arange(start, start + length)[:, None]
+        k = mx.arange(start + length)[None, :]
+        allowed = k <= q
+        if window is not None:
+            allowed = allowed & (k > q - window)
+        if not self.padded:
+            return allowed[None, None] if window is not None or length > 1 else None
+        valid = k[None] >= c.left_padding[:, None, None]  # [B, 1, K]
+        return ((allowed[None] & valid) | (k == q)[None])[:, None]
+
+    def canvas_view(self, length: int) -> CanvasView:
+        return CanvasView(self, length)
+
+
+class CanvasLayerView:
+    """One layer's prefix K/V with room for a canvas after it, [B, kv_heads, P + C, head_dim].
+
+    Each denoising step writes its canvas positions' K/V into that room: all of them, or under
+    active-set compaction only the ``slots`` still computed (the others keep the K/V they had when
+    last computed, which is what the still-moving positions attend to)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, length: int):
+        B, H, P, D = keys.shape
+        room = mx.zeros((B, H, length, D), keys.dtype)
+        self.keys = mx.concatenate([keys, room], axis=2)
+        self.values = mx.concatenate([values, mx.zeros((B, H, length, values.shape[3]), values.dtype)], axis=2)
+        self.prefix = P
+        self.slots: mx.array | None = None  # [B, A] canvas indexes of the positions being computed
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.slots is None:
+            self.keys[..., self.prefix :, :] = keys
+            self.values[..., self.prefix :, :] = values
+        else:
+            index = (self.slots + self.prefix)[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, index, values, axis=2)
+        return self.keys, self.values
+
+    def select(self, rows: mx.array) -> CanvasLayerView:
+        view = object.__new__(CanvasLayerView)
+        view.keys, view.values, view.prefix, view.slots = self.keys[rows], self.values[rows], self.prefix, None
+        return view
+
+
+class CanvasView:
+    """The prefix K/V of every layer laid out once per canvas, for the steps that denoise it (the
+    cache itself is only read). ``positions``: each row's RoPE position of canvas index 0."""
+
+    def __init__(self, cache: KVCache, length: int):
+        self.length = length
+        self.positions = cache.lengths
+        self.layers: list[CanvasLayerView] = []
+        self.masks: list[mx.array | None] = []
+        for i, c in enumerate(cache.layers):
+            keys, values = cache.layer_keys(i)
+            self.layers.append(CanvasLayerView(keys, values, length))
+            if cache.padded:
+                start = c._idx - keys.shape[2]
+                valid = mx.arange(start, c._idx)[None, :] >= c.left_padding[:, None]  # [B, P]
+                whole = mx.concatenate([valid, mx.ones((valid.shape[0], length), dtype=mx.bool_)], axis=1)
+                self.masks.append(whole[:, None, None, :])
+            else:
+                self.masks.append(None)
+
+    def set_active(self, active: mx.array | None) -> None:
+        """The canvas indexes [B, A] the next forward computes (None: the whole canvas)."""
+        for layer in self.layers:
+            layer.slots = active
+
+    def select(self, rows: list[int]) -> CanvasView:
+        """The same view for a subset of its rows (rows whose canvas is done stop costing compute)."""
+        index = mx.array(rows, dtype=mx.int32)
+        view = object.__new__(CanvasView)
+        view.length, view.positions = self.length, self.positions[index]
+        view.layers = [layer.select(index) for layer in self.layers]
+        view.masks = [None if m is None else m[index] for m in self.masks]
+        return view
+

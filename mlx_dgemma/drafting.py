@@ -1,0 +1,300 @@
+"""Verified drafting: the decoder drafts, the encoder verifies (speculative decoding in one checkpoint).
+
+The encoder is a causal LM and must run over every committed token anyway; the decoder proposes
+many tokens at once. One round, with the next token already known (the encoder's prediction):
+
+1. a canvas of ``length`` positions, position 0 clamped to the known token, is denoised in
+   ``steps`` steps (argmax drafts, self-conditioning from the second step on);
+2. one encoder forward over the draft (causal, appending to the cache) predicts the token after
+   each draft position;
+3. the longest prefix on which the draft equals the predictions is kept, the prediction at the first
+   disagreement becomes the next known token, and the cache is trimmed back to what was kept.
+
+Greedy (temperature 0) the output is autoregressive greedy decoding's, token for token. Sampling
+(temperature > 0) uses speculative rejection sampling: the draft's last step draws each position
+from its tempered distribution q, a draft token is accepted with probability min(1, p/q) (p: the
+encoder's tempered distribution) and on rejection the next token is drawn from max(0, p − q)
+normalised, so the output is distributed exactly as autoregressive sampling at that temperature.
+
+What "the next token" is comes from a rule: ``GreedyRule`` and ``SampledRule`` decode freely up to
+a stop id or a token budget; ``TemplateRule`` forces a template's text and decodes its holes (the
+autoregressive template decoding of generate.py runs the same rule one token at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .sampler import Clamp, Random, SamplerSettings, tempered_distribution
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """One round's draft: ``length`` canvas positions (the known token included), ``steps`` denoising
+    steps; ``temperature`` 0 is greedy, otherwise the sampling temperature of the output."""
+
+    length: int
+    steps: int
+    temperature: float = 0.0
+    reuse: bool = True  # seed a draft with the previous draft's tokens after the rejected one
+
+    def check(self, canvas_length: int) -> None:
+        if not isinstance(self.length, int) or not 1 <= self.length <= canvas_length:
+            raise ValueError(f"draft length must be an integer from 1 to the model's canvas length {canvas_length}, "
+                             f"got {self.length!r}")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"draft steps must be a positive integer, got {self.steps!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+class GreedyRule:
+    """Greedy decoding up to a stop id or ``max_tokens``."""
+
+    def __init__(self, stop_ids, max_tokens: int):
+        self.stop_ids, self.max_tokens = set(stop_ids), max_tokens
+        self.output: list[int] = []
+        self.done = False
+
+    @property
+    def room(self) -> int:
+        """Most tokens still to come."""
+        return self.max_tokens - len(self.output)
+
+    def known(self, n: int) -> list[int]:
+        """Tokens that will follow the last decision whatever the model predicts (none when free)."""
+        return []
+
+    def _emit(self, token: int) -> None:
+        self.output.append(token)
+        self.done = token in self.stop_ids or len(self.output) >= self.max_tokens
+
+    def follow(self, logits: mx.array, proposed: list[int], q: mx.array | None = None) -> tuple[int, int | None]:
+        """Decide along ``logits`` [n, V] (row j: the prediction after the j-th fed token) while the
+        decisions equal ``proposed`` [n − 1]. Returns (proposals accepted, the next known token or
+        None when decoding is done: then a stop id that was a proposal counts as accepted)."""
+        for j, token in enumerate(np.array(logits.argmax(-1)).tolist()):
+            self._emit(token)
+            agrees = j < len(proposed) and token == proposed[j]
+            if self.done:
+                return j + agrees, None
+            if not agrees:
+                return j, token
+        raise AssertionError("more proposals than rows")
+
+
+class SampledRule(GreedyRule):
+    """Sampling at ``temperature``; with a draft, speculative rejection sampling against the draft's
+    distribution ``q`` [n − 1, V] of the proposed tokens."""
+
+    def __init__(self, stop_ids, max_tokens: int, temperature: float, rng: Random):
+        super().__init__(stop_ids, max_tokens)
+        self.temperature, self.rng = temperature, rng
+
+    @staticmethod
+    def acceptance(p: mx.array, q: mx.array) -> mx.array:
+        """Probability of keeping a draft token drawn from q where the target gives it p."""
+        return mx.minimum(1.0, p / q)
+
+    @staticmethod
+    def residual(p: mx.array, q: mx.array) -> mx.array:
+        """What to draw from after a rejection: max(0, p − q) normalised (p where that is all zero,
+        which happens only where p ≤ q everywhere, i.e. p = q, and then nothing is rejected)."""
+        residual = mx.maximum(p - q, 0.0)
+        mass = residual.sum(-1, keepdims=True)
+        return mx.where(mass > 1e-12, residual / mx.maximum(mass, 1e-30), p)
+
+    def follow(self, logits, proposed, q=None):
+        p = tempered_probs(logits, self.temperature)
+        n = len(proposed)
+        accept = resampled = None
+        if n:
+            rows, idx = mx.arange(n), mx.array(proposed)
+            keep = self.acceptance(p[rows, idx], q[rows, idx])
+            # A Bernoulli draw is a categorical over (reject, accept): every draw goes through ``rng``.
+            accept = self.rng.categorical(mx.stack([1 - keep, keep], axis=-1))
+            resampled = self.rng.categorical(self.residual(p[:n], q))
+        bonus = self.rng.categorical(p[n:n + 1])
+        mx.eval(accept, resampled, bonus)
+        for j in range(n):
+            if accept[j].item():
+                self._emit(proposed[j])
+                if self.done:
+                    return j + 1, None
+                continue
+            self._emit(resampled[j].item())
+            return j, None if self.done else self.output[-1]
+        self._emit(bonus[0].item())
+        return n, None if self.done else self.output[-1]
+
+
+class TemplateRule:
+    """A template decoded autoregressively: literal tokens forced, each hole decoded greedily among the
+    tokens its class allows until the model predicts the text that follows it (the rest of the hole is
+    padding, as in a canvas, and is not fed to the model). ``output`` is aligned with the template."""
+
+    def __init__(self, template, tokenizer, vocab: int, end_of_turn: int | None):
+        from .template import token_classes
+
+        self.pad = tokenizer.pad_token_id
+        self.classes = token_classes(tokenizer, vocab)
+        self.tokens = list(template.tokens) + ([end_of_turn] if end_of_turn is not None else [])
+        self.holes = dict(template.holes)
+        self.output: list[int] = []
+        self.position = 0  # next template position to decide
+        self.chosen: list[int] = []  # the open hole's tokens so far
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.tokens)
+
+    @property
+    def room(self) -> int:
+        return len(self.tokens) - self.position
+
+    def known(self, n: int) -> list[int]:
+        out, i = [], self.position
+        while i < len(self.tokens) and i not in self.holes and len(out) < n:
+            out.append(self.tokens[i])
+            i += 1
+        return out
+
+    def step(self, logits: mx.array) -> int | None:
+        """The next token to feed, given the logits after the last fed one (None: the template is done)."""
+        from .template import FREE
+
+        scores = None
+        while not self.done:
+            if self.position not in self.holes:
+                token = self.tokens[self.position]
+                self.output.append(token)
+                self.position += 1
+                return token
+            hole = self.holes[self.position]
+            if scores is None:
+                scores = np.array(logits.reshape(-1).astype(mx.float32))
+            j = len(self.chosen)
+            end = self.position + hole.size
+            following = self.tokens[end] if end < len(self.tokens) else None
+            if hole.kind == "choice":
+                allowed = np.zeros_like(scores, dtype=bool)
+                live = [c for c in hole.choices if c[:j] == self.chosen]
+                allowed[[c[j] for c in live if len(c) > j]] = True
+                finished = any(len(c) == j for c in live)
+            else:
+                allowed = self.classes[hole.kind]
+                finished = j >= hole.required and following not in (None, FREE) and int(scores.argmax()) == following
+            if finished or not allowed.any():
+                self._close(hole.size)
+                continue
+            token = int(np.where(allowed, scores, -np.inf).argmax())
+            self.chosen.append(token)
+            if len(self.chosen) == hole.size:
+                self._close(hole.size)
+            return token
+        return None
+
+    def _close(self, size: int) -> None:
+        self.output += self.chosen + [self.pad] * (size - len(self.chosen))
+        self.position += size
+        self.chosen = []
+
+    def follow(self, logits, proposed, q=None):
+        for j in range(logits.shape[0]):
+            token = self.step(logits[j])
+            agrees = j < len(proposed) and token == proposed[j]
+            if token is None or self.done:
+                return j + agrees, None
+            if not agrees:
+                return j, token
+        raise AssertionError("more proposals than rows")
+
+
+def tempered_probs(logits: mx.array, temperature: float) -> mx.array:
+    """softmax(logits / temperature) over the last axis, in float32."""
+    return mx.softmax(logits.astype(mx.float32) / temperature, axis=-1, precise=True)
+
+
+def draft(model, cache, known: list[int], length: int, settings: DraftSettings, schedule: SamplerSettings,
+          rng: Random, start: list[int] = ()) -> tuple[list[int], mx.array | None]:
+    """A draft of ``length`` tokens starting with the ``known`` ones (clamped), denoised after the
+    cache (only read) in ``settings.steps`` steps, and, when sampling, the distribution [length, V]
+    its last step drew each position from. ``schedule`` gives the self-conditioning temperatures.
+    ``start`` seeds the positions after the known ones instead of noise (not clamped)."""
+    vocab = model.config.vocab_size
+    fixed = np.zeros((1, length), dtype=bool)
+    fixed[0, :len(known)] = True
+    tokens = np.zeros((1, length), dtype=np.int32)
+    tokens[0, :len(known)] = known
+    clamp = Clamp(mx.array(fixed), mx.array(tokens))
+    canvas = rng.canvas((1, length), vocab)
+    seeded = list(start)[:length - len(known)]
+    if seeded:
+        canvas[0, len(known):len(known) + len(seeded)] = mx.array(seeded, dtype=canvas.dtype)
+    canvas = clamp.apply(canvas)
+    self_conditioning = self_conditioning_probs = None
+    temperatures = SamplerSettings(steps=settings.steps, t_min=schedule.t_min, t_max=schedule.t_max).temperatures()
+    q = None
+    view = cache.canvas_view(length)  # the prefix laid out once for the draft's steps
+    for step, temperature in enumerate(temperatures, start=1):
+        logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs)
+        if step == settings.steps:
+            if settings.temperature > 0:
+                q = tempered_probs(logits[0], settings.temperature)
+                canvas = clamp.apply(rng.categorical(q)[None])
+            else:
+                canvas = clamp.apply(logits.argmax(-1).astype(mx.int32))
+            break
+        self_conditioning, self_conditioning_probs, _, argmax = tempered_distribution(logits, temperature)
+        canvas = clamp.apply(argmax)
+    return np.array(canvas[0]).tolist(), q
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # what the round added to the rule's output
+    known: int | None  # the next token (decided, not yet encoded); None when decoding is done
+    length: int  # draft positions, the known token included
+    kept: int  # draft tokens kept after the known one
+    forwards: int  # draft steps + the verifying pass
+    leftover: list[int]  # the draft's tokens after the first rejected one (a start for the next draft)
+
+
+def verify_round(model, cache, known: int, rule, settings: DraftSettings, schedule: SamplerSettings,
+                 rng: Random, start: list[int] = ()) -> Round:
+    """One round after ``known`` (decided, not in the cache): draft (from ``start``: the previous
+    round's leftover), verify, keep, trim."""
+    before = len(rule.output)
+    length = max(1, min(settings.length, rule.room))
+    if length == 1:  # nothing to draft: an autoregressive step
+        tokens, q, forwards = [known], None, 1
+    else:
+        tokens, q = draft(model, cache, [known] + rule.known(length - 1), length, settings, schedule, rng,
+                          start if settings.reuse else ())
+        forwards = settings.steps + 1
+    logits = model.head(model.encode(mx.array(tokens)[None], cache, return_hidden=True))[0]
+    kept, known = rule.follow(logits, tokens[1:], None if q is None else q[1:])
+    cache.trim(length - 1 - kept)
+    return Round(rule.output[before:], known, length, kept, forwards, tokens[kept + 2:])
+
+
+def verified(model, cache, first_logits: mx.array, rule, settings: DraftSettings, schedule: SamplerSettings,
+             rng: Random) -> Iterator[tuple[list[int], bool, int, int]]:
+    """Rounds of verified drafting after the prompt in ``cache`` and its next-token ``first_logits``
+    [1, V]: yields (tokens this round adds to ``rule.output``, done, forwards, draft tokens kept, draft
+    length)."""
+    settings.check(model.config.canvas_length)
+    _, known = rule.follow(first_logits.reshape(1, -1), [])
+    if known is None:
+        yield rule.output, True, 0, 0, 0
+        return
+    first, leftover = rule.output[:], []
+    while known is not None:
+        step = verify_round(model, cache, known, rule, settings, schedule, rng, leftover)
+        known, leftover = step.known, step.leftover
+        yield first + step.tokens, known is None, step.forwards, step.kept, step.length
+        first = []

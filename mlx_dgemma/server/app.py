@@ -1,0 +1,479 @@
+"""The HTTP side: OpenAI's request and response shapes on starlette.
+
+A request is read and checked here (the body's size, its JSON, the model, every setting, the prompt
+against the context, the template or schema), so anything wrong gets OpenAI's error shape with a 4xx
+status before the worker sees it. The worker's events come back as one JSON reply or as server-sent
+events, a chunk per committed canvas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..generate import PromptError, check_prompt, check_template_fits, generation_config
+from ..images import ImageError, image_from_url, image_inputs
+from ..policy import POLICIES
+from ..template import TemplateError, json_template, parse_template
+from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
+from ..vision import has_vision
+from .scheduler import Event, Job, Scheduler
+
+MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
+MAX_STOP_STRINGS = 4
+# A json_object reply whose free draft is not a JSON object: the draft's answer under one key.
+JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64}}}
+
+
+class BadRequest(Exception):
+    """A request answered with OpenAI's error shape."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    return JSONResponse(error_body(message, status, param, code), status)
+
+
+@dataclass
+class Reply:
+    """How to shape the worker's text for one request."""
+
+    chat: bool
+    stream: bool
+    include_usage: bool
+    tools: bool  # tool calls in the answer are parsed out ("auto")
+    forced_tool: str | None  # the function a forced call's arguments are for
+    id: str = ""
+
+
+class Server:
+    def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, max_tokens: int | None = None,
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
+        self.model, self.tokenizer, self.model_id, self.scheduler = model, tokenizer, model_id, scheduler
+        self.defaults = generation_config(model, tokenizer)
+        self.max_tokens = max_tokens or self.defaults.max_new_tokens
+        self.max_request_bytes = max_request_bytes
+        self.created = int(time.time())
+
+    # -- endpoints ----------------------------------------------------------------------------------
+
+    async def health(self, request: Request):
+        return JSONResponse({"status": "ok", **self.scheduler.status()})
+
+    async def models(self, request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dgemma"}]})
+
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request):
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool):
+        try:
+            body = await self._read_body(request)
+            job, reply = self._job(body, chat)
+        except BadRequest as e:
+            return error_response(str(e), e.status, e.param, e.code)
+        events = self.scheduler.submit(job)
+        if reply.stream:
+            return StreamingResponse(self._stream(job, events, reply, request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._whole(job, events, reply, request)
+
+    # -- reading a request -------------------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> dict:
+        limit = self.max_request_bytes
+        too_big = BadRequest(f"the request body is over the server's limit of {limit} bytes",
+                             code="request_too_large", status=413)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return data
+
+    def _job(self, body: dict, chat: bool) -> tuple[Job, Reply]:
+        model = body.get("model")
+        if model not in (None, self.model_id, "default_model"):
+            raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_id}'",
+                             param="model", code="model_not_found", status=404)
+        if _get(body, "n", int, 1) != 1:
+            raise BadRequest("only n=1 is supported", param="n")
+        if body.get("logprobs"):
+            raise BadRequest("logprobs are not supported", param="logprobs")
+        stream = _get(body, "stream", bool, False)
+        stream_options = _get(body, "stream_options", dict, None) or {}
+        max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _get(body, max_key, int, None)
+        if max_tokens is not None and max_tokens < 1:
+            raise BadRequest(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
+        temperature = _get(body, "temperature", (int, float), None)
+        if temperature is not None and not 0 <= temperature <= 2:
+            raise BadRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+        stop = _get(body, "stop", (str, list), None) or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}", param="stop")
+        policy = _get(body, "policy", str, "reference")
+        if policy not in POLICIES:
+            raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
+        steps = _get(body, "steps", int, None)
+        if steps is not None and steps < 1:
+            raise BadRequest(f"steps must be at least 1, got {steps}", param="steps")
+
+        tools, forced = self._tools(body) if chat else ([], None)
+        ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
+                              else (self._text_prompt(body), {}))
+        job = Job(ids, 0, seed=_get(body, "seed", int, None), policy=policy, steps=steps, stop=stop,
+                  hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
+        if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
+            scale = max(temperature, 1e-2)
+            job.temp_min, job.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
+        self._layout(job, body, forced)
+        if vision_inputs and policy in ("ar", "auto") and (job.template or job.redraft):
+            # The engine runs an autoregressive template alone, from the prompt's ids: without the images.
+            raise BadRequest(f"an image prompt with a template, response_format or forced tool call runs with "
+                             f"policy reference or fast, not {policy}", param="policy")
+        job.max_tokens = self._fit(ids, max_tokens, max_key)
+        reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
+                      forced["function"]["name"] if forced else None,
+                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}")
+        return job, reply
+
+    def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
+        """The request's tools (none with tool_choice "none") and the one a forced call is to."""
+        tools = _get(body, "tools", list, None) or []
+        for tool in tools:
+            if not (isinstance(tool, dict) and tool.get("type") == "function"
+                    and isinstance(tool.get("function"), dict) and isinstance(tool["function"].get("name"), str)):
+                raise BadRequest("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                 param="tools")
+        choice = body.get("tool_choice", "auto" if tools else "none")
+        if choice == "none":
+            return [], None
+        if choice == "auto":
+            return tools, None
+        if not tools:
+            raise BadRequest("tool_choice needs tools", param="tool_choice")
+        if choice == "required":
+            if len(tools) > 1:
+                raise BadRequest("tool_choice 'required' is supported with one tool; name the function instead",
+                                 param="tool_choice")
+            return tools, tools[0]
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        named = [t for t in tools if t["function"]["name"] == name]
+        if not named:
+            raise BadRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, "
+                             f"got {json.dumps(choice)}", param="tool_choice")
+        return tools, named[0]
+
+    def _chat_prompt(self, body: dict, tools: list[dict] | None) -> tuple[list[int], dict]:
+        """The messages' ids through the chat template, and their images as ``model.encode`` takes them."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list", param="messages")
+        plain, images = [], []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise BadRequest(f"messages[{i}] must be an object with a role", param="messages")
+            content, pictures = self._content(message.get("content"), i)
+            plain.append({**message, "content": content})
+            images += pictures
+        extra = {"tools": tools} if tools else {}
+        try:
+            ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, **extra)
+        except Exception as e:  # the template's own raise_exception, or messages it cannot render
+            raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
+        vision_inputs = {}
+        if images:
+            if (placed := ids.count(self.model.config.image_token_id)) != len(images):
+                raise BadRequest(f"the chat template wrote {placed} image placeholders for {len(images)} images (a "
+                                 "template that takes no image parts, or drops them from some messages)",
+                                 param="messages")
+            try:  # each placeholder the template wrote becomes its image's soft tokens
+                ids, vision_inputs = image_inputs(self.model, ids, images)
+            except ImageError as e:
+                raise BadRequest(f"messages: {e}", param="messages") from None
+        return self._check_ids(ids, "messages"), vision_inputs
+
+    def _content(self, content, index: int) -> tuple[str | list[dict], list]:
+        """A message's content for the chat template (its text, or text and image parts) and its images."""
+        if content is None:
+            return "", []
+        if isinstance(content, str):
+            return content, []
+        if not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
+            raise BadRequest(f"messages[{index}].content must be a string or a list of text and image_url parts",
+                             param="messages")
+        if kinds := {p.get("type") for p in content} - {"text", "image_url"}:
+            raise BadRequest(f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; "
+                             f"send text or image_url", param="messages")
+        if all(p.get("type") == "text" for p in content):
+            return "".join(str(p.get("text", "")) for p in content), []
+        if not has_vision(self.model):
+            raise BadRequest(f"messages[{index}] has an image, but this model takes text only (no vision tower)",
+                             param="messages")
+        parts, images = [], []
+        for part in content:
+            if part.get("type") == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+                continue
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise BadRequest(f'messages[{index}]: an image_url part must be {{"type": "image_url", '
+                                 f'"image_url": {{"url": "data:image/png;base64,..."}}}}', param="messages")
+            try:
+                images.append(image_from_url(url))
+            except ImageError as e:
+                raise BadRequest(f"messages[{index}]: {e}", param="messages") from None
+            parts.append({"type": "image"})
+        return parts, images
+
+    def _text_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return self._check_ids(self.tokenizer.encode(prompt), "prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            return self._check_ids(prompt, "prompt")
+        raise BadRequest("prompt must be a non-empty string or a list of token ids", param="prompt")
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        config = self.model.config
+        try:
+            check_prompt(ids, config)
+        except PromptError as e:
+            over = len(ids) + config.canvas_length > config.max_position_embeddings
+            raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
+        return ids
+
+    def _layout(self, job: Job, body: dict, forced: dict | None) -> None:
+        """The job's template or draft-then-template, from ``template``, ``response_format`` or a forced call."""
+        text = _get(body, "template", str, None)
+        response_format = _get(body, "response_format", dict, None) or {"type": "text"}
+        kind = response_format.get("type")
+        if sum(x is not None for x in (text, forced, None if kind == "text" else kind)) > 1:
+            raise BadRequest("give one of template, response_format and a forced tool call", param="response_format")
+        tokenizer = self.tokenizer
+        try:
+            if text is not None:
+                job.template = parse_template(tokenizer, text)
+            elif forced is not None:
+                job.template = forced_call_template(tokenizer, forced)
+            elif kind == "json_schema":
+                spec = response_format.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise BadRequest("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                     "\"schema\": {...}}}", param="response_format")
+                json_template(tokenizer, schema)  # a schema the templates cannot express fails here
+                job.redraft = lambda draft: json_template(tokenizer, schema, draft=_json_or_none(draft))
+            elif kind == "json_object":
+                job.redraft = lambda draft: (None if isinstance(_json_or_none(draft), dict)
+                                             else json_template(tokenizer, JSON_OBJECT_FALLBACK))
+            elif kind != "text":
+                raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                                 param="response_format")
+        except TemplateError as e:
+            param = "template" if text is not None else "tools" if forced is not None else "response_format"
+            raise BadRequest(str(e), param=param) from None
+        largest = job.template
+        if largest is None and kind == "json_schema":
+            largest = json_template(tokenizer, schema)  # a draft sizes the holes at most this long
+        if largest is not None:
+            try:
+                check_template_fits(largest, len(job.prompt_ids), self.model.config)
+            except TemplateError as e:
+                raise BadRequest(str(e), param="template" if text is not None else "response_format",
+                                 code="context_length_exceeded") from None
+
+    def _fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+        """``max_tokens``, or the server's default cut to the context the prompt leaves."""
+        room = self.model.config.max_position_embeddings - len(ids)
+        if max_tokens is None:
+            return min(self.max_tokens, room)
+        if max_tokens > room:
+            raise BadRequest(f"the prompt is {len(ids)} tokens and {param} is {max_tokens}: together over the "
+                             f"model's context of {room + len(ids)} tokens", param=param,
+                             code="context_length_exceeded")
+        return max_tokens
+
+    # -- answering ---------------------------------------------------------------------------------
+
+    async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
+        content, reasoning = "", ""
+        while True:
+            event = await _next_event(events, request)
+            if event is None:
+                job.cancel()
+                return error_response("the client went away", 499)
+            if event.error is not None:
+                return error_response(str(event.error), event.error.status)
+            content += event.content
+            reasoning += event.reasoning
+            if event.finish_reason is not None:
+                break
+        choice, finish = self._message(content, reasoning, event.finish_reason, reply)
+        if reply.chat:
+            choice = {"index": 0, "message": {"role": "assistant", **choice}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+        return JSONResponse({**self._head(reply, chunk=False), "choices": [choice], "usage": _usage(event)})
+
+    def _message(self, content: str, reasoning: str, finish: str, reply: Reply) -> tuple[dict, str]:
+        """A finished chat answer as a message: content, reasoning_content and tool_calls."""
+        calls = []
+        if reply.forced_tool is not None:
+            calls, content = [(reply.forced_tool, content)], ""
+        elif reply.tools:
+            try:
+                content, parsed = parse_tool_calls(content)
+                calls = [(c.name, json.dumps(c.arguments)) for c in parsed]
+            except ValueError:  # a malformed call stays in the text, where the client can see it
+                pass
+        message = {"content": content or (None if calls else "")}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                                      "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+            finish = "tool_calls"
+        return message, finish
+
+    async def _stream(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
+        head = self._head(reply, chunk=True)
+        finished = False
+        try:
+            if reply.chat:
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "finish_reason": None}]})
+            while not finished:
+                event = await _next_event(events, request)
+                if event is None:
+                    break
+                if event.error is not None:
+                    finished = True
+                    yield _sse(error_body(str(event.error), event.error.status))
+                    break
+                finished = event.finish_reason is not None
+                yield _sse({**head, "choices": [self._delta(event, reply)]})
+                if finished and reply.include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(event)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-answer
+                job.cancel()
+
+    def _delta(self, event: Event, reply: Reply) -> dict:
+        if not reply.chat:
+            return {"index": 0, "text": event.content, "logprobs": None, "finish_reason": event.finish_reason}
+        delta, finish = {}, event.finish_reason
+        if finish is not None and (reply.tools or reply.forced_tool):
+            # Tool-call text was held back until the end: now it becomes tool_calls.
+            message, finish = self._message(event.content, "", finish, reply)
+            delta = {k: v for k, v in message.items() if v}
+            for index, call in enumerate(delta.get("tool_calls", [])):
+                call["index"] = index
+        elif event.content:
+            delta["content"] = event.content
+        if event.reasoning:
+            delta["reasoning_content"] = event.reasoning
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def _head(self, reply: Reply, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if reply.chat else "text_completion"
+        return {"id": reply.id, "object": kind, "created": int(time.time()), "model": self.model_id,
+                "system_fingerprint": None}
+
+
+async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.25) -> Event | None:
+    """The request's next event, or None once its client has gone away (looked at while waiting:
+    a template's answer sends nothing until its last canvas)."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=poll)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+def _get(body: dict, key: str, kind, default):
+    value = body.get(key)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # JSON true is no number
+        names = " or ".join(k.__name__ for k in kinds)
+        raise BadRequest(f"{key} must be of type {names}, got {json.dumps(value)[:40]}", param=key)
+    return value
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _usage(event: Event) -> dict:
+    usage = event.usage
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def create_app(server: Server) -> Starlette:
+    """The starlette app of ``server``; its scheduler's worker runs while the app does."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.start()
+        try:
+            yield
+        finally:
+            server.scheduler.stop()
+
+    async def not_found(request: Request, exc):
+        return error_response(f"no route {request.method} {request.url.path}", exc.status_code)
+
+    return Starlette(routes=[
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})

@@ -1,0 +1,310 @@
+"""The worker that owns the model: one thread takes new requests between rounds, prefills them (through
+the prompt cache), inserts them into the batched engine (batch.BatchGenerator), runs a round for every
+active row, and routes each row's committed tokens, as text, to its request's asyncio queue.
+
+Each request has its own detokenizer, stop strings and text held back (a stop string or a tool call
+may be starting); a request whose client went away is removed from the engine before the next round.
+A JSON answer may take two generations: a free draft, then the schema's template sized by the draft.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..batch import BatchGenerator, BatchRequest, BatchResponse
+from ..generate import PREFILL_STEP_SIZE, answer_text, generation_device, prefill
+from ..template import CanvasTemplate
+from ..tokenizer import TextStream
+from .prompt_cache import PromptCache
+
+
+class RequestFailed(Exception):
+    """A request the worker could not run; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Event:
+    """What a request's client gets after a round: new text, and at the end a finish reason and usage."""
+
+    content: str = ""
+    reasoning: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: RequestFailed | None = None
+
+
+@dataclass
+class Job:
+    """One request as the worker runs it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    seed: int | None = None
+    policy: str = "reference"
+    steps: int | None = None
+    temp_min: float | None = None
+    temp_max: float | None = None
+    template: CanvasTemplate | None = None
+    # After a free draft's text: the template the answer is generated with, or None when the draft
+    # is the answer (a JSON schema's holes sized by the draft; a json_object reply that parsed).
+    redraft: Callable[[str], CanvasTemplate | None] | None = None
+    stop: list[str] = field(default_factory=list)  # strings that end the answer (not part of it)
+    hold: list[str] = field(default_factory=list)  # strings from which on text waits for the end
+    vision_inputs: dict = field(default_factory=dict)  # the prompt's images as model.encode takes them
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: bool = False
+    # the worker's state
+    answer: object = None
+    thought: TextStream | None = None
+    text: str = ""
+    sent: int = 0
+    produced: int = 0  # tokens committed (padding included), against max_tokens
+    completion_tokens: int = 0  # the same without padding
+    cached_tokens: int | None = None
+
+    def cancel(self) -> None:
+        """The client went away: the worker drops the request before its next round."""
+        self.cancelled = True
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, prompt_cache_size: int = 10, prefill_step_size: int = PREFILL_STEP_SIZE,
+                 engine: Callable = BatchGenerator):
+        self.model, self.tokenizer = model, tokenizer
+        self.prefill_step_size = prefill_step_size
+        self.prompt_cache = PromptCache(prompt_cache_size)
+        self._make_engine = engine
+        self.engine = self._make_engine(model, tokenizer, prefill_step_size=prefill_step_size)
+        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._active: dict[int, Job] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self.rounds = self.finished = self.cancelled = 0
+        # An array a model builds lazily on this thread's stream cannot be evaluated from the worker's
+        # (MLX: "There is no Stream(cpu, 0) in current thread"): one small forward here evaluates any.
+        warm = model.make_cache()
+        model.encode(mx.array([tokenizer.bos_token_id]), warm)
+        mx.eval(model.denoise(mx.zeros((1, 1), dtype=mx.int32), warm))
+
+    # -- the event loop's side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mlx-dgemma-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Fail what is still running and stop the worker."""
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._stopped.wait()
+            self._thread = None
+
+    def submit(self, job: Job) -> asyncio.Queue:
+        """Queue ``job``; its events arrive on the returned queue of the running event loop."""
+        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        self._inbox.put(job)
+        return job.events
+
+    def status(self) -> dict:
+        return {"active": len(self._active), "waiting": self._inbox.qsize(), "rounds": self.rounds,
+                "finished": self.finished, "cancelled": self.cancelled, "prompt_cache": len(self.prompt_cache)}
+
+    # -- the worker's side ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        mx.set_default_stream(mx.new_stream(mx.default_device()))  # MLX streams belong to a thread
+        with generation_device(self.model):
+            self._serve()
+
+    def _serve(self) -> None:
+        while True:
+            new: list[Job | None] = []
+            try:  # wait while idle; between rounds, take whatever has arrived
+                new.append(self._inbox.get(block=not self._active))
+                while True:
+                    new.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if None in new:
+                for job in [*self._active.values(), *(j for j in new if j is not None)]:
+                    self._send(job, Event(error=RequestFailed("the server is shutting down", status=503)))
+                self._active.clear()
+                self._stopped.set()
+                # MLX 0.32 aborts the process at exit once a thread that ran attention on the CPU has
+                # ended; the worker parks instead (a daemon thread, it ends with the process).
+                threading.Event().wait()
+            for job in new:
+                self._start(job)
+            for uid, job in list(self._active.items()):
+                if job.cancelled:
+                    self.engine.remove(uid)
+                    del self._active[uid]
+                    self.cancelled += 1
+            if not self._active:
+                continue
+            try:
+                responses = self.engine.next()
+            except Exception as e:  # the engine is in an unknown state: fail its rows, start afresh
+                for job in self._active.values():
+                    self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
+                self._active.clear()
+                self.engine = self._make_engine(self.model, self.tokenizer, prefill_step_size=self.prefill_step_size)
+                continue
+            self.rounds += 1
+            for response in responses:
+                job = self._active.get(response.uid)
+                try:
+                    self._route(response)
+                except Exception as e:  # this request's answer could not be made; the others go on
+                    if self._active.pop(response.uid, None) is not None and response.finish_reason is None:
+                        self.engine.remove(response.uid)  # (a no-op for a row already gone)
+                    if job is not None:
+                        self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
+
+    def _start(self, job: Job) -> None:
+        """Prefill ``job``'s prompt (what the prompt cache lacks), keep it in the cache, insert the row."""
+        if job.cancelled:
+            self.cancelled += 1
+            return
+        try:
+            ids = job.prompt_ids
+            key = _cache_key(ids, job.vision_inputs, self.model.config.image_token_id)
+            cache, cached = self.prompt_cache.fetch(key)
+            if cache is None:
+                cache = self.model.make_cache()
+            # The engine encodes the last prompt id (its output starts the answer). It is never an image
+            # token (an image's tokens end with <eoi>), so no image block is split here.
+            end = len(ids) - 1
+            if end > cached:
+                images = _images_after(ids, job.vision_inputs, cached, self.model.config.image_token_id)
+                prefill(self.model, mx.array(ids[cached:end]), cache, self.prefill_step_size, **images)
+                self.prompt_cache.insert(key[:end], cache)
+            if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
+                job.cached_tokens = cached
+            drafting = job.redraft is not None
+            job.answer = answer_text(self.model, self.tokenizer, None if drafting else job.template)
+            # The thought channel of a free answer or a text template; a JSON one has none.
+            free = job.template is None or job.template.render is None
+            job.thought = TextStream(self.tokenizer, job.answer.stop_ids, thought=True) if free and not drafting else None
+            uid = self.engine.insert(BatchRequest(
+                prompt_ids=ids, max_tokens=job.max_tokens, seed=job.seed, policy=job.policy, steps=job.steps,
+                temp_min=job.temp_min, temp_max=job.temp_max, template=None if drafting else job.template,
+                cache=cache))
+        except ValueError as e:  # a prompt, template or setting the model cannot take
+            self._send(job, Event(error=RequestFailed(str(e))))
+            return
+        except Exception as e:
+            self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
+            return
+        self._active[uid] = job
+
+    def _route(self, response: BatchResponse) -> None:
+        job = self._active.get(response.uid)
+        if job is None:
+            return
+        tokens, finish = response.tokens, response.finish_reason
+        room = job.max_tokens - job.produced
+        # Canvases round max_tokens up, an answer does not; a template is as long as it is.
+        if job.template is None and len(tokens) >= room and not (finish == "stop" and len(tokens) <= room):
+            tokens, finish = tokens[:room], "length"
+        job.produced += len(tokens)
+        job.completion_tokens += sum(t != self.tokenizer.pad_token_id for t in tokens)
+        job.text += job.answer.add(tokens, final=finish is not None)
+        reasoning = job.thought.add(tokens, final=finish is not None) if job.thought else ""
+        if (cut := _find_any(job.text, job.stop, max(0, job.sent - _longest(job.stop)))) is not None:
+            job.text, finish = job.text[:cut], "stop"
+        if finish is not None:
+            del self._active[response.uid]
+            if response.finish_reason is None:  # the engine would go on: the row ends here
+                self.engine.remove(response.uid)
+            if job.redraft is not None:  # the free draft is in: generate the answer from it, or keep it
+                job.template, job.redraft = job.redraft(job.text), None
+                if job.template is not None:
+                    job.text, job.produced = "", 0
+                    self._start(job)
+                    return
+        if job.redraft is not None:
+            return  # a draft's text is not the answer
+        end = len(job.text) if finish else _sendable(job.text, job.stop + job.hold)
+        event = Event(job.text[job.sent:end], reasoning, finish)
+        job.sent = max(job.sent, end)
+        if finish is not None:
+            self.finished += 1
+            event.usage = Usage(len(job.prompt_ids), job.completion_tokens, job.cached_tokens or 0)
+        self._send(job, event)
+
+    def _send(self, job: Job, event: Event) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+
+def _cache_key(ids: list[int], vision_inputs: dict, image_token_id: int | None) -> list:
+    """The prompt cache's key: the ids, with each image's tokens standing for a hash of its pixels (the
+    same ids with another picture are another prompt; the text before an image still matches)."""
+    if not vision_inputs:
+        return ids
+    pixels, positions = vision_inputs["pixel_values"], vision_inputs["image_position_ids"]
+    digests = iter([hashlib.sha256(np.asarray(p).tobytes() + np.asarray(q).tobytes()).hexdigest()
+                    for p, q in zip(pixels, positions)])
+    key, digest = [], None
+    for i, token in enumerate(ids):
+        if token == image_token_id and (i == 0 or ids[i - 1] != image_token_id):
+            digest = next(digests)
+        key.append(digest if token == image_token_id else token)
+    return key
+
+
+def _images_after(ids: list[int], vision_inputs: dict, start: int, image_token_id: int | None) -> dict:
+    """The vision inputs of the images whose tokens come at or after ``start`` (a cached prefix holds
+    whole images: it ends before a prompt's last token, and images end with <eoi>)."""
+    if not vision_inputs:
+        return {}
+    done = sum(token == image_token_id and (i == 0 or ids[i - 1] != image_token_id)
+               for i, token in enumerate(ids[:start]))
+    if done == len(vision_inputs["pixel_values"]):
+        return {}
+    return {name: value[done:] for name, value in vision_inputs.items()}
+
+
+def _find_any(text: str, needles: list[str], start: int = 0) -> int | None:
+    found = [i for n in needles if n and (i := text.find(n, start)) >= 0]
+    return min(found) if found else None
+
+
+def _longest(needles: list[str]) -> int:
+    return max(map(len, needles), default=0)
+
+
+def _sendable(text: str, held: list[str]) -> int:
+    """How much of ``text`` may go out now: up to a held string (a tool call) it contains, and not
+    the end of it that might begin a held or stop string."""
+    end = len(text) if (found := _find_any(text, held)) is None else found
+    keep = end
+    for needle in held:
+        for k in range(min(len(needle) - 1, end), 0, -1):
+            if text.endswith(needle[:k], 0, end):
+                keep = min(keep, end - k)
+                break
+    return keep

@@ -1,0 +1,141 @@
+"""Checks of values as they come in (CLI flags, the Python API): each failure is one line that says
+what is wrong and how to fix it. ``option`` turns a check into a Click callback."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+MIN_TEMPERATURE = 1e-4  # below it, soft-capped logits / T overflow float32 and the canvas turns to NaN
+SEED_LIMIT = 1 << 64  # mx.random.key takes an unsigned 64-bit seed
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take."""
+
+
+def is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def at_least(minimum: int) -> Callable[[object, str], None]:
+    def check(value, name: str) -> None:
+        if not is_int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+    return check
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{name} must be an integer from 0 to 2**64 - 1, got {seed!r}")
+
+
+def check_temperature(value, name: str) -> None:
+    """Finite, and 0 or at least ``MIN_TEMPERATURE`` (NaN, infinities and denormals give NaN canvases)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) \
+            or not (value == 0 or value >= MIN_TEMPERATURE):
+        raise ValueError(f"{name} must be 0 or a finite number of at least {MIN_TEMPERATURE:g}, got {value!r}")
+
+
+def check_temperatures(t_min, t_max) -> None:
+    check_temperature(t_min, "temp-min")
+    check_temperature(t_max, "temp-max")
+    if not t_min < t_max:
+        raise ValueError(f"temperatures need temp-min < temp-max, got {t_min} and {t_max}")
+
+
+def check_entropy_bound(value, name: str = "entropy bound") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) \
+            or not value > 0:
+        raise ValueError(f"{name} must be > 0 and finite (nats), got {value!r}")
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it is a str that UTF-8 can encode (no lone surrogates, as undecodable arguments become)."""
+    if not isinstance(text, str):
+        raise PromptError(f"{what} must be text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{what} is not valid UTF-8 (a bad byte at character {e.start}); "
+                          "re-encode it as UTF-8") from None
+    return text
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                          "re-encode it as UTF-8") from None
+
+
+def check_prompt(prompt, name: str = "prompt") -> str | list[int]:
+    """Text that is not blank, or a sequence of integer token ids; anything else is refused by name."""
+    if isinstance(prompt, str):
+        check_text(prompt, f"the {name}")
+        if not prompt.strip():
+            raise PromptError(f"the {name} is empty or only whitespace; give the model something to answer")
+        return prompt
+    if prompt is None:
+        raise PromptError(f"the {name} is None; pass text (str) or a list of token ids")
+    if isinstance(prompt, (bytes, bytearray)):
+        raise PromptError(f"the {name} is bytes; decode it to text (str) or pass a list of token ids")
+    if hasattr(prompt, "tolist") and hasattr(prompt, "dtype"):  # an mx / numpy array
+        prompt = prompt.tolist()
+        prompt = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+    if not isinstance(prompt, Sequence):
+        raise PromptError(f"the {name} must be text (str) or a list of token ids, got {type(prompt).__name__}")
+    if bad := [i for i in prompt if not is_int(i)]:
+        raise PromptError(f"the {name}'s token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+    if not prompt:
+        raise PromptError(f"the {name} is empty; give the model something to answer")
+    return [int(i) for i in prompt]
+
+
+def check_request(prompt, max_tokens, seed=None, system_prompt=None, chat_template: bool = True) -> str | list[int]:
+    """The checks at the generation API's entry; returns the prompt as text or a list of ids."""
+    prompt = check_prompt(prompt)
+    at_least(1)(max_tokens, "max_tokens")
+    if seed is not None:
+        check_seed(seed)
+    if system_prompt is not None:
+        check_text(system_prompt, "the system prompt")
+        if not chat_template or not isinstance(prompt, str):
+            raise PromptError("a system prompt needs the chat template and a text prompt; "
+                              "put the system text in the prompt instead")
+    return prompt
+
+
+def writable_file(path: Path, name: str) -> None:
+    """A file that can be created: its folder exists and takes new files (checked before long runs)."""
+    folder = Path(path).expanduser().absolute().parent
+    if not folder.is_dir():
+        raise ValueError(f"{name}: folder {folder} does not exist; create it first or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}: folder {folder} is not writable; choose another path")
+    if Path(path).is_dir():
+        raise ValueError(f"{name}: {path} is a folder; give a file name")
+
+
+def option(check: Callable[[object, str], None]):
+    """A Click callback running ``check(value, '--flag')``; a failure is Click's one-line error, exit 1."""
+    import click
+
+    def callback(ctx, param, value):
+        if value is None:
+            return value
+        try:
+            check(value, max(param.opts, key=len))
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        return value
+
+    return callback

@@ -1,0 +1,187 @@
+"""Batches: rows of different prompt lengths, left-padded into one cache, give each row what it gives
+alone (encode, AR logits, denoise with and without self-conditioning and compaction, whole
+generations); the cache trims exactly; chunked prefill equals one forward."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from convert.random_checkpoint import PRESETS
+from mlx_dgemma import BatchGenerator, batch_generate, generate, load
+from mlx_dgemma.batch import BatchRequest
+from mlx_dgemma.generate import DEMO_MODEL, prefill
+
+BOUND = 1e-5
+# Denoiser logits: a row in a batch sums in another order than alone (longer, masked key runs;
+# other BLAS blockings): the same row alone but left-padded is already 3-5e-6 off on these untamed
+# random checkpoints, and batched rows measured up to 1.05e-5.
+DENOISE_BOUND = 2e-5
+LENGTHS = {1: [23], 2: [23, 9], 4: [9, 41, 23, 2]}  # 41 > the pattern preset's sliding window
+
+
+def relative(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module", params=["pattern", "mixed"])
+def model(request, checkpoints):
+    return load(checkpoints(request.param))[0]
+
+
+def prompts_of(model, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, model.config.vocab_size, n).tolist() for n in lengths]
+
+
+def batched_cache(model, prompts):
+    longest = max(map(len, prompts))
+    padding = [longest - len(p) for p in prompts]
+    cache = model.make_cache(padding)
+    hidden = model.encode(mx.array([[0] * q + p for q, p in zip(padding, prompts)]), cache, return_hidden=True)
+    return cache, hidden, padding
+
+
+def single_cache(model, prompt):
+    cache = model.make_cache()
+    hidden = model.encode(mx.array([prompt]), cache, return_hidden=True)
+    return cache, hidden
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_encode_and_next_token_rows_equal_single_rows(model, rows):
+    prompts = prompts_of(model, LENGTHS[rows])
+    cache, hidden, padding = batched_cache(model, prompts)
+    step = mx.array([[5 + i] for i in range(rows)])
+    logits = model.next_token_logits(step, cache)
+    for i, prompt in enumerate(prompts):
+        alone, alone_hidden = single_cache(model, prompt)
+        assert relative(hidden[i, padding[i]:], alone_hidden[0]) <= BOUND
+        assert relative(logits[i], model.next_token_logits(step[i:i + 1], alone)[0]) <= BOUND
+    assert cache.lengths.tolist() == [len(p) + 1 for p in prompts]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("self_conditioned", [False, True])
+def test_denoise_rows_equal_single_rows(model, rows, self_conditioned):
+    C, V = model.config.canvas_length, model.config.vocab_size
+    prompts = prompts_of(model, LENGTHS[rows], seed=1)
+    cache, _, _ = batched_cache(model, prompts)
+    canvas = mx.random.randint(0, V, (rows, C), key=mx.random.key(1))
+    sc = mx.random.normal((rows, C, V), key=mx.random.key(2)) * 3 if self_conditioned else None
+    got = model.denoise(canvas, cache, sc)
+    for i, prompt in enumerate(prompts):
+        alone, _ = single_cache(model, prompt)
+        want = model.denoise(canvas[i:i + 1], alone, None if sc is None else sc[i:i + 1])
+        assert relative(got[i], want[0]) <= DENOISE_BOUND
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_compacted_rows_equal_single_compacted_rows(model, rows):
+    """Each row computes its own active set (of different sizes) against the K/V its view keeps."""
+    C, V = model.config.canvas_length, model.config.vocab_size
+    prompts = prompts_of(model, LENGTHS[rows], seed=2)
+    cache, _, _ = batched_cache(model, prompts)
+    canvas = mx.random.randint(0, V, (rows, C), key=mx.random.key(3))
+    sc = mx.random.normal((rows, C, V), key=mx.random.key(4)) * 3
+    probs = mx.softmax(sc, axis=-1)
+    rng = np.random.default_rng(0)
+    actives = [np.sort(rng.choice(C, size=C // 2 - i, replace=False)).astype(np.int32) for i in range(rows)]
+    width = max(len(a) for a in actives)
+    padded = [np.concatenate([a, np.repeat(a[-1:], width - len(a))]) for a in actives]  # as the sampler pads
+    index = mx.array(np.stack(padded))
+    view = cache.canvas_view(C)
+    model.denoise(canvas, view, sc, probs)  # every position's K/V laid into the view
+    got = model.denoise(mx.take_along_axis(canvas, index, axis=1), view,
+                        mx.take_along_axis(sc, index[..., None], axis=1),
+                        mx.take_along_axis(probs, index[..., None], axis=1), active=index)
+    for i, prompt in enumerate(prompts):
+        alone, _ = single_cache(model, prompt)
+        own = alone.canvas_view(C)
+        model.denoise(canvas[i:i + 1], own, sc[i:i + 1], probs[i:i + 1])
+        a = mx.array(actives[i])
+        want = model.denoise(canvas[i:i + 1, a], own, sc[i:i + 1, a], probs[i:i + 1, a], active=a)
+        assert relative(got[i, : len(actives[i])], want[0]) <= DENOISE_BOUND
+
+
+def test_trim_then_encode_equals_encoding_from_scratch(checkpoints):
+    model, _ = load(checkpoints("pattern"))
+    window, C = PRESETS["pattern"]["sliding_window"], PRESETS["pattern"]["canvas_length"]
+    prompt, draft, other = prompts_of(model, [3 * window + 5, C, 7], seed=3)
+    cache = model.make_cache()
+    prefill(model, mx.array(prompt), cache)
+    model.encode(mx.array([draft]), cache)
+    assert cache.trim(C - 2) == C - 2  # keep the draft's first two tokens
+    trimmed = model.next_token_logits(mx.array([other]), cache)
+    fresh = model.make_cache()
+    want = model.next_token_logits(mx.array([prompt + draft[:2] + other]), fresh)
+    assert cache.offset == fresh.offset == len(prompt) + 2 + len(other)
+    assert relative(trimmed, want) <= BOUND
+    for i in range(len(model.layers)):
+        assert relative(cache.layer_keys(i)[0], fresh.layer_keys(i)[0]) <= BOUND
+    canvas = mx.arange(C)[None] % model.config.vocab_size
+    assert relative(model.denoise(canvas, cache), model.denoise(canvas, fresh)) <= BOUND
+
+
+def test_chunked_prefill_equals_one_forward(checkpoints):
+    model, _ = load(checkpoints("pattern"))
+    prompt = prompts_of(model, [70], seed=4)[0]
+    whole, chunked = model.make_cache(), model.make_cache()
+    a = prefill(model, mx.array(prompt), whole, step_size=4096, logits=True)
+    b = prefill(model, mx.array(prompt), chunked, step_size=16, logits=True)
+    assert relative(a, b) <= BOUND
+    for i in range(len(model.layers)):
+        assert relative(whole.layer_keys(i)[0], chunked.layer_keys(i)[0]) <= BOUND
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load(DEMO_MODEL)
+
+
+DEMO_PROMPTS = ["sort: 42 17 85 23 61", "reverse: planet", "add: 417 85", "json: name=ada age=36 city=rome"]
+
+
+@pytest.mark.parametrize("policy", ["reference", "ar", "fast", "verified"])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_batch_generate_equals_generate_on_the_demo(demo, policy, rows):
+    model, tokenizer = demo
+    prompts, seeds = DEMO_PROMPTS[:rows], [7, 8, 9, 10][:rows]
+    alone = [generate(model, tokenizer, p, seed=s, policy=policy) for p, s in zip(prompts, seeds)]
+    assert batch_generate(model, tokenizer, prompts, seeds=seeds, policy=policy) == alone
+
+
+def test_batch_generate_equals_generate_on_a_random_checkpoint(checkpoints):
+    model, tokenizer = load(checkpoints("small", tame=True))
+    C = model.config.canvas_length
+    prompts = [[2, 10, 11, 12], [2] + list(range(20, 39)), [2, 7]]
+    alone = [generate(model, tokenizer, p, 3 * C, seed=s, steps=6) for s, p in enumerate(prompts)]
+    assert batch_generate(model, tokenizer, prompts, 3 * C, seeds=[0, 1, 2], steps=6) == alone
+
+
+def test_a_request_joins_between_rounds_and_a_removed_one_stops(demo):
+    model, tokenizer = demo
+    from mlx_dgemma.generate import prompt_ids
+
+    ids = [prompt_ids(tokenizer, p) for p in DEMO_PROMPTS]
+    generator = BatchGenerator(model, tokenizer)
+    first = generator.insert(BatchRequest(ids[3], 96, seed=1))
+    gone = generator.insert(BatchRequest(ids[1], 96, seed=2))
+    texts = {first: "", gone: ""}
+    for response in generator.next():
+        texts[response.uid] += response.text
+    generator.remove(gone)
+    late = generator.insert(BatchRequest(ids[0], 96, seed=3))
+    texts[late] = ""
+    while len(generator):
+        for response in generator.next():
+            assert response.uid != gone
+            texts[response.uid] += response.text
+    assert texts[first] == generate(model, tokenizer, DEMO_PROMPTS[3], 96, seed=1)
+    assert texts[late] == generate(model, tokenizer, DEMO_PROMPTS[0], 96, seed=3)
+
+
+def test_seeds_must_match_prompts(demo):
+    model, tokenizer = demo
+    with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
+        batch_generate(model, tokenizer, DEMO_PROMPTS[:2], seeds=[1])

@@ -1,0 +1,55 @@
+"""The server's prompt cache: longest stored prefix, copies, least recently used first out; the batched
+engine taking a row whose prompt prefix is already encoded."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_dgemma import generate, load
+from mlx_dgemma.batch import BatchGenerator, BatchRequest
+from mlx_dgemma.generate import DEMO_MODEL, prefill, prompt_ids
+from mlx_dgemma.server.prompt_cache import PromptCache
+
+
+def encoded(model, ids):
+    cache = model.make_cache()
+    model.encode(mx.array(ids), cache)
+    return cache
+
+
+def test_longest_prefix_is_fetched_as_a_copy_and_lru_evicts():
+    model, _ = load(DEMO_MODEL)
+    store = PromptCache(max_size=2)
+    short, long = [2, 5, 10], [2, 5, 10, 11, 12]
+    store.insert(short, encoded(model, short))
+    store.insert(long, encoded(model, long))
+    cache, hit = store.fetch(long + [13])
+    assert hit == 5 and cache.offset == 5
+    model.encode(mx.array([13]), cache)  # a copy: the stored entry still holds 5 positions
+    assert store.fetch(long + [13])[0].offset == 5
+    assert store.fetch(long)[1] == 3  # a prompt needs one position of its own: not the whole entry
+    assert store.fetch([2, 6, 10, 11]) == (None, 0)
+    store.insert([2, 7], encoded(model, [2, 7]))  # full: the least recently used (long) goes
+    assert store.fetch(long + [13])[1] == 3 and len(store) == 2
+    disabled = PromptCache(0)
+    disabled.insert(short, encoded(model, short))
+    assert len(disabled) == 0 and disabled.fetch(long) == (None, 0)
+
+
+@pytest.mark.parametrize("policy", ["reference", "ar"])
+def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
+    model, tokenizer = load(DEMO_MODEL)
+    prompts = [prompt_ids(tokenizer, p) for p in ("sort: 42 17 85 23 61", "reverse: kayak7", "add: 17 25")]
+    engine = BatchGenerator(model, tokenizer)
+    uids = []
+    for i, ids in enumerate(prompts):
+        cache = None
+        if i != 1:  # rows 0 and 2 bring a cache holding all but the last 1 / 6 prompt ids; row 1 none
+            cache = model.make_cache()
+            prefill(model, mx.array(ids[: len(ids) - (1 if i == 0 else 6)]), cache)
+        uids.append(engine.insert(BatchRequest(ids, 64, seed=i, policy=policy, cache=cache)))
+    texts = dict.fromkeys(uids, "")
+    while len(engine):
+        for response in engine.next():
+            texts[response.uid] += response.text
+    assert list(texts.values()) == [generate(model, tokenizer, ids, 64, seed=i, policy=policy)
+                                    for i, ids in enumerate(prompts)]
