@@ -10,9 +10,9 @@ so the crossover behind ``model.SEGMENT_MIN_ROWS`` can be re-measured on another
 import sys
 import time
 
-import mlx_dgemma  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 
+import mlx_dgemma  # noqa: F401  (fast BLAS before mlx.core)
 from mlx_dgemma import load
 from mlx_dgemma import model as dgemma_model
 

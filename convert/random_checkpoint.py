@@ -92,10 +92,16 @@ def build_reference(preset: str | dict = "small", seed: int = 0, init_std: float
     of the 8 steps on "small").
     """
     import torch
-    from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion,
-                              DiffusionGemmaTextConfig, Gemma4VisionConfig)
+    from transformers import (
+        DiffusionGemmaConfig,
+        DiffusionGemmaForBlockDiffusion,
+        DiffusionGemmaTextConfig,
+        Gemma4VisionConfig,
+    )
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-        DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
+        DiffusionGemmaGenerationConfig,
+        EntropyBoundSamplerConfig,
+    )
 
     sizes = copy.deepcopy(PRESETS[preset] if isinstance(preset, str) else preset)
     canvas = sizes.pop("canvas_length")

@@ -359,7 +359,9 @@ def train_step(model, batch, args, gen, V):
 
 def gen_config(args, tok):
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-        DiffusionGemmaGenerationConfig, EntropyBoundSamplerConfig)
+        DiffusionGemmaGenerationConfig,
+        EntropyBoundSamplerConfig,
+    )
 
     return DiffusionGemmaGenerationConfig(
         max_new_tokens=args.max_new_tokens, max_denoising_steps=args.max_denoising_steps,
@@ -563,7 +565,10 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         tok_count += ntok
-        agg[0] += dec_loss.item(); agg[1] += enc_loss.item(); agg[2] += acc.item(); agg[3] += 1
+        agg[0] += dec_loss.item()
+        agg[1] += enc_loss.item()
+        agg[2] += acc.item()
+        agg[3] += 1
         if (step + 1) % args.log_every == 0:
             dt = time.time() - t_log
             print(f"step {step+1:5d} lr {lr_at(step):.2e} dec {agg[0]/agg[3]:.4f} enc {agg[1]/agg[3]:.4f} "

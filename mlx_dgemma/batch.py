@@ -24,8 +24,7 @@ from typing import Iterator  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from .generate import (PREFILL_STEP_SIZE, Job, cut_at_stop, generation_device, prefill, prepare,  # noqa: E402
-                       stream_generate)
+from .generate import PREFILL_STEP_SIZE, Job, cut_at_stop, generation_device, prefill, prepare, stream_generate  # noqa: E402
 from .sampler import denoise_runs, new_run  # noqa: E402
 from .template import CanvasTemplate  # noqa: E402
 

@@ -19,8 +19,7 @@ from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
-from .policy import (CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure,  # noqa: E402
-                     predicted_table, time_canvas)
+from .policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas  # noqa: E402
 from .validate import at_least, option, writable_file  # noqa: E402
 
 STEPS = (2, 4, 8, 16, 32, 48)

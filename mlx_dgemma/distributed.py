@@ -31,8 +31,16 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ConfigError, GenerationConfig
-from .loader import (CheckpointError, ExpertSlice, build_model, map_key, read_config, resolve, stack_experts,
-                     weight_files)
+from .loader import (
+    CheckpointError,
+    ExpertSlice,
+    build_model,
+    map_key,
+    read_config,
+    resolve,
+    stack_experts,
+    weight_files,
+)
 from .model import DiffusionGemma
 from .safetensors_io import TensorInfo, read_header, read_tensor
 

@@ -22,7 +22,6 @@ from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 from . import drafting
 from .config import GenerationConfig
@@ -31,8 +30,17 @@ from .policy import POLICIES, AutoPlanner, Plan, Profile, auto_planner, cached_p
 from .sampler import Draft, MxRandom, Random, SamplerSettings, denoise_canvas
 from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps, parse_template
 from .tokenizer import TextStream, Tokenizer
-from .validate import (PromptError, at_least, check_entropy_bound, check_request, check_seed, check_temperature,
-                       check_text, decode_utf8, option)
+from .validate import (
+    PromptError,
+    at_least,
+    check_entropy_bound,
+    check_request,
+    check_seed,
+    check_temperature,
+    check_text,
+    decode_utf8,
+    option,
+)
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"

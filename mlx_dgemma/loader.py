@@ -17,8 +17,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ConfigError, GenerationConfig, ModelConfig
-from .model import DiffusionGemma
 from .images import ImageProcessorConfig
+from .model import DiffusionGemma
 from .vision import add_vision_modules, has_vision
 
 WEIGHTS_INDEX = "model.safetensors.index.json"

@@ -13,6 +13,7 @@ by name and mlx-lm style per-module quantization overrides apply as written.
 from __future__ import annotations
 
 import math
+
 import mlx.core as mx
 import mlx.nn as nn
 

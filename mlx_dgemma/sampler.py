@@ -21,11 +21,10 @@ rows' runs with one batched forward per step; ``denoise_canvas`` is the one-row 
 from __future__ import annotations
 
 import secrets
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
-
-import struct
 
 import mlx.core as mx
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from transformers import DiffusionGemmaForBlockDiffusion, DynamicCache
-
-import os
 
 _models: dict[tuple, DiffusionGemmaForBlockDiffusion] = {}
 

@@ -6,9 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from mlx_dgemma import batch_generate, distributed, generate, json_template, load
-
 import mlx.core as mx  # noqa: E402  (after mlx_dgemma: its BLAS first)
+
+from mlx_dgemma import batch_generate, distributed, generate, json_template, load
 
 group = distributed.init()
 folder = Path(sys.argv[1])

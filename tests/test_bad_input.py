@@ -25,8 +25,8 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
-from mlx_dgemma import generate, json_template, load, parse_template, stream_generate
-from mlx_dgemma import bench, eval as eval_module, policy
+from mlx_dgemma import bench, generate, json_template, load, parse_template, policy, stream_generate
+from mlx_dgemma import eval as eval_module
 from mlx_dgemma.config import ConfigError, GenerationConfig
 from mlx_dgemma.convert import MARKER, ConversionError, convert, convert_command
 from mlx_dgemma.generate import DEMO_MODEL, PromptError, main

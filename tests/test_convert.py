@@ -22,8 +22,18 @@ from convert import random_checkpoint
 from convert.synthetic_checkpoint import hf_config, hf_tensors, scaled_sizes, write_checkpoint
 from mlx_dgemma import convert as convert_module
 from mlx_dgemma import load
-from mlx_dgemma.convert import (MAX_SHARD_BYTES, ConversionError, Quantization, convert, convert_command, main,
-                                make_plan, output_specs, report_command, split_into_shards)
+from mlx_dgemma.convert import (
+    MAX_SHARD_BYTES,
+    ConversionError,
+    Quantization,
+    convert,
+    convert_command,
+    main,
+    make_plan,
+    output_specs,
+    report_command,
+    split_into_shards,
+)
 from mlx_dgemma.convert_report import LogitError, Probe, probe_logits
 from mlx_dgemma.loader import CheckpointError
 

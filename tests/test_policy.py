@@ -6,8 +6,17 @@ import pytest
 
 from mlx_dgemma import load
 from mlx_dgemma.config import GenerationConfig
-from mlx_dgemma.policy import (KNOWN_DEVICES, RELEASED, Profile, cached_profile, forward_cost, make_plan,
-                               parameter_count, predict, predicted_table)
+from mlx_dgemma.policy import (
+    KNOWN_DEVICES,
+    RELEASED,
+    Profile,
+    cached_profile,
+    forward_cost,
+    make_plan,
+    parameter_count,
+    predict,
+    predicted_table,
+)
 
 GEN = GenerationConfig()  # the reference defaults: 48 steps, bound 0.1, t 0.4–0.8
 

@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-    EntropyBoundSampler, EntropyBoundSamplerConfig, LinearTemperatureScheduleLogitsProcessor,
-    StableAndConfidentStoppingCriteria)
+    EntropyBoundSampler,
+    EntropyBoundSamplerConfig,
+    LinearTemperatureScheduleLogitsProcessor,
+    StableAndConfidentStoppingCriteria,
+)
 
 from convert import random_checkpoint
 from mlx_dgemma import load, stream_generate

@@ -14,7 +14,7 @@ from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
 from mlx_dgemma.tokenizer import BUILTIN_CHAT_TEMPLATE
 
 from .test_server import serving
-from .test_vision import C, IMAGE, PICTURES, picture, with_tokenizer
+from .test_vision import IMAGE, PICTURES, C, picture, with_tokenizer
 
 MODEL_ID = "vision"
 PROMPT = "sort: 7 3"

@@ -120,7 +120,10 @@ def test_schema_output_parses_and_validates(demo, policy):
 def test_hole_values_end_where_the_following_text_starts(demo):
     _, tokenizer = demo
     pad = tokenizer.pad_token_id
-    ids = lambda s: tokenizer.encode(s, add_special_tokens=False)
+
+    def ids(s):
+        return tokenizer.encode(s, add_special_tokens=False)
+
     template = parse_template(tokenizer, "1 {{fill:6}} 7 9")
     # The model wrote the missing "4", then began the clamped text " 7 9" early.
     canvas = ids("1 ") + ids("4 7 9") + [pad] + ids(" 7 9")

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.optimizers as optim
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 import pytest
 import torch

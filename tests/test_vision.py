@@ -22,8 +22,14 @@ from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma import images as images_module
 from mlx_dgemma.convert import convert
 from mlx_dgemma.generate import main, prompt_ids
-from mlx_dgemma.images import (ImageError, ImageProcessorConfig, expand_image_tokens, image_from_url, load_image,
-                               preprocess)
+from mlx_dgemma.images import (
+    ImageError,
+    ImageProcessorConfig,
+    expand_image_tokens,
+    image_from_url,
+    load_image,
+    preprocess,
+)
 from mlx_dgemma.vision import has_vision, image_features
 
 from .reference import ReferenceSession, load_reference
