@@ -299,7 +299,8 @@ class _Several(click.Option):
               help="Timed repeats (best is kept).")
 @click.option("--breakdown", is_flag=True, help="Only time each part of a 256-position step.")
 def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
-    from .loader import CheckpointError, load
+    from .errors import CheckpointError
+    from .loader import load
 
     try:
         model, _ = load(model_path)

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import ConfigError
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -13,10 +15,6 @@ _DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
     FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
 }
-
-
-class ConfigError(ValueError):
-    """A config file that cannot describe a DiffusionGemma text model."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ import click  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from .config import ConfigError, ModelConfig  # noqa: E402
+from .errors import ConversionError  # noqa: E402
 from .loader import (  # noqa: E402
     HUB_PATTERNS,
     VISION_KEY,
@@ -55,10 +56,6 @@ _COPIED = [p for p in HUB_PATTERNS if p != "*.safetensors"]  # tokenizer, chat t
 _REWRITTEN = {"config.json", WEIGHTS_INDEX}
 MARKER = ".mlx_dgemma_conversion.json"  # written last into every output: its files, so --force replaces only those
 _STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-class ConversionError(ValueError):
-    """A conversion that cannot be done as asked; the message says why in one line."""
 
 
 class ConversionStopped(BaseException):

@@ -21,15 +21,12 @@ from typing import Iterator
 
 import numpy as np
 
+from .errors import DataError
 from .tokenizer import Tokenizer
 from .train import Batch, Example, collate
 
 SPLITS = ("train", "valid", "test")
 END_OF_TURN = "<turn|>"
-
-
-class DataError(ValueError):
-    """Training data that cannot be used; the message names the file and line."""
 
 
 def _messages(record: dict, where: str) -> list[dict]:

@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ConfigError, GenerationConfig
+from .errors import DistributedError
 from .loader import (
     CheckpointError,
     ExpertSlice,
@@ -50,10 +51,6 @@ DEFAULT_TIMEOUT = 120.0
 _LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)\.(weight|scales|biases)$")
 _TICK_EVERY = 64  # tensors read between two lockstep ticks while loading
-
-
-class DistributedError(RuntimeError):
-    """A rank that cannot go on: its peers are gone, or it holds a different checkpoint."""
 
 
 def timeout_seconds() -> float:

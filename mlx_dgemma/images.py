@@ -22,12 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import ImageError
+
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the reference processor's allowed budgets
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # larger images are refused (decoding alone would take GBs)
-
-
-class ImageError(ValueError):
-    """An image that cannot be used; the message names it and says why."""
 
 
 @dataclass

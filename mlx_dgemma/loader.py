@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ConfigError, GenerationConfig, ModelConfig
+from .errors import CheckpointError
 from .images import ImageProcessorConfig
 from .model import DiffusionGemma
 from .vision import add_vision_modules, has_vision
@@ -32,10 +33,6 @@ _CLIP_BOUND = re.compile(r"\.(input|output)_(min|max)$")
 # The encoder's copies of tied weights; only its layer scalars are its own.
 _ENCODER_TIED = re.compile(r"^model\.encoder\.language_model\.(?!layers\.\d+\.layer_scalar$)")
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message says what is wrong and names the file or key."""
 
 
 def resolve(path_or_repo: str | os.PathLike) -> Path:
@@ -258,7 +255,7 @@ def load(path_or_repo: str | os.PathLike, adapter_path: str | os.PathLike | None
     folder = resolve(path_or_repo)
     model = load_model(folder)
     if adapter_path is not None:
-        from .lora import load_adapters
+        from .adapters import load_adapters
 
         load_adapters(model, adapter_path)
         model.eval()

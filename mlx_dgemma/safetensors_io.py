@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .loader import CheckpointError
+from .errors import CheckpointError
 
 # safetensors dtype name → MLX dtype; numpy has no bfloat16, so its bytes travel as uint16.
 _MLX_DTYPES = {

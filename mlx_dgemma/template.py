@@ -28,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .errors import TemplateError
 from .sampler import Clamp
 
 DEFAULT_HOLE = 16  # tokens of a {{fill}} without a size
@@ -38,10 +39,6 @@ MAX_DEPTH = 64  # nesting levels of a schema
 TEMPLATE_LIMIT = 1 << 20  # positions a template may take when the caller does not give the model's context
 FREE = -1  # a hole position in CanvasTemplate.tokens
 _NEG = -1e9  # the bias of a token a position may not take (finite: no inf - inf anywhere)
-
-
-class TemplateError(ValueError):
-    """A template or schema that cannot be built; the message names the place."""
 
 
 @dataclass

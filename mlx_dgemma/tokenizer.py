@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .config import GenerationConfig, ModelConfig
+from .errors import TokenizerError
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 
@@ -34,10 +35,6 @@ BUILTIN_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}{%- endif -%}"
 )
-
-
-class TokenizerError(ValueError):
-    """Text given where the checkpoint has no tokenizer, or tokenizer files that cannot be read."""
 
 
 class _TokenizersBackend:

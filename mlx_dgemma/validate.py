@@ -10,12 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import PromptError
+
 MIN_TEMPERATURE = 1e-4  # below it, soft-capped logits / T overflow float32 and the canvas turns to NaN
 SEED_LIMIT = 1 << 64  # mx.random.key takes an unsigned 64-bit seed
-
-
-class PromptError(ValueError):
-    """A prompt the model cannot take."""
 
 
 def is_int(value) -> bool:

@@ -1,0 +1,81 @@
+"""Adapters of a fine-tuning run: make a model's last layers trainable (mlx-lm's LoRA layers, QLoRA on
+quantized ones, or the layers themselves), save what was trained, and apply a run's adapter folder
+to a model (``load(path, adapter_path=...)``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .errors import FineTuneError
+
+ADAPTERS = "adapters.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def apply_fine_tune(model, fine_tune_type: str, num_layers: int, lora_parameters: dict,
+                    train_embeddings: bool = False) -> None:
+    """Freeze the model, then make the last ``num_layers`` layers trainable: their linear layers
+    become mlx-lm's LoRA layers (on quantized ones: QLoRA), or (full) the layers themselves.
+    Encoder and decoder share these layers, so both passes use the adapters. ``train_embeddings``
+    unfreezes the token embeddings too (input and tied head)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    embed = model.model.decoder.embed_tokens
+    if train_embeddings and isinstance(embed, nn.QuantizedEmbedding):
+        raise FineTuneError("--train-embeddings needs unquantized embeddings (the quantized model keeps them fixed)")
+    if fine_tune_type == "full":
+        layers = model.layers[-num_layers:]
+        if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for layer in layers for _, m in
+               layer.named_modules()) or model.config.quantization:
+            raise FineTuneError("full fine-tuning needs an unquantized model; use --fine-tune-type lora (QLoRA)")
+        for layer in layers:
+            layer.unfreeze()
+    elif fine_tune_type == "lora":
+        linear_to_lora_layers(model, num_layers, lora_parameters)
+    else:
+        raise FineTuneError(f"unknown fine-tune type {fine_tune_type!r}; choose lora or full")
+    if train_embeddings:
+        embed.unfreeze()
+
+
+def save_adapters(model, path: Path) -> None:
+    mx.save_safetensors(str(path), dict(tree_flatten(model.trainable_parameters())))
+
+
+def load_adapters(model, adapter_path: str | Path):
+    """Apply the adapters of an (mlx-lm style) adapter folder to ``model``, in place."""
+    folder = Path(adapter_path)
+    for name in (ADAPTER_CONFIG, ADAPTERS):
+        if not (folder / name).is_file():
+            raise FineTuneError(f"no {name} in {folder}; pass the --adapter-path a training run wrote")
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+        apply_fine_tune(model, config.get("fine_tune_type", "lora"), config["num_layers"],
+                        config.get("lora_parameters"), config.get("train_embeddings", False))
+    except (ValueError, KeyError, TypeError) as e:
+        raise FineTuneError(f"{folder / ADAPTER_CONFIG} cannot be applied to this model: {e}") from None
+    load_trainable(model, folder / ADAPTERS, "the run that wrote it")
+    return model
+
+
+def load_trainable(model, path: str | Path, origin: str = "the run that wrote it") -> None:
+    """Load saved trainable parameters; each must be a trainable parameter of ``model`` with its shape."""
+    try:
+        weights = mx.load(str(path))
+    except Exception:  # MLX raises bare ValueError/RuntimeError for a missing or damaged file
+        raise FineTuneError(f"cannot read the adapter file {path}") from None
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    for name, value in weights.items():
+        if name not in trainable:
+            raise FineTuneError(f"{path}: {name} is not a trainable parameter here (same --fine-tune-type, "
+                                f"--num-layers and --train-embeddings as {origin}?)")
+        if trainable[name].shape != value.shape:
+            raise FineTuneError(f"{path}: {name} has shape {tuple(value.shape)}, here "
+                                f"{tuple(trainable[name].shape)} (same model and LoRA rank as {origin}?)")
+    model.load_weights(list(weights.items()), strict=False)

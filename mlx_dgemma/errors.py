@@ -1,0 +1,42 @@
+"""Every error this package raises for bad input or a failed run, in one place. Each is a one-line
+message that says what is wrong and how to fix it; the CLIs print it and exit non-zero."""
+
+
+class TokenizerError(ValueError):
+    """Text given where the checkpoint has no tokenizer, or tokenizer files that cannot be read."""
+
+
+class ConfigError(ValueError):
+    """A config file that cannot describe a DiffusionGemma text model."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message says what is wrong and names the file or key."""
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message names it and says why."""
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take."""
+
+
+class DataError(ValueError):
+    """Training data that cannot be used; the message names the file and line."""
+
+
+class FineTuneError(ValueError):
+    """A fine-tuning request that cannot be carried out; the message says why."""
+
+
+class ConversionError(ValueError):
+    """A conversion that cannot be done as asked; the message says why in one line."""
+
+
+class DistributedError(RuntimeError):
+    """A rank that cannot go on: its peers are gone, or it holds a different checkpoint."""
+
+
+class TemplateError(ValueError):
+    """A template or schema that cannot be built; the message names the place."""
