@@ -104,6 +104,18 @@ class GenerationResponse:
     plan: Plan | None = None  # how this generation was run (policy's choice and reasons)
 
 
+@dataclass
+class Block:
+    """What a decoding mode hands on at a time: a committed canvas, a block of AR tokens or a
+    verified round."""
+
+    tokens: list[int]
+    stopped: bool  # it ends with a stop id (or a template's end)
+    forwards: int  # the model forwards it took (denoising steps, tokens, draft steps + the verifying pass)
+    drafts: list[Draft] | None = None  # per-step argmax canvases, when asked for
+    last: bool = False  # nothing follows
+
+
 def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
     """The checkpoint's generation_config.json (defaults for everything the caller leaves unset)."""
     return (getattr(model, "generation_config", None) or getattr(tokenizer, "generation_config", None)
@@ -323,7 +335,9 @@ def stream_generate(
             clamps = job.canvas_clamps(tokenizer, config)
             blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
         total_steps = generated = non_pad = 0
-        for tokens, stopped, forwards, step_drafts, last in blocks:
+        for block in blocks:
+            tokens, stopped, forwards, step_drafts, last = (block.tokens, block.stopped, block.forwards, block.drafts,
+                                                            block.last)
             total_steps += forwards
             non_pad += sum(t != defaults.pad_token_id for t in tokens)  # the reference's statistic
             room = max_tokens - generated
@@ -351,7 +365,7 @@ def stream_generate(
 
 
 def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Plan, rng: Random, stop_ids,
-              drafts: bool, on_step, clamps=None) -> Iterator[tuple[list[int], bool, int, list[Draft] | None, bool]]:
+              drafts: bool, on_step, clamps=None) -> Iterator[Block]:
     """Canvas after canvas: (committed tokens up to a stop id, stopped, steps, drafts, is last).
     ``clamps`` (a template's (length, Clamp) per canvas) fixes the canvases and their number."""
     full = model.config.canvas_length
@@ -365,14 +379,14 @@ def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Pl
             tokens, stopped = result.tokens[0].tolist(), index == len(clamps) - 1
         remaining -= length
         last = stopped or remaining <= 0
-        yield tokens, stopped, result.steps, step_drafts, last
+        yield Block(tokens, stopped, result.steps, step_drafts, last)
         if last:
             return
         model.encode(result.tokens, cache)  # the commit joins the prefix only when another canvas follows
 
 
 def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, stop_ids, temperature: float = 0.0,
-                   rng: Random | None = None) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+                   rng: Random | None = None) -> Iterator[Block]:
     """Decoding with the encoder as a causal LM from the prompt's next-token ``logits``, greedy or
     (``temperature`` > 0) sampled through ``rng``, yielded in blocks of ``block`` tokens (one forward
     per token). The next token's forward is queued before the current one is read, so the host never
@@ -394,7 +408,7 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
         stopped = chunk[-1] in stop_ids
         last = stopped or produced == max_tokens
         if last or len(chunk) == block:
-            yield chunk, stopped, len(chunk), None, last
+            yield Block(chunk, stopped, len(chunk), None, last)
             if last:
                 return
             chunk = []
@@ -402,7 +416,7 @@ def autoregressive(model, cache, logits: mx.array, max_tokens: int, block: int, 
 
 
 def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemplate, tokenizer,
-                            end_of_turn: int | None, block: int):
+                            end_of_turn: int | None, block: int) -> Iterator[Block]:
     """A template in autoregressive mode (drafting.TemplateRule: literal tokens forced, holes decoded
     greedily in their token class), one forward per token fed. Yields the template-aligned tokens in
     blocks of ``block``."""
@@ -419,11 +433,11 @@ def autoregressive_template(model, cache, logits: mx.array, template: CanvasTemp
     for k in range(0, len(out), block):
         chunk = out[k:k + block]
         last = k + block >= len(out)
-        yield chunk, last, max(1, forwards[min(k + block, len(out))] - forwards[k]), None, last
+        yield Block(chunk, last, max(1, forwards[min(k + block, len(out))] - forwards[k]), None, last)
 
 
 def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings, schedule: SamplerSettings,
-             rng: Random, stop_ids, acceptance=None) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+             rng: Random, stop_ids, acceptance=None) -> Iterator[Block]:
     """Verified drafting (drafting.py) from the prompt's next-token ``logits``: one block per round,
     with the round's forwards (draft steps + the verifying encoder pass); each round updates the
     running ``acceptance`` estimate (policy.Acceptance) the next generation's plan starts from."""
@@ -432,12 +446,12 @@ def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings
         if acceptance is not None and length > 1:
             acceptance.observe(draft.steps, length, kept, not done and kept < length - 1)
         stopped = done and (template or bool(tokens) and tokens[-1] in stop_ids)
-        yield tokens, stopped, max(forwards, 1), None, done
+        yield Block(tokens, stopped, max(forwards, 1), None, done)
 
 
 def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, max_tokens: int,
              defaults: GenerationConfig, rng: Random, stop_ids, temperature: float = 0.0
-             ) -> Iterator[tuple[list[int], bool, int, None, bool]]:
+             ) -> Iterator[Block]:
     """The auto policy: before each canvas, AR block (a canvas' worth of tokens) or verified round the
     planner picks a plan from its current estimates (``plan``: its first choice), and learns from
     what the step did. Everything
@@ -461,19 +475,19 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, m
                                    time.perf_counter() - tic)
             remaining -= length
             last = stopped or remaining <= 0
-            yield tokens, stopped, result.steps, None, last
+            yield Block(tokens, stopped, result.steps, None, last)
             if last:
                 return
             logits = model.head(model.encode(result.tokens, cache, return_hidden=True)[:, -1])
         elif plan.mode == "ar":
             tokens, stopped = [], False
-            for tokens, stopped, *_ in autoregressive(model, cache, logits, min(canvas, remaining), canvas, stop_ids,
-                                                      temperature, rng):
-                pass
+            for block in autoregressive(model, cache, logits, min(canvas, remaining), canvas, stop_ids, temperature,
+                                        rng):
+                tokens, stopped = block.tokens, block.stopped
             planner.observe_ar(len(tokens), time.perf_counter() - tic)
             remaining -= len(tokens)
             last = stopped or remaining <= 0
-            yield tokens, stopped, len(tokens), None, last
+            yield Block(tokens, stopped, len(tokens), None, last)
             if last:
                 return
             logits = model.next_token_logits(mx.array([tokens[-1:]]), cache)
@@ -495,7 +509,7 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, m
                 emitted += step.tokens
             remaining -= len(emitted)
             last = known is None
-            yield emitted, last and emitted[-1] in stop_ids, max(forwards, 1), None, last
+            yield Block(emitted, last and emitted[-1] in stop_ids, max(forwards, 1), None, last)
             if last:
                 return
         plan = None
