@@ -260,7 +260,7 @@ def test_sampled_ar_has_the_ar_distribution(tiny, exact):
     first = tiny.next_token_logits(mx.array([PROMPT]), cache)
     for _ in range(DRAWS):
         blocks = autoregressive(tiny, cache, first, 3, 4, set(), TEMPERATURE, rng)
-        counts[tuple(t for tokens, *_ in blocks for t in tokens)] += 1
+        counts[tuple(t for block in blocks for t in block.tokens)] += 1
         cache.trim(cache.offset - len(PROMPT))
     assert chi_square_p(counts, exact) > 1e-3
 
