@@ -174,7 +174,7 @@ def _placeholder(info: TensorInfo) -> mx.array:
 
 
 @dataclass
-class Plan:
+class ConversionPlan:
     """Everything decided and checked before the first byte is written."""
 
     source: Path
@@ -262,7 +262,7 @@ def _check_group_sizes(targets: list[Target], quantization: Quantization) -> Non
         )
 
 
-def make_plan(src: Path, quantization: Quantization | None, dtype: str | None) -> Plan:
+def plan_conversion(src: Path, quantization: Quantization | None, dtype: str | None) -> ConversionPlan:
     raw, config = _read_config(src)
     if raw.get("quantization") or raw.get("quantization_config"):
         raise ConversionError(f"{src} is already quantized; convert from the unquantized checkpoint")
@@ -276,7 +276,7 @@ def make_plan(src: Path, quantization: Quantization | None, dtype: str | None) -
             if t.module in quantizable and t.name.endswith(".weight"):
                 t.quant = quantization.params_for(t.module)
         _check_group_sizes(text_targets, quantization)
-    return Plan(src, raw, config, targets, _output_dtype(dtype, raw), quantization)
+    return ConversionPlan(src, raw, config, targets, _output_dtype(dtype, raw), quantization)
 
 
 def split_into_shards(groups: list[tuple[Target, list[TensorSpec]]], max_bytes: int) -> list[list]:
@@ -293,12 +293,12 @@ def split_into_shards(groups: list[tuple[Target, list[TensorSpec]]], max_bytes: 
     return shards
 
 
-def output_specs(plan: Plan) -> list[tuple[Target, list[TensorSpec]]]:
+def output_specs(plan: ConversionPlan) -> list[tuple[Target, list[TensorSpec]]]:
     """Each target with the names, shapes and dtypes of the tensors it will write."""
     return [(t, [TensorSpec.of(n, a) for n, a in t.build(_placeholder, plan.dtype).items()]) for t in plan.targets]
 
 
-def write_weights(plan: Plan, folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = True) -> None:
+def write_weights(plan: ConversionPlan, folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = True) -> None:
     from tqdm import tqdm
 
     groups = output_specs(plan)
@@ -320,7 +320,7 @@ def write_weights(plan: Plan, folder: Path, max_shard_bytes: int = MAX_SHARD_BYT
     write_index(folder, weight_map, sum(s.nbytes for _, specs in groups for s in specs))
 
 
-def write_config(plan: Plan, folder: Path) -> None:
+def write_config(plan: ConversionPlan, folder: Path) -> None:
     raw = copy.deepcopy(plan.raw_config)
     if isinstance(raw.get("text_config"), dict):
         # transformers' save_pretrained spells these as per_layer_config, which mlx-vlm does not read
@@ -514,7 +514,7 @@ def convert(
     quantization = Quantization.from_flags(q_bits, q_group_size, q_mode, quant_predicate) if quantize else None
     src = resolve(hf_path)
     check_apart(src, dst)
-    plan = make_plan(src, quantization, dtype)
+    plan = plan_conversion(src, quantization, dtype)
     with staging_folder(dst, force) as folder:
         write_weights(plan, folder, max_shard_bytes, progress)
         write_config(plan, folder)

@@ -73,7 +73,7 @@ def weights_size(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
-def measure(folder: Path, label: str, reference: tuple[np.ndarray, np.ndarray], probe: Probe) -> QualityRow:
+def measure_recipe(folder: Path, label: str, reference: tuple[np.ndarray, np.ndarray], probe: Probe) -> QualityRow:
     start = time.perf_counter()
     model, _ = load(folder)
     load_seconds = time.perf_counter() - start
@@ -112,7 +112,7 @@ def _size(nbytes: int) -> str:
 def measure_against(src: Path, candidates: dict[str, Path]) -> str:
     """The table for already converted checkpoints against their source."""
     reference, probe = reference_logits(Path(src))
-    rows = [measure(Path(folder), label, reference, probe) for label, folder in candidates.items()]
+    rows = [measure_recipe(Path(folder), label, reference, probe) for label, folder in candidates.items()]
     return format_table(rows)
 
 
@@ -138,7 +138,7 @@ def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | N
                 options = dict(quantize=True, q_bits=b, q_group_size=group_size, q_mode=mode, quant_predicate=recipe)
             try:
                 convert(str(src), str(dst), dtype=dtype, progress=False, **options)
-                rows.append(measure(dst, label, reference, probe))
+                rows.append(measure_recipe(dst, label, reference, probe))
             except Exception as e:  # one recipe the runtime cannot run should not hide the others
                 failures.append(f"{label}: failed ({type(e).__name__}: {str(e).splitlines()[0]})")
             mx.clear_cache()

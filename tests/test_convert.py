@@ -29,8 +29,8 @@ from mlx_dgemma.convert import (
     convert,
     convert_command,
     main,
-    make_plan,
     output_specs,
+    plan_conversion,
     report_command,
     split_into_shards,
 )
@@ -257,7 +257,7 @@ def test_plan_for_the_released_checkpoint(tmp_path):
         f.truncate(8 + len(raw) + offset)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(RELEASED, "bfloat16")))
 
-    plan = make_plan(tmp_path, Quantization.from_flags(bits=4), dtype=None)
+    plan = plan_conversion(tmp_path, Quantization.from_flags(bits=4), dtype=None)
     groups = output_specs(plan)
     sizes = [sum(s.nbytes for _, specs in shard for s in specs) for shard in split_into_shards(groups, MAX_SHARD_BYTES)]
     assert len(sizes) == 3 and max(sizes) <= MAX_SHARD_BYTES
@@ -265,7 +265,7 @@ def test_plan_for_the_released_checkpoint(tmp_path):
     overrides = [k for k in plan.quantization_config() if k.startswith("model.")]
     assert len(overrides) == 1 + 30 * 7 + 25  # embedding; q, k, o, router, 3 MLP per layer; v on 25 sliding layers
     with pytest.raises(ConversionError, match="does not divide the input dimension 704"):
-        make_plan(tmp_path, Quantization.from_flags(bits=4, group_size=128), dtype=None)
+        plan_conversion(tmp_path, Quantization.from_flags(bits=4, group_size=128), dtype=None)
 
 
 # ---- bad input: one line, non-zero exit, nothing left behind ----------------------------------
