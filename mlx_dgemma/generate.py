@@ -17,7 +17,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
@@ -222,11 +222,13 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
                          "diffusion takes --temp-min/--temp-max")
     if temperature and template is not None:
         raise ValueError("templates decode greedily; drop the temperature")
-    settings = settings or SamplerSettings.from_generation_config(
-        defaults, steps=plan.steps if steps is None else steps,
-        entropy_bound=plan.entropy_bound if entropy_bound is None else entropy_bound,
-        t_min=temp_min, t_max=temp_max, stability_threshold=plan.stability_threshold,
-        freeze_after=plan.freeze_after if freeze_after is None else freeze_after)
+    # One settings object: the plan's (from the generation config), or the caller's, with every explicit
+    # override applied on top; an override is never dropped.
+    base = settings or SamplerSettings.from_generation_config(
+        defaults, steps=plan.steps, entropy_bound=plan.entropy_bound, stability_threshold=plan.stability_threshold,
+        freeze_after=plan.freeze_after)
+    overrides = dict(steps=steps, entropy_bound=entropy_bound, t_min=temp_min, t_max=temp_max, freeze_after=freeze_after)
+    settings = replace(base, **{k: v for k, v in overrides.items() if v is not None})
     plan = plan.using(settings)
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
     ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})

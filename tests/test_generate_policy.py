@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_dgemma import load, stream_generate
+from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.policy import Profile
 
 PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17]
@@ -148,3 +149,15 @@ def test_auto_runs_a_close_second_again_now_and_then():
     modes = [plan.mode for plan in plans]
     assert modes.count("verified") == 2 and modes.count("diffusion") == 0
     assert all("run again to check" in plan.explain() for plan in plans if plan.mode == "verified")
+
+
+def test_overrides_apply_on_top_of_given_settings():
+    """``settings=`` is the base; explicit numbers still override it (none is silently dropped)."""
+    from mlx_dgemma.sampler import SamplerSettings
+
+    model, tokenizer = load(DEMO_MODEL)
+    responses = list(stream_generate(model, tokenizer, "sort: 42 17 85 23 61", 32, seed=0,
+                                     settings=SamplerSettings(steps=20, confidence_threshold=1e-30), steps=3,
+                                     freeze_after=1, drafts=True))
+    assert responses[0].steps == 3 == len(responses[0].drafts)  # the override's step count, not the settings'
+    assert responses[0].plan.steps == 3
