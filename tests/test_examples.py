@@ -1,5 +1,6 @@
 """Every example runs to completion on the bundled demo model and prints what it promises."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,9 @@ def test_openai_client_talks_to_a_server_it_starts():
     lines = run("openai_client.py").splitlines()
     assert lines[0].startswith("chat: ") and lines[1].startswith("streamed: ")
     assert lines[2].startswith("json_schema: {") and "'name'" in lines[2] and "'age'" in lines[2]
+
+
+@pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is needed")
+def test_two_machines_on_loopback_write_the_single_process_text():
+    out = run("two_machines.py")
+    assert out.splitlines()[-1] == "the same text"
