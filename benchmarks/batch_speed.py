@@ -20,17 +20,18 @@ def main():
     p.add_argument("--policy", nargs="+", default=["reference", "ar", "fast"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--prompts", nargs="+", default=PROMPTS, help="the prompts (default: one of each demo task)")
     a = p.parse_args()
     model, tokenizer = load(a.model)
-    seeds = list(range(len(PROMPTS)))
-    print(f"{a.model}, {len(PROMPTS)} prompts, {a.max_tokens} max tokens, {fast_blas.describe()}")
+    seeds = list(range(len(a.prompts)))
+    print(f"{a.model}, {len(a.prompts)} prompts, {a.max_tokens} max tokens, {fast_blas.describe()}")
     print(f"{'policy':<10} {'sequential tok/s':>16} {'batched tok/s':>14} {'speed-up':>9}")
     for policy in a.policy:
         def sequential():
-            return [generate(model, tokenizer, q, a.max_tokens, seed=s, policy=policy) for q, s in zip(PROMPTS, seeds)]
+            return [generate(model, tokenizer, q, a.max_tokens, seed=s, policy=policy) for q, s in zip(a.prompts, seeds)]
 
         def batched():
-            return batch_generate(model, tokenizer, PROMPTS, a.max_tokens, seeds=seeds, policy=policy)
+            return batch_generate(model, tokenizer, a.prompts, a.max_tokens, seeds=seeds, policy=policy)
 
         texts = sequential()
         assert batched() == texts, "batched and sequential texts differ"
