@@ -79,7 +79,7 @@ def measure(model_path: Path, prefix: int, repeats: int) -> None:
             f"denoising forward ({cfg.canvas_length} positions after {prefix}) {step_s * 1e3:.1f} ms, "
             f"AR token {ar_s * 1e3:.2f} ms")
     if sharded:
-        dtype = model._embed(ids[:, :1]).dtype  # the activations' dtype, which the all_sums carry
+        dtype = model.embed(ids[:, :1]).dtype  # the activations' dtype, which the all_sums carry
 
         def all_sums(tokens: int):
             y = mx.zeros((tokens * cfg.top_k_experts, cfg.hidden_size), dtype)

@@ -167,9 +167,9 @@ def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3)
         return model.head(decoder.norm(x))
 
     def self_conditioning():
-        from .model import _soft_embed
+        from .model import soft_embed
 
-        return decoder.self_conditioning(model._embed(ids), _soft_embed(decoder.embed_tokens, probs))
+        return decoder.self_conditioning(model.embed(ids), soft_embed(decoder.embed_tokens, probs))
 
     def sampler():
         scaled, p, entropy, argmax = tempered_distribution(logits, mx.array(0.8))

@@ -32,6 +32,7 @@ import click  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from .config import ConfigError, ModelConfig  # noqa: E402
+from .convert_report import format_table, measure_against, measure_recipe, reference_logits  # noqa: E402
 from .errors import ConversionError  # noqa: E402
 from .loader import (  # noqa: E402
     HUB_PATTERNS,
@@ -520,7 +521,6 @@ def convert(
         write_config(plan, folder)
         copy_side_files(src, folder)
     if report:
-        from .convert_report import measure_against
 
         label = quantization.describe() if quantization else "unquantized"
         print(measure_against(src, {label: dst}))
@@ -538,6 +538,33 @@ _q_mode = click.option("--q-mode", type=click.Choice(list(MODE_DEFAULTS)), defau
                        help="Quantization mode [default: affine].")
 _dtype = click.option("--dtype", type=click.Choice(DTYPES), default=None,
                       help="Type of the unquantized tensors and the scales (default: the config's dtype).")
+
+
+def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | None, mode: str,
+          dtype: str | None, work_dir: str | None = None) -> str:
+    """Convert with every recipe × bit width (plus once unquantized) and tabulate the cost of each."""
+    src = resolve(hf_path)
+    if mode != "affine":
+        bits = [MODE_DEFAULTS[mode][1]]
+    reference, probe = reference_logits(src)
+    rows, failures = [], []
+    trials = [(None, None)] + [(recipe, b) for recipe in recipes for b in bits]
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix="dgemma-report-") as tmp:
+        for i, (recipe, b) in enumerate(trials):
+            dst = Path(tmp) / f"trial-{i}"
+            if recipe is None:
+                label = f"unquantized ({dtype or 'config dtype'})"
+                options = {}
+            else:
+                label = Quantization.from_flags(b, group_size, mode, recipe).describe()
+                options = dict(quantize=True, q_bits=b, q_group_size=group_size, q_mode=mode, quant_predicate=recipe)
+            try:
+                convert(str(src), str(dst), dtype=dtype, progress=False, **options)
+                rows.append(measure_recipe(dst, label, reference, probe))
+            except Exception as e:  # one recipe the runtime cannot run should not hide the others
+                failures.append(f"{label}: failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+            mx.clear_cache()
+    return "\n".join([format_table(rows), *failures])
 
 
 def _int(value: str | None) -> int | None:
@@ -584,8 +611,6 @@ def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, q
               help="Where the trial conversions go (default: the system's temporary folder).")
 def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir):
     """Convert with each recipe and bit width; print logit error, size and load time against the source."""
-    from .convert_report import sweep
-
     try:
         click.echo(sweep(hf_path, list(recipes or RECIPES), [int(b) for b in bits or ("4", "8")],
                          _int(q_group_size), q_mode or "affine", dtype, work_dir))

@@ -1,9 +1,8 @@
-"""What a conversion recipe costs: logit error against the unquantized source on a fixed prompt and
+"""What a conversion recipe costs (measured here; ``convert.sweep`` runs the conversions): logit error against the unquantized source on a fixed prompt and
 canvas (one plain denoising step and one self-conditioned step), size on disk and load time."""
 
 from __future__ import annotations
 
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .loader import load, resolve
+from .loader import load
 
 PROMPT_LENGTH = 32
 MAX_CANVAS = 256
@@ -114,32 +113,3 @@ def measure_against(src: Path, candidates: dict[str, Path]) -> str:
     reference, probe = reference_logits(Path(src))
     rows = [measure_recipe(Path(folder), label, reference, probe) for label, folder in candidates.items()]
     return format_table(rows)
-
-
-def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | None, mode: str,
-          dtype: str | None, work_dir: str | None = None) -> str:
-    """Convert with every recipe × bit width (plus once unquantized) and tabulate the cost of each."""
-    from .convert import MODE_DEFAULTS, Quantization, convert
-
-    src = resolve(hf_path)
-    if mode != "affine":
-        bits = [MODE_DEFAULTS[mode][1]]
-    reference, probe = reference_logits(src)
-    rows, failures = [], []
-    trials = [(None, None)] + [(recipe, b) for recipe in recipes for b in bits]
-    with tempfile.TemporaryDirectory(dir=work_dir, prefix="dgemma-report-") as tmp:
-        for i, (recipe, b) in enumerate(trials):
-            dst = Path(tmp) / f"trial-{i}"
-            if recipe is None:
-                label = f"unquantized ({dtype or 'config dtype'})"
-                options = {}
-            else:
-                label = Quantization.from_flags(b, group_size, mode, recipe).describe()
-                options = dict(quantize=True, q_bits=b, q_group_size=group_size, q_mode=mode, quant_predicate=recipe)
-            try:
-                convert(str(src), str(dst), dtype=dtype, progress=False, **options)
-                rows.append(measure_recipe(dst, label, reference, probe))
-            except Exception as e:  # one recipe the runtime cannot run should not hide the others
-                failures.append(f"{label}: failed ({type(e).__name__}: {str(e).splitlines()[0]})")
-            mx.clear_cache()
-    return "\n".join([format_table(rows), *failures])

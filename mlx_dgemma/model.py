@@ -362,7 +362,7 @@ def _embedding_dtype(embed: nn.Module, activations: mx.Dtype) -> mx.Dtype:
     return embed.scales.dtype if mx.issubdtype(embed.scales.dtype, mx.floating) else activations
 
 
-def _soft_embed(embed: nn.Module, probs: mx.array) -> mx.array:
+def soft_embed(embed: nn.Module, probs: mx.array) -> mx.array:
     """``probs [.., V] @ E [V, H]``: the expected embedding under a distribution over the vocabulary."""
     if isinstance(embed, nn.QuantizedEmbedding):
         return mx.quantized_matmul(
@@ -395,7 +395,7 @@ class DiffusionGemma(nn.Module):
         windows = [cfg.sliding_window if cfg.is_sliding(i) else None for i in range(len(self.layers))]
         return KVCache(windows, left_padding or [0], slack=cfg.canvas_length)
 
-    def _embed(self, ids: mx.array) -> mx.array:
+    def embed(self, ids: mx.array) -> mx.array:
         embed = self.model.decoder.embed_tokens
         h = embed(ids)
         scale = mx.array(math.sqrt(self.config.hidden_size), dtype=_embedding_dtype(embed, h.dtype))
@@ -421,7 +421,7 @@ class DiffusionGemma(nn.Module):
         T, positions = ids.shape[1], cache.lengths
         masks = [cache.encoder_mask(i, T) for i in range(len(self.layers))]
         scalars = self.model.encoder.language_model.layers
-        h = self._embed(ids)
+        h = self.embed(ids)
         if pixel_values is not None:
             h = vision.place_image_features(self, ids, h, pixel_values, image_position_ids)
             if mm_token_type_ids is None:
@@ -468,7 +468,7 @@ class DiffusionGemma(nn.Module):
         positions = view.positions if active is None else view.positions[:, None] + active
         view.set_active(active)
         decoder = self.model.decoder
-        h = self._embed(canvas)
+        h = self.embed(canvas)
         signal = None
         if self_conditioning is not None:
             dtype = _embedding_dtype(decoder.embed_tokens, h.dtype)
@@ -478,7 +478,7 @@ class DiffusionGemma(nn.Module):
                 # The reference keeps the previous step's logits in the embedding dtype before the softmax.
                 probs = self.kernels.softmax(self_conditioning.astype(dtype).astype(mx.float32)).astype(dtype)
             scale = mx.array(math.sqrt(self.config.hidden_size), dtype=dtype).astype(h.dtype)
-            signal = (_soft_embed(decoder.embed_tokens, probs) * scale).astype(h.dtype)
+            signal = (soft_embed(decoder.embed_tokens, probs) * scale).astype(h.dtype)
         h = decoder.self_conditioning(h, signal)
         for layer, layer_view, mask in zip(self.layers, view.layers, view.masks):
             h = layer(h, positions, mask, layer_view, layer.layer_scalar)

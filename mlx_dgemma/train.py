@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .model import DiffusionGemma, _soft_embed
+from .model import DiffusionGemma, soft_embed
 
 
 @dataclass
@@ -181,7 +181,7 @@ class Forward:
         """Final-normed hidden states [B, L, H] and every layer's K/V."""
         model = self.model
         scalars = model.model.encoder.language_model.layers
-        h = model._embed(ids)
+        h = model.embed(ids)
         kv = []
         for layer, scalar in zip(model.layers, scalars):
             h, k, v = self._body(_encoder_layer, layer)(h, positions, masks[layer.self_attn.sliding],
@@ -193,7 +193,7 @@ class Forward:
         """Soft-capped logits [B, K·C, V] of noisy canvases against the encoder's K/V."""
         model = self.model
         decoder = model.model.decoder
-        h = decoder.self_conditioning(model._embed(canvas), signal)
+        h = decoder.self_conditioning(model.embed(canvas), signal)
         for layer, (k, v) in zip(model.layers, kv):
             h = self._body(_decoder_layer, layer)(h, positions, k, v, masks[layer.self_attn.sliding])
         return head(model, decoder.norm(h))
@@ -203,7 +203,7 @@ class Forward:
         embed = self.model.model.decoder.embed_tokens
         probs = mx.softmax(logits, axis=-1, precise=True)
         scale = math.sqrt(self.model.config.hidden_size)
-        return _soft_embed(embed, probs) * scale * on[:, None, None]
+        return soft_embed(embed, probs) * scale * on[:, None, None]
 
 
 @dataclass
