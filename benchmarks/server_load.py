@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlx_dgemma.tasks import TASKS, make_instance  # noqa: E402
+from mlx_dgemma.demo.tasks import TASKS, make_instance  # noqa: E402
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@
 
 Loads the checkpoint with ``DiffusionGemmaForBlockDiffusion.from_pretrained``, runs the reference
 ``generate()`` with the checkpoint's own generation_config (the default settings) on N fresh
-instances per task from the eval split of ``mlx_dgemma/tasks.py`` (never in the training set),
+instances per task from the eval split of ``mlx_dgemma/demo/tasks.py`` (never in the training set),
 decodes (cut at the first stop id, strip thought scaffolding) and prints accuracy per task, the
 median / mean denoising steps per canvas (counted with a streamer: ``put_draft`` is called once per
 step) against the step limit, and the mean ``tokens_per_forward`` that generate returns.

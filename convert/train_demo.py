@@ -8,7 +8,7 @@ so the checkpoint is by construction a real DiffusionGemma that the reference lo
 reference *is* the spec, so nothing the MLX port gets wrong can leak into the demo weights, and (b)
 MLX on this Linux CPU is slow for training (netlib BLAS, slow element-wise ops).
 
-Tasks (``mlx_dgemma/tasks.py``): sort, reverse, add, json, mixed uniformly, train split only.
+Tasks (``mlx_dgemma/demo/tasks.py``): sort, reverse, add, json, mixed uniformly, train split only.
 
 Tokenizer: a sentencepiece ``char`` model with byte fallback, trained on task text.  Ids 0-4 are
 ``<pad> <eos> <bos> <unk> <mask>``, then the Gemma-4 chat tokens ``<|turn> <turn|> <|channel>
@@ -88,7 +88,7 @@ def _load_tasks():
     # by file path: mlx_dgemma/__init__.py may import mlx, which training does not need
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mlx_dgemma", "tasks.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mlx_dgemma", "demo", "tasks.py")
     spec = importlib.util.spec_from_file_location("mlx_dgemma_tasks", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -26,9 +26,9 @@ from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
 from mlx_dgemma import bench, generate, json_template, load, parse_template, policy, stream_generate
-from mlx_dgemma import eval as eval_module
 from mlx_dgemma.config import ConfigError, GenerationConfig
 from mlx_dgemma.convert import MARKER, ConversionError, convert, convert_command
+from mlx_dgemma.demo import eval as eval_module
 from mlx_dgemma.generate import DEMO_MODEL, PromptError, main
 from mlx_dgemma.loader import CheckpointError
 from mlx_dgemma.policy import Profile, cached_profile

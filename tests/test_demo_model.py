@@ -2,7 +2,7 @@
 
 Lower bounds on 50 fresh (evaluation-split) instances, set below what the shipped checkpoint
 measured, so that a regression in the model, sampler or tokenizer fails. Measured with
-`python -m mlx_dgemma.eval -n 50 --seed 1`: sort 70%, reverse 100%, add 28%, json 94% (issue 6's
+`python -m mlx_dgemma.demo.eval -n 50 --seed 1`: sort 70%, reverse 100%, add 28%, json 94% (issue 6's
 targets, 95/95/80/95, are not all met).
 """
 
@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from mlx_dgemma import load
-from mlx_dgemma.eval import evaluate
+from mlx_dgemma.demo.eval import evaluate
 from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
 
 from .test_sampler_replay import assert_replay_matches

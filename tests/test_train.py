@@ -309,7 +309,7 @@ def lora_cli(*args):
 
 def test_cli_trains_saves_tests_and_generates(tmp_path):
     data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "mlx_dgemma.tasks", str(data), "--mix", "upper=12,json=4",
+    subprocess.run([sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=12,json=4",
                     "--held-out", "2"], check=True, cwd=ROOT)
     adapters = tmp_path / "adapters"
     (tmp_path / "config.yaml").write_text("lora_parameters: {rank: 4, dropout: 0.0, scale: 10.0}\n"

@@ -12,11 +12,11 @@ from scipy import stats as scipy_stats
 from convert.random_checkpoint import PRESETS
 from mlx_dgemma import drafting, generate, json_template, load, stream_generate
 from mlx_dgemma.config import GenerationConfig, ModelConfig
-from mlx_dgemma.eval import instances
+from mlx_dgemma.demo.eval import instances
+from mlx_dgemma.demo.tasks import TASKS, json_schema
 from mlx_dgemma.generate import DEMO_MODEL, autoregressive, prompt_ids
 from mlx_dgemma.model import DiffusionGemma
 from mlx_dgemma.sampler import MxRandom, SamplerSettings
-from mlx_dgemma.tasks import TASKS, json_schema
 
 from .test_model_parity import FP32_BOUND, rel_err
 

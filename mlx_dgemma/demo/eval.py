@@ -1,8 +1,8 @@
 """Accuracy of a model on the demo tasks, per task and per policy, on fresh instances.
 
-    python -m mlx_dgemma.eval [--model PATH] [-n 50] [--policy reference --policy fast] [--seed 0]
-    python -m mlx_dgemma.eval -n 30 --seed 11 --policy ar --policy verified [--draft-length 32 --draft-steps 2]
-    python -m mlx_dgemma.eval --templates [-n 50]
+    python -m mlx_dgemma.demo.eval [--model PATH] [-n 50] [--policy reference --policy fast] [--seed 0]
+    python -m mlx_dgemma.demo.eval -n 30 --seed 11 --policy ar --policy verified [--draft-length 32 --draft-steps 2]
+    python -m mlx_dgemma.demo.eval --templates [-n 50]
 
 Instances come from the evaluation half of the task space (tasks.py), never the training set.
 ``--templates`` compares free generation with canvas templates on the same instances: sort, reverse
@@ -14,7 +14,7 @@ parse and validate), and the same with holes sized by a free generation's values
 
 from __future__ import annotations
 
-from . import fast_blas
+from .. import fast_blas
 
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import click  # noqa: E402
 
+from ..validate import at_least, check_seed, option  # noqa: E402
 from .tasks import TASKS, UNSEEN_TASKS, answer_template, check, json_schema, make_instance  # noqa: E402
-from .validate import at_least, check_seed, option  # noqa: E402
 
 
 @dataclass
@@ -53,7 +53,7 @@ def instances(task: str, n: int, seed: int) -> list[tuple[str, str]]:
 
 def evaluate(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "reference", tasks=TASKS,
              **generate_kwargs) -> dict[str, TaskScore]:
-    from .generate import stream_generate
+    from ..generate import stream_generate
 
     scores = {}
     for task in tasks:
@@ -85,8 +85,8 @@ def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str
     keep the given text (the others)."""
     import json as _json
 
-    from .generate import drafted_json_template, generate
-    from .template import json_template
+    from ..generate import drafted_json_template, generate
+    from ..template import json_template
 
     rows = []
     for task in tasks:
@@ -169,8 +169,8 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
 @click.option("--draft-length", type=int, help="verified: draft length [default: the policy's].")
 @click.option("--draft-steps", type=int, help="verified: draft steps [default: the policy's].")
 def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_length, draft_steps):
-    from .generate import DEMO_MODEL
-    from .loader import load
+    from ..generate import DEMO_MODEL
+    from ..loader import load
 
     try:
         model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)

@@ -1,0 +1,3 @@
+"""The bundled demo: a 2.9M-parameter DiffusionGemma checkpoint (the files beside this one, trained by
+``convert/train_demo.py``), its tasks (``tasks.py``) and their evaluation (``python -m
+mlx_dgemma.demo.eval``)."""
