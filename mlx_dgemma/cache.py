@@ -168,6 +168,15 @@ class KVCache:
         valid = k[None] >= c.left_padding[:, None, None]  # [B, 1, K]
         return ((allowed[None] & valid) | (k == q)[None])[:, None]
 
+    def encoder_masks(self, length: int) -> list[mx.array | None]:
+        """``encoder_mask`` of every layer, each built once per layer geometry (all full layers share
+        one, and so do all sliding ones): a forward builds two masks, not one per layer."""
+        built: dict[tuple[int | None, int], mx.array | None] = {}
+        for i, (c, window) in enumerate(zip(self.layers, self.windows)):
+            if (window, c._idx) not in built:
+                built[window, c._idx] = self.encoder_mask(i, length)
+        return [built[window, c._idx] for c, window in zip(self.layers, self.windows)]
+
     def canvas_view(self, length: int) -> CanvasView:
         return CanvasView(self, length)
 

@@ -419,7 +419,7 @@ class DiffusionGemma(nn.Module):
         if ids.shape[0] != cache.batch_size:
             raise ValueError(f"{ids.shape[0]} rows of ids for a cache of {cache.batch_size} rows")
         T, positions = ids.shape[1], cache.lengths
-        masks = [cache.encoder_mask(i, T) for i in range(len(self.layers))]
+        masks = cache.encoder_masks(T)
         scalars = self.model.encoder.language_model.layers
         h = self.embed(ids)
         if pixel_values is not None:
