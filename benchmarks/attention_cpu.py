@@ -1,5 +1,5 @@
 """MLX's fused attention against the CPU kernel (two BLAS products around a numpy softmax), for a
-256-position canvas over growing key counts: the measurement behind kernels.NUMPY_SOFTMAX_MIN_KEYS.
+256-position canvas over growing key counts: why the CPU kernels compute attention that way.
 
     python benchmarks/attention_cpu.py            # shapes of the 70M benchmark checkpoint's layers
 """
@@ -27,7 +27,7 @@ def best_ms(fn, repeats: int) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--keys", type=int, nargs="+", default=[320, 512, 1279, 2304, 8448])
+    p.add_argument("--keys", type=int, nargs="+", default=[64, 320, 512, 1279, 2304, 8448])
     p.add_argument("--queries", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)

@@ -10,18 +10,22 @@ multiplies row by row in float32 only, so there:
   has, one host sync per MoE layer, which costs nothing where there is no device queue to drain),
   unless experts get under ``SEGMENT_MIN_ROWS`` rows each on average (a short canvas, an AR token)
   and ``gather_mm`` without the sync is cheaper (benchmarks/expert_dispatch.py);
-- attention over many keys (a long prompt) computes its softmax in numpy between two BLAS
-  products, where MLX's fused attention spends most of its time in exp: a 256-position canvas
-  after 8192 prompt tokens, full layer, ≈ 2x faster (benchmarks/attention_cpu.py);
+- attention computes its softmax in numpy between two BLAS products, where MLX's fused attention
+  spends most of its time in exp: 3-4x faster for a 256-position canvas after 64-576 keys,
+  1.5x for a 2048-token prefill chunk (benchmarks/attention_cpu.py);
+- the feed-forward's tanh-approximated GELU runs in numpy (MLX: 7.1 ms over 256 × 1024, numpy
+  0.25 ms), with MLX's own gradient, so training through it is unchanged;
 - matmuls use OpenBLAS when it is installed (``fast_blas.py``: loaded before ``mlx.core``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 _FLOAT32_MIN = float(np.finfo(np.float32).min)
@@ -42,6 +46,7 @@ class Kernels:
     expert_counts: Callable[[mx.array, int, bool], list[int] | None]
     # (q [B, H, T, D], k [B, Hkv, K, D], v [B, Hkv, K, Dv], bool mask broadcastable to [B, 1, T, K] | None)
     attention: Callable[[mx.array, mx.array, mx.array, mx.array | None], mx.array]
+    gelu: Callable[[mx.array], mx.array]  # the tanh approximation (gelu_pytorch_tanh)
 
 
 # --- MLX (Metal, CUDA) -------------------------------------------------------------------------
@@ -73,7 +78,8 @@ def _mlx_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
 
 
-MLX = Kernels("mlx", _mlx_softcap, _mlx_softmax, _mlx_tempered_distribution, _gather_always, _mlx_attention)
+MLX = Kernels("mlx", _mlx_softcap, _mlx_softmax, _mlx_tempered_distribution, _gather_always, _mlx_attention,
+              nn.gelu_approx)
 
 
 # --- CPU -----------------------------------------------------------------------------------------
@@ -116,28 +122,73 @@ def _cpu_expert_counts(sorted_idx: mx.array, num_experts: int, gather_ok: bool) 
     return np.bincount(_host(sorted_idx), minlength=num_experts).tolist()
 
 
-# Keys from which the numpy softmax beats MLX's fused attention on the CPU (2 cores: 1.0x at 320
-# keys, 2.4x at 1279, 1.8x at 8448; benchmarks/attention_cpu.py).
-NUMPY_SOFTMAX_MIN_KEYS = 512
-
-
-def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+def _numpy_softmax_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
     B, H, T, D = q.shape
     Hkv, K = k.shape[1], k.shape[2]
-    if K < NUMPY_SOFTMAX_MIN_KEYS:
-        return _mlx_attention(q, k, v, mask)
     group = H // Hkv  # query heads per key head: one product per key head
-    scores = _host(q.reshape(B, Hkv, group * T, D) @ k.swapaxes(-1, -2)).reshape(B, Hkv, group, T, K)
-    if mask is not None:
-        scores = np.where(_host(mask)[:, :, None], scores, -np.inf)  # [B|1, 1, 1, T, K]
-    probs = scores - scores.max(axis=-1, keepdims=True)
-    np.exp(probs, out=probs)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    out = mx.array(probs.reshape(B, Hkv, group * T, K)) @ v
+    scores = q.reshape(B, Hkv, group * T, D) @ k.swapaxes(-1, -2)
+    scores = _host(scores.astype(mx.float32)).reshape(B, Hkv, group, T, K)
+    if mask is not None:  # an additive bias at the mask's size, broadcast in place over the heads
+        scores += np.where(_host(mask), np.float32(0), np.float32(-np.inf))[:, :, None]  # [B|1, 1, 1, T, K]
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = mx.array(scores.reshape(B, Hkv, group * T, K)).astype(v.dtype) @ v
     return out.reshape(B, H, T, v.shape[-1])
 
 
-CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cpu_expert_counts, _cpu_attention)
+# The numpy paths leave MLX's graph; their gradients are MLX's own (training runs through them).
+@mx.custom_function
+def _attention_unmasked(q, k, v):
+    return _numpy_softmax_attention(q, k, v, None)
+
+
+@_attention_unmasked.vjp
+def _attention_unmasked_vjp(primals, cotangent, output):
+    return mx.vjp(lambda q, k, v: _mlx_attention(q, k, v, None), list(primals), [cotangent])[1]
+
+
+@mx.custom_function
+def _attention_masked(q, k, v, mask):
+    return _numpy_softmax_attention(q, k, v, mask)
+
+
+@_attention_masked.vjp
+def _attention_masked_vjp(primals, cotangent, output):
+    q, k, v, mask = primals
+    grads = mx.vjp(lambda q, k, v: _mlx_attention(q, k, v, mask), [q, k, v], [cotangent])[1]
+    return grads + [mx.zeros_like(mask)]
+
+
+def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+    return _attention_unmasked(q, k, v) if mask is None else _attention_masked(q, k, v, mask)
+
+
+_GELU_C = np.float32(math.sqrt(2 / math.pi))
+
+
+@mx.custom_function
+def _cpu_gelu(x: mx.array) -> mx.array:
+    a = _host(x.astype(mx.float32))
+    out = a * a
+    out *= np.float32(0.044715)
+    out += np.float32(1)
+    out *= a
+    out *= _GELU_C  # sqrt(2/pi) (x + 0.044715 x^3)
+    np.tanh(out, out=out)
+    out += np.float32(1)
+    out *= a
+    out *= np.float32(0.5)
+    return mx.array(out).astype(x.dtype)
+
+
+@_cpu_gelu.vjp
+def _cpu_gelu_vjp(x, cotangent, output):  # one input: the array itself, not a tuple
+    return mx.vjp(nn.gelu_approx, [x], [cotangent])[1][0]
+
+
+CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cpu_expert_counts, _cpu_attention,
+              _cpu_gelu)
 
 
 def for_device(device: mx.Device | None = None) -> Kernels:

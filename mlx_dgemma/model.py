@@ -113,9 +113,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dims, hidden, bias=False)
         self.up_proj = nn.Linear(dims, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dims, bias=False)
+        self.kernels = device_kernels.MLX
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.kernels.gelu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -232,11 +233,11 @@ class Experts(nn.Module):
 
     def _ffn_segments(self, xs: mx.array, counts: list[int]) -> mx.array:
         gate_up = self.gate_up_proj.segments(xs, counts)
-        return self.down_proj.segments(nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :], counts)
+        return self.down_proj.segments(self.kernels.gelu(gate_up[..., : self.inner]) * gate_up[..., self.inner :], counts)
 
     def _ffn_gather(self, xs: mx.array, sorted_idx: mx.array) -> mx.array:
         gate_up = self.gate_up_proj(xs[:, None, :], sorted_idx)
-        h = nn.gelu_approx(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
+        h = self.kernels.gelu(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
         return self.down_proj(h, sorted_idx)[:, 0]
 
     def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None) -> mx.array:
@@ -310,11 +311,12 @@ class SelfConditioning(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.eps = cfg.rms_norm_eps
+        self.kernels = device_kernels.MLX
 
     def __call__(self, embeds: mx.array, signal: mx.array | None) -> mx.array:
         if signal is not None:  # a zero signal gives a zero MLP output, so step 1 skips it
             n = self.pre_norm(signal)
-            embeds = embeds + self.down_proj(nn.gelu_approx(self.gate_proj(n)) * self.up_proj(n))
+            embeds = embeds + self.down_proj(self.kernels.gelu(self.gate_proj(n)) * self.up_proj(n))
         return rms_norm_noscale(embeds, self.eps)
 
 
@@ -387,7 +389,8 @@ class DiffusionGemma(nn.Module):
         """The device's fast paths (kernels.py); chosen for the default device when the model is made."""
         self.kernels = kernels
         for layer in self.layers:
-            layer.experts.kernels = layer.self_attn.kernels = kernels
+            layer.experts.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
+        self.model.decoder.self_conditioning.kernels = kernels
 
     def make_cache(self, left_padding: list[int] | None = None) -> KVCache:
         """An empty cache for one row, or for ``len(left_padding)`` left-padded rows."""

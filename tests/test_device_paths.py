@@ -41,10 +41,9 @@ def test_generation_is_the_same_on_both_paths(checkpoints):
     assert cpu == accelerator
 
 
-@pytest.mark.parametrize("keys", [600, 1300])
-def test_cpu_attention_over_many_keys_matches_mlx(keys):
-    """Past NUMPY_SOFTMAX_MIN_KEYS the CPU softmax runs in numpy; masked, grouped heads, two rows."""
-    assert keys >= kernels.NUMPY_SOFTMAX_MIN_KEYS
+@pytest.mark.parametrize("keys", [7, 600, 1300])
+def test_cpu_attention_matches_mlx(keys):
+    """The CPU kernel's numpy softmax, few keys and many; masked, grouped heads, two rows."""
     q = mx.random.normal((2, 6, 9, 32), key=mx.random.key(0))
     k = mx.random.normal((2, 2, keys, 32), key=mx.random.key(1))
     v = mx.random.normal((2, 2, keys, 48), key=mx.random.key(2))
@@ -55,3 +54,25 @@ def test_cpu_attention_over_many_keys_matches_mlx(keys):
         got = np.array(kernels.CPU.attention(q, k, v, m))
         assert got.shape == want.shape == (2, 6, 9, 48)
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_cpu_kernels_give_mlx_gradients():
+    """Training runs through the CPU kernels: their gradients are MLX's own."""
+    q = mx.random.normal((2, 4, 5, 16), key=mx.random.key(0))
+    k = mx.random.normal((2, 2, 9, 16), key=mx.random.key(1))
+    v = mx.random.normal((2, 2, 9, 8), key=mx.random.key(2))
+    mask = (mx.random.uniform(shape=(2, 1, 5, 9), key=mx.random.key(3)) < 0.7) | (mx.arange(9) == 0)
+    x = mx.random.normal((3, 40), key=mx.random.key(4))
+    for m in (mask, None):
+        def loss(q, k, v, kern):
+            return (kern.attention(q, k, v, m) ** 2).sum()
+
+        want = mx.grad(loss, argnums=(0, 1, 2))(q, k, v, kernels.MLX)
+        got = mx.grad(loss, argnums=(0, 1, 2))(q, k, v, kernels.CPU)
+        for a, b in zip(got, want):
+            assert float(mx.abs(a).max()) > 0
+            assert np.allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    want = mx.grad(lambda x: (kernels.MLX.gelu(x) ** 3).sum())(x)
+    got = mx.grad(lambda x: (kernels.CPU.gelu(x) ** 3).sum())(x)
+    assert np.allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    assert np.allclose(np.array(kernels.CPU.gelu(x)), np.array(kernels.MLX.gelu(x)), rtol=1e-5, atol=1e-6)
