@@ -105,7 +105,8 @@ def _cpu_softmax(logits: mx.array) -> mx.array:
 
 
 def _cpu_tempered_distribution(logits: mx.array, temperature: mx.array):
-    scaled = np.divide(_host(logits), np.float32(temperature.item()), dtype=np.float32)
+    # temperature: a scalar, or one per row broadcastable against logits ([B, 1, 1])
+    scaled = np.divide(_host(logits), _host(temperature.astype(mx.float32)), dtype=np.float32)
     shifted = scaled - scaled.max(axis=-1, keepdims=True)
     probs = np.exp(shifted)
     total = probs.sum(axis=-1, keepdims=True)

@@ -27,6 +27,8 @@ from .config import FULL, GenerationConfig, ModelConfig
 CANVAS_LENGTHS = (16, 32, 64, 128, 256)
 DRAFT_LENGTHS = (2, 4, 8, 16, 32, 64, 128, 256)  # verified drafting's candidates (up to the canvas length)
 DRAFT_STEPS = (1, 2)
+# Bumped whenever the engine's speed changes enough to make cached device profiles stale.
+PROFILE_VERSION = 3
 POLICIES = ("reference", "auto", "fast", "ar", "verified")
 
 
@@ -295,8 +297,10 @@ def device_name() -> str:
 def model_fingerprint(model) -> str:
     cfg = model.config
     dtype = str(model.model.decoder.norm.weight.dtype)
-    # "verified": profiles from before verified drafting lack its timings and are measured again
-    raw = json.dumps([asdict(cfg), dtype, str(mx.default_device()), "verified"], sort_keys=True, default=str)
+    # The kernels and PROFILE_VERSION: a profile measured with other kernels (or before verified
+    # drafting's timings existed) is measured again.
+    raw = json.dumps([asdict(cfg), dtype, str(mx.default_device()), model.kernels.name, PROFILE_VERSION],
+                     sort_keys=True, default=str)
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

@@ -196,27 +196,31 @@ def accept_mask(entropy: mx.array, bound: float) -> mx.array:
 
 
 class StopRule:
-    """Stable and confident: the argmax canvas equals each of the last ``stability_threshold`` ones
-    (the history starts at -1, so never on the first step; threshold 0 means always stable), and the
-    mean entropy is below ``confidence_threshold``."""
+    """Stable and confident, per row: the argmax canvas [B, C] equals each of the last
+    ``stability_threshold`` ones (the history starts at -1, so never on the first step; threshold 0
+    means always stable), and the mean entropy [B] is below ``confidence_threshold``."""
 
     def __init__(self, settings: SamplerSettings, shape: tuple[int, ...]):
         self.history = [mx.full(shape, -1, dtype=mx.int32)] * settings.stability_threshold
         self.confidence = settings.confidence_threshold
 
     def __call__(self, argmax: mx.array, mean_entropy: mx.array) -> mx.array:
-        stable = mx.array(True)
+        stable = mx.ones(argmax.shape[:-1], dtype=mx.bool_)
         for previous in self.history:
-            stable = stable & mx.array_equal(previous, argmax)
+            stable = stable & mx.all(previous == argmax, axis=-1)
         if self.history:
             self.history = self.history[1:] + [argmax]
         return stable & (mean_entropy < self.confidence)
 
+    def select(self, rows: mx.array) -> None:
+        """Keep the history of ``rows`` only."""
+        self.history = [h[rows] for h in self.history]
+
 
 class CanvasRun:
-    """One row's canvas through the reference loop: ``inputs()`` for the next forward, ``advance``
-    with its logits (lazy; returns what to evaluate), then ``settle()`` once evaluated. ``result``
-    is set when the canvas is committed."""
+    """One row's canvas: its settings, draws, clamp and live view, and, once committed, ``result``.
+    Plain runs (the reference loop) advance together in a ``RunBatch``; ``CompactedRun`` advances
+    alone."""
 
     def __init__(self, settings: SamplerSettings, rng: Random, length: int, vocab: int,
                  kernels: device_kernels.Kernels, clamp: Clamp | None = None,
@@ -228,50 +232,104 @@ class CanvasRun:
         self.canvas = canvas if clamp is None else clamp.apply(canvas)
         self.temperatures = settings.temperatures()
         self.step = 0
-        self.stop_rule = StopRule(settings, self.shape)
-        self.self_conditioning = self.self_conditioning_probs = None
         self.result: CanvasResult | None = None
 
     @property
     def length(self) -> int:
         return self.shape[1]
 
-    def inputs(self) -> tuple[mx.array, mx.array | None, mx.array | None, mx.array | None]:
-        """Canvas tokens [1, A], self-conditioning logits and probabilities, active indexes [A] or None."""
-        return self.canvas, self.self_conditioning, self.self_conditioning_probs, None
+
+class RunBatch:
+    """Plain canvas runs of one length, advanced together: the vocabulary-wide distribution,
+    acceptance and stop rule of every row in one set of batched operations (each row keeps its own
+    draws, settings and clamp, so a row gives what it gives alone). ``inputs()`` for the next
+    forward, ``advance`` with its logits (lazy; returns what to evaluate), then ``settle()``;
+    committed rows leave (``rows`` lists the runs still going)."""
+
+    def __init__(self, runs: list[CanvasRun]):
+        self.runs = runs
+        self.rows = list(range(len(runs)))
+        C = runs[0].length
+        self.canvas = mx.concatenate([run.canvas for run in runs])
+        self.self_conditioning = self.self_conditioning_probs = None
+        self.clamped = any(run.clamp is not None for run in runs)
+        if self.clamped:
+            no = (mx.zeros((1, C), dtype=mx.bool_), mx.zeros((1, C), dtype=mx.int32))
+            fixed, tokens = zip(*[no if run.clamp is None else (run.clamp.fixed, run.clamp.tokens) for run in runs])
+            self.fixed, self.tokens = mx.concatenate(fixed), mx.concatenate(tokens)
+            self.free = mx.maximum(mx.logical_not(self.fixed).sum(axis=-1), 1)
+        thresholds = {run.settings.stability_threshold for run in runs}
+        if len(thresholds) > 1:
+            raise ValueError("the runs of one batch must share the stability threshold")
+        self.stop_rule = StopRule(runs[0].settings, self.canvas.shape)
+        self.stop_rule.confidence = mx.array([run.settings.confidence_threshold for run in runs])
+        self.bound = mx.array([[run.settings.entropy_bound] for run in runs])
+
+    def inputs(self) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """Canvas tokens [B, C], self-conditioning logits and probabilities [B, C, V] or None."""
+        return self.canvas, self.self_conditioning, self.self_conditioning_probs
 
     def advance(self, logits: mx.array) -> list[mx.array]:
-        clamp, shape = self.clamp, self.shape
-        temperature = self.temperatures[self.step]
-        self.step += 1
-        if clamp is not None:
-            logits = clamp.restrict(logits)
-        scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, self.kernels)
-        denoised = self.rng.categorical(probs)
-        if clamp is None:
-            mean_entropy = entropy.mean()
+        runs = [self.runs[r] for r in self.rows]
+        kernels, vocab, shape = runs[0].kernels, runs[0].vocab, (1, runs[0].length)
+        if any(run.clamp is not None and run.clamp.bias is not None for run in runs):
+            logits = mx.concatenate([logits[i : i + 1] if run.clamp is None else run.clamp.restrict(logits[i : i + 1])
+                                     for i, run in enumerate(runs)])
+        temperature = mx.stack([run.temperatures[run.step] for run in runs])[:, None, None]
+        for run in runs:
+            run.step += 1
+        scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, kernels)
+        denoised = mx.concatenate([run.rng.categorical(probs[i : i + 1]) for i, run in enumerate(runs)])
+        renoise = mx.concatenate([run.rng.renoise(shape, vocab) for run in runs])
+        if self.clamped:
+            entropy = mx.where(self.fixed, 0.0, entropy)  # fixed positions: accepted first, costing nothing
+            mean_entropy = entropy.sum(axis=-1) / self.free
+            argmax = mx.where(self.fixed, self.tokens, argmax)
         else:
-            entropy, mean_entropy = clamp.free_entropy(entropy)
-            argmax = clamp.apply(argmax)
-        accepted = accept_mask(entropy, self.settings.entropy_bound)
-        canvas = mx.where(accepted, denoised, self.rng.renoise(shape, self.vocab))
-        self.canvas = canvas if clamp is None else clamp.apply(canvas)
+            mean_entropy = entropy.mean(axis=-1)
+        accepted = accept_mask(entropy, self.bound)
+        canvas = mx.where(accepted, denoised, renoise)
+        self.canvas = mx.where(self.fixed, self.tokens, canvas) if self.clamped else canvas
         self.stop = self.stop_rule(argmax, mean_entropy)
         self.self_conditioning, self.self_conditioning_probs = scaled, probs
         self._draft = (argmax, accepted, mean_entropy)
         # The step's one wait for the device; reading what it evaluated costs nothing more.
         pending = [self.stop, self.canvas, scaled]
-        return pending + [argmax, accepted, mean_entropy] if self.on_step else pending
+        return pending + [argmax, accepted, mean_entropy] if any(run.on_step for run in runs) else pending
 
-    def settle(self) -> None:
+    def settle(self) -> list[int]:
+        """Hand each row its step and commit the rows that are done; returns the indexes (among the
+        rows before) of those that go on."""
         argmax, accepted, mean_entropy = self._draft
-        if self.on_step is not None:
-            fixed = None if self.clamp is None else self.clamp.fixed[0].tolist()
-            self.on_step(Draft(self.step, argmax[0].tolist(), accepted[0].tolist(), mean_entropy.item(), fixed))
-        if self.stop.item():
-            self.result = _commit(CanvasResult(argmax, self.step, True, self.self_conditioning_probs), self.clamp)
-        elif self.step == self.settings.steps:
-            self.result = _commit(CanvasResult(argmax, self.step, False, self.self_conditioning_probs), self.clamp)
+        stops = self.stop.tolist()
+        keep = []
+        for i, r in enumerate(self.rows):
+            run = self.runs[r]
+            if run.on_step is not None:
+                fixed = None if run.clamp is None else run.clamp.fixed[0].tolist()
+                run.on_step(Draft(run.step, argmax[i].tolist(), accepted[i].tolist(), mean_entropy[i].item(), fixed))
+            if stops[i] or run.step == run.settings.steps:
+                probs = self.self_conditioning_probs[i : i + 1]
+                run.result = _commit(CanvasResult(argmax[i : i + 1], run.step, bool(stops[i]), probs), run.clamp)
+            else:
+                keep.append(i)
+        if len(keep) < len(self.rows):
+            self.select(keep)
+        return keep
+
+    def select(self, keep: list[int]) -> None:
+        """Only the ``keep``-th rows go on."""
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            return
+        index = mx.array(keep, dtype=mx.int32)
+        self.canvas = self.canvas[index]
+        self.self_conditioning, self.self_conditioning_probs = self.self_conditioning[index], \
+            self.self_conditioning_probs[index]
+        if self.clamped:
+            self.fixed, self.tokens, self.free = self.fixed[index], self.tokens[index], self.free[index]
+        self.stop_rule.select(index)
+        self.stop_rule.confidence, self.bound = self.stop_rule.confidence[index], self.bound[index]
 
 
 class CompactedRun(CanvasRun):
@@ -285,6 +343,8 @@ class CompactedRun(CanvasRun):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         C = self.length
+        self.stop_rule = StopRule(self.settings, self.shape)
+        self.self_conditioning = self.self_conditioning_probs = None
         self.fixed = mx.zeros((C,), dtype=mx.bool_) if self.clamp is None else self.clamp.fixed[0]
         self.free = C if self.clamp is None else int((~self.fixed).sum().item())
         self.active = list(range(C))  # positions still computed
@@ -371,7 +431,37 @@ def new_run(model, settings: SamplerSettings, rng: Random, length: int | None = 
 
 def denoise_runs(model, view: CanvasView, runs: list[CanvasRun]) -> list[CanvasResult]:
     """Drive the canvas runs of ``view``'s rows (all of one length) to their commits with one
-    batched forward per step; a row whose canvas is committed leaves the batch."""
+    batched forward per step; a row whose canvas is committed leaves the batch. Plain runs that
+    share a stability threshold advance as one ``RunBatch``; the others (compaction, another
+    threshold) in forwards of their own."""
+    plain = [i for i, run in enumerate(runs) if type(run) is CanvasRun]
+    if plain:
+        threshold = runs[plain[0]].settings.stability_threshold
+        plain = [i for i in plain if runs[i].settings.stability_threshold == threshold]
+    others = [i for i in range(len(runs)) if i not in plain]
+    if plain:
+        _denoise_batch(model, view if not others else view.select(plain), RunBatch([runs[i] for i in plain]))
+    if others:
+        rest = [runs[i] for i in others]
+        if any(type(run) is CanvasRun for run in rest):  # another stability threshold: on its own
+            for i in others:
+                denoise_runs(model, view.select([i]), [runs[i]])
+        else:
+            _denoise_compacted(model, view if not plain else view.select(others), rest)
+    return [run.result for run in runs]
+
+
+def _denoise_batch(model, view: CanvasView, batch: RunBatch) -> None:
+    while batch.rows:
+        tokens, self_conditioning, self_conditioning_probs = batch.inputs()
+        mx.eval(batch.advance(model.denoise(tokens, view, self_conditioning, self_conditioning_probs)))
+        before = len(batch.rows)
+        kept = batch.settle()
+        if kept and len(kept) < before:
+            view = view.select(kept)
+
+
+def _denoise_compacted(model, view: CanvasView, runs: list[CompactedRun]) -> None:
     rows = list(range(len(runs)))
     while rows:
         batch = [runs[r] for r in rows]
@@ -388,7 +478,6 @@ def denoise_runs(model, view: CanvasView, runs: list[CanvasRun]) -> list[CanvasR
         if still and len(still) < len(rows):
             view = view.select([rows.index(r) for r in still])
         rows = still
-    return [run.result for run in runs]
 
 
 def _stack(inputs, length: int):
