@@ -161,15 +161,27 @@ def _attention_masked_vjp(primals, cotangent, output):
     return grads + [mx.zeros_like(mask)]
 
 
+# Sizes from which leaving MLX's graph for numpy pays: below them (an AR token, a short draft) the
+# host round trip costs more than MLX's slow transcendentals (benchmarks/attention_cpu.py).
+NUMPY_ATTENTION_MIN_SCORES = 32768  # B · heads · queries · keys
+NUMPY_GELU_MIN_ELEMENTS = 8192
+
+
 def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] < NUMPY_ATTENTION_MIN_SCORES:
+        return _mlx_attention(q, k, v, mask)
     return _attention_unmasked(q, k, v) if mask is None else _attention_masked(q, k, v, mask)
 
 
 _GELU_C = np.float32(math.sqrt(2 / math.pi))
 
 
-@mx.custom_function
 def _cpu_gelu(x: mx.array) -> mx.array:
+    return _numpy_gelu(x) if x.size >= NUMPY_GELU_MIN_ELEMENTS else nn.gelu_approx(x)
+
+
+@mx.custom_function
+def _numpy_gelu(x: mx.array) -> mx.array:
     a = _host(x.astype(mx.float32))
     out = a * a
     out *= np.float32(0.044715)
@@ -183,8 +195,8 @@ def _cpu_gelu(x: mx.array) -> mx.array:
     return mx.array(out).astype(x.dtype)
 
 
-@_cpu_gelu.vjp
-def _cpu_gelu_vjp(x, cotangent, output):  # one input: the array itself, not a tuple
+@_numpy_gelu.vjp
+def _numpy_gelu_vjp(x, cotangent, output):  # one input: the array itself, not a tuple
     return mx.vjp(nn.gelu_approx, [x], [cotangent])[1][0]
 
 
