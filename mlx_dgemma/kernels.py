@@ -19,7 +19,7 @@ multiplies row by row in float32 only, so there:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -138,6 +138,13 @@ def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None)
 
 
 CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cpu_expert_counts, _cpu_attention)
+
+
+def differentiable(kernels: Kernels) -> Kernels:
+    """``kernels`` with every path through numpy (which has no gradient) replaced by plain MLX, for
+    training; the expert dispatch stays, its per-expert products are MLX operations."""
+    return replace(kernels, name=f"{kernels.name} (differentiable)", softcap=_mlx_softcap, softmax=_mlx_softmax,
+                   tempered_distribution=_mlx_tempered_distribution, attention=_mlx_attention)
 
 
 def for_device(device: mx.Device | None = None) -> Kernels:
