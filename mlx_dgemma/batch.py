@@ -156,9 +156,9 @@ class BatchGenerator:
         full = self.model.config.canvas_length
         runs = []
         for row in group.rows:
-            plan, settings = row.job.plan, row.job.settings
+            plan = row.job.plan
             length, clamp = row.clamps[row.canvas] if row.clamps else (plan.last_canvas_length(row.remaining, full), None)
-            runs.append(new_run(self.model, settings, row.job.rng, length, clamp))
+            runs.append(new_run(self.model, plan.settings, row.job.rng, length, clamp))
         lengths = sorted({run.length for run in runs})
         results = [None] * len(runs)
         for length in lengths:

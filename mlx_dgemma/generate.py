@@ -17,7 +17,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
-from dataclasses import dataclass, replace  # noqa: E402
+from dataclasses import dataclass, fields  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
@@ -163,13 +163,13 @@ def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
 
 @dataclass
 class Job:
-    """One prompt made ready to generate: its ids, plan, sampler settings, draws and text decoder."""
+    """One prompt made ready to generate: its ids, plan (with the sampler settings), draws and text decoder."""
 
     ids: list[int]
     max_tokens: int
     defaults: GenerationConfig
     plan: Plan
-    settings: SamplerSettings
+    overrides: dict  # the caller's sampler settings, applied to every plan (auto re-plans)
     rng: Random
     stop_ids: set[int]
     text: TextStream | _TemplateText
@@ -208,28 +208,25 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
     if profile is None and (policy == "auto" or policy == "verified" and None in (draft_length, draft_steps)):
         profile = cached_profile(model)
     planner = acceptance = None
+    # The caller's sampler settings: ``settings`` as a whole, then every explicit number on top; they
+    # replace the plan's, and none is dropped.
+    overrides = {f.name: getattr(settings, f.name) for f in fields(settings)} if settings else {}
+    given = dict(steps=steps, entropy_bound=entropy_bound, t_min=temp_min, t_max=temp_max, freeze_after=freeze_after)
+    overrides.update({k: v for k, v in given.items() if v is not None})
     if policy == "auto" and template is None:  # re-planned at every canvas or round
         planner = (AutoPlanner(defaults, config.canvas_length, profile, expected_steps) if expected_steps
                    else auto_planner(model, defaults, profile))
         planner.sampling = bool(temperature)  # a temperature is for ar and verified only
-        plan = planner.choose(max_tokens)
+        plan = planner.choose(max_tokens, overrides)
     else:
         acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
         plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
-                         draft_length=draft_length, draft_steps=draft_steps, acceptance=acceptance)
+                         draft_length=draft_length, draft_steps=draft_steps, acceptance=acceptance).overridden(overrides)
     if temperature and plan.mode == "diffusion":
         raise ValueError("a temperature applies to autoregressive and verified decoding; "
                          "diffusion takes --temp-min/--temp-max")
     if temperature and template is not None:
         raise ValueError("templates decode greedily; drop the temperature")
-    # One settings object: the plan's (from the generation config), or the caller's, with every explicit
-    # override applied on top; an override is never dropped.
-    base = settings or SamplerSettings.from_generation_config(
-        defaults, steps=plan.steps, entropy_bound=plan.entropy_bound, stability_threshold=plan.stability_threshold,
-        freeze_after=plan.freeze_after)
-    overrides = dict(steps=steps, entropy_bound=entropy_bound, t_min=temp_min, t_max=temp_max, freeze_after=freeze_after)
-    settings = replace(base, **{k: v for k, v in overrides.items() if v is not None})
-    plan = plan.using(settings)
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
     ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})
     check_prompt(ids, config, max_tokens if template is None else 1)
@@ -239,7 +236,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
         check_template_fits(template, len(ids), config)
     text = answer_text(model, tokenizer, template)
 
-    return Job(ids, max_tokens, defaults, plan, settings, rng, stop_ids, text, template, end_of_turn, vision_inputs,
+    return Job(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn, vision_inputs,
                planner, acceptance, temperature or 0.0)
 
 
@@ -305,8 +302,7 @@ def stream_generate(
                   expected_steps=expected_steps, template=template, images=images, temperature=temperature,
                   draft_length=draft_length, draft_steps=draft_steps)
     config, defaults, plan, ids, template = model.config, job.defaults, job.plan, job.ids, job.template
-    max_tokens, settings, rng, stop_ids, text, end_of_turn = (job.max_tokens, job.settings, job.rng, job.stop_ids,
-                                                              job.text, job.end_of_turn)
+    max_tokens, rng, stop_ids, text, end_of_turn = job.max_tokens, job.rng, job.stop_ids, job.text, job.end_of_turn
 
     with generation_device(model):
         cache = model.make_cache()
@@ -318,7 +314,7 @@ def stream_generate(
 
         tic = time.perf_counter()
         if planner is not None:
-            blocks = adaptive(model, cache, first_logits, planner, plan, max_tokens, defaults, rng, stop_ids,
+            blocks = adaptive(model, cache, first_logits, planner, plan, job.overrides, max_tokens, rng, stop_ids,
                               temperature)
         elif plan.mode == "ar" and template is not None:
             blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
@@ -332,10 +328,10 @@ def stream_generate(
                     else drafting.GreedyRule(stop_ids, max_tokens))
             blocks = verified(model, cache, first_logits, rule,
                               drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature),
-                              settings, rng, stop_ids, job.acceptance)
+                              plan.settings, rng, stop_ids, job.acceptance)
         else:
             clamps = job.canvas_clamps(tokenizer, config)
-            blocks = diffusion(model, cache, max_tokens, settings, plan, rng, stop_ids, drafts, on_step, clamps)
+            blocks = diffusion(model, cache, max_tokens, plan, rng, stop_ids, drafts, on_step, clamps)
         total_steps = generated = non_pad = 0
         for block in blocks:
             tokens, stopped, forwards, step_drafts, last = (block.tokens, block.stopped, block.forwards, block.drafts,
@@ -366,8 +362,8 @@ def stream_generate(
                 return
 
 
-def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Plan, rng: Random, stop_ids,
-              drafts: bool, on_step, clamps=None) -> Iterator[Block]:
+def diffusion(model, cache, max_tokens: int, plan: Plan, rng: Random, stop_ids, drafts: bool, on_step,
+              clamps=None) -> Iterator[Block]:
     """Canvas after canvas: (committed tokens up to a stop id, stopped, steps, drafts, is last).
     ``clamps`` (a template's (length, Clamp) per canvas) fixes the canvases and their number."""
     full = model.config.canvas_length
@@ -375,7 +371,7 @@ def diffusion(model, cache, max_tokens: int, settings: SamplerSettings, plan: Pl
     for index in range(len(clamps) if clamps else 1 << 62):
         length, clamp = clamps[index] if clamps else (plan.last_canvas_length(remaining, full), None)
         step_drafts: list[Draft] | None = [] if drafts else None
-        result = denoise_canvas(model, cache, settings, rng, _step_hook(step_drafts, on_step), length, clamp)
+        result = denoise_canvas(model, cache, plan.settings, rng, _step_hook(step_drafts, on_step), length, clamp)
         tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
         if clamps:  # a template's canvases stay whole and aligned with it; it ends with its last one
             tokens, stopped = result.tokens[0].tolist(), index == len(clamps) - 1
@@ -451,29 +447,25 @@ def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings
         yield Block(tokens, stopped, max(forwards, 1), None, done)
 
 
-def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, max_tokens: int,
-             defaults: GenerationConfig, rng: Random, stop_ids, temperature: float = 0.0
-             ) -> Iterator[Block]:
+def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, overrides: dict, max_tokens: int,
+             rng: Random, stop_ids, temperature: float = 0.0) -> Iterator[Block]:
     """The auto policy: before each canvas, AR block (a canvas' worth of tokens) or verified round the
-    planner picks a plan from its current estimates (``plan``: its first choice), and learns from
-    what the step did. Everything
+    planner picks a plan from its current estimates (``plan``: its first choice), with the caller's
+    sampler ``overrides``, and learns from what the step did. Everything
     emitted is in the cache at a switch: a committed canvas is encoded, as is verified drafting's
     decided next token; ``logits`` are the next-token logits after the cache."""
     canvas = model.config.canvas_length
     remaining, known, rule = max_tokens, None, None
     while True:
-        plan = plan or planner.choose(remaining)
+        plan = plan or planner.choose(remaining, overrides)
         if plan.mode != "verified" and known is not None:  # leaving verified drafting
             logits, known = model.next_token_logits(mx.array([[known]]), cache), None
         tic = time.perf_counter()
         if plan.mode == "diffusion":
-            settings = SamplerSettings.from_generation_config(
-                defaults, steps=plan.steps, entropy_bound=plan.entropy_bound,
-                stability_threshold=plan.stability_threshold, freeze_after=plan.freeze_after)
             length = plan.last_canvas_length(remaining, canvas)
-            result = denoise_canvas(model, cache, settings, rng, None, length)
+            result = denoise_canvas(model, cache, plan.settings, rng, None, length)
             tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
-            planner.observe_canvas("fast" if plan.freeze_after else "reference", result.steps, len(tokens), length,
+            planner.observe_canvas("fast" if plan.settings.freeze_after else "reference", result.steps, len(tokens), length,
                                    time.perf_counter() - tic)
             remaining -= length
             last = stopped or remaining <= 0
@@ -502,8 +494,7 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, m
                 emitted = rule.output[:]
             if known is not None:
                 settings = drafting.DraftSettings(plan.draft_length, plan.draft_steps, temperature)
-                step = drafting.verify_round(model, cache, known, rule, settings,
-                                             SamplerSettings.from_generation_config(defaults), rng)
+                step = drafting.verify_round(model, cache, known, rule, settings, plan.settings, rng)
                 known, forwards = step.known, step.forwards
                 planner.observe_round(step.length, plan.draft_steps, step.kept,
                                       known is not None and step.kept < step.length - 1, len(step.tokens),
@@ -733,7 +724,7 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
 
 
 def _plan_key(plan: Plan) -> tuple:
-    return plan.mode, plan.freeze_after, plan.draft_length, plan.draft_steps
+    return plan.mode, plan.settings.freeze_after, plan.draft_length, plan.draft_steps
 
 
 def _generate_cli(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -202,6 +202,13 @@ def _numpy_gelu_vjp(x, cotangent, output):  # one input: the array itself, not a
 
 CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cpu_expert_counts, _cpu_attention,
               _cpu_gelu)
+
+
+def differentiable(kernels: Kernels) -> Kernels:
+    """``kernels`` with every path through numpy (which has no gradient) replaced by plain MLX, for
+    training; the expert dispatch stays, its per-expert products are MLX operations."""
+    return replace(kernels, name=f"{kernels.name} (differentiable)", softcap=_mlx_softcap, softmax=_mlx_softmax,
+                   tempered_distribution=_mlx_tempered_distribution, attention=_mlx_attention)
 
 
 def for_device(device: mx.Device | None = None) -> Kernels:

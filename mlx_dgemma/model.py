@@ -12,6 +12,7 @@ by name and mlx-lm style per-module quantization overrides apply as written.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import mlx.core as mx
@@ -392,6 +393,16 @@ class DiffusionGemma(nn.Module):
             layer.experts.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
         self.model.decoder.self_conditioning.kernels = kernels
 
+    @contextlib.contextmanager
+    def kernels_in_use(self, kernels: device_kernels.Kernels):
+        """``use_kernels(kernels)`` for the duration of a ``with`` block, then the model's own again."""
+        previous = self.kernels
+        self.use_kernels(kernels)
+        try:
+            yield self
+        finally:
+            self.use_kernels(previous)
+
     def make_cache(self, left_padding: list[int] | None = None) -> KVCache:
         """An empty cache for one row, or for ``len(left_padding)`` left-padded rows."""
         cfg = self.config
@@ -474,18 +485,23 @@ class DiffusionGemma(nn.Module):
         h = self.embed(canvas)
         signal = None
         if self_conditioning is not None:
-            dtype = _embedding_dtype(decoder.embed_tokens, h.dtype)
-            if self_conditioning_probs is not None and dtype == mx.float32:
-                probs = self_conditioning_probs
-            else:
-                # The reference keeps the previous step's logits in the embedding dtype before the softmax.
-                probs = self.kernels.softmax(self_conditioning.astype(dtype).astype(mx.float32)).astype(dtype)
-            scale = mx.array(math.sqrt(self.config.hidden_size), dtype=dtype).astype(h.dtype)
-            signal = (soft_embed(decoder.embed_tokens, probs) * scale).astype(h.dtype)
+            signal = self.self_conditioning_signal(self_conditioning, h.dtype, self_conditioning_probs)
         h = decoder.self_conditioning(h, signal)
         for layer, layer_view, mask in zip(self.layers, view.layers, view.masks):
             h = layer(h, positions, mask, layer_view, layer.layer_scalar)
         return self.head(decoder.norm(h))
+
+    def self_conditioning_signal(self, logits: mx.array, dtype: mx.Dtype, probs: mx.array | None = None) -> mx.array:
+        """The expected token embedding under ``softmax(logits)`` (the previous step's tempered logits
+        [B, C, V]), scaled as ``embed`` scales tokens, in the activations' ``dtype``: what the denoiser
+        is conditioned on. ``probs``: that softmax, when the caller has it (used with float32 embeddings)."""
+        embed = self.model.decoder.embed_tokens
+        embedding_dtype = _embedding_dtype(embed, dtype)
+        if probs is None or embedding_dtype != mx.float32:
+            # The reference keeps the previous step's logits in the embedding dtype before the softmax.
+            probs = self.kernels.softmax(logits.astype(embedding_dtype).astype(mx.float32)).astype(embedding_dtype)
+        scale = mx.array(math.sqrt(self.config.hidden_size), dtype=embedding_dtype).astype(dtype)
+        return (soft_embed(embed, probs) * scale).astype(dtype)
 
     def head(self, hidden: mx.array) -> mx.array:
         """Tied output head with the fp32 soft-cap."""

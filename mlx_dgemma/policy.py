@@ -17,12 +17,13 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import mlx.core as mx
 
 from .config import FULL, GenerationConfig, ModelConfig
+from .sampler import SamplerSettings
 
 CANVAS_LENGTHS = (16, 32, 64, 128, 256)
 DRAFT_LENGTHS = (2, 4, 8, 16, 32, 64, 128, 256)  # verified drafting's candidates (up to the canvas length)
@@ -306,7 +307,7 @@ def model_fingerprint(model) -> str:
 
 def time_canvas(model, cache, steps: int, canvas: int, seed: int = 0) -> float:
     """Seconds for one canvas of exactly ``steps`` sampler steps (the stop rule cannot fire)."""
-    from .sampler import MxRandom, SamplerSettings, denoise_canvas
+    from .sampler import MxRandom, denoise_canvas
 
     settings = SamplerSettings(steps=steps, confidence_threshold=1e-30)
     start = time.perf_counter()
@@ -431,47 +432,39 @@ def _read_cached_profile(path: Path | None) -> Profile | None:
 
 @dataclass
 class Plan:
-    """How to generate: the mode, the sampler settings and the last canvas length, with reasons."""
+    """How to generate: the mode, the sampler settings every canvas and draft runs with, and the last
+    canvas length, with reasons. The settings are the policy's, or with the caller's in their place
+    (``overridden``); nothing else holds a copy of them."""
 
     policy: str
-    mode: str  # "diffusion" | "ar"
-    steps: int
-    entropy_bound: float
-    t_min: float
-    t_max: float
-    trim_last_canvas: bool
+    mode: str  # "diffusion" | "ar" | "verified"
+    settings: SamplerSettings
+    trim_last_canvas: bool = False
     reasons: list[str] = field(default_factory=list)
-    freeze_after: int = 0  # active-set compaction (sampler.SamplerSettings.freeze_after)
-    stability_threshold: int | None = None  # None: the generation config's
     draft_length: int = 0  # verified drafting (drafting.py): canvas positions per draft, the known token included
     draft_steps: int = 0  # verified drafting: denoising steps per draft
 
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"
+        s = self.settings
         if self.mode == "diffusion":
-            head += f", ≤{self.steps} steps/canvas, entropy bound {self.entropy_bound:g}"
-            head += f", t {self.t_min:g}–{self.t_max:g}"
-            if self.freeze_after:
-                head += f", positions settled for {self.freeze_after} step(s) frozen"
-            if self.stability_threshold is not None:
-                head += f", stability threshold {self.stability_threshold}"
+            head += f", ≤{s.steps} steps/canvas, entropy bound {s.entropy_bound:g}, t {s.t_min:g}–{s.t_max:g}"
+            if s.freeze_after:
+                head += f", positions settled for {s.freeze_after} step(s) frozen"
             head += ", last canvas trimmed to the tokens wanted" if self.trim_last_canvas else ", full canvases"
         if self.mode == "verified":
             head += f", drafts of {self.draft_length} tokens in {self.draft_steps} step(s), verified by the encoder"
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
 
-    def using(self, settings) -> Plan:
-        """The plan with the sampler settings the generation really uses (the caller's overrides of
-        steps, bound, temperatures, freezing and stability), naming those that differ from it."""
-        numbers = {"steps": settings.steps, "entropy_bound": settings.entropy_bound, "t_min": settings.t_min,
-                   "t_max": settings.t_max, "freeze_after": settings.freeze_after}
-        if self.stability_threshold is not None:  # None: the generation config's, whatever it is
-            numbers["stability_threshold"] = settings.stability_threshold
-        changed = {k: v for k, v in numbers.items() if getattr(self, k) != v}
+    def overridden(self, overrides: dict) -> Plan:
+        """The plan with the caller's sampler settings (``SamplerSettings`` field -> value, every one
+        applied) in place of the policy's, naming those that differ from the policy's choice."""
+        settings = replace(self.settings, **overrides)
+        changed = [f.name for f in fields(settings) if getattr(settings, f.name) != getattr(self.settings, f.name)]
         if not changed:
             return self
-        given = ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in changed.items())
-        return replace(self, **changed, reasons=self.reasons + [f"set by the caller: {given}"])
+        given = ", ".join(f"{name.replace('_', ' ')} {getattr(settings, name):g}" for name in changed)
+        return replace(self, settings=settings, reasons=self.reasons + [f"set by the caller: {given}"])
 
     def last_canvas_length(self, remaining: int, canvas: int) -> int:
         """Length of a canvas when only ``remaining`` tokens are still wanted: whole canvases unless
@@ -504,11 +497,9 @@ def make_plan(
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    reference = Plan(
-        policy, "diffusion", gen.max_denoising_steps, gen.entropy_bound, gen.t_min, gen.t_max, False,
-        [f"the checkpoint's generation config: {gen.max_denoising_steps} steps, bound {gen.entropy_bound:g}, "
-         f"t {gen.t_min:g}–{gen.t_max:g}, whole canvases"],
-    )
+    reference = Plan(policy, "diffusion", SamplerSettings.from_generation_config(gen), reasons=[
+        f"the checkpoint's generation config: {gen.max_denoising_steps} steps, bound {gen.entropy_bound:g}, "
+        f"t {gen.t_min:g}–{gen.t_max:g}, whole canvases"])
     if policy == "reference":
         return reference
     if policy == "ar":
@@ -517,7 +508,8 @@ def make_plan(
         return verified_plan(reference, canvas, profile, draft_length, draft_steps, acceptance)
     if policy == "fast":
         return replace(
-            reference, trim_last_canvas=True, freeze_after=FREEZE_AFTER, stability_threshold=0,
+            reference, settings=replace(reference.settings, freeze_after=FREEZE_AFTER, stability_threshold=0),
+            trim_last_canvas=True,
             reasons=[f"positions accepted with the same token {FREEZE_AFTER} step(s) running are frozen (K/V kept) "
                      "and no longer recomputed: a step costs the share of the canvas still moving",
                      "a canvas may stop once confident (stability threshold 0): no extra step to confirm it",
@@ -694,7 +686,8 @@ class AutoPlanner:
                                                              if self.pace[name].count > 1 else ""))
                 for name, (tok_s, why) in out.items()}
 
-    def choose(self, remaining: int) -> Plan:
+    def choose(self, remaining: int, overrides: dict | None = None) -> Plan:
+        """The next plan, with the caller's sampler ``overrides`` (``Plan.overridden``) applied."""
         predicted = self.predictions(remaining)
         if self.sampling:
             predicted = {name: predicted[name] for name in ("ar", "verified")}
@@ -717,7 +710,7 @@ class AutoPlanner:
         reasons.append(f"→ {best}" + (f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
                                       f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)" if retry else "")
                        + "; re-chosen at every canvas or round as the estimates move")
-        self.current = replace(plan, policy="auto", reasons=reasons)
+        self.current = replace(plan, policy="auto", reasons=reasons).overridden(overrides or {})
         return self.current
 
     def observe_canvas(self, policy: str, steps: int, tokens: int, length: int, seconds: float | None = None) -> None:

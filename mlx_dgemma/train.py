@@ -23,7 +23,6 @@ All random draws of a step are in one ``Noise`` value, so a test can give the re
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,7 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .model import DiffusionGemma, soft_embed
+from . import kernels as device_kernels
+from .model import DiffusionGemma
 
 
 @dataclass
@@ -135,47 +135,56 @@ def attention_masks(batch: Batch, canvas_length: int, window: int):
     return ({k: v[:, None] for k, v in encoder.items()}, {k: v[:, None] for k, v in decoder.items()})
 
 
-def head(model: DiffusionGemma, hidden: mx.array) -> mx.array:
-    """The tied, soft-capped head in MLX operations (``model.head`` may leave MLX for speed)."""
-    cap = model.config.final_logit_softcapping
-    return cap * mx.tanh(model.model.decoder.embed_tokens.as_linear(hidden).astype(mx.float32) / cap)
+class KeptKeys:
+    """The encoder's K/V source in training: a layer attends to its own keys (the mask says which),
+    kept for the decoder."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+class PrefixedKeys:
+    """The decoder's: the encoder's K/V of the whole sequence, then the canvases' own (the mask says
+    which prefix and which canvas each position sees)."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return mx.concatenate([self.keys, keys], axis=2), mx.concatenate([self.values, values], axis=2)
 
 
 def _encoder_layer(layer, h, positions, mask, scalar):
-    attn = layer.self_attn
-    q, k, v = attn.project(layer.input_layernorm(h), positions)
-    r = h + layer.post_attention_layernorm(attn.attend(q, k, v, mask))
-    return layer.feed_forward(r) * scalar, k, v
+    kept = KeptKeys()
+    return layer(h, positions, mask, kept, scalar), kept.keys, kept.values
 
 
-def _decoder_layer(layer, h, positions, prefix_k, prefix_v, mask):
-    attn = layer.self_attn
-    q, k, v = attn.project(layer.input_layernorm(h), positions)
-    k, v = mx.concatenate([prefix_k, k], axis=2), mx.concatenate([prefix_v, v], axis=2)
-    r = h + layer.post_attention_layernorm(attn.attend(q, k, v, mask))
-    return layer.feed_forward(r) * layer.layer_scalar
-
-
-def checkpointed(body: Callable, layer: nn.Module) -> Callable:
-    """``body(layer, *arrays)`` recomputed in the backward pass instead of kept (mlx-lm's trick:
-    the layer's trainable parameters are inputs of the checkpointed function)."""
-
-    def inner(params, *args):
-        layer.update(params)
-        return body(layer, *args)
-
-    return lambda *args: mx.checkpoint(inner)(layer.trainable_parameters(), *args)
+def _decoder_layer(layer, h, positions, prefix_keys, prefix_values, mask):
+    return layer(h, positions, mask, PrefixedKeys(prefix_keys, prefix_values), layer.layer_scalar)
 
 
 class Forward:
-    """The encoder and decoder passes of a training batch; ``grad_checkpoint`` recomputes each layer
-    in the backward pass."""
+    """The encoder and decoder passes of a training batch through the model's own layers, under the
+    differentiable kernels ``loss`` sets; ``grad_checkpoint`` recomputes each layer in the backward
+    pass instead of keeping its activations."""
 
     def __init__(self, model: DiffusionGemma, grad_checkpoint: bool = False):
         self.model, self.grad_checkpoint = model, grad_checkpoint
 
-    def _body(self, body, layer):
-        return checkpointed(body, layer) if self.grad_checkpoint else (lambda *a: body(layer, *a))
+    def layer(self, body: Callable, layer: nn.Module, *args):
+        """``body(layer, *args)``, checkpointed as mlx-lm does it (the layer's trainable parameters
+        are inputs of the checkpointed function)."""
+        if not self.grad_checkpoint:
+            return body(layer, *args)
+        kernels = self.model.kernels  # the backward pass recomputes the layer once ``loss`` has returned
+
+        def checkpointed(params, *args):
+            layer.update(params)
+            with self.model.kernels_in_use(kernels):
+                return body(layer, *args)
+
+        return mx.checkpoint(checkpointed)(layer.trainable_parameters(), *args)
 
     def encode(self, ids: mx.array, positions: mx.array, masks) -> tuple[mx.array, list]:
         """Final-normed hidden states [B, L, H] and every layer's K/V."""
@@ -184,26 +193,23 @@ class Forward:
         h = model.embed(ids)
         kv = []
         for layer, scalar in zip(model.layers, scalars):
-            h, k, v = self._body(_encoder_layer, layer)(h, positions, masks[layer.self_attn.sliding],
-                                                        scalar.layer_scalar)
+            h, k, v = self.layer(_encoder_layer, layer, h, positions, masks[layer.self_attn.sliding],
+                                 scalar.layer_scalar)
             kv.append((k, v))
         return model.model.decoder.norm(h), kv
 
-    def denoise(self, canvas: mx.array, positions: mx.array, kv, masks, signal: mx.array | None) -> mx.array:
-        """Soft-capped logits [B, K·C, V] of noisy canvases against the encoder's K/V."""
+    def denoise(self, canvas: mx.array, positions: mx.array, kv, masks, tempered: mx.array | None = None,
+                on: mx.array | None = None) -> mx.array:
+        """Soft-capped logits [B, K·C, V] of noisy canvases against the encoder's K/V, self-conditioned
+        on the ``tempered`` logits of a first pass for the examples where ``on`` is True."""
         model = self.model
         decoder = model.model.decoder
-        h = decoder.self_conditioning(model.embed(canvas), signal)
+        h = model.embed(canvas)
+        signal = None if tempered is None else model.self_conditioning_signal(tempered, h.dtype) * on[:, None, None]
+        h = decoder.self_conditioning(h, signal)
         for layer, (k, v) in zip(model.layers, kv):
-            h = self._body(_decoder_layer, layer)(h, positions, k, v, masks[layer.self_attn.sliding])
-        return head(model, decoder.norm(h))
-
-    def self_conditioning_signal(self, logits: mx.array, on: mx.array) -> mx.array:
-        """The soft embedding of ``softmax(logits)``, zero for examples where ``on`` is False."""
-        embed = self.model.model.decoder.embed_tokens
-        probs = mx.softmax(logits, axis=-1, precise=True)
-        scale = math.sqrt(self.model.config.hidden_size)
-        return soft_embed(embed, probs) * scale * on[:, None, None]
+            h = self.layer(_decoder_layer, layer, h, positions, k, v, masks[layer.self_attn.sliding])
+        return model.head(decoder.norm(h))
 
 
 @dataclass
@@ -221,20 +227,21 @@ def loss(model: DiffusionGemma, batch: Batch, noise: Noise, objective: Objective
     forward = Forward(model, grad_checkpoint)
     positions = mx.maximum(mx.arange(batch.ids.shape[1])[None, :] - batch.pad[:, None], 0)
     encoder_masks, decoder_masks = attention_masks(batch, C, cfg.sliding_window)
+    # The CPU's fast paths go through numpy, which has no gradient.
+    with model.kernels_in_use(device_kernels.differentiable(model.kernels)):
+        hidden, kv = forward.encode(batch.ids, positions, encoder_masks)
+        ce = nn.losses.cross_entropy(model.head(hidden[:, :-1]), batch.ids[:, 1:])
+        scored = batch.scored[:, :-1]
+        encoder_loss = (ce * scored).sum() / scored.sum()
 
-    hidden, kv = forward.encode(batch.ids, positions, encoder_masks)
-    ce = nn.losses.cross_entropy(head(model, hidden[:, :-1]), batch.ids[:, 1:])
-    scored = batch.scored[:, :-1]
-    encoder_loss = (ce * scored).sum() / scored.sum()
-
-    clean = batch.ids[:, P:]
-    noisy = mx.where(noise.replace, noise.tokens, clean)
-    canvas_positions = positions[:, P:]
-    signal = None
-    if noise.self_conditioning.any().item():
-        first = mx.stop_gradient(forward.denoise(noisy, canvas_positions, kv, decoder_masks, None))
-        signal = forward.self_conditioning_signal(first / noise.temperature[:, None, None], noise.self_conditioning)
-    logits = forward.denoise(noisy, canvas_positions, kv, decoder_masks, signal)
-    decoder_loss = nn.losses.cross_entropy(logits, clean).mean()
-    tokens = batch.size * (batch.ids.shape[1] + clean.shape[1])
-    return Losses(decoder_loss + objective.encoder_weight * encoder_loss, decoder_loss, encoder_loss, tokens)
+        clean = batch.ids[:, P:]
+        noisy = mx.where(noise.replace, noise.tokens, clean)
+        canvas_positions = positions[:, P:]
+        tempered = None
+        if noise.self_conditioning.any().item():
+            first = mx.stop_gradient(forward.denoise(noisy, canvas_positions, kv, decoder_masks))
+            tempered = first / noise.temperature[:, None, None]
+        logits = forward.denoise(noisy, canvas_positions, kv, decoder_masks, tempered, noise.self_conditioning)
+        decoder_loss = nn.losses.cross_entropy(logits, clean).mean()
+        tokens = batch.size * (batch.ids.shape[1] + clean.shape[1])
+        return Losses(decoder_loss + objective.encoder_weight * encoder_loss, decoder_loss, encoder_loss, tokens)

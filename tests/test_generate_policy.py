@@ -45,7 +45,8 @@ def test_fast_policy_trims_the_last_canvas_and_compacts(pattern):
     assert computed(fast) == [16, 8]  # 5 tokens still wanted -> a canvas of 8
     assert [len(r.tokens) for r in reference] == [len(r.tokens) for r in fast] == [16, 5]  # 21 handed out
     plan = fast[0].plan
-    assert plan.freeze_after >= 1 and plan.stability_threshold == 0 and reference[0].plan.freeze_after == 0
+    assert plan.settings.freeze_after >= 1 and plan.settings.stability_threshold == 0
+    assert reference[0].plan.settings.freeze_after == 0
 
 
 def test_auto_policy_follows_the_device_profile(pattern):
@@ -98,10 +99,10 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern):
             super().__init__(*args)
             self.modes = iter(modes)
 
-        def choose(self, remaining):
+        def choose(self, remaining, overrides=None):
             name = next(self.modes, "ar")
             plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft_length=5, draft_steps=1)
-            self.current = replace(plan, policy="auto")
+            self.current = replace(plan, policy="auto").overridden(overrides or {})
             return self.current
 
     model, tokenizer = pattern
@@ -160,4 +161,20 @@ def test_overrides_apply_on_top_of_given_settings():
                                      settings=SamplerSettings(steps=20, confidence_threshold=1e-30), steps=3,
                                      freeze_after=1, drafts=True))
     assert responses[0].steps == 3 == len(responses[0].drafts)  # the override's step count, not the settings'
-    assert responses[0].plan.steps == 3
+    assert responses[0].plan.settings.steps == 3
+
+
+def test_auto_applies_the_callers_settings_to_every_plan(pattern):
+    """Auto re-plans at every canvas; each plan carries the caller's sampler numbers (none dropped)."""
+    model, tokenizer = pattern
+    cheap_steps = Profile("gpu-like", "measured", {2: 0.002, 16: 0.002, 256: 0.004}, ar_token_s=0.004,
+                          prefill_tok_s=1e4, verify_s_by_length={2: 0.004, 16: 0.004})
+    assert model.generation_config.max_denoising_steps > 2
+    responses = list(stream_generate(model, tokenizer, PROMPT, 32, policy="auto", profile=cheap_steps,
+                                     expected_steps=2, steps=2, entropy_bound=0.7))
+    diffused = [r for r in responses if r.plan.mode == "diffusion"]
+    assert diffused, [r.plan.mode for r in responses]
+    for r in diffused:
+        assert (r.plan.settings.steps, r.plan.settings.entropy_bound) == (2, 0.7)
+        assert r.steps <= 2
+        assert "set by the caller: steps 2, entropy bound 0.7" in r.plan.explain()

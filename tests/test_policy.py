@@ -62,15 +62,16 @@ def test_plans_follow_the_device():
 def test_reference_plan_is_the_generation_config():
     gen = GenerationConfig(max_denoising_steps=24, entropy_bound=0.3, t_min=0.2, t_max=0.9)
     plan = make_plan("reference", gen, 32, 1000, predict("H100"))
-    assert (plan.mode, plan.steps, plan.entropy_bound, plan.t_min, plan.t_max) == ("diffusion", 24, 0.3, 0.2, 0.9)
+    s = plan.settings
+    assert (plan.mode, s.steps, s.entropy_bound, s.t_min, s.t_max) == ("diffusion", 24, 0.3, 0.2, 0.9)
     assert not plan.trim_last_canvas and plan.last_canvas_length(5, 32) == 32
     assert plan.reasons
 
 
 def test_fast_plan_cuts_work():
     plan = make_plan("fast", GEN, 256, 40, None)
-    assert plan.freeze_after >= 1 and plan.stability_threshold == 0  # compaction, no confirming step
-    assert (plan.steps, plan.entropy_bound) == (GEN.max_denoising_steps, GEN.entropy_bound)
+    assert plan.settings.freeze_after >= 1 and plan.settings.stability_threshold == 0  # compaction, no confirming step
+    assert (plan.settings.steps, plan.settings.entropy_bound) == (GEN.max_denoising_steps, GEN.entropy_bound)
     assert "frozen" in plan.explain()
     assert plan.last_canvas_length(40, 256) == 48 and plan.last_canvas_length(300, 256) == 256
     assert make_plan("ar", GEN, 256, 40).mode == "ar"
@@ -89,3 +90,14 @@ def test_measured_profile_is_cached(checkpoints, tmp_path):
     assert len(files) == 1
     again = cached_profile(model, root=tmp_path)  # read back, not re-measured
     assert again == profile == Profile.from_json(json.loads(files[0].read_text()))
+
+
+def test_callers_settings_replace_the_plans_and_are_named():
+    fast = make_plan("fast", GEN, 256, 40)
+    assert fast.overridden({"steps": GEN.max_denoising_steps}) == fast  # the policy's own value: nothing to say
+    plan = fast.overridden({"steps": 5, "freeze_after": 0, "t_max": GEN.t_max})
+    assert (plan.settings.steps, plan.settings.freeze_after, plan.settings.stability_threshold) == (5, 0, 0)
+    assert plan.reasons[-1] == "set by the caller: steps 5, freeze after 0"
+    assert "frozen" not in plan.explain().splitlines()[0]
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        fast.overridden({"steps": 0})

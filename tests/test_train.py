@@ -65,6 +65,37 @@ def test_loss_matches_reference(checkpoints, preset, self_conditioning):
     assert abs(ours.total.item() - (dec + enc).item()) <= 1e-4 * abs((dec + enc).item())
 
 
+def test_gradients_match_the_reference_past_the_cpu_attention_threshold(checkpoints):
+    """Over ``NUMPY_SOFTMAX_MIN_KEYS`` keys the CPU's inference attention goes through numpy, which has
+    no gradient; training computes with differentiable kernels, so the gradients of the attention
+    projections are still the reference objective's."""
+    from mlx_dgemma.kernels import NUMPY_SOFTMAX_MIN_KEYS
+
+    path = checkpoints("small")
+    model, reference = load_model(path), load_reference(path)
+    cfg = model.config
+    C = cfg.canvas_length
+    rng = np.random.default_rng(4)
+    batch = train.collate(random_examples(rng, cfg.vocab_size, [(NUMPY_SOFTMAX_MIN_KEYS + 8, C - 2),
+                                                                (NUMPY_SOFTMAX_MIN_KEYS - 7, C - 4)]), C, 0)
+    assert batch.ids.shape[1] >= NUMPY_SOFTMAX_MIN_KEYS and batch.canvases == 1
+    noise = train.draw_noise(rng, batch, C, cfg.vocab_size)
+    noise.self_conditioning = mx.array([True, False])
+    ours = dict(tree_flatten(nn.value_and_grad(model, lambda: train.loss(model, batch, noise).total)()[1]))
+    reference.zero_grad(set_to_none=True)
+    try:
+        dec, enc, _ = train_demo.objective(reference, *reference_inputs(batch, noise), C, cfg.sliding_window)
+        (dec + enc).backward()
+        theirs = {name: p.grad.numpy().copy() for name, p in reference.named_parameters() if p.grad is not None}
+    finally:
+        reference.zero_grad(set_to_none=True)
+    for i in range(cfg.num_hidden_layers):
+        for proj in ("q_proj", "k_proj"):
+            key = f"layers.{i}.self_attn.{proj}.weight"
+            want = theirs[f"model.encoder.language_model.{key}"]  # the decoder's layers are the encoder's
+            assert relative_error(np.array(ours[f"model.decoder.{key}"]), want) <= 1e-4, key
+
+
 def test_grad_checkpoint_gives_the_same_gradients(checkpoints):
     model = load_model(checkpoints("small"))
     apply_fine_tune(model, "lora", 4, LORA)

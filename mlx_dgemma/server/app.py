@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..batch import BatchRequest
 from ..generate import PromptError, check_prompt, check_template_fits, generation_config
 from ..images import ImageError, image_from_url, image_inputs
 from ..policy import POLICIES
@@ -152,17 +153,17 @@ class Server:
         tools, forced = self._tools(body) if chat else ([], None)
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
                               else (self._text_prompt(body), {}))
-        job = Job(ids, 0, seed=_get(body, "seed", int, None), policy=policy, steps=steps, stop=stop,
-                  hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
+        request = BatchRequest(ids, seed=_get(body, "seed", int, None), policy=policy, steps=steps)
         if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
             scale = max(temperature, 1e-2)
-            job.temp_min, job.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
+            request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
+        job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
         self._layout(job, body, forced)
-        if vision_inputs and policy in ("ar", "auto") and (job.template or job.redraft):
+        if vision_inputs and policy in ("ar", "auto") and (request.template or job.redraft):
             # The engine runs an autoregressive template alone, from the prompt's ids: without the images.
             raise BadRequest(f"an image prompt with a template, response_format or forced tool call runs with "
                              f"policy reference or fast, not {policy}", param="policy")
-        job.max_tokens = self._fit(ids, max_tokens, max_key)
+        request.max_tokens = self._fit(ids, max_tokens, max_key)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       forced["function"]["name"] if forced else None,
                       id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}")
@@ -287,9 +288,9 @@ class Server:
         tokenizer = self.tokenizer
         try:
             if text is not None:
-                job.template = parse_template(tokenizer, text)
+                job.request.template = parse_template(tokenizer, text)
             elif forced is not None:
-                job.template = forced_call_template(tokenizer, forced)
+                job.request.template = forced_call_template(tokenizer, forced)
             elif kind == "json_schema":
                 spec = response_format.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -307,12 +308,12 @@ class Server:
         except TemplateError as e:
             param = "template" if text is not None else "tools" if forced is not None else "response_format"
             raise BadRequest(str(e), param=param) from None
-        largest = job.template
+        largest = job.request.template
         if largest is None and kind == "json_schema":
             largest = json_template(tokenizer, schema)  # a draft sizes the holes at most this long
         if largest is not None:
             try:
-                check_template_fits(largest, len(job.prompt_ids), self.model.config)
+                check_template_fits(largest, len(job.request.prompt_ids), self.model.config)
             except TemplateError as e:
                 raise BadRequest(str(e), param="template" if text is not None else "response_format",
                                  code="context_length_exceeded") from None

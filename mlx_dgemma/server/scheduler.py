@@ -14,7 +14,7 @@ import hashlib
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -54,16 +54,10 @@ class Event:
 
 @dataclass
 class Job:
-    """One request as the worker runs it."""
+    """One request as the worker runs it: what the engine generates (``request``: the prompt, its
+    settings and the answer's template, which a free draft may set) and how its text is handed out."""
 
-    prompt_ids: list[int]
-    max_tokens: int
-    seed: int | None = None
-    policy: str = "reference"
-    steps: int | None = None
-    temp_min: float | None = None
-    temp_max: float | None = None
-    template: CanvasTemplate | None = None
+    request: BatchRequest
     # After a free draft's text: the template the answer is generated with, or None when the draft
     # is the answer (a JSON schema's holes sized by the draft; a json_object reply that parsed).
     redraft: Callable[[str], CanvasTemplate | None] | None = None
@@ -187,7 +181,8 @@ class Scheduler:
             self.cancelled += 1
             return
         try:
-            ids = job.prompt_ids
+            request = job.request
+            ids = request.prompt_ids
             key = _cache_key(ids, job.vision_inputs, self.model.config.image_token_id)
             cache, cached = self.prompt_cache.fetch(key)
             if cache is None:
@@ -202,14 +197,11 @@ class Scheduler:
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
             drafting = job.redraft is not None
-            job.answer = answer_text(self.model, self.tokenizer, None if drafting else job.template)
+            job.answer = answer_text(self.model, self.tokenizer, None if drafting else request.template)
             # The thought channel of a free answer or a text template; a JSON one has none.
-            free = job.template is None or job.template.render is None
+            free = request.template is None or request.template.render is None
             job.thought = TextStream(self.tokenizer, job.answer.stop_ids, thought=True) if free and not drafting else None
-            uid = self.engine.insert(BatchRequest(
-                prompt_ids=ids, max_tokens=job.max_tokens, seed=job.seed, policy=job.policy, steps=job.steps,
-                temp_min=job.temp_min, temp_max=job.temp_max, template=None if drafting else job.template,
-                cache=cache))
+            uid = self.engine.insert(replace(request, template=None if drafting else request.template, cache=cache))
         except ValueError as e:  # a prompt, template or setting the model cannot take
             self._send(job, Event(error=RequestFailed(str(e))))
             return
@@ -223,9 +215,9 @@ class Scheduler:
         if job is None:
             return
         tokens, finish = response.tokens, response.finish_reason
-        room = job.max_tokens - job.produced
+        room = job.request.max_tokens - job.produced
         # Canvases round max_tokens up, an answer does not; a template is as long as it is.
-        if job.template is None and len(tokens) >= room and not (finish == "stop" and len(tokens) <= room):
+        if job.request.template is None and len(tokens) >= room and not (finish == "stop" and len(tokens) <= room):
             tokens, finish = tokens[:room], "length"
         job.produced += len(tokens)
         job.completion_tokens += sum(t != self.tokenizer.pad_token_id for t in tokens)
@@ -238,8 +230,8 @@ class Scheduler:
             if response.finish_reason is None:  # the engine would go on: the row ends here
                 self.engine.remove(response.uid)
             if job.redraft is not None:  # the free draft is in: generate the answer from it, or keep it
-                job.template, job.redraft = job.redraft(job.text), None
-                if job.template is not None:
+                job.request.template, job.redraft = job.redraft(job.text), None
+                if job.request.template is not None:
                     job.text, job.produced = "", 0
                     self._start(job)
                     return
@@ -250,7 +242,7 @@ class Scheduler:
         job.sent = max(job.sent, end)
         if finish is not None:
             self.finished += 1
-            event.usage = Usage(len(job.prompt_ids), job.completion_tokens, job.cached_tokens or 0)
+            event.usage = Usage(len(job.request.prompt_ids), job.completion_tokens, job.cached_tokens or 0)
         self._send(job, event)
 
     def _send(self, job: Job, event: Event) -> None:
