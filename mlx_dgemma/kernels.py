@@ -205,8 +205,9 @@ CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cp
 
 
 def differentiable(kernels: Kernels) -> Kernels:
-    """``kernels`` with every path through numpy (which has no gradient) replaced by plain MLX, for
-    training; the expert dispatch stays, its per-expert products are MLX operations."""
+    """``kernels`` for training: plain MLX wherever a numpy path has no gradient of its own (and for
+    attention, whose numpy forward would be recomputed in MLX by its gradient anyway); the GELU keeps
+    its numpy forward and MLX gradient, and the expert dispatch stays (its products are MLX's)."""
     return replace(kernels, name=f"{kernels.name} (differentiable)", softcap=_mlx_softcap, softmax=_mlx_softmax,
                    tempered_distribution=_mlx_tempered_distribution, attention=_mlx_attention)
 
