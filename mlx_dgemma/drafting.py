@@ -220,11 +220,12 @@ def tempered_probs(logits: mx.array, temperature: float) -> mx.array:
 
 
 def draft(model, cache, known: list[int], length: int, settings: DraftSettings, schedule: SamplerSettings,
-          rng: Random, start: list[int] = ()) -> tuple[list[int], mx.array | None]:
-    """A draft of ``length`` tokens starting with the ``known`` ones (clamped), denoised after the
-    cache (only read) in ``settings.steps`` steps, and, when sampling, the distribution [length, V]
-    its last step drew each position from. ``schedule`` gives the self-conditioning temperatures.
-    ``start`` seeds the positions after the known ones instead of noise (not clamped)."""
+          rng: Random, start: list[int] = ()) -> tuple[mx.array, mx.array | None]:
+    """A draft of ``length`` tokens [length] (lazy: the verifying pass is queued behind it without a
+    wait) starting with the ``known`` ones (clamped), denoised after the cache (only read) in
+    ``settings.steps`` steps, and, when sampling, the distribution [length, V] its last step drew
+    each position from. ``schedule`` gives the self-conditioning temperatures. ``start`` seeds the
+    positions after the known ones instead of noise (not clamped)."""
     vocab = model.config.vocab_size
     fixed = np.zeros((1, length), dtype=bool)
     fixed[0, :len(known)] = True
@@ -251,7 +252,7 @@ def draft(model, cache, known: list[int], length: int, settings: DraftSettings, 
             break
         self_conditioning, self_conditioning_probs, _, argmax = tempered_distribution(logits, temperature)
         canvas = clamp.apply(argmax)
-    return np.array(canvas[0]).tolist(), q
+    return canvas[0], q
 
 
 @dataclass
@@ -271,12 +272,14 @@ def verify_round(model, cache, known: int, rule, settings: DraftSettings, schedu
     before = len(rule.output)
     length = max(1, min(settings.length, rule.room))
     if length == 1:  # nothing to draft: an autoregressive step
-        tokens, q, forwards = [known], None, 1
+        drafted, q, forwards = mx.array([known]), None, 1
     else:
-        tokens, q = draft(model, cache, [known] + rule.known(length - 1), length, settings, schedule, rng,
-                          start if settings.reuse else ())
+        drafted, q = draft(model, cache, [known] + rule.known(length - 1), length, settings, schedule, rng,
+                           start if settings.reuse else ())
         forwards = settings.steps + 1
-    logits = model.head(model.encode(mx.array(tokens)[None], cache, return_hidden=True))[0]
+    logits = model.head(model.encode(drafted[None], cache, return_hidden=True))[0]
+    mx.eval(drafted, logits)  # the round's one wait: the draft and its verification together
+    tokens = drafted.tolist()
     kept, known = rule.follow(logits, tokens[1:], None if q is None else q[1:])
     cache.trim(length - 1 - kept)
     return Round(rule.output[before:], known, length, kept, forwards, tokens[kept + 2:])
