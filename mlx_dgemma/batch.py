@@ -1,15 +1,17 @@
 """Several prompts through the model at once.
 
-Rows are left-padded into one cache per mode (cache.py). Diffusion rows move in lock-step rounds: a
-round denoises every row's next canvas with one batched forward per step (a row whose canvas has
-committed leaves the forward), then encodes every continuing row's commit in one forward; a row
-that has finished leaves the cache. Autoregressive rows take one token per round, all rows in one
-forward. New requests join at the next round. Each row keeps its own draws and settings, so row i
-of ``batch_generate`` gives the text ``generate`` gives for that prompt and seed alone.
+Diffusion rows are batched step by step (continuous batching): every row keeps its own cache, and
+the rows whose canvases have the same length denoise together, one forward per step, through a view
+that stacks their prefixes left-padded (cache.py). A row whose canvas commits encodes it and starts
+its next canvas at the next step while the others go on; a new request joins at the next step. So
+no row waits for another's canvas to settle. Autoregressive rows share one left-padded cache and
+take one token per step, all rows in one forward. Each row keeps its own draws and settings, so
+row i of ``batch_generate`` gives the text ``generate`` gives for that prompt and seed alone.
 
 Rows that cannot share a forward (verified drafting, the auto policy, a template decoded
-autoregressively) run alone, one canvas, block of tokens or verified round per round, through
-``stream_generate``.
+autoregressively) run alone, one canvas, block of tokens or verified round per step, through
+``stream_generate``; so does each row of the fast policy (active-set compaction computes a
+different set of positions per row).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import Iterator  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
+from .cache import CanvasView  # noqa: E402
 from .generate import PREFILL_STEP_SIZE, Job, cut_at_stop, generation_device, prefill, prepare, stream_generate  # noqa: E402
-from .sampler import denoise_runs, new_run  # noqa: E402
+from .sampler import CanvasRun, RunBatch, new_run, step_batch, step_compacted  # noqa: E402
 from .template import CanvasTemplate  # noqa: E402
 
 
@@ -48,13 +51,13 @@ class BatchRequest:
 
 @dataclass
 class BatchResponse:
-    """What one round added to a request."""
+    """What one step committed for a request."""
 
     uid: int
-    tokens: list[int]  # committed in this round
+    tokens: list[int]  # committed by this step (a canvas, a token, a block or a verified round)
     text: str  # the text they add
     finish_reason: str | None  # "stop", "length", or None while more follow
-    steps: int  # forwards this round took for the row (denoising steps, or tokens)
+    steps: int  # forwards the commit took (denoising steps of the canvas, or tokens)
 
 
 @dataclass
@@ -67,12 +70,23 @@ class _Row:
     emitted: int = 0  # tokens handed out
     token: mx.array | None = None  # autoregressive: the row's next token, [1, 1]
     solo: Iterator | None = None
-    cache: object = None  # the request's own prefilled cache, until the row joins its group
+    cache: object = None  # a prefilled prefix (BatchRequest.cache); a diffusion row's own cache
+    run: CanvasRun | None = None  # diffusion: the canvas being denoised
+    view: CanvasView | None = None  # diffusion: the row's prefix laid out for that canvas
+
+
+@dataclass
+class _Lane:
+    """Diffusion rows whose plain canvas runs share a length and a stop rule: one forward per step."""
+
+    rows: list[_Row]
+    batch: RunBatch
+    view: CanvasView | None = None  # the rows' views stacked; None: to be stacked before the next step
 
 
 @dataclass
 class _Group:
-    """Rows that share one cache and one forward per step."""
+    """Autoregressive rows: one left-padded cache, one forward per token."""
 
     rows: list[_Row] = field(default_factory=list)
     cache: object = None
@@ -86,18 +100,20 @@ class _Group:
 
 
 class BatchGenerator:
-    """Requests in, rounds out: ``insert`` queues a request, ``next`` runs one round for every row
-    and returns what each added, ``remove`` drops a row (a client that went away)."""
+    """Requests in, steps out: ``insert`` queues a request, ``next`` runs one step for every row and
+    returns what each committed, ``remove`` drops a row (a client that went away)."""
 
     def __init__(self, model, tokenizer, prefill_step_size: int = PREFILL_STEP_SIZE):
         self.model, self.tokenizer, self.prefill_step_size = model, tokenizer, prefill_step_size
         self._uids = itertools.count()
         self._pending: list[_Row] = []
-        self._diffusion, self._ar = _Group(), _Group()
+        self._ar = _Group()
+        self._diffusion: list[_Row] = []
+        self._lanes: dict[tuple[int, int], _Lane] = {}
         self._solo: list[_Row] = []
 
     def __len__(self) -> int:
-        return len(self._pending) + len(self._diffusion.rows) + len(self._ar.rows) + len(self._solo)
+        return len(self._pending) + len(self._diffusion) + len(self._ar.rows) + len(self._solo)
 
     def insert(self, request: BatchRequest) -> int:
         job = prepare(self.model, self.tokenizer, list(request.prompt_ids), request.max_tokens, steps=request.steps,
@@ -117,84 +133,123 @@ class BatchGenerator:
     def remove(self, uid: int) -> None:
         self._pending = [r for r in self._pending if r.uid != uid]
         self._solo = [r for r in self._solo if r.uid != uid]
-        for group in (self._diffusion, self._ar):
-            keep = [i for i, r in enumerate(group.rows) if r.uid != uid]
-            if len(keep) < len(group.rows):
-                group.drop(keep)
+        self._diffusion = [r for r in self._diffusion if r.uid != uid]
+        for key, lane in list(self._lanes.items()):
+            keep = [i for i, r in enumerate(lane.rows) if r.uid != uid]
+            if len(keep) < len(lane.rows):
+                self._leave(key, lane, keep)
+        keep = [i for i, r in enumerate(self._ar.rows) if r.uid != uid]
+        if len(keep) < len(self._ar.rows):
+            self._ar.drop(keep)
 
     def next(self) -> list[BatchResponse]:
+        """One step: a denoising step of every diffusion row, a token of every autoregressive row, a
+        canvas, block or round of every row that runs alone; what each row committed."""
         self._admit()
-        return self._diffusion_round() + self._ar_round() + self._solo_round()
+        return self._diffusion_step() + self._ar_round() + self._solo_round()
 
     # -- joining --------------------------------------------------------------------------------
 
     def _admit(self) -> None:
         pending, self._pending = self._pending, []
         self._solo += [r for r in pending if r.solo is not None]
-        for mode, group in (("diffusion", self._diffusion), ("ar", self._ar)):
+        for mode in ("diffusion", "ar"):
             rows = [r for r in pending if r.solo is None and (r.job.plan.mode == "ar") == (mode == "ar")]
+            cached = [r for r in rows if r.cache is not None]
             if fresh := [r for r in rows if r.cache is None]:
                 longest = max(len(r.job.ids) for r in fresh)
                 padding = [longest - len(r.job.ids) for r in fresh]
                 ids = mx.array([[0] * p + r.job.ids for p, r in zip(padding, fresh)], dtype=mx.int32)
                 cache = self.model.make_cache(padding)
                 logits = prefill(self.model, ids, cache, self.prefill_step_size, logits=mode == "ar")
-                _join(group, fresh, cache, logits)
-            for row in rows:
-                if row.cache is not None:  # a prefix already encoded: only the rest of its prompt
-                    cache, row.cache = row.cache, None
-                    logits = prefill(self.model, mx.array(row.job.ids[cache.offset:]), cache, self.prefill_step_size,
-                                     logits=mode == "ar")
-                    _join(group, [row], cache, logits)
+                self._join(mode, fresh, cache, logits)
+            for row in cached:  # a prefix already encoded: only the rest of its prompt
+                cache, row.cache = row.cache, None
+                logits = prefill(self.model, mx.array(row.job.ids[cache.offset:]), cache, self.prefill_step_size,
+                                 logits=mode == "ar")
+                self._join(mode, [row], cache, logits)
+
+    def _join(self, mode: str, rows: list[_Row], cache, logits: mx.array | None) -> None:
+        """Add prefilled ``rows`` (``cache``'s rows, in order): diffusion rows each with its own rows
+        of the cache, AR rows to the shared cache (``logits`` give their first tokens)."""
+        if mode == "diffusion":
+            for i, row in enumerate(rows):
+                row.cache = cache if len(rows) == 1 else cache.rows([i])
+            self._diffusion += rows
+        else:
+            _join_group(self._ar, rows, cache, logits)
 
     # -- rounds ---------------------------------------------------------------------------------
 
-    def _diffusion_round(self) -> list[BatchResponse]:
-        group = self._diffusion
-        if not group.rows:
-            return []
-        full = self.model.config.canvas_length
-        runs = []
-        for row in group.rows:
-            plan = row.job.plan
-            length, clamp = row.clamps[row.canvas] if row.clamps else (plan.last_canvas_length(row.remaining, full), None)
-            runs.append(new_run(self.model, plan.settings, row.job.rng, length, clamp))
-        lengths = sorted({run.length for run in runs})
-        results = [None] * len(runs)
-        for length in lengths:
-            members = [i for i, run in enumerate(runs) if run.length == length]
-            view = group.cache.canvas_view(length)
-            if len(members) < len(runs):
-                view = view.select(members)
-            for i, result in zip(members, denoise_runs(self.model, view, [runs[i] for i in members])):
-                results[i] = result
-        responses, keep, commits = [], [], []
-        for i, (row, result) in enumerate(zip(group.rows, results)):
-            committed = result.tokens[0].tolist()
-            length = runs[i].length
-            row.canvas += 1
-            row.remaining -= length
-            if row.clamps:  # a template's canvases stay whole; it ends with its last one
-                tokens, stopped = committed, row.canvas == len(row.clamps)
-                last = stopped
-            else:
-                tokens, stopped = cut_at_stop(committed, row.job.stop_ids)
-                last = stopped or row.remaining <= 0
-                room = row.job.max_tokens - row.emitted
-                if len(tokens) >= room:  # a canvas may compute more than was asked for
-                    stopped, last, tokens = stopped and len(tokens) <= room, True, tokens[:room]
-            row.emitted += len(tokens)
-            finish = "stop" if stopped else "length" if last else None
-            responses.append(BatchResponse(row.uid, tokens, row.job.text.add(tokens, final=finish is not None),
-                                           finish, result.steps))
-            if finish is None:
-                keep.append(i)
-                commits.append(result.tokens)
-        group.drop(keep)
-        if commits:  # every continuing canvas is a full one: the commits join the prefix in one forward
-            self.model.encode(mx.concatenate(commits), group.cache)
-            mx.eval(group.cache.state())
-        return responses
+    def _diffusion_step(self) -> list[BatchResponse]:
+        for row in self._diffusion:
+            if row.run is None:
+                self._start_canvas(row)
+        done = []
+        for key, lane in list(self._lanes.items()):
+            if lane.view is None:
+                lane.view = CanvasView.stack([row.view for row in lane.rows])
+            lane.view = step_batch(self.model, lane.view, lane.batch)
+            done += [row for row in lane.rows if row.run.result is not None]
+            lane.rows = [row for row in lane.rows if row.run.result is None]
+            if not lane.rows:
+                del self._lanes[key]
+        for row in self._diffusion:
+            if row.run is not None and type(row.run) is not CanvasRun:  # active-set compaction: alone
+                step_compacted(self.model, row.view, row.run)
+                if row.run.result is not None:
+                    done.append(row)
+        return [self._commit(row) for row in done]
+
+    def _start_canvas(self, row: _Row) -> None:
+        plan, full = row.job.plan, self.model.config.canvas_length
+        length, clamp = row.clamps[row.canvas] if row.clamps else (plan.last_canvas_length(row.remaining, full), None)
+        row.run = new_run(self.model, plan.settings, row.job.rng, length, clamp)
+        row.view = row.cache.canvas_view(length)
+        if type(row.run) is not CanvasRun:
+            return
+        key = (length, plan.settings.stability_threshold)
+        if key in self._lanes:
+            lane = self._lanes[key]
+            lane.rows.append(row)
+            lane.batch.add([row.run])
+            lane.view = None
+        else:
+            self._lanes[key] = _Lane([row], RunBatch([row.run]))
+
+    def _leave(self, key: tuple[int, int], lane: _Lane, keep: list[int]) -> None:
+        lane.rows = [lane.rows[i] for i in keep]
+        lane.batch.select(keep)
+        if not lane.rows:
+            del self._lanes[key]
+        elif lane.view is not None:
+            lane.view = lane.view.select(keep)
+
+    def _commit(self, row: _Row) -> BatchResponse:
+        """The row's committed canvas as a response; a row that goes on encodes it (its next canvas
+        starts at the next step), a finished one leaves."""
+        result, length = row.run.result, row.run.length
+        committed = result.tokens[0].tolist()
+        row.run = row.view = None
+        row.canvas += 1
+        row.remaining -= length
+        if row.clamps:  # a template's canvases stay whole; it ends with its last one
+            tokens, stopped = committed, row.canvas == len(row.clamps)
+            last = stopped
+        else:
+            tokens, stopped = cut_at_stop(committed, row.job.stop_ids)
+            last = stopped or row.remaining <= 0
+            room = row.job.max_tokens - row.emitted
+            if len(tokens) >= room:  # a canvas may compute more than was asked for
+                stopped, last, tokens = stopped and len(tokens) <= room, True, tokens[:room]
+        row.emitted += len(tokens)
+        finish = "stop" if stopped else "length" if last else None
+        if finish is None:  # a continuing canvas is a full one: it joins the prefix
+            self.model.encode(result.tokens, row.cache)
+            mx.eval(row.cache.state())
+        else:
+            self._diffusion.remove(row)
+        return BatchResponse(row.uid, tokens, row.job.text.add(tokens, final=finish is not None), finish, result.steps)
 
     def _ar_round(self) -> list[BatchResponse]:
         group = self._ar
@@ -226,7 +281,7 @@ class BatchGenerator:
         return responses
 
 
-def _join(group: _Group, rows: list[_Row], cache, logits: mx.array | None) -> None:
+def _join_group(group: _Group, rows: list[_Row], cache, logits: mx.array | None) -> None:
     """Add prefilled ``rows`` (``cache``'s rows, in order) to ``group``; ``logits`` start AR rows."""
     if logits is not None:
         first = logits.argmax(-1, keepdims=True)

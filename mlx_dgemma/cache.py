@@ -138,6 +138,18 @@ class KVCache:
             c.trim(n)
         return n
 
+    def rows(self, rows: list[int]) -> KVCache:
+        """A new cache of these rows (this one is left as it is)."""
+        out = object.__new__(KVCache)
+        out.windows, out.padded = self.windows, self.padded
+        out.layers = []
+        for c in self.layers:
+            copy = object.__new__(LayerCache)
+            copy.__dict__.update(c.__dict__)
+            out.layers.append(copy)
+        out.filter(rows)
+        return out
+
     def filter(self, rows: list[int]) -> None:
         """Keep only these rows, in this order."""
         index = mx.array(rows, dtype=mx.int32)
@@ -246,3 +258,33 @@ class CanvasView:
         view.masks = [None if m is None else m[index] for m in self.masks]
         return view
 
+    @staticmethod
+    def stack(views: list[CanvasView]) -> CanvasView:
+        """One view of several views' rows (each laid out from its own cache, prefixes of any
+        lengths), left-padded per layer to the longest prefix with the padding masked: rows that
+        started their canvases at different times share one forward (continuous batching). The
+        canvas room starts empty: for runs that compute every canvas position at every step."""
+        if len(views) == 1:
+            return views[0]
+        view = object.__new__(CanvasView)
+        view.length = length = views[0].length
+        view.positions = mx.concatenate([v.positions for v in views])
+        view.layers, view.masks = [], []
+        for i in range(len(views[0].layers)):
+            layers = [v.layers[i] for v in views]
+            prefix = max(layer.prefix for layer in layers)
+            keys, values, masks = [], [], []
+            for v, layer in zip(views, layers):
+                pad = prefix - layer.prefix
+                keys.append(mx.pad(layer.keys, [(0, 0), (0, 0), (pad, 0), (0, 0)]))
+                values.append(mx.pad(layer.values, [(0, 0), (0, 0), (pad, 0), (0, 0)]))
+                own = v.masks[i] if v.masks[i] is not None else mx.ones((layer.keys.shape[0], 1, 1, layer.prefix + length),
+                                                                         dtype=mx.bool_)
+                masks.append(mx.pad(own, [(0, 0), (0, 0), (0, 0), (pad, 0)], constant_values=False))
+            stacked = object.__new__(CanvasLayerView)
+            stacked.keys, stacked.values = mx.concatenate(keys), mx.concatenate(values)
+            stacked.prefix, stacked.slots = prefix, None
+            view.layers.append(stacked)
+            padded = any(layer.prefix < prefix for layer in layers) or any(v.masks[i] is not None for v in views)
+            view.masks.append(mx.concatenate(masks) if padded else None)
+        return view

@@ -456,7 +456,8 @@ class DiffusionGemma(nn.Module):
         return self.head(self.encode(ids, cache, return_hidden=True, **vision_inputs)[:, -1])
 
     def denoise(self, canvas: mx.array, cache: KVCache | CanvasView, self_conditioning: mx.array | None = None,
-                self_conditioning_probs: mx.array | None = None, active: mx.array | None = None) -> mx.array:
+                self_conditioning_probs: mx.array | None = None, active: mx.array | None = None,
+                self_conditioned_rows: mx.array | None = None) -> mx.array:
         """Logits [B, C, V] (float32, soft-capped) for a canvas [B, C]; the cache is only read.
 
         ``cache`` is the encoder's cache, or a ``CanvasView`` of it that the sampler lays out once
@@ -470,6 +471,9 @@ class DiffusionGemma(nn.Module):
         and the self-conditioning inputs hold just their rows, they attend to the prefix, to each
         other and to the K/V the view holds for the other canvas positions from when they were
         last computed; the logits are [B, A, V].
+
+        ``self_conditioned_rows`` [B] bool: only these rows are self-conditioned, the others compute
+        as without a signal (a row that joined a batch at its first step).
         """
         canvas = _rows(canvas)
         if isinstance(cache, KVCache):
@@ -486,6 +490,8 @@ class DiffusionGemma(nn.Module):
         signal = None
         if self_conditioning is not None:
             signal = self.self_conditioning_signal(self_conditioning, h.dtype, self_conditioning_probs)
+            if self_conditioned_rows is not None:  # a zero signal adds exactly zero
+                signal = signal * self_conditioned_rows[:, None, None].astype(signal.dtype)
         h = decoder.self_conditioning(h, signal)
         for layer, layer_view, mask in zip(self.layers, view.layers, view.masks):
             h = layer(h, positions, mask, layer_view, layer.layer_scalar)

@@ -242,35 +242,58 @@ class CanvasRun:
 class RunBatch:
     """Plain canvas runs of one length, advanced together: the vocabulary-wide distribution,
     acceptance and stop rule of every row in one set of batched operations (each row keeps its own
-    draws, settings and clamp, so a row gives what it gives alone). ``inputs()`` for the next
-    forward, ``advance`` with its logits (lazy; returns what to evaluate), then ``settle()``;
-    committed rows leave (``rows`` lists the runs still going)."""
+    draws, settings, clamp and step, so a row gives what it gives alone). Runs may join between
+    steps (``add``: continuous batching) and leave when committed. ``inputs()`` for the next
+    forward, ``advance`` with its logits (lazy; returns what to evaluate), then ``settle()``."""
 
     def __init__(self, runs: list[CanvasRun]):
-        self.runs = runs
-        self.rows = list(range(len(runs)))
-        C = runs[0].length
-        self.canvas = mx.concatenate([run.canvas for run in runs])
-        self.self_conditioning = self.self_conditioning_probs = None
-        self.clamped = any(run.clamp is not None for run in runs)
-        if self.clamped:
-            no = (mx.zeros((1, C), dtype=mx.bool_), mx.zeros((1, C), dtype=mx.int32))
-            fixed, tokens = zip(*[no if run.clamp is None else (run.clamp.fixed, run.clamp.tokens) for run in runs])
-            self.fixed, self.tokens = mx.concatenate(fixed), mx.concatenate(tokens)
-            self.free = mx.maximum(mx.logical_not(self.fixed).sum(axis=-1), 1)
-        thresholds = {run.settings.stability_threshold for run in runs}
-        if len(thresholds) > 1:
-            raise ValueError("the runs of one batch must share the stability threshold")
-        self.stop_rule = StopRule(runs[0].settings, self.canvas.shape)
-        self.stop_rule.confidence = mx.array([run.settings.confidence_threshold for run in runs])
-        self.bound = mx.array([[run.settings.entropy_bound] for run in runs])
+        self.runs: list[CanvasRun] = []
+        self.threshold = runs[0].settings.stability_threshold
+        self.add(runs)
 
-    def inputs(self) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """Canvas tokens [B, C], self-conditioning logits and probabilities [B, C, V] or None."""
-        return self.canvas, self.self_conditioning, self.self_conditioning_probs
+    def add(self, runs: list[CanvasRun]) -> None:
+        """Runs that start now (their first step comes with the others' next one)."""
+        if any(run.settings.stability_threshold != self.threshold for run in runs):
+            raise ValueError("the runs of one batch must share the stability threshold")
+        C, V = runs[0].length, runs[0].vocab
+        fresh = StopRule(runs[0].settings, (len(runs), C))
+        fixed = [run.clamp.fixed if run.clamp else mx.zeros((1, C), dtype=mx.bool_) for run in runs]
+        tokens = [run.clamp.tokens if run.clamp else mx.zeros((1, C), dtype=mx.int32) for run in runs]
+        state = dict(
+            canvas=mx.concatenate([run.canvas for run in runs]),
+            fixed=mx.concatenate(fixed), tokens=mx.concatenate(tokens),
+            confidence=mx.array([run.settings.confidence_threshold for run in runs]),
+            bound=mx.array([[run.settings.entropy_bound] for run in runs]),
+        )
+        if not self.runs:
+            for name, value in state.items():
+                setattr(self, name, value)
+            self.stop_rule, self.conditioned = fresh, [False] * len(runs)
+            self.self_conditioning = self.self_conditioning_probs = None
+        else:
+            for name, value in state.items():
+                setattr(self, name, mx.concatenate([getattr(self, name), value]))
+            self.stop_rule.history = [mx.concatenate([a, b]) for a, b in zip(self.stop_rule.history, fresh.history)]
+            self.conditioned += [False] * len(runs)
+            if self.self_conditioning is not None:  # zeros, switched off for the new rows (see inputs)
+                none = mx.zeros((len(runs), C, V), dtype=self.self_conditioning.dtype)
+                self.self_conditioning = mx.concatenate([self.self_conditioning, none])
+                self.self_conditioning_probs = mx.concatenate([self.self_conditioning_probs, none])
+        self.runs += runs
+        self.clamped = any(run.clamp is not None for run in self.runs)
+        self.free = mx.maximum(mx.logical_not(self.fixed).sum(axis=-1), 1)
+
+    def inputs(self) -> tuple[mx.array, mx.array | None, mx.array | None, mx.array | None]:
+        """Canvas tokens [B, C]; self-conditioning logits and probabilities [B, C, V], or None before
+        any row has a step behind it; which rows are self-conditioned [B] (None: all)."""
+        if all(self.conditioned):
+            return self.canvas, self.self_conditioning, self.self_conditioning_probs, None
+        if not any(self.conditioned):
+            return self.canvas, None, None, None
+        return self.canvas, self.self_conditioning, self.self_conditioning_probs, mx.array(self.conditioned)
 
     def advance(self, logits: mx.array) -> list[mx.array]:
-        runs = [self.runs[r] for r in self.rows]
+        runs = self.runs
         kernels, vocab, shape = runs[0].kernels, runs[0].vocab, (1, runs[0].length)
         if any(run.clamp is not None and run.clamp.bias is not None for run in runs):
             logits = mx.concatenate([logits[i : i + 1] if run.clamp is None else run.clamp.restrict(logits[i : i + 1])
@@ -290,21 +313,22 @@ class RunBatch:
         accepted = accept_mask(entropy, self.bound)
         canvas = mx.where(accepted, denoised, renoise)
         self.canvas = mx.where(self.fixed, self.tokens, canvas) if self.clamped else canvas
+        self.stop_rule.confidence = self.confidence
         self.stop = self.stop_rule(argmax, mean_entropy)
         self.self_conditioning, self.self_conditioning_probs = scaled, probs
+        self.conditioned = [True] * len(runs)
         self._draft = (argmax, accepted, mean_entropy)
         # The step's one wait for the device; reading what it evaluated costs nothing more.
         pending = [self.stop, self.canvas, scaled]
         return pending + [argmax, accepted, mean_entropy] if any(run.on_step for run in runs) else pending
 
     def settle(self) -> list[int]:
-        """Hand each row its step and commit the rows that are done; returns the indexes (among the
-        rows before) of those that go on."""
+        """Hand each row its step and commit the rows that are done (they leave); returns the
+        indexes (among the rows before) of those that go on."""
         argmax, accepted, mean_entropy = self._draft
         stops = self.stop.tolist()
         keep = []
-        for i, r in enumerate(self.rows):
-            run = self.runs[r]
+        for i, run in enumerate(self.runs):
             if run.on_step is not None:
                 fixed = None if run.clamp is None else run.clamp.fixed[0].tolist()
                 run.on_step(Draft(run.step, argmax[i].tolist(), accepted[i].tolist(), mean_entropy[i].item(), fixed))
@@ -313,23 +337,24 @@ class RunBatch:
                 run.result = _commit(CanvasResult(argmax[i : i + 1], run.step, bool(stops[i]), probs), run.clamp)
             else:
                 keep.append(i)
-        if len(keep) < len(self.rows):
+        if len(keep) < len(self.runs):
             self.select(keep)
         return keep
 
     def select(self, keep: list[int]) -> None:
         """Only the ``keep``-th rows go on."""
-        self.rows = [self.rows[i] for i in keep]
+        self.runs = [self.runs[i] for i in keep]
+        self.conditioned = [self.conditioned[i] for i in keep]
         if not keep:
             return
         index = mx.array(keep, dtype=mx.int32)
-        self.canvas = self.canvas[index]
-        self.self_conditioning, self.self_conditioning_probs = self.self_conditioning[index], \
-            self.self_conditioning_probs[index]
-        if self.clamped:
-            self.fixed, self.tokens, self.free = self.fixed[index], self.tokens[index], self.free[index]
+        for name in ("canvas", "fixed", "tokens", "free", "confidence", "bound"):
+            setattr(self, name, getattr(self, name)[index])
+        if self.self_conditioning is not None:
+            self.self_conditioning = self.self_conditioning[index]
+            self.self_conditioning_probs = self.self_conditioning_probs[index]
         self.stop_rule.select(index)
-        self.stop_rule.confidence, self.bound = self.stop_rule.confidence[index], self.bound[index]
+        self.clamped = any(run.clamp is not None for run in self.runs)
 
 
 class CompactedRun(CanvasRun):
@@ -452,16 +477,38 @@ def denoise_runs(model, view: CanvasView, runs: list[CanvasRun]) -> list[CanvasR
 
 
 def _denoise_batch(model, view: CanvasView, batch: RunBatch) -> None:
-    while batch.rows:
-        tokens, self_conditioning, self_conditioning_probs = batch.inputs()
-        mx.eval(batch.advance(model.denoise(tokens, view, self_conditioning, self_conditioning_probs)))
-        before = len(batch.rows)
-        kept = batch.settle()
-        if kept and len(kept) < before:
-            view = view.select(kept)
+    while batch.runs:
+        view = step_batch(model, view, batch)
+
+
+def step_batch(model, view: CanvasView, batch: RunBatch) -> CanvasView | None:
+    """One denoising step of every run in ``batch`` (the rows of ``view``, in order); returns the
+    view of the rows that go on (None when none does)."""
+    canvas, self_conditioning, self_conditioning_probs, conditioned = batch.inputs()
+    logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs,
+                           self_conditioned_rows=conditioned)
+    mx.eval(batch.advance(logits))
+    before = len(batch.runs)
+    kept = batch.settle()
+    if not kept:
+        return None
+    return view.select(kept) if len(kept) < before else view
+
+
+def step_compacted(model, view: CanvasView, run: CompactedRun) -> None:
+    """One denoising step of a run under active-set compaction, alone, on its own ``view``."""
+    canvas, self_conditioning, self_conditioning_probs, active = run.inputs()
+    logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs,
+                           None if active is None else active[None])
+    mx.eval(run.advance(logits))
+    run.settle()
 
 
 def _denoise_compacted(model, view: CanvasView, runs: list[CompactedRun]) -> None:
+    if len(runs) == 1:
+        while runs[0].result is None:
+            step_compacted(model, view, runs[0])
+        return
     rows = list(range(len(runs)))
     while rows:
         batch = [runs[r] for r in rows]

@@ -185,3 +185,68 @@ def test_seeds_must_match_prompts(demo):
     model, tokenizer = demo
     with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
         batch_generate(model, tokenizer, DEMO_PROMPTS[:2], seeds=[1])
+
+
+def _staggered(model, tokenizer, requests: list, remove_at: int | None = None) -> dict:
+    """Insert one request per step; remove the last inserted one at step ``remove_at``; run to the end."""
+    generator = BatchGenerator(model, tokenizer)
+    texts, uids, gone = {}, [], None
+    step = 0
+    while step < len(requests) or len(generator):
+        if step < len(requests):
+            uids.append(generator.insert(requests[step]))
+            texts[uids[-1]] = ""
+        if step == remove_at:
+            gone = uids[-2]
+            generator.remove(gone)
+        for response in generator.next():
+            assert response.uid != gone
+            texts[response.uid] += response.text
+        step += 1
+    return {i: texts[uid] for i, uid in enumerate(uids) if uid != gone}
+
+
+def test_rows_that_join_at_every_step_give_what_they_give_alone(checkpoints):
+    """Continuous batching: requests join at different denoising steps of the others' canvases (one
+    forward mixes rows with and without self-conditioning, and prefixes of other lengths), one leaves
+    mid-canvas, a short last canvas runs beside full ones."""
+    model, tokenizer = load(checkpoints("small", tame=True))
+    C = model.config.canvas_length
+    prompts = [[2, 10, 11, 12], [2] + list(range(20, 39)), [2, 7], [2, 30, 31, 32, 33, 34], [2, 5, 6]]
+    requests = [BatchRequest(p, 2 * C if i != 1 else C + 3, seed=i, steps=6) for i, p in enumerate(prompts)]
+    texts = _staggered(model, tokenizer, requests, remove_at=3)  # request 2 leaves, two steps in
+    assert sorted(texts) == [0, 1, 3, 4]
+    for i, text in texts.items():
+        r = requests[i]
+        assert text == generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed, steps=6, chat_template=False)
+
+
+def test_a_template_row_joins_plain_rows_on_the_demo(demo):
+    from mlx_dgemma.generate import prompt_ids
+    from mlx_dgemma.template import parse_template
+
+    model, tokenizer = demo
+    template = parse_template(tokenizer, '{"name": "{{fill:6}}", "age": {{fill:3}}}')
+    requests = [BatchRequest(prompt_ids(tokenizer, DEMO_PROMPTS[3]), 96, seed=1),
+                BatchRequest(prompt_ids(tokenizer, DEMO_PROMPTS[3]), seed=2, template=template),
+                BatchRequest(prompt_ids(tokenizer, DEMO_PROMPTS[0]), 96, seed=3)]
+    texts = _staggered(model, tokenizer, requests)
+    for i, r in enumerate(requests):
+        alone = generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed, template=r.template,
+                         chat_template=False)
+        assert texts[i] == alone, i
+
+
+def test_a_row_without_self_conditioning_in_a_conditioned_batch(checkpoints):
+    """A row that joins at its first step has no signal while the others do; with bf16 embeddings the
+    signal is recomputed from the logits, so it must be switched off, not fed zeros."""
+    model, _ = load(checkpoints("small", "bfloat16", tame=True))
+    C, V = model.config.canvas_length, model.config.vocab_size
+    prompts = prompts_of(model, [9, 9], seed=3)
+    cache, _, _ = batched_cache(model, prompts)
+    canvas = mx.random.randint(0, V, (2, C), key=mx.random.key(1))
+    sc = mx.random.normal((2, C, V), key=mx.random.key(2)) * 3
+    got = model.denoise(canvas, cache, sc, self_conditioned_rows=mx.array([True, False]))
+    assert relative(got[0], model.denoise(canvas[:1], cache.rows([0]), sc[:1])[0]) <= BOUND
+    assert relative(got[1], model.denoise(canvas[1:], cache.rows([1]))[0]) <= BOUND
+    assert relative(got[1], model.denoise(canvas[1:], cache.rows([1]), sc[1:])[0]) > 1e-3
