@@ -10,8 +10,7 @@ row i of ``batch_generate`` gives the text ``generate`` gives for that prompt an
 
 Rows that cannot share a forward (verified drafting, the auto policy, a template decoded
 autoregressively) run alone, one canvas, block of tokens or verified round per step, through
-``stream_generate``; so does each row of the fast policy (active-set compaction computes a
-different set of positions per row).
+``stream_generate``.
 """
 
 from __future__ import annotations
@@ -72,16 +71,42 @@ class _Row:
     solo: Iterator | None = None
     cache: object = None  # a prefilled prefix (BatchRequest.cache); a diffusion row's own cache
     run: CanvasRun | None = None  # diffusion: the canvas being denoised
-    view: CanvasView | None = None  # diffusion: the row's prefix laid out for that canvas
 
 
 @dataclass
 class _Lane:
-    """Diffusion rows whose plain canvas runs share a length and a stop rule: one forward per step."""
+    """Diffusion rows whose canvases share a length and a kind of run (plain ones with one stop rule,
+    or compacted ones): one forward per step, through their views stacked (``view``'s rows are
+    ``rows``, in order)."""
 
     rows: list[_Row]
-    batch: RunBatch
-    view: CanvasView | None = None  # the rows' views stacked; None: to be stacked before the next step
+    view: CanvasView
+    batch: RunBatch | None = None  # plain runs; None: compacted runs, stepped by step_compacted
+
+    def join(self, row: _Row, view: CanvasView) -> None:
+        """``row``, whose canvas starts now, with its prefix laid out in ``view``."""
+        self.rows.append(row)
+        self.view = CanvasView.stack([self.view, view])
+        if self.batch is not None:
+            self.batch.add([row.run])
+
+    def step(self, model) -> list[_Row]:
+        """One denoising step of every row; returns the rows whose canvases committed (they leave)."""
+        if self.batch is not None:
+            view = step_batch(model, self.view, self.batch)
+            keep = [i for i, row in enumerate(self.rows) if row.run.result is None]
+        else:
+            view, keep = step_compacted(model, self.view, [row.run for row in self.rows])
+        done = [row for row in self.rows if row.run.result is not None]
+        self.rows, self.view = [self.rows[i] for i in keep], view
+        return done
+
+    def leave(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if self.batch is not None:
+            self.batch.select(keep)
+        if keep:
+            self.view = self.view.select(keep)
 
 
 @dataclass
@@ -137,7 +162,9 @@ class BatchGenerator:
         for key, lane in list(self._lanes.items()):
             keep = [i for i, r in enumerate(lane.rows) if r.uid != uid]
             if len(keep) < len(lane.rows):
-                self._leave(key, lane, keep)
+                lane.leave(keep)
+                if not lane.rows:
+                    del self._lanes[key]
         keep = [i for i, r in enumerate(self._ar.rows) if r.uid != uid]
         if len(keep) < len(self._ar.rows):
             self._ar.drop(keep)
@@ -187,50 +214,29 @@ class BatchGenerator:
                 self._start_canvas(row)
         done = []
         for key, lane in list(self._lanes.items()):
-            if lane.view is None:
-                lane.view = CanvasView.stack([row.view for row in lane.rows])
-            lane.view = step_batch(self.model, lane.view, lane.batch)
-            done += [row for row in lane.rows if row.run.result is not None]
-            lane.rows = [row for row in lane.rows if row.run.result is None]
+            done += lane.step(self.model)
             if not lane.rows:
                 del self._lanes[key]
-        for row in self._diffusion:
-            if row.run is not None and type(row.run) is not CanvasRun:  # active-set compaction: alone
-                step_compacted(self.model, row.view, row.run)
-                if row.run.result is not None:
-                    done.append(row)
         return [self._commit(row) for row in done]
 
     def _start_canvas(self, row: _Row) -> None:
         plan, full = row.job.plan, self.model.config.canvas_length
         length, clamp = row.clamps[row.canvas] if row.clamps else (plan.last_canvas_length(row.remaining, full), None)
         row.run = new_run(self.model, plan.settings, row.job.rng, length, clamp)
-        row.view = row.cache.canvas_view(length)
-        if type(row.run) is not CanvasRun:
-            return
-        key = (length, plan.settings.stability_threshold)
+        view = row.cache.canvas_view(length)
+        plain = type(row.run) is CanvasRun
+        key = (length, plan.settings.stability_threshold if plain else -1)
         if key in self._lanes:
-            lane = self._lanes[key]
-            lane.rows.append(row)
-            lane.batch.add([row.run])
-            lane.view = None
+            self._lanes[key].join(row, view)
         else:
-            self._lanes[key] = _Lane([row], RunBatch([row.run]))
-
-    def _leave(self, key: tuple[int, int], lane: _Lane, keep: list[int]) -> None:
-        lane.rows = [lane.rows[i] for i in keep]
-        lane.batch.select(keep)
-        if not lane.rows:
-            del self._lanes[key]
-        elif lane.view is not None:
-            lane.view = lane.view.select(keep)
+            self._lanes[key] = _Lane([row], view, RunBatch([row.run]) if plain else None)
 
     def _commit(self, row: _Row) -> BatchResponse:
         """The row's committed canvas as a response; a row that goes on encodes it (its next canvas
         starts at the next step), a finished one leaves."""
         result, length = row.run.result, row.run.length
         committed = result.tokens[0].tolist()
-        row.run = row.view = None
+        row.run = None
         row.canvas += 1
         row.remaining -= length
         if row.clamps:  # a template's canvases stay whole; it ends with its last one

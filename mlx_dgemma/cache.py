@@ -261,9 +261,9 @@ class CanvasView:
     @staticmethod
     def stack(views: list[CanvasView]) -> CanvasView:
         """One view of several views' rows (each laid out from its own cache, prefixes of any
-        lengths), left-padded per layer to the longest prefix with the padding masked: rows that
-        started their canvases at different times share one forward (continuous batching). The
-        canvas room starts empty: for runs that compute every canvas position at every step."""
+        lengths), left-padded per layer to the longest prefix with the padding masked, the canvas
+        K/V each holds kept: rows that started their canvases at different times share one forward
+        (continuous batching)."""
         if len(views) == 1:
             return views[0]
         view = object.__new__(CanvasView)

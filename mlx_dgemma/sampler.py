@@ -495,50 +495,51 @@ def step_batch(model, view: CanvasView, batch: RunBatch) -> CanvasView | None:
     return view.select(kept) if len(kept) < before else view
 
 
-def step_compacted(model, view: CanvasView, run: CompactedRun) -> None:
-    """One denoising step of a run under active-set compaction, alone, on its own ``view``."""
-    canvas, self_conditioning, self_conditioning_probs, active = run.inputs()
-    logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs,
-                           None if active is None else active[None])
-    mx.eval(run.advance(logits))
-    run.settle()
+def step_compacted(model, view: CanvasView, runs: list[CompactedRun]) -> tuple[CanvasView | None, list[int]]:
+    """One denoising step of runs under active-set compaction (the rows of ``view``, in order; a run
+    may be at its first step while the others are not); returns the view of the rows that go on
+    (None when none does) and their indexes."""
+    inputs = [run.inputs() for run in runs]
+    tokens, self_conditioning, self_conditioning_probs, active, conditioned = _stack(inputs, runs[0].length)
+    logits = model.denoise(tokens, view, self_conditioning, self_conditioning_probs, active,
+                           self_conditioned_rows=conditioned)
+    pending = []
+    for i, run in enumerate(runs):
+        pending += run.advance(logits[i : i + 1, : inputs[i][0].shape[1]])
+    mx.eval(pending)
+    for run in runs:
+        run.settle()
+    keep = [i for i, run in enumerate(runs) if run.result is None]
+    if not keep:
+        return None, keep
+    return (view.select(keep) if len(keep) < len(runs) else view), keep
 
 
 def _denoise_compacted(model, view: CanvasView, runs: list[CompactedRun]) -> None:
-    if len(runs) == 1:
-        while runs[0].result is None:
-            step_compacted(model, view, runs[0])
-        return
-    rows = list(range(len(runs)))
-    while rows:
-        batch = [runs[r] for r in rows]
-        inputs = [run.inputs() for run in batch]
-        tokens, sc, sc_probs, active = _stack(inputs, batch[0].length)
-        logits = model.denoise(tokens, view, sc, sc_probs, active)
-        pending = []
-        for i, run in enumerate(batch):
-            pending += run.advance(logits[i : i + 1, : inputs[i][0].shape[1]])
-        mx.eval(pending)
-        for run in batch:
-            run.settle()
-        still = [r for r in rows if runs[r].result is None]
-        if still and len(still) < len(rows):
-            view = view.select([rows.index(r) for r in still])
-        rows = still
+    while runs:
+        view, keep = step_compacted(model, view, runs)
+        runs = [runs[i] for i in keep]
 
 
 def _stack(inputs, length: int):
     """One batch of forward inputs from the rows' own; under compaction the rows' active sets are
     padded to the longest by repeating their last index (the same position computed twice, written
-    to the same slot with the same K/V, its extra logits ignored)."""
+    to the same slot with the same K/V, its extra logits ignored). A row at its first step (no
+    self-conditioning yet) beside rows that have one gets zeros, switched off by the returned
+    self-conditioned rows [B] (None: all rows alike)."""
     tokens, sc, sc_probs, active = zip(*inputs)
     if len(tokens) == 1:
-        return tokens[0], sc[0], sc_probs[0], None if active[0] is None else active[0][None]
+        return tokens[0], sc[0], sc_probs[0], None if active[0] is None else active[0][None], None
+    conditioned = None
     if any(s is None for s in sc) and not all(s is None for s in sc):
-        raise RuntimeError("rows of one batch must be at the same denoising step")
+        conditioned = mx.array([s is not None for s in sc])
+        like = next(s for s in sc if s is not None)
+        sc = [s if s is not None else mx.zeros((1, t.shape[1], like.shape[-1]), like.dtype) for s, t in zip(sc, tokens)]
+        sc_probs = [p if p is not None else mx.zeros((1, t.shape[1], like.shape[-1]), like.dtype)
+                    for p, t in zip(sc_probs, tokens)]
     if all(a is None for a in active):
         return (mx.concatenate(tokens), None if sc[0] is None else mx.concatenate(sc),
-                None if any(p is None for p in sc_probs) else mx.concatenate(sc_probs), None)
+                None if any(p is None for p in sc_probs) else mx.concatenate(sc_probs), None, conditioned)
     active = [mx.arange(length, dtype=mx.int32) if a is None else a for a in active]
     width = max(a.shape[0] for a in active)
 
@@ -552,7 +553,7 @@ def _stack(inputs, length: int):
     return (mx.concatenate([pad(t, 1) for t in tokens]),
             None if sc[0] is None else mx.concatenate([pad(s, 1) for s in sc]),
             None if any(p is None for p in sc_probs) else mx.concatenate([pad(p, 1) for p in sc_probs]),
-            mx.stack([pad(a, 0) for a in active]))
+            mx.stack([pad(a, 0) for a in active]), conditioned)
 
 
 def denoise_canvas(

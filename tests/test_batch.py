@@ -250,3 +250,19 @@ def test_a_row_without_self_conditioning_in_a_conditioned_batch(checkpoints):
     assert relative(got[0], model.denoise(canvas[:1], cache.rows([0]), sc[:1])[0]) <= BOUND
     assert relative(got[1], model.denoise(canvas[1:], cache.rows([1]))[0]) <= BOUND
     assert relative(got[1], model.denoise(canvas[1:], cache.rows([1]), sc[1:])[0]) > 1e-3
+
+
+@pytest.mark.parametrize("policy", ["reference", "fast"])
+def test_demo_rows_that_join_at_every_step_give_what_they_give_alone(demo, policy):
+    """Staggered joins on the demo, where canvases settle at different steps (and under the fast
+    policy freeze different positions): each answer is the one it gets alone."""
+    from mlx_dgemma.generate import prompt_ids
+
+    model, tokenizer = demo
+    prompts = DEMO_PROMPTS + ["json: name=bob age=7 city=oslo", "sort: 9 3 77 12"]
+    requests = [BatchRequest(prompt_ids(tokenizer, p), 96, seed=i, policy=policy) for i, p in enumerate(prompts)]
+    texts = _staggered(model, tokenizer, requests, remove_at=2)
+    for i, text in texts.items():
+        r = requests[i]
+        assert text == generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed, policy=policy,
+                                chat_template=False)
