@@ -46,7 +46,8 @@ class Kernels:
     expert_counts: Callable[[mx.array, int, bool], list[int] | None]
     # (q [B, H, T, D], k [B, Hkv, K, D], v [B, Hkv, K, Dv], bool mask broadcastable to [B, 1, T, K] | None)
     attention: Callable[[mx.array, mx.array, mx.array, mx.array | None], mx.array]
-    gelu: Callable[[mx.array], mx.array]  # the tanh approximation (gelu_pytorch_tanh)
+    # the tanh approximation (gelu_pytorch_tanh); (x, elements the path is chosen for: default x.size)
+    gelu: Callable[..., mx.array]
 
 
 # --- MLX (Metal, CUDA) -------------------------------------------------------------------------
@@ -78,8 +79,12 @@ def _mlx_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
 
 
+def _mlx_gelu(x: mx.array, elements: int | None = None) -> mx.array:
+    return nn.gelu_approx(x)
+
+
 MLX = Kernels("mlx", _mlx_softcap, _mlx_softmax, _mlx_tempered_distribution, _gather_always, _mlx_attention,
-              nn.gelu_approx)
+              _mlx_gelu)
 
 
 # --- CPU -----------------------------------------------------------------------------------------
@@ -176,8 +181,8 @@ def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None)
 _GELU_C = np.float32(math.sqrt(2 / math.pi))
 
 
-def _cpu_gelu(x: mx.array) -> mx.array:
-    return _numpy_gelu(x) if x.size >= NUMPY_GELU_MIN_ELEMENTS else nn.gelu_approx(x)
+def _cpu_gelu(x: mx.array, elements: int | None = None) -> mx.array:
+    return _numpy_gelu(x) if (x.size if elements is None else elements) >= NUMPY_GELU_MIN_ELEMENTS else nn.gelu_approx(x)
 
 
 @mx.custom_function

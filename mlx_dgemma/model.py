@@ -225,20 +225,26 @@ class Experts(nn.Module):
             # zeros): the very numbers of a single process, so sharded text equals unsharded text.
             y = self.shard.all_sum(self._local_outputs(xs, sorted_idx, counts).astype(x.dtype))
         elif counts is not None:
-            y = self._ffn_segments(xs, counts).astype(x.dtype)
+            y = self._ffn_segments(xs, counts, xs.shape[0]).astype(x.dtype)
         else:
             y = self._ffn_gather(xs, sorted_idx)
         y = y[mx.argsort(order)].reshape(-1, k, shape[-1])
         out = (y.astype(mx.float32) * weights.reshape(-1, k, 1)).sum(axis=1)
         return out.astype(x.dtype).reshape(shape)
 
-    def _ffn_segments(self, xs: mx.array, counts: list[int]) -> mx.array:
+    def _gelu(self, gate: mx.array, copies: int) -> mx.array:
+        # The kernel is chosen by the size of all ``copies`` routed in this forward, not of the rows
+        # at hand: a rank holding some experts then computes its rows as a single process would.
+        return self.kernels.gelu(gate, copies * self.inner)
+
+    def _ffn_segments(self, xs: mx.array, counts: list[int], copies: int) -> mx.array:
         gate_up = self.gate_up_proj.segments(xs, counts)
-        return self.down_proj.segments(self.kernels.gelu(gate_up[..., : self.inner]) * gate_up[..., self.inner :], counts)
+        return self.down_proj.segments(self._gelu(gate_up[..., : self.inner], copies) * gate_up[..., self.inner :],
+                                       counts)
 
     def _ffn_gather(self, xs: mx.array, sorted_idx: mx.array) -> mx.array:
         gate_up = self.gate_up_proj(xs[:, None, :], sorted_idx)
-        h = self.kernels.gelu(gate_up[..., : self.inner]) * gate_up[..., self.inner :]
+        h = self._gelu(gate_up[..., : self.inner], xs.shape[0]) * gate_up[..., self.inner :]
         return self.down_proj(h, sorted_idx)[:, 0]
 
     def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None) -> mx.array:
@@ -250,7 +256,7 @@ class Experts(nn.Module):
             last = first + sum(counts[start:stop])
             parts = [mx.zeros((first, xs.shape[-1]), xs.dtype)]
             if last > first:
-                parts.append(self._ffn_segments(xs[first:last], counts[start:stop]).astype(xs.dtype))
+                parts.append(self._ffn_segments(xs[first:last], counts[start:stop], xs.shape[0]).astype(xs.dtype))
             parts.append(mx.zeros((xs.shape[0] - last, xs.shape[-1]), xs.dtype))
             return mx.concatenate(parts)
         local = sorted_idx.astype(mx.int32) - start
