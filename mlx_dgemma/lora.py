@@ -41,6 +41,8 @@ from .adapters import (  # noqa: E402
 from .data import iterate_batches, load_dataset  # noqa: E402
 from .errors import FineTuneError  # noqa: E402
 
+EMBEDDINGS = "model.decoder.embed_tokens.weight"
+
 CONFIG_DEFAULTS = {
     "model": None,
     "train": False,
@@ -66,6 +68,7 @@ CONFIG_DEFAULTS = {
     "mask_prompt": False,
     "train_embeddings": False,
     "trainable_tokens": None,
+    "embedding_learning_rate": None,  # the trained embeddings' peak learning rate [default: learning_rate]
     "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0},
 }
 
@@ -85,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainable-tokens", metavar="TEXT",
                    help="Train only the embedding rows of the tokens TEXT encodes to (e.g. the characters a new "
                         "task needs that the model never produced); implies --train-embeddings.")
+    p.add_argument("--embedding-learning-rate", type=float,
+                   help="The trained embeddings' learning rate, under the same schedule (new rows start far from "
+                        "where they must go) [default: --learning-rate].")
     p.add_argument("--num-layers", type=int, help="Layers to fine-tune, from the last [default: 16]; -1 for all.")
     p.add_argument("--batch-size", type=int, help="Minibatch size.")
     p.add_argument("--iters", type=int, help="Iterations to train for.")
@@ -146,6 +152,24 @@ def _print(message: str) -> None:
     print(message, flush=True)  # progress reaches a log file as it happens
 
 
+def make_optimizer(args) -> optim.Optimizer:
+    """Adam(W) at ``learning_rate`` or under ``lr_schedule``; with ``embedding_learning_rate``, the
+    embeddings get their own Adam(W) under the same schedule scaled to that peak."""
+    from mlx_lm.tuner.utils import build_schedule
+
+    kind = optim.AdamW if args.optimizer == "adamw" else optim.Adam
+    schedule = build_schedule(args.lr_schedule) if args.lr_schedule else None
+    layers = kind(learning_rate=schedule or args.learning_rate)
+    if args.embedding_learning_rate is None or not args.train_embeddings:
+        return layers
+    if schedule:
+        ratio = args.embedding_learning_rate / args.lr_schedule["arguments"][0]
+        embeddings = kind(learning_rate=lambda step: ratio * schedule(step))
+    else:
+        embeddings = kind(learning_rate=args.embedding_learning_rate)
+    return optim.MultiOptimizer([embeddings, layers], [lambda path, _: path == EMBEDDINGS])
+
+
 def run_training(model, args, train_set, valid_set, objective: train.ObjectiveConfig, log=_print,
                  embedding_rows: EmbeddingRows | None = None) -> None:
     cfg = model.config
@@ -153,16 +177,14 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
     adapter_path.mkdir(parents=True, exist_ok=True)
     (adapter_path / ADAPTER_CONFIG).write_text(json.dumps(
         {k: v for k, v in vars(args).items() if k != "config"}, indent=4))
-    from mlx_lm.tuner.utils import build_schedule
-
-    learning_rate = build_schedule(args.lr_schedule) if args.lr_schedule else args.learning_rate
-    optimizer = (optim.AdamW if args.optimizer == "adamw" else optim.Adam)(learning_rate=learning_rate)
+    optimizer = make_optimizer(args)
 
     def step_loss(batch, noise):
         losses = train.loss(model, batch, noise, objective, args.grad_checkpoint)
         return losses.total, losses.decoder, losses.encoder
 
     value_and_grad = nn.value_and_grad(model, step_loss)
+    layers_optimizer = optimizer.optimizers[-1] if isinstance(optimizer, optim.MultiOptimizer) else optimizer
     data_rng, noise_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
     batches = iterate_batches(train_set, args.batch_size, cfg.canvas_length, cfg.pad_token_id, data_rng, loop=True)
     sums, steps, tokens, trained, elapsed = np.zeros(3), 0, 0, 0, 0.0
@@ -191,7 +213,7 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
             trained += tokens
             mean = sums / steps
             log(f"Iter {it}: Train loss {mean[0]:.3f} (decoder {mean[1]:.3f}, encoder {mean[2]:.3f}), "
-                f"Learning Rate {optimizer.learning_rate.item():.3e}, It/sec {steps / elapsed:.3f}, "
+                f"Learning Rate {layers_optimizer.learning_rate.item():.3e}, It/sec {steps / elapsed:.3f}, "
                 f"Tokens/sec {tokens / elapsed:.1f}, Trained Tokens {trained}, "
                 f"Peak mem {mx.get_peak_memory() / 1e9:.3f} GB")
             sums, steps, tokens, elapsed = np.zeros(3), 0, 0, 0.0

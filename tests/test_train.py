@@ -19,7 +19,15 @@ from mlx_dgemma.data import DataError, load_dataset, load_split, make_example
 from mlx_dgemma.fuse import fuse_adapters, save_model
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import load, load_model
-from mlx_dgemma.lora import EmbeddingRows, FineTuneError, apply_fine_tune, load_adapters, save_adapters
+from mlx_dgemma.lora import (
+    EmbeddingRows,
+    FineTuneError,
+    apply_fine_tune,
+    load_adapters,
+    make_optimizer,
+    resolve_args,
+    save_adapters,
+)
 from tests.reference import load_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +173,27 @@ def test_trainable_tokens_leave_the_other_rows_as_they_were(checkpoints):
     assert changed.tolist() == [7, 40, 41]
     with pytest.raises(FineTuneError, match="trainable tokens must be 1 or more ids"):
         EmbeddingRows(model, [model.config.vocab_size])
+
+
+def test_embedding_learning_rate_follows_the_schedule_scaled(checkpoints):
+    """--embedding-learning-rate 1e-2 over a schedule starting at 1e-3: Adam's first step moves the
+    embeddings 10 times as far as the adapters (its first step is the learning rate times a constant)."""
+    model = load_model(checkpoints("small"))
+    apply_fine_tune(model, "lora", 1, LORA, train_embeddings=True)
+    args = resolve_args(["--train-embeddings", "--embedding-learning-rate", "1e-2"])
+    args.lr_schedule = {"name": "cosine_decay", "arguments": [1e-3, 10]}
+    optimizer = make_optimizer(args)
+    before = snapshot(model)
+    rng = np.random.default_rng(0)
+    batch = train.collate(random_examples(rng, model.config.vocab_size, [(7, 5)]), model.config.canvas_length, 0)
+    _, grads = nn.value_and_grad(model, lambda b, n: train.loss(model, b, n).total)(
+        batch, train.draw_noise(rng, batch, model.config.canvas_length, model.config.vocab_size))
+    optimizer.update(model, grads)
+    after = snapshot(model)
+    step = {k: np.abs(after[k] - before[k]).max() for k in before}
+    embeddings = step.pop("model.decoder.embed_tokens.weight")
+    adapters = max(v for k, v in step.items() if k.endswith("lora_b"))
+    np.testing.assert_allclose(embeddings / adapters, 10, rtol=1e-3)
 
 
 def test_full_fine_tune_trains_the_last_layers_only(checkpoints):
