@@ -196,6 +196,11 @@ def test_embedding_learning_rate_follows_the_schedule_scaled(checkpoints):
     np.testing.assert_allclose(embeddings / adapters, 10, rtol=1e-3)
 
 
+def test_the_upper_recipe_is_a_valid_config():
+    args = resolve_args(["-c", str(ROOT / "examples" / "upper.yaml")])
+    assert args.train and args.trainable_tokens == "ABCDEFGHIJKLMNOPQRSTUVWXYZ" and args.iters == 800
+
+
 def test_full_fine_tune_trains_the_last_layers_only(checkpoints):
     model = load_model(checkpoints("small"))
     apply_fine_tune(model, "full", 1, LORA)
