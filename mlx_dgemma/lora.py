@@ -5,9 +5,11 @@
 
 mlx-lm's flags, data forms (data.py) and adapter files: ``adapters.safetensors`` (the trainable
 parameters), ``adapter_config.json`` (the run's options, ``fine_tune_type``, ``num_layers``,
-``lora_parameters``, ``train_embeddings``, ``trainable_tokens``), and ``NNNNNNN_adapters.safetensors`` every
+``lora_parameters``, ``train_embeddings``), and ``NNNNNNN_adapters.safetensors`` every
 ``--save-every`` iterations. The LoRA layers are mlx-lm's own (``mlx_lm.tuner``), so LoRA adapters
-move between the two; the loss is DiffusionGemma's (train.py), not a next-token loss.
+move between the two; the loss is DiffusionGemma's (train.py), not a next-token loss. Beyond
+mlx-lm: ``--trainable-tokens`` (embedding rows of a new task's tokens only) and
+``--embedding-learning-rate``, for teaching tokens the model never produced (examples/upper.yaml).
 """
 
 from __future__ import annotations
