@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .errors import FineTuneError
@@ -42,6 +43,31 @@ def apply_fine_tune(model, fine_tune_type: str, num_layers: int, lora_parameters
         raise FineTuneError(f"unknown fine-tune type {fine_tune_type!r}; choose lora or full")
     if train_embeddings:
         embed.unfreeze()
+
+
+class EmbeddingRows:
+    """Embedding training restricted to the rows of some tokens (PEFT's trainable tokens). The
+    embeddings are the tied head too: a trained row moves every output that token competes in, so a
+    new task's tokens are trained and the rows the model already uses stay as they are. The other
+    rows get no gradient and are put back after each update (an optimizer's weight decay would
+    still move them)."""
+
+    def __init__(self, model, token_ids: list[int]):
+        self.embed = model.model.decoder.embed_tokens
+        vocab = self.embed.weight.shape[0]
+        if not token_ids or not all(0 <= i < vocab for i in token_ids):
+            raise FineTuneError(f"trainable tokens must be 1 or more ids in 0..{vocab - 1}, got {token_ids}")
+        rows = np.zeros((vocab, 1), dtype=bool)
+        rows[token_ids] = True
+        self.rows, self.frozen = mx.array(rows), mx.array(self.embed.weight)
+
+    def mask_gradient(self, grads: dict) -> dict:
+        grad = grads["model"]["decoder"]["embed_tokens"]
+        grad["weight"] = mx.where(self.rows, grad["weight"], 0)
+        return grads
+
+    def restore(self) -> None:
+        self.embed.weight = mx.where(self.rows, self.embed.weight, self.frozen)
 
 
 def save_adapters(model, path: Path) -> None:

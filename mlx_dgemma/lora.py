@@ -7,7 +7,9 @@ mlx-lm's flags, data forms (data.py) and adapter files: ``adapters.safetensors``
 parameters), ``adapter_config.json`` (the run's options, ``fine_tune_type``, ``num_layers``,
 ``lora_parameters``, ``train_embeddings``), and ``NNNNNNN_adapters.safetensors`` every
 ``--save-every`` iterations. The LoRA layers are mlx-lm's own (``mlx_lm.tuner``), so LoRA adapters
-move between the two; the loss is DiffusionGemma's (train.py), not a next-token loss.
+move between the two; the loss is DiffusionGemma's (train.py), not a next-token loss. Beyond
+mlx-lm: ``--trainable-tokens`` (embedding rows of a new task's tokens only) and
+``--embedding-learning-rate``, for teaching tokens the model never produced (examples/upper.yaml).
 """
 
 from __future__ import annotations
@@ -29,9 +31,19 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from . import train  # noqa: E402
-from .adapters import ADAPTER_CONFIG, ADAPTERS, apply_fine_tune, load_adapters, load_trainable, save_adapters  # noqa: E402
+from .adapters import (  # noqa: E402
+    ADAPTER_CONFIG,
+    ADAPTERS,
+    EmbeddingRows,
+    apply_fine_tune,
+    load_adapters,
+    load_trainable,
+    save_adapters,
+)
 from .data import iterate_batches, load_dataset  # noqa: E402
 from .errors import FineTuneError  # noqa: E402
+
+EMBEDDINGS = "model.decoder.embed_tokens.weight"
 
 CONFIG_DEFAULTS = {
     "model": None,
@@ -57,6 +69,8 @@ CONFIG_DEFAULTS = {
     "grad_checkpoint": False,
     "mask_prompt": False,
     "train_embeddings": False,
+    "trainable_tokens": None,
+    "embedding_learning_rate": None,  # the trained embeddings' peak learning rate [default: learning_rate]
     "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0},
 }
 
@@ -71,8 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-prompt", action="store_true", default=None,
                    help="Keep the prompt out of the encoder's causal-LM loss.")
     p.add_argument("--train-embeddings", action="store_true", default=None,
-                   help="Also train the token embeddings, which are the tied output head (PEFT's modules_to_save): "
-                        "for tokens the model never produced. They are saved with the adapters.")
+                   help="Also train the token embeddings, every row; they are the tied output head (PEFT's "
+                        "modules_to_save). They are saved with the adapters.")
+    p.add_argument("--trainable-tokens", metavar="TEXT",
+                   help="Train only the embedding rows of the tokens TEXT encodes to (e.g. the characters a new "
+                        "task needs that the model never produced); implies --train-embeddings.")
+    p.add_argument("--embedding-learning-rate", type=float,
+                   help="The trained embeddings' learning rate, under the same schedule (new rows start far from "
+                        "where they must go) [default: --learning-rate].")
     p.add_argument("--num-layers", type=int, help="Layers to fine-tune, from the last [default: 16]; -1 for all.")
     p.add_argument("--batch-size", type=int, help="Minibatch size.")
     p.add_argument("--iters", type=int, help="Iterations to train for.")
@@ -134,22 +154,39 @@ def _print(message: str) -> None:
     print(message, flush=True)  # progress reaches a log file as it happens
 
 
-def run_training(model, args, train_set, valid_set, objective: train.ObjectiveConfig, log=_print) -> None:
+def make_optimizer(args) -> optim.Optimizer:
+    """Adam(W) at ``learning_rate`` or under ``lr_schedule``; with ``embedding_learning_rate``, the
+    embeddings get their own Adam(W) under the same schedule scaled to that peak."""
+    from mlx_lm.tuner.utils import build_schedule
+
+    kind = optim.AdamW if args.optimizer == "adamw" else optim.Adam
+    schedule = build_schedule(args.lr_schedule) if args.lr_schedule else None
+    layers = kind(learning_rate=schedule or args.learning_rate)
+    if args.embedding_learning_rate is None or not args.train_embeddings:
+        return layers
+    if schedule:
+        ratio = args.embedding_learning_rate / args.lr_schedule["arguments"][0]
+        embeddings = kind(learning_rate=lambda step: ratio * schedule(step))
+    else:
+        embeddings = kind(learning_rate=args.embedding_learning_rate)
+    return optim.MultiOptimizer([embeddings, layers], [lambda path, _: path == EMBEDDINGS])
+
+
+def run_training(model, args, train_set, valid_set, objective: train.ObjectiveConfig, log=_print,
+                 embedding_rows: EmbeddingRows | None = None) -> None:
     cfg = model.config
     adapter_path = Path(args.adapter_path)
     adapter_path.mkdir(parents=True, exist_ok=True)
     (adapter_path / ADAPTER_CONFIG).write_text(json.dumps(
         {k: v for k, v in vars(args).items() if k != "config"}, indent=4))
-    from mlx_lm.tuner.utils import build_schedule
-
-    learning_rate = build_schedule(args.lr_schedule) if args.lr_schedule else args.learning_rate
-    optimizer = (optim.AdamW if args.optimizer == "adamw" else optim.Adam)(learning_rate=learning_rate)
+    optimizer = make_optimizer(args)
 
     def step_loss(batch, noise):
         losses = train.loss(model, batch, noise, objective, args.grad_checkpoint)
         return losses.total, losses.decoder, losses.encoder
 
     value_and_grad = nn.value_and_grad(model, step_loss)
+    layers_optimizer = optimizer.optimizers[-1] if isinstance(optimizer, optim.MultiOptimizer) else optimizer
     data_rng, noise_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
     batches = iterate_batches(train_set, args.batch_size, cfg.canvas_length, cfg.pad_token_id, data_rng, loop=True)
     sums, steps, tokens, trained, elapsed = np.zeros(3), 0, 0, 0, 0.0
@@ -164,7 +201,11 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
         batch = next(batches)
         noise = train.draw_noise(noise_rng, batch, cfg.canvas_length, cfg.vocab_size, objective)
         (total, decoder, encoder), grads = value_and_grad(batch, noise)
+        if embedding_rows:
+            grads = embedding_rows.mask_gradient(grads)
         optimizer.update(model, grads)
+        if embedding_rows:
+            embedding_rows.restore()
         mx.eval(model.trainable_parameters(), optimizer.state, total, decoder, encoder)
         elapsed += time.perf_counter() - start
         sums += [total.item(), decoder.item(), encoder.item()]
@@ -174,7 +215,7 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
             trained += tokens
             mean = sums / steps
             log(f"Iter {it}: Train loss {mean[0]:.3f} (decoder {mean[1]:.3f}, encoder {mean[2]:.3f}), "
-                f"Learning Rate {optimizer.learning_rate.item():.3e}, It/sec {steps / elapsed:.3f}, "
+                f"Learning Rate {layers_optimizer.learning_rate.item():.3e}, It/sec {steps / elapsed:.3f}, "
                 f"Tokens/sec {tokens / elapsed:.1f}, Trained Tokens {trained}, "
                 f"Peak mem {mx.get_peak_memory() / 1e9:.3f} GB")
             sums, steps, tokens, elapsed = np.zeros(3), 0, 0, 0.0
@@ -206,6 +247,13 @@ def run(args, log=_print) -> None:
     if not splits:
         raise FineTuneError("give --train, --test or both")
     data = load_dataset(args.data, tokenizer, cfg.canvas_length, max_length, splits, args.mask_prompt)
+    token_ids = None
+    if args.trainable_tokens is not None:
+        token_ids = sorted(set(tokenizer.encode(str(args.trainable_tokens), add_special_tokens=False)))
+        if not token_ids:
+            raise FineTuneError(f"--trainable-tokens {args.trainable_tokens!r} encodes to no token; give the "
+                                "text of the tokens whose embeddings to train")
+        args.train_embeddings = True
     gen = getattr(model, "generation_config", None)
     objective = train.ObjectiveConfig(t_min=gen.t_min, t_max=gen.t_max) if gen else train.ObjectiveConfig()
     if args.train:
@@ -215,11 +263,13 @@ def run(args, log=_print) -> None:
         apply_fine_tune(model, args.fine_tune_type, args.num_layers, args.lora_parameters, args.train_embeddings)
         if args.resume_adapter_file:
             load_trainable(model, args.resume_adapter_file, "the run that wrote it")
+        embedding_rows = EmbeddingRows(model, token_ids) if token_ids else None
         trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
         total = sum(v.size for _, v in tree_flatten(model.parameters()))
         log(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M), "
-            f"{args.fine_tune_type} on the last {args.num_layers} of {n_layers} layers")
-        run_training(model, args, data["train"], data["valid"], objective, log)
+            f"{args.fine_tune_type} on the last {args.num_layers} of {n_layers} layers"
+            + (f", the embedding rows of {len(token_ids)} tokens" if token_ids else ""))
+        run_training(model, args, data["train"], data["valid"], objective, log, embedding_rows)
     elif args.adapter_path:
         load_adapters(model, args.adapter_path)
     if args.test:

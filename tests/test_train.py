@@ -19,7 +19,15 @@ from mlx_dgemma.data import DataError, load_dataset, load_split, make_example
 from mlx_dgemma.fuse import fuse_adapters, save_model
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import load, load_model
-from mlx_dgemma.lora import FineTuneError, apply_fine_tune, load_adapters, save_adapters
+from mlx_dgemma.lora import (
+    EmbeddingRows,
+    FineTuneError,
+    apply_fine_tune,
+    load_adapters,
+    make_optimizer,
+    resolve_args,
+    save_adapters,
+)
 from tests.reference import load_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,6 +181,57 @@ def test_train_embeddings_adds_the_embeddings_only(checkpoints):
     assert "model.decoder.embed_tokens.weight" in changed
     assert changed - {"model.decoder.embed_tokens.weight"} == {k for k in changed if ".lora_" in k}
     assert all(k.startswith("model.decoder.layers.3.") for k in changed if ".lora_" in k)
+
+
+def test_trainable_tokens_leave_the_other_rows_as_they_were(checkpoints):
+    """Embedding training restricted to three rows, under AdamW (whose weight decay moves every
+    parameter it is given): those rows train, every other row is bit for bit what it was."""
+    model = load_model(checkpoints("small"))
+    apply_fine_tune(model, "lora", 1, LORA, train_embeddings=True)
+    rows = EmbeddingRows(model, [7, 40, 41])
+    before = np.array(model.model.decoder.embed_tokens.weight)
+    rng = np.random.default_rng(0)
+    batch = train.collate(random_examples(rng, model.config.vocab_size, [(7, 5), (11, 8)]),
+                          model.config.canvas_length, 0)
+    optimizer = optim.AdamW(learning_rate=1e-2, weight_decay=0.1)
+    value_and_grad = nn.value_and_grad(model, lambda b, n: train.loss(model, b, n).total)
+    for _ in range(3):
+        _, grads = value_and_grad(batch, train.draw_noise(rng, batch, model.config.canvas_length,
+                                                          model.config.vocab_size))
+        optimizer.update(model, rows.mask_gradient(grads))
+        rows.restore()
+        mx.eval(model.parameters(), optimizer.state)
+    after = np.array(model.model.decoder.embed_tokens.weight)
+    changed = np.flatnonzero((before != after).any(axis=1))
+    assert changed.tolist() == [7, 40, 41]
+    with pytest.raises(FineTuneError, match="trainable tokens must be 1 or more ids"):
+        EmbeddingRows(model, [model.config.vocab_size])
+
+
+def test_embedding_learning_rate_follows_the_schedule_scaled(checkpoints):
+    """--embedding-learning-rate 1e-2 over a schedule starting at 1e-3: Adam's first step moves the
+    embeddings 10 times as far as the adapters (its first step is the learning rate times a constant)."""
+    model = load_model(checkpoints("small"))
+    apply_fine_tune(model, "lora", 1, LORA, train_embeddings=True)
+    args = resolve_args(["--train-embeddings", "--embedding-learning-rate", "1e-2"])
+    args.lr_schedule = {"name": "cosine_decay", "arguments": [1e-3, 10]}
+    optimizer = make_optimizer(args)
+    before = snapshot(model)
+    rng = np.random.default_rng(0)
+    batch = train.collate(random_examples(rng, model.config.vocab_size, [(7, 5)]), model.config.canvas_length, 0)
+    _, grads = nn.value_and_grad(model, lambda b, n: train.loss(model, b, n).total)(
+        batch, train.draw_noise(rng, batch, model.config.canvas_length, model.config.vocab_size))
+    optimizer.update(model, grads)
+    after = snapshot(model)
+    step = {k: np.abs(after[k] - before[k]).max() for k in before}
+    embeddings = step.pop("model.decoder.embed_tokens.weight")
+    adapters = max(v for k, v in step.items() if k.endswith("lora_b"))
+    np.testing.assert_allclose(embeddings / adapters, 10, rtol=1e-3)
+
+
+def test_the_upper_recipe_is_a_valid_config():
+    args = resolve_args(["-c", str(ROOT / "examples" / "upper.yaml")])
+    assert args.train and args.trainable_tokens == "ABCDEFGHIJKLMNOPQRSTUVWXYZ" and args.iters == 800
 
 
 def test_full_fine_tune_trains_the_last_layers_only(checkpoints):
@@ -370,6 +429,34 @@ def test_cli_trains_saves_tests_and_generates(tmp_path):
     generated = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc",
                                 "--adapter-path", adapters], capture_output=True, text=True, cwd=ROOT)
     assert generated.returncode == 0, generated.stderr
+
+
+def test_cli_trainable_tokens_train_only_their_rows(tmp_path):
+    """--trainable-tokens ABC on the demo model: the saved embeddings differ from the demo's in the
+    rows of A, B and C only; the adapters load for generation; text with no token is refused."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=8",
+                    "--held-out", "1"], check=True, cwd=ROOT)
+    adapters = tmp_path / "adapters"
+    result = lora_cli("--train", "--data", data, "--iters", 2, "--batch-size", 4, "--num-layers", 1,
+                      "--learning-rate", 1e-2, "--optimizer", "adamw", "--trainable-tokens", "ABC",
+                      "--adapter-path", adapters)
+    assert result.returncode == 0, result.stderr
+    assert "the embedding rows of 3 tokens" in result.stdout
+    model, tokenizer = load(DEMO_MODEL)
+    base = np.array(model.model.decoder.embed_tokens.weight)
+    trained = np.array(mx.load(str(adapters / "adapters.safetensors"))["model.decoder.embed_tokens.weight"])
+    changed = np.flatnonzero((base != trained).any(axis=1))
+    assert changed.tolist() == sorted(tokenizer.encode("ABC", add_special_tokens=False))
+    generated = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc",
+                                "--adapter-path", adapters], capture_output=True, text=True, cwd=ROOT)
+    assert generated.returncode == 0, generated.stderr
+    refused = lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--trainable-tokens", "",
+                       "--adapter-path", tmp_path / "none")
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines() == [
+        "Error: --trainable-tokens '' encodes to no token; give the text of the tokens whose embeddings to train"]
+    assert not (tmp_path / "none").exists()
 
 
 def test_cli_bad_data_is_one_line(tmp_path):
