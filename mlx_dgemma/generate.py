@@ -455,9 +455,9 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, o
     emitted is in the cache at a switch: a committed canvas is encoded, as is verified drafting's
     decided next token; ``logits`` are the next-token logits after the cache."""
     canvas = model.config.canvas_length
-    remaining, known, rule = max_tokens, None, None
+    remaining, known, rule, produced = max_tokens, None, None, 0
     while True:
-        plan = plan or planner.choose(remaining, overrides)
+        plan = plan or planner.choose(remaining, overrides, produced)
         if plan.mode != "verified" and known is not None:  # leaving verified drafting
             logits, known = model.next_token_logits(mx.array([[known]]), cache), None
         tic = time.perf_counter()
@@ -465,10 +465,13 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, o
             length = plan.last_canvas_length(remaining, canvas)
             result = denoise_canvas(model, cache, plan.settings, rng, None, length)
             tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
-            planner.observe_canvas("fast" if plan.settings.freeze_after else "reference", result.steps, len(tokens), length,
+            planner.observe_canvas("fast" if plan.settings.freeze_after else "reference", result.steps, length,
                                    time.perf_counter() - tic)
             remaining -= length
+            produced += len(tokens)
             last = stopped or remaining <= 0
+            if last:  # said before the last block: its consumer stops at it
+                planner.observe_answer(min(produced, max_tokens))
             yield Block(tokens, stopped, result.steps, None, last)
             if last:
                 return
@@ -480,7 +483,10 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, o
                 tokens, stopped = block.tokens, block.stopped
             planner.observe_ar(len(tokens), time.perf_counter() - tic)
             remaining -= len(tokens)
+            produced += len(tokens)
             last = stopped or remaining <= 0
+            if last:  # said before the last block: its consumer stops at it
+                planner.observe_answer(min(produced, max_tokens))
             yield Block(tokens, stopped, len(tokens), None, last)
             if last:
                 return
@@ -498,10 +504,13 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, o
                 known, forwards = step.known, step.forwards
                 planner.observe_round(step.length, plan.draft_steps, step.kept,
                                       known is not None and step.kept < step.length - 1, len(step.tokens),
-                                      time.perf_counter() - tic)
+                                      time.perf_counter() - tic, final=known is None)
                 emitted += step.tokens
             remaining -= len(emitted)
+            produced += len(emitted)
             last = known is None
+            if last:  # said before the last block: its consumer stops at it
+                planner.observe_answer(min(produced, max_tokens))
             yield Block(emitted, last and emitted[-1] in stop_ids, max(forwards, 1), None, last)
             if last:
                 return

@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -610,6 +611,8 @@ def best_draft(profile: Profile, acceptance: Acceptance, canvas: int, length: in
 # Share of canvas positions the fast policy computes per step (active-set compaction): 74 of 144 on
 # the demo tasks (benchmarks/demo_speed.py).
 FAST_POSITION_SHARE = 0.5
+# auto expects an answer's length from this many recent answers
+ANSWERS_KEPT = 8
 # auto runs a plan again after this many choices without it, if predicted within this share of the best
 EXPLORE_EVERY = 8
 EXPLORE_WITHIN = 0.6
@@ -646,19 +649,20 @@ class AutoPlanner:
     verified = tokens per round / (draft steps · step time at the draft length + the verifying pass),
     at the draft length and steps ``best_draft`` picks from the acceptance estimate. Steps per canvas
     start from a prior of the generation config (a quarter of the step limit, at least the stability
-    threshold + 1: the stop rule fires well before the limit on a trained model) worth one canvas;
-    tokens per canvas from the whole canvas (one canvas' worth), then the answer tokens each canvas
-    gave (a stop id cuts the last); tokens per round from the acceptance model, scaled by the observed
-    ratio of tokens per round to the model's (answers that end mid-draft); each prediction times the
-    observed pace of that plan against the profile. Means are over the last ~8 observations, and a
-    plan not run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is
-    run once more, so estimates follow a change of task."""
+    threshold + 1: the stop rule fires well before the limit on a trained model) worth one canvas.
+    How many tokens a canvas or a round will give is bounded by the tokens the answer still has to
+    come: expected from the lengths of the last ``ANSWERS_KEPT`` answers, whatever plan made them
+    (those longer than what this answer has so far; a whole canvas when none is); tokens per round
+    from the acceptance model, scaled by the observed ratio of tokens per round to the model's. Each
+    prediction times the observed pace of that plan against the profile. Means are over the last ~8
+    observations, and a plan not run for ``EXPLORE_EVERY`` choices but predicted within
+    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task."""
 
     def __init__(self, gen: GenerationConfig, canvas: int, profile: Profile, expected_steps: float | None = None):
         self.gen, self.canvas, self.profile = gen, canvas, profile
         prior = expected_steps or max(gen.stability_threshold + 1, gen.max_denoising_steps / 4)
         self.steps = {"reference": RunningMean(prior, 1), "fast": RunningMean(prior, 1)}
-        self.tokens_per_canvas = RunningMean(canvas, 1)
+        self.answers: deque[int] = deque(maxlen=ANSWERS_KEPT)  # lengths of the last answers
         self.acceptance = Acceptance()
         self.round_yield = RunningMean(1.0, 1)  # observed / modelled tokens per round
         # profile-predicted / observed seconds per plan (host work and load the profile does not see)
@@ -667,9 +671,15 @@ class AutoPlanner:
         self.sampling = False  # a sampling temperature: only ar and verified decode with one
         self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
 
-    def predictions(self, remaining: int) -> dict[str, tuple[float, str]]:
+    def expected_tokens(self, produced: int) -> float:
+        """Tokens an answer that has ``produced`` so far is expected still to give."""
+        longer = [n - produced for n in self.answers if n > produced]
+        return sum(longer) / len(longer) if longer else float(self.canvas)
+
+    def predictions(self, remaining: int, produced: int = 0) -> dict[str, tuple[float, str]]:
         p, C = self.profile, self.canvas
-        tokens = min(self.tokens_per_canvas.value, remaining, C)
+        expected = self.expected_tokens(produced)
+        tokens = min(expected, remaining, C)
         length, steps, verified = best_draft(p, self.acceptance, C)
         out = {}
         for name in ("reference", "fast"):
@@ -678,17 +688,19 @@ class AutoPlanner:
             out[name] = (tokens / (n * p.step_s(positions)),
                          f"{n:.1f} steps per canvas of {positions} computed positions, {tokens:.1f} tokens per canvas")
         out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
-        per_round = self.acceptance.tokens_per_round(steps, length) * self.round_yield.value
-        out["verified"] = (verified * self.round_yield.value,
+        modelled = self.acceptance.tokens_per_round(steps, length)
+        per_round = min(modelled * self.round_yield.value, max(1.0, expected), remaining)
+        out["verified"] = (verified * per_round / modelled,
                            f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round "
                            f"({self.acceptance.describe()})")
         return {name: (tok_s * self.pace[name].value, why + (f", x{self.pace[name].value:.2f} as observed"
                                                              if self.pace[name].count > 1 else ""))
                 for name, (tok_s, why) in out.items()}
 
-    def choose(self, remaining: int, overrides: dict | None = None) -> Plan:
-        """The next plan, with the caller's sampler ``overrides`` (``Plan.overridden``) applied."""
-        predicted = self.predictions(remaining)
+    def choose(self, remaining: int, overrides: dict | None = None, produced: int = 0) -> Plan:
+        """The next plan for an answer that has ``produced`` tokens and room for ``remaining`` more,
+        with the caller's sampler ``overrides`` (``Plan.overridden``) applied."""
+        predicted = self.predictions(remaining, produced)
         if self.sampling:
             predicted = {name: predicted[name] for name in ("ar", "verified")}
         best = max(predicted, key=lambda name: predicted[name][0])
@@ -713,10 +725,9 @@ class AutoPlanner:
         self.current = replace(plan, policy="auto", reasons=reasons).overridden(overrides or {})
         return self.current
 
-    def observe_canvas(self, policy: str, steps: int, tokens: int, length: int, seconds: float | None = None) -> None:
-        """A canvas of ``length`` positions took ``steps`` steps (``seconds``) and gave ``tokens``."""
+    def observe_canvas(self, policy: str, steps: int, length: int, seconds: float | None = None) -> None:
+        """A canvas of ``length`` positions took ``steps`` steps (``seconds``)."""
         self.steps[policy].add(steps)
-        self.tokens_per_canvas.add(tokens)
         positions = length if policy == "reference" else max(1, round(FAST_POSITION_SHARE * length))
         self._pace(policy, steps * self.profile.step_s(positions), seconds)
 
@@ -724,12 +735,19 @@ class AutoPlanner:
         self._pace("ar", tokens * self.profile.ar_token_s, seconds)
 
     def observe_round(self, length: int, steps: int, kept: int, rejected: bool, tokens: int,
-                      seconds: float | None = None) -> None:
+                      seconds: float | None = None, final: bool = False) -> None:
+        """A verified round; ``final``: it ended the answer (its tokens say how long the answer was,
+        not how well drafts are accepted)."""
         modelled = self.acceptance.tokens_per_round(steps, length)
         self.acceptance.observe(steps, length, kept, rejected)
-        self.round_yield.add(tokens / modelled)
+        if not final:
+            self.round_yield.add(tokens / modelled)
         drafted = steps * self.profile.step_s(length) if length > 1 else 0.0
         self._pace("verified", drafted + self.profile.verify_s(length), seconds)
+
+    def observe_answer(self, tokens: int) -> None:
+        """An answer ended after ``tokens`` tokens."""
+        self.answers.append(tokens)
 
     def _pace(self, name: str, predicted: float, seconds: float | None) -> None:
         if seconds:

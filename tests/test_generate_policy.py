@@ -81,9 +81,44 @@ def test_auto_learns_from_what_it_observes(pattern):
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=1)
     assert planner.choose(64).mode == "diffusion"
     for _ in range(4):
-        planner.observe_canvas("reference", 8, 16, 16)
-        planner.observe_canvas("fast", 8, 16, 16)
+        planner.observe_canvas("reference", 8, 16)
+        planner.observe_canvas("fast", 8, 16)
     assert planner.choose(64).mode == "ar"
+
+
+def test_auto_expects_answers_as_long_as_the_last_ones():
+    """A canvas gives no more tokens than the answer still has: after short answers auto decodes the
+    next one autoregressively, after long ones it denoises canvases again."""
+    from mlx_dgemma.config import GenerationConfig
+    from mlx_dgemma.policy import AutoPlanner
+
+    profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
+                      verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
+    assert planner.choose(64).mode == "diffusion"  # a whole canvas in 2 steps: 500 tok/s (fast more), AR 250
+    for _ in range(3):
+        planner.observe_answer(3)
+    assert planner.expected_tokens(0) == 3
+    predicted = planner.predictions(64)
+    assert max(predicted, key=lambda n: predicted[n][0]) == "ar"  # 3 tokens per canvas or round
+    assert planner.choose(64).mode == "ar"
+    for _ in range(8):
+        planner.observe_answer(40)
+    assert planner.choose(64).mode == "diffusion"
+    assert planner.expected_tokens(30) == 10 and planner.expected_tokens(40) == 16  # none longer: a canvas
+
+
+def test_auto_learns_each_answers_length(pattern):
+    model, tokenizer = pattern
+    model.__dict__.pop("_auto_planner", None)
+    profile = Profile("any", "measured", {2: 0.01, 16: 0.01}, ar_token_s=0.01, prefill_tok_s=1e3,
+                      verify_s_by_length={2: 0.01, 16: 0.01})
+    lengths = []
+    for max_tokens in (5, 21):
+        responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens, policy="auto", profile=profile))
+        lengths.append(responses[-1].generation_tokens)
+    assert list(model._auto_planner.answers) == lengths
+    del model._auto_planner
 
 
 def test_auto_switches_plans_between_canvases_and_rounds(pattern):
@@ -99,7 +134,7 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern):
             super().__init__(*args)
             self.modes = iter(modes)
 
-        def choose(self, remaining, overrides=None):
+        def choose(self, remaining, overrides=None, produced=0):
             name = next(self.modes, "ar")
             plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft_length=5, draft_steps=1)
             self.current = replace(plan, policy="auto").overridden(overrides or {})
