@@ -21,7 +21,9 @@ multiplies row by row in float32 only, so there:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -132,15 +134,50 @@ def _numpy_softmax_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.arr
     B, H, T, D = q.shape
     Hkv, K = k.shape[1], k.shape[2]
     group = H // Hkv  # query heads per key head: one product per key head
-    scores = q.reshape(B, Hkv, group * T, D) @ k.swapaxes(-1, -2)
-    scores = _host(scores.astype(mx.float32)).reshape(B, Hkv, group, T, K)
-    if mask is not None:  # an additive bias at the mask's size, broadcast in place over the heads
-        scores += np.where(_host(mask), np.float32(0), np.float32(-np.inf))[:, :, None]  # [B|1, 1, 1, T, K]
+    # float32: both products in numpy too (its BLAS), so the scores never cross back into MLX (a copy
+    # of B·H·T·K floats); other dtypes keep MLX's products in their own precision.
+    in_numpy = q.dtype == k.dtype == v.dtype == mx.float32
+    if in_numpy:
+        scores = np.matmul(_host(q).reshape(B, Hkv, group * T, D), _host(k).swapaxes(-1, -2))
+    else:
+        scores = _host((q.reshape(B, Hkv, group * T, D) @ k.swapaxes(-1, -2)).astype(mx.float32))
+    scores = scores.reshape(B, Hkv, group, T, K)
+    # The mask as an additive bias at its own size, broadcast in place over the heads.
+    bias = None if mask is None else np.where(_host(mask), np.float32(0), np.float32(-np.inf))[:, :, None]
+    _in_parallel(lambda a, b: _softmax_in_place(scores[..., a:b, :], None if bias is None else bias[..., a:b, :]),
+                 T, scores.size)
+    probs = scores.reshape(B, Hkv, group * T, K)
+    out = mx.array(np.matmul(probs, _host(v))) if in_numpy else mx.array(probs).astype(v.dtype) @ v
+    return out.reshape(B, H, T, v.shape[-1])
+
+
+def _softmax_in_place(scores: np.ndarray, bias: np.ndarray | None) -> None:
+    if bias is not None:
+        scores += bias
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    out = mx.array(scores.reshape(B, Hkv, group * T, K)).astype(v.dtype) @ v
-    return out.reshape(B, H, T, v.shape[-1])
+
+
+# Elements from which numpy's vocabulary- or key-wide passes are split over the cores (numpy runs
+# one thread; the BLAS products around them already use every core).
+PARALLEL_MIN_ELEMENTS = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+
+
+def _in_parallel(work: Callable[[int, int], None], rows: int, elements: int) -> None:
+    """``work(start, stop)`` over ``rows`` rows, split among the cores when ``elements`` is large (each
+    row is computed as it would be alone, so the split changes no number)."""
+    global _pool
+    workers = min(os.cpu_count() or 1, rows) if elements >= PARALLEL_MIN_ELEMENTS else 1
+    if workers == 1:
+        work(0, rows)
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count(), thread_name_prefix="mlx_dgemma-numpy")
+    bounds = [rows * i // workers for i in range(workers + 1)]
+    for future in [_pool.submit(work, a, b) for a, b in zip(bounds[:-1], bounds[1:])]:
+        future.result()
 
 
 # The numpy paths leave MLX's graph; their gradients are MLX's own (training runs through them).
