@@ -134,20 +134,16 @@ def _numpy_softmax_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.arr
     B, H, T, D = q.shape
     Hkv, K = k.shape[1], k.shape[2]
     group = H // Hkv  # query heads per key head: one product per key head
-    # float32: both products in numpy too (its BLAS), so the scores never cross back into MLX (a copy
-    # of B·H·T·K floats); other dtypes keep MLX's products in their own precision.
-    in_numpy = q.dtype == k.dtype == v.dtype == mx.float32
-    if in_numpy:
-        scores = np.matmul(_host(q).reshape(B, Hkv, group * T, D), _host(k).swapaxes(-1, -2))
-    else:
-        scores = _host((q.reshape(B, Hkv, group * T, D) @ k.swapaxes(-1, -2)).astype(mx.float32))
-    scores = scores.reshape(B, Hkv, group, T, K)
+    scores = (q.reshape(B, Hkv, group * T, D) @ k.swapaxes(-1, -2)).astype(mx.float32)
+    # The softmax is computed in place in the scores' own buffer (a fresh array no one else holds),
+    # which then goes on to the product with V: the B·H·T·K floats are never copied (at 8448 keys a
+    # copy back into MLX cost as much as the softmax).
+    view = _host(scores).reshape(B, Hkv, group, T, K)
     # The mask as an additive bias at its own size, broadcast in place over the heads.
     bias = None if mask is None else np.where(_host(mask), np.float32(0), np.float32(-np.inf))[:, :, None]
-    _in_parallel(lambda a, b: _softmax_in_place(scores[..., a:b, :], None if bias is None else bias[..., a:b, :]),
-                 T, scores.size)
-    probs = scores.reshape(B, Hkv, group * T, K)
-    out = mx.array(np.matmul(probs, _host(v))) if in_numpy else mx.array(probs).astype(v.dtype) @ v
+    _in_parallel(lambda a, b: _softmax_in_place(view[..., a:b, :], None if bias is None else bias[..., a:b, :]),
+                 T, view.size)
+    out = scores.astype(v.dtype) @ v
     return out.reshape(B, H, T, v.shape[-1])
 
 
