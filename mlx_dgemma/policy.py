@@ -614,8 +614,8 @@ FAST_POSITION_SHARE = 0.5
 # auto expects an answer's length from this many recent answers
 ANSWERS_KEPT = 8
 # auto runs a plan again after this many choices without it, if predicted within this share of the best
-EXPLORE_EVERY = 8
-EXPLORE_WITHIN = 0.6
+EXPLORE_EVERY = 16
+EXPLORE_WITHIN = 0.8
 
 
 @dataclass

@@ -173,14 +173,14 @@ def test_auto_runs_a_close_second_again_now_and_then():
     """Estimates of a plan that does not run cannot move, so auto re-runs a close second every
     EXPLORE_EVERY choices (and then follows what it sees), but never a plan far behind."""
     from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import EXPLORE_EVERY, AutoPlanner
+    from mlx_dgemma.policy import EXPLORE_EVERY, EXPLORE_WITHIN, AutoPlanner
 
-    profile = Profile("cpu-like", "measured", {2: 0.006, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
-                      prefill_tok_s=1e4, verify_s_by_length={2: 0.006, 16: 0.016})
+    profile = Profile("cpu-like", "measured", {2: 0.0055, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
+                      prefill_tok_s=1e4, verify_s_by_length={2: 0.0055, 16: 0.016})
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=48), 16, profile, expected_steps=48)
     predicted = planner.predictions(64)
     assert max(predicted, key=lambda n: predicted[n][0]) == "ar"
-    assert predicted["verified"][0] > 0.6 * predicted["ar"][0] > predicted["reference"][0]
+    assert predicted["verified"][0] > EXPLORE_WITHIN * predicted["ar"][0] > predicted["reference"][0]
     plans = [planner.choose(64) for _ in range(2 * EXPLORE_EVERY + 2)]
     modes = [plan.mode for plan in plans]
     assert modes.count("verified") == 2 and modes.count("diffusion") == 0
