@@ -200,9 +200,10 @@ class StopRule:
     ``stability_threshold`` ones (the history starts at -1, so never on the first step; threshold 0
     means always stable), and the mean entropy [B] is below ``confidence_threshold``."""
 
-    def __init__(self, settings: SamplerSettings, shape: tuple[int, ...]):
+    def __init__(self, settings: SamplerSettings, shape: tuple[int, ...], confidence: list[float] | None = None):
+        """``confidence``: each row's threshold (default: the settings' for every row)."""
         self.history = [mx.full(shape, -1, dtype=mx.int32)] * settings.stability_threshold
-        self.confidence = settings.confidence_threshold
+        self.confidence = mx.array(confidence or [settings.confidence_threshold] * shape[0])
 
     def __call__(self, argmax: mx.array, mean_entropy: mx.array) -> mx.array:
         stable = mx.ones(argmax.shape[:-1], dtype=mx.bool_)
@@ -213,8 +214,14 @@ class StopRule:
         return stable & (mean_entropy < self.confidence)
 
     def select(self, rows: mx.array) -> None:
-        """Keep the history of ``rows`` only."""
+        """Keep ``rows`` only."""
         self.history = [h[rows] for h in self.history]
+        self.confidence = self.confidence[rows]
+
+    def extend(self, other: StopRule) -> None:
+        """Append ``other``'s rows."""
+        self.history = [mx.concatenate([a, b]) for a, b in zip(self.history, other.history)]
+        self.confidence = mx.concatenate([self.confidence, other.confidence])
 
 
 class CanvasRun:
@@ -256,13 +263,12 @@ class RunBatch:
         if any(run.settings.stability_threshold != self.threshold for run in runs):
             raise ValueError("the runs of one batch must share the stability threshold")
         C, V = runs[0].length, runs[0].vocab
-        fresh = StopRule(runs[0].settings, (len(runs), C))
+        fresh = StopRule(runs[0].settings, (len(runs), C), [run.settings.confidence_threshold for run in runs])
         fixed = [run.clamp.fixed if run.clamp else mx.zeros((1, C), dtype=mx.bool_) for run in runs]
         tokens = [run.clamp.tokens if run.clamp else mx.zeros((1, C), dtype=mx.int32) for run in runs]
         state = dict(
             canvas=mx.concatenate([run.canvas for run in runs]),
             fixed=mx.concatenate(fixed), tokens=mx.concatenate(tokens),
-            confidence=mx.array([run.settings.confidence_threshold for run in runs]),
             bound=mx.array([[run.settings.entropy_bound] for run in runs]),
         )
         if not self.runs:
@@ -273,7 +279,7 @@ class RunBatch:
         else:
             for name, value in state.items():
                 setattr(self, name, mx.concatenate([getattr(self, name), value]))
-            self.stop_rule.history = [mx.concatenate([a, b]) for a, b in zip(self.stop_rule.history, fresh.history)]
+            self.stop_rule.extend(fresh)
             self.conditioned += [False] * len(runs)
             if self.self_conditioning is not None:  # zeros, switched off for the new rows (see inputs)
                 none = mx.zeros((len(runs), C, V), dtype=self.self_conditioning.dtype)
@@ -313,7 +319,6 @@ class RunBatch:
         accepted = accept_mask(entropy, self.bound)
         canvas = mx.where(accepted, denoised, renoise)
         self.canvas = mx.where(self.fixed, self.tokens, canvas) if self.clamped else canvas
-        self.stop_rule.confidence = self.confidence
         self.stop = self.stop_rule(argmax, mean_entropy)
         self.self_conditioning, self.self_conditioning_probs = scaled, probs
         self.conditioned = [True] * len(runs)
@@ -348,7 +353,7 @@ class RunBatch:
         if not keep:
             return
         index = mx.array(keep, dtype=mx.int32)
-        for name in ("canvas", "fixed", "tokens", "free", "confidence", "bound"):
+        for name in ("canvas", "fixed", "tokens", "free", "bound"):
             setattr(self, name, getattr(self, name)[index])
         if self.self_conditioning is not None:
             self.self_conditioning = self.self_conditioning[index]
