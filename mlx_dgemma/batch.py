@@ -90,8 +90,10 @@ class _Lane:
         if self.batch is not None:
             self.batch.add([row.run])
 
-    def step(self, model) -> list[_Row]:
-        """One denoising step of every row; returns the rows whose canvases committed (they leave)."""
+    def step(self, model) -> tuple[list[_Row], CanvasView]:
+        """One denoising step of every row; returns the rows whose canvases committed (they leave)
+        and a view that still holds all the rows' prefixes (their commits encode through it)."""
+        before = self.view
         if self.batch is not None:
             view = step_batch(model, self.view, self.batch)
             keep = [i for i, row in enumerate(self.rows) if row.run.result is None]
@@ -99,7 +101,7 @@ class _Lane:
             view, keep = step_compacted(model, self.view, [row.run for row in self.rows])
         done = [row for row in self.rows if row.run.result is not None]
         self.rows, self.view = [self.rows[i] for i in keep], view
-        return done
+        return done, before
 
     def leave(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
@@ -212,12 +214,15 @@ class BatchGenerator:
         for row in self._diffusion:
             if row.run is None:
                 self._start_canvas(row)
-        done = []
+        responses = []
         for key, lane in list(self._lanes.items()):
-            done += lane.step(self.model)
+            rows = lane.rows
+            done, view = lane.step(self.model)
             if not lane.rows:
                 del self._lanes[key]
-        return [self._commit(row) for row in done]
+            if done:
+                responses += self._commit(done, view, [rows.index(row) for row in done])
+        return responses
 
     def _start_canvas(self, row: _Row) -> None:
         plan, full = row.job.plan, self.model.config.canvas_length
@@ -231,9 +236,27 @@ class BatchGenerator:
         else:
             self._lanes[key] = _Lane([row], view, RunBatch([row.run]) if plain else None)
 
-    def _commit(self, row: _Row) -> BatchResponse:
-        """The row's committed canvas as a response; a row that goes on encodes it (its next canvas
-        starts at the next step), a finished one leaves."""
+    def _commit(self, rows: list[_Row], view: CanvasView, indexes: list[int]) -> list[BatchResponse]:
+        """The rows' committed canvases as responses (``view``'s rows ``indexes``); the rows that go on
+        encode them, together (their next canvases start at the next step), finished ones leave."""
+        responses, tokens = [], []
+        for row in rows:
+            tokens.append(row.run.result.tokens)
+            responses.append(self._committed(row))
+        going_on = [i for i, r in enumerate(responses) if r.finish_reason is None]
+        if len(going_on) == 1:
+            row = rows[going_on[0]]
+            self.model.encode(tokens[going_on[0]], row.cache)
+            mx.eval(row.cache.state())
+        elif going_on:
+            view = view.select([indexes[i] for i in going_on])
+            self.model.encode(mx.concatenate([tokens[i] for i in going_on]), view)
+            view.append_canvas([rows[i].cache for i in going_on])
+            mx.eval([rows[i].cache.state() for i in going_on])
+        return responses
+
+    def _committed(self, row: _Row) -> BatchResponse:
+        """The row's committed canvas as a response; a finished row leaves."""
         result, length = row.run.result, row.run.length
         committed = result.tokens[0].tolist()
         row.run = None
@@ -250,10 +273,7 @@ class BatchGenerator:
                 stopped, last, tokens = stopped and len(tokens) <= room, True, tokens[:room]
         row.emitted += len(tokens)
         finish = "stop" if stopped else "length" if last else None
-        if finish is None:  # a continuing canvas is a full one: it joins the prefix
-            self.model.encode(result.tokens, row.cache)
-            mx.eval(row.cache.state())
-        else:
+        if finish is not None:
             self._diffusion.remove(row)
         return BatchResponse(row.uid, tokens, row.job.text.add(tokens, final=finish is not None), finish, result.steps)
 

@@ -231,6 +231,7 @@ class CanvasView:
     def __init__(self, cache: KVCache, length: int):
         self.length = length
         self.positions = cache.lengths
+        self.windows = cache.windows
         self.layers: list[CanvasLayerView] = []
         self.masks: list[mx.array | None] = []
         for i, c in enumerate(cache.layers):
@@ -249,11 +250,39 @@ class CanvasView:
         for layer in self.layers:
             layer.slots = active
 
+    @property
+    def batch_size(self) -> int:
+        return self.positions.shape[0]
+
+    def encoder_masks(self) -> list[mx.array]:
+        """Which keys each canvas position may see when the canvas is encoded through this view
+        (committed, causally), per layer [B|1, 1, C, P + C]: the real prefix keys inside its window
+        and the canvas positions up to itself. A sliding layer's view holds the last window − 1
+        prefix positions, all that canvas position 0 sees; later ones see fewer."""
+        masks = []
+        for layer, window, valid in zip(self.layers, self.windows, self.masks):
+            q = mx.arange(layer.prefix, layer.prefix + self.length)[:, None]
+            k = mx.arange(layer.prefix + self.length)[None, :]
+            allowed = k <= q
+            if window is not None:
+                allowed = allowed & (k > q - window)
+            allowed = allowed[None, None]
+            masks.append(allowed if valid is None else allowed & valid)
+        return masks
+
+    def append_canvas(self, caches: list[KVCache]) -> None:
+        """Append each row's canvas K/V (an encode through this view wrote them) to that row's own
+        cache, ``caches[r]`` for row r: several rows' commits encoded in one forward."""
+        for i, layer in enumerate(self.layers):
+            for r, cache in enumerate(caches):
+                cache.layers[i].update_and_fetch(layer.keys[r : r + 1, :, layer.prefix :],
+                                                 layer.values[r : r + 1, :, layer.prefix :])
+
     def select(self, rows: list[int]) -> CanvasView:
         """The same view for a subset of its rows (rows whose canvas is done stop costing compute)."""
         index = mx.array(rows, dtype=mx.int32)
         view = object.__new__(CanvasView)
-        view.length, view.positions = self.length, self.positions[index]
+        view.length, view.positions, view.windows = self.length, self.positions[index], self.windows
         view.layers = [layer.select(index) for layer in self.layers]
         view.masks = [None if m is None else m[index] for m in self.masks]
         return view
@@ -269,6 +298,7 @@ class CanvasView:
         view = object.__new__(CanvasView)
         view.length = length = views[0].length
         view.positions = mx.concatenate([v.positions for v in views])
+        view.windows = views[0].windows
         view.layers, view.masks = [], []
         for i in range(len(views[0].layers)):
             layers = [v.layers[i] for v in views]

@@ -421,10 +421,14 @@ class DiffusionGemma(nn.Module):
         scale = mx.array(math.sqrt(self.config.hidden_size), dtype=_embedding_dtype(embed, h.dtype))
         return h * scale.astype(h.dtype)
 
-    def encode(self, ids: mx.array, cache: KVCache, return_hidden: bool = False, pixel_values=None,
+    def encode(self, ids: mx.array, cache: KVCache | CanvasView, return_hidden: bool = False, pixel_values=None,
                image_position_ids=None, mm_token_type_ids=None) -> mx.array | None:
         """Run the causal encoder over ``ids`` [B, T] (rows left-padded as the cache says) and append
         their K/V to ``cache``; nothing is evaluated here.
+
+        ``cache`` may be a ``CanvasView`` of several rows' own caches and ``ids`` their committed
+        canvases: the K/V then land in the view's canvas room, and ``view.append_canvas`` copies them
+        to each row's cache (the commits of rows that settled at the same step, in one forward).
 
         With ``return_hidden`` it returns the final-normed hidden states [B, T, H] (next-token
         prediction through ``head``); otherwise the last layer's feed-forward, which only feeds
@@ -438,8 +442,14 @@ class DiffusionGemma(nn.Module):
         ids = _rows(ids)
         if ids.shape[0] != cache.batch_size:
             raise ValueError(f"{ids.shape[0]} rows of ids for a cache of {cache.batch_size} rows")
-        T, positions = ids.shape[1], cache.lengths
-        masks = cache.encoder_masks(T)
+        T, positions = ids.shape[1], cache.positions if isinstance(cache, CanvasView) else cache.lengths
+        if isinstance(cache, CanvasView):
+            if T != cache.length:
+                raise ValueError(f"{T} ids for a canvas view of {cache.length} positions")
+            cache.set_active(None)
+            masks = cache.encoder_masks()
+        else:
+            masks = cache.encoder_masks(T)
         scalars = self.model.encoder.language_model.layers
         h = self.embed(ids)
         if pixel_values is not None:

@@ -104,6 +104,33 @@ def test_compacted_rows_equal_single_compacted_rows(model, rows):
         assert relative(got[i, : len(actives[i])], want[0]) <= DENOISE_BOUND
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_commits_encoded_through_a_stacked_view_equal_each_encoded_alone(model, rows):
+    """Rows with caches of their own (from one padded prefill, as batch.py keeps them) whose canvases
+    commit at the same step encode them in one forward through their stacked views; every layer's
+    cache then holds what it holds after encoding each row alone, past the sliding window too."""
+    from mlx_dgemma.cache import CanvasView
+
+    C, V = model.config.canvas_length, model.config.vocab_size
+    prompts = prompts_of(model, LENGTHS[rows], seed=5)
+    shared, _, _ = batched_cache(model, prompts)
+    caches = [shared.rows([i]) for i in range(rows)]
+    canvas = mx.random.randint(0, V, (rows, C), key=mx.random.key(5))
+    view = CanvasView.stack([c.canvas_view(C) for c in caches[::-1]])  # prefixes of other lengths, reversed
+    model.encode(canvas[::-1], view)
+    view.append_canvas(caches[::-1])
+    step = mx.array([[7]])
+    for i, prompt in enumerate(prompts):
+        alone, _ = single_cache(model, prompt)
+        model.encode(canvas[i : i + 1], alone)
+        assert caches[i].lengths.tolist() == alone.lengths.tolist() == [len(prompt) + C]
+        for layer in range(len(model.layers)):
+            got, want = caches[i].layer_keys(layer), alone.layer_keys(layer)
+            for a, b in zip(got, want):
+                assert relative(a[..., -C:, :], b[..., -C:, :]) <= BOUND
+        assert relative(model.next_token_logits(step, caches[i]), model.next_token_logits(step, alone)) <= BOUND
+
+
 def test_trim_then_encode_equals_encoding_from_scratch(checkpoints):
     model, _ = load(checkpoints("pattern"))
     window, C = PRESETS["pattern"]["sliding_window"], PRESETS["pattern"]["canvas_length"]
