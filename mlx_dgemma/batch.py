@@ -21,7 +21,7 @@ fast_blas.load()  # the fast BLAS before mlx.core loads
 
 import itertools  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import Iterator  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
@@ -46,6 +46,9 @@ class BatchRequest:
     # One row (model.make_cache()) already holding prompt_ids[:cache.offset], a prefix kept by a
     # server's prompt cache: only the rest of the prompt is encoded.
     cache: object = None
+    # Called with a one-row cache holding the whole prompt once the engine has encoded it (a server's
+    # prompt cache keeps a copy); generation goes on appending to that cache.
+    on_prefilled: Callable[[object], None] | None = None
 
 
 @dataclass
@@ -70,6 +73,7 @@ class _Row:
     token: mx.array | None = None  # autoregressive: the row's next token, [1, 1]
     solo: Iterator | None = None
     cache: object = None  # a prefilled prefix (BatchRequest.cache); a diffusion row's own cache
+    on_prefilled: Callable[[object], None] | None = None
     run: CanvasRun | None = None  # diffusion: the canvas being denoised
 
 
@@ -147,7 +151,7 @@ class BatchGenerator:
                       seed=request.seed, temp_min=request.temp_min, temp_max=request.temp_max,
                       policy=request.policy, template=request.template)
         row = _Row(next(self._uids), job, job.canvas_clamps(self.tokenizer, self.model.config),
-                   remaining=job.max_tokens, cache=request.cache)
+                   remaining=job.max_tokens, cache=request.cache, on_prefilled=request.on_prefilled)
         # Rows whose forwards do not line up with others' run alone: verified drafting (rounds of their own
         # length), auto (re-plans per canvas or round), an autoregressive template (one forced token at a time).
         if job.plan.mode == "verified" or job.planner is not None or job.plan.mode == "ar" and job.template is not None:
@@ -201,9 +205,13 @@ class BatchGenerator:
     def _join(self, mode: str, rows: list[_Row], cache, logits: mx.array | None) -> None:
         """Add prefilled ``rows`` (``cache``'s rows, in order): diffusion rows each with its own rows
         of the cache, AR rows to the shared cache (``logits`` give their first tokens)."""
+        for i, row in enumerate(rows):
+            own = cache if len(rows) == 1 else cache.row(i)
+            if row.on_prefilled is not None:
+                row.on_prefilled(own)
+            if mode == "diffusion":
+                row.cache = own
         if mode == "diffusion":
-            for i, row in enumerate(rows):
-                row.cache = cache if len(rows) == 1 else cache.rows([i])
             self._diffusion += rows
         else:
             _join_group(self._ar, rows, cache, logits)

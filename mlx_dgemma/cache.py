@@ -150,6 +150,19 @@ class KVCache:
         out.filter(rows)
         return out
 
+    def row(self, i: int) -> KVCache:
+        """Row ``i`` alone, without its left padding: a cache as if its prompt had been encoded alone
+        (a row of a batched prefill that goes its own way, or that a prompt cache keeps)."""
+        out = self.rows([i])
+        for c in out.layers:
+            pad = max(0, c.left_padding.item())
+            if pad and c.keys is not None:
+                c.keys, c.values = c.keys[..., pad:, :], c.values[..., pad:, :]
+                c._idx -= pad
+                c.left_padding = c.left_padding - pad
+        out.padded = False
+        return out
+
     def filter(self, rows: list[int]) -> None:
         """Keep only these rows, in this order."""
         index = mx.array(rows, dtype=mx.int32)

@@ -1,6 +1,8 @@
 """The server's prompt cache: longest stored prefix, copies, least recently used first out; the batched
 engine taking a row whose prompt prefix is already encoded."""
 
+import copy
+
 import mlx.core as mx
 import pytest
 
@@ -53,3 +55,24 @@ def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
             texts[response.uid] += response.text
     assert list(texts.values()) == [generate(model, tokenizer, ids, 64, seed=i, policy=policy)
                                     for i, ids in enumerate(prompts)]
+
+
+def test_the_engine_hands_back_each_fresh_prompt_unpadded():
+    """Prompts of different lengths prefilled in one padded forward: each row's cache handed to
+    ``on_prefilled`` holds its prompt alone, without padding, as a prompt cache would store it."""
+    model, tokenizer = load(DEMO_MODEL)
+    prompts = [prompt_ids(tokenizer, p) for p in ("sort: 42 17 85 23 61", "reverse: kayak7", "json: name=ada age=36")]
+    assert len({len(ids) for ids in prompts}) == 3
+    engine = BatchGenerator(model, tokenizer)
+    handed = {}
+    for i, ids in enumerate(prompts):
+        engine.insert(BatchRequest(ids, 8, seed=i, on_prefilled=lambda c, i=i: handed.setdefault(i, copy.deepcopy(c))))
+    engine.next()
+    step = mx.array([[7]])
+    for i, ids in enumerate(prompts):
+        cache = handed[i]
+        assert not cache.padded and cache.offset == len(ids) and cache.lengths.tolist() == [len(ids)]
+        alone = model.make_cache()
+        prefill(model, mx.array(ids), alone)
+        got, want = model.next_token_logits(step, cache), model.next_token_logits(step, alone)
+        assert float(mx.abs(got - want).max() / mx.abs(want).max()) <= 1e-5

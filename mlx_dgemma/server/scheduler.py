@@ -1,6 +1,8 @@
-"""The worker that owns the model: one thread takes new requests between rounds, prefills them (through
-the prompt cache), inserts them into the batched engine (batch.BatchGenerator), runs a round for every
-active row, and routes each row's committed tokens, as text, to its request's asyncio queue.
+"""The worker that owns the model: one thread takes new requests between rounds, inserts them into the
+batched engine (batch.BatchGenerator) with whatever prefix of their prompts the prompt cache holds (the
+engine encodes the rest, the fresh prompts of a round in one forward, and hands back a copy for the
+prompt cache), runs a round for every active row, and routes each row's committed tokens, as text, to
+its request's asyncio queue.
 
 Each request has its own detokenizer, stop strings and text held back (a stop string or a tool call
 may be starting); a request whose client went away is removed from the engine before the next round.
@@ -176,7 +178,8 @@ class Scheduler:
                         self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
 
     def _start(self, job: Job) -> None:
-        """Prefill ``job``'s prompt (what the prompt cache lacks), keep it in the cache, insert the row."""
+        """Insert ``job``'s row with the prefix of its prompt the prompt cache holds; the engine encodes
+        the rest and ``keep`` stores it (a prompt with images is encoded here, up to its last id)."""
         if job.cancelled:
             self.cancelled += 1
             return
@@ -185,15 +188,21 @@ class Scheduler:
             ids = request.prompt_ids
             key = _cache_key(ids, job.vision_inputs, self.model.config.image_token_id)
             cache, cached = self.prompt_cache.fetch(key)
-            if cache is None:
-                cache = self.model.make_cache()
-            # The engine encodes the last prompt id (its output starts the answer). It is never an image
-            # token (an image's tokens end with <eoi>), so no image block is split here.
+            # The prompt cache keeps all but the last id (a later prompt needs a new position to start from).
             end = len(ids) - 1
-            if end > cached:
-                images = _images_after(ids, job.vision_inputs, cached, self.model.config.image_token_id)
-                prefill(self.model, mx.array(ids[cached:end]), cache, self.prefill_step_size, **images)
-                self.prompt_cache.insert(key[:end], cache)
+            keep = None
+            if job.vision_inputs:
+                # The engine takes no images: they are placed here, and the engine encodes the last
+                # prompt id, never an image token (an image's tokens end with <eoi>).
+                cache = cache or self.model.make_cache()
+                if end > cached:
+                    images = _images_after(ids, job.vision_inputs, cached, self.model.config.image_token_id)
+                    prefill(self.model, mx.array(ids[cached:end]), cache, self.prefill_step_size, **images)
+                    self.prompt_cache.insert(key[:end], cache)
+            elif end > cached and self.prompt_cache.max_size:
+                # The engine encodes the rest of the prompt (fresh prompts of a round in one forward).
+                def keep(prompt_cache, key=key[:end]):
+                    self.prompt_cache.insert(key, prompt_cache, extra=1)
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
             drafting = job.redraft is not None
@@ -201,7 +210,8 @@ class Scheduler:
             # The thought channel of a free answer or a text template; a JSON one has none.
             free = request.template is None or request.template.render is None
             job.thought = TextStream(self.tokenizer, job.answer.stop_ids, thought=True) if free and not drafting else None
-            uid = self.engine.insert(replace(request, template=None if drafting else request.template, cache=cache))
+            uid = self.engine.insert(replace(request, template=None if drafting else request.template, cache=cache,
+                                             on_prefilled=keep))
         except ValueError as e:  # a prompt, template or setting the model cannot take
             self._send(job, Event(error=RequestFailed(str(e))))
             return
