@@ -13,6 +13,7 @@ fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -447,11 +448,14 @@ def verified(model, cache, logits: mx.array, rule, draft: drafting.DraftSettings
         yield Block(tokens, stopped, max(forwards, 1), None, done)
 
 
+AR_BLOCK_MIN = 4  # tokens auto decodes autoregressively before it chooses again
+
+
 def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, overrides: dict, max_tokens: int,
              rng: Random, stop_ids, temperature: float = 0.0) -> Iterator[Block]:
-    """The auto policy: before each canvas, AR block (a canvas' worth of tokens) or verified round the
-    planner picks a plan from its current estimates (``plan``: its first choice), with the caller's
-    sampler ``overrides``, and learns from what the step did. Everything
+    """The auto policy: before each canvas, AR block (as many tokens as the answer is expected still to
+    have) or verified round the planner picks a plan from its current estimates (``plan``: its first
+    choice), with the caller's sampler ``overrides``, and learns from what the step did. Everything
     emitted is in the cache at a switch: a committed canvas is encoded, as is verified drafting's
     decided next token; ``logits`` are the next-token logits after the cache."""
     canvas = model.config.canvas_length
@@ -465,21 +469,26 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, o
             length = plan.last_canvas_length(remaining, canvas)
             result = denoise_canvas(model, cache, plan.settings, rng, None, length)
             tokens, stopped = cut_at_stop(result.tokens[0].tolist(), stop_ids)
-            planner.observe_canvas("fast" if plan.settings.freeze_after else "reference", result.steps, length,
-                                   time.perf_counter() - tic)
+            name, seconds = "fast" if plan.settings.freeze_after else "reference", time.perf_counter() - tic
             remaining -= length
             produced += len(tokens)
             last = stopped or remaining <= 0
             if last:  # said before the last block: its consumer stops at it
+                planner.observe_canvas(name, result.steps, length, seconds, len(tokens))
                 planner.observe_answer(min(produced, max_tokens))
             yield Block(tokens, stopped, result.steps, None, last)
             if last:
                 return
+            tic = time.perf_counter()  # the commit's encode is part of the canvas's cost
             logits = model.head(model.encode(result.tokens, cache, return_hidden=True)[:, -1])
+            mx.eval(logits)
+            planner.observe_canvas(name, result.steps, length, seconds + time.perf_counter() - tic, len(tokens))
         elif plan.mode == "ar":
             tokens, stopped = [], False
-            for block in autoregressive(model, cache, logits, min(canvas, remaining), canvas, stop_ids, temperature,
-                                        rng):
+            # A block as long as the answer is expected still to be (a canvas at most, AR_BLOCK_MIN at
+            # least): when AR was chosen for a short answer and it runs on, the planner chooses again soon.
+            size = min(canvas, remaining, max(AR_BLOCK_MIN, math.ceil(planner.expected_tokens(produced))))
+            for block in autoregressive(model, cache, logits, size, size, stop_ids, temperature, rng):
                 tokens, stopped = block.tokens, block.stopped
             planner.observe_ar(len(tokens), time.perf_counter() - tic)
             remaining -= len(tokens)

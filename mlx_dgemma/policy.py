@@ -654,7 +654,9 @@ class AutoPlanner:
     come: expected from the lengths of the last ``ANSWERS_KEPT`` answers, whatever plan made them
     (those longer than what this answer has so far; a whole canvas when none is); tokens per round
     from the acceptance model, scaled by the observed ratio of tokens per round to the model's. Each
-    prediction times the observed pace of that plan against the profile. Means are over the last ~8
+    prediction times that plan's pace: the tokens per second it gave (commit encodes included) over
+    what was predicted when it was chosen, which corrects both the profile's times and the tokens a
+    canvas or round was expected to give (a short answer's canvas gives few). Means are over the last ~8
     observations, and a plan not run for ``EXPLORE_EVERY`` choices but predicted within
     ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task."""
 
@@ -670,6 +672,7 @@ class AutoPlanner:
         self.current: Plan | None = None
         self.sampling = False  # a sampling temperature: only ar and verified decode with one
         self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
+        self.chosen: tuple[str, float] | None = None  # the plan running, and its tok/s predicted before its pace
 
     def expected_tokens(self, produced: int) -> float:
         """Tokens an answer that has ``produced`` so far is expected still to give."""
@@ -713,6 +716,7 @@ class AutoPlanner:
             self.idle[name] += 1
         best = retry or best
         self.idle[best] = 0
+        self.chosen = best, predicted[best][0] / self.pace[best].value
         plan = make_plan(best, self.gen, self.canvas, remaining, self.profile)
         if best == "verified":
             plan = verified_plan(plan, self.canvas, self.profile, None, None, self.acceptance)
@@ -725,14 +729,14 @@ class AutoPlanner:
         self.current = replace(plan, policy="auto", reasons=reasons).overridden(overrides or {})
         return self.current
 
-    def observe_canvas(self, policy: str, steps: int, length: int, seconds: float | None = None) -> None:
-        """A canvas of ``length`` positions took ``steps`` steps (``seconds``)."""
+    def observe_canvas(self, policy: str, steps: int, length: int, seconds: float | None = None,
+                       tokens: int | None = None) -> None:
+        """A canvas of ``length`` positions took ``steps`` steps and gave ``tokens`` in ``seconds``."""
         self.steps[policy].add(steps)
-        positions = length if policy == "reference" else max(1, round(FAST_POSITION_SHARE * length))
-        self._pace(policy, steps * self.profile.step_s(positions), seconds)
+        self._pace(policy, tokens, seconds)
 
     def observe_ar(self, tokens: int, seconds: float | None = None) -> None:
-        self._pace("ar", tokens * self.profile.ar_token_s, seconds)
+        self._pace("ar", tokens, seconds)
 
     def observe_round(self, length: int, steps: int, kept: int, rejected: bool, tokens: int,
                       seconds: float | None = None, final: bool = False) -> None:
@@ -742,16 +746,16 @@ class AutoPlanner:
         self.acceptance.observe(steps, length, kept, rejected)
         if not final:
             self.round_yield.add(tokens / modelled)
-        drafted = steps * self.profile.step_s(length) if length > 1 else 0.0
-        self._pace("verified", drafted + self.profile.verify_s(length), seconds)
+        self._pace("verified", tokens, seconds)
 
     def observe_answer(self, tokens: int) -> None:
         """An answer ended after ``tokens`` tokens."""
         self.answers.append(tokens)
 
-    def _pace(self, name: str, predicted: float, seconds: float | None) -> None:
-        if seconds:
-            self.pace[name].add(min(4.0, max(0.25, predicted / seconds)))
+    def _pace(self, name: str, tokens: int | None, seconds: float | None) -> None:
+        if tokens is None or not seconds or self.chosen is None or self.chosen[0] != name:
+            return
+        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / self.chosen[1])))
 
 
 def auto_planner(model, gen: GenerationConfig, profile: Profile) -> AutoPlanner:

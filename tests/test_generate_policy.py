@@ -213,3 +213,32 @@ def test_auto_applies_the_callers_settings_to_every_plan(pattern):
         assert (r.plan.settings.steps, r.plan.settings.entropy_bound) == (2, 0.7)
         assert r.steps <= 2
         assert "set by the caller: steps 2, entropy bound 0.7" in r.plan.explain()
+
+
+def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
+    """The pace compares what a plan gave (tokens in seconds) with what was predicted when it was
+    chosen: a plan whose canvases or rounds give fewer tokens than modelled (a short answer's) is
+    left for the next best, and one that gives more is kept."""
+    from mlx_dgemma.config import GenerationConfig
+    from mlx_dgemma.policy import AutoPlanner
+
+    profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
+                      verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
+    first = planner.choose(64)
+    name = "fast" if first.settings.freeze_after else "reference"
+    predicted = planner.chosen[1]
+    planner.observe_canvas(name, 2, 16, seconds=10 / predicted, tokens=1)  # a tenth of the predicted rate
+    after = planner.choose(64)
+    assert (after.mode, bool(after.settings.freeze_after)) != (first.mode, bool(first.settings.freeze_after))
+    assert planner.pace[name].value < 1
+    runner_up = planner.chosen
+    for _ in range(6):  # the next best gives twice its prediction: it stays
+        planner.choose(64)
+        if runner_up[0] == "ar":
+            planner.observe_ar(2, seconds=1 / runner_up[1])
+        elif runner_up[0] == "verified":
+            planner.observe_round(8, 1, 4, True, 2, seconds=1 / runner_up[1])
+        else:
+            planner.observe_canvas(runner_up[0], 2, 16, seconds=1 / runner_up[1], tokens=2)
+    assert planner.chosen[0] == runner_up[0] and planner.pace[runner_up[0]].value > 1.5

@@ -53,28 +53,38 @@ def instances(task: str, n: int, seed: int) -> list[tuple[str, str]]:
 
 def evaluate(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "reference", tasks=TASKS,
              **generate_kwargs) -> dict[str, TaskScore]:
+    return evaluate_policies(model, tokenizer, n, seed, [policy], tasks, {policy: generate_kwargs})[policy]
+
+
+def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], tasks=TASKS,
+                      generate_kwargs: dict[str, dict] | None = None) -> dict[str, dict[str, TaskScore]]:
+    """Scores per policy and task. The policies take turns on each instance, in an order that rotates
+    from one instance to the next, so that they share whatever else the machine is doing (on a shared
+    host the speed of one run moves by a quarter; side by side, the ratios hold)."""
     from ..generate import stream_generate
 
-    scores = {}
+    scores = {policy: {} for policy in policies}
     for task in tasks:
-        score = TaskScore()
+        for policy in policies:
+            scores[policy][task] = TaskScore()
         for i, (prompt, _) in enumerate(instances(task, n, seed)):
-            start = time.perf_counter()
-            responses = list(stream_generate(model, tokenizer, prompt, seed=seed * 100003 + i, policy=policy,
-                                             **generate_kwargs))
-            score.seconds += time.perf_counter() - start
-            text = "".join(r.text for r in responses)
-            score.correct += check(task, prompt, text)
-            score.total += 1
-            score.steps += [r.steps for r in responses]
-            score.tokens += responses[-1].generation_tokens
-            score.forwards += sum(r.steps for r in responses)
-            for r in responses:
-                score.plans[r.plan.mode] = score.plans.get(r.plan.mode, 0) + 1
-            verified = [r for r in responses if r.plan.mode == "verified"]
-            score.rounds += len(verified)
-            score.round_tokens += sum(len(r.tokens) for r in verified)
-        scores[task] = score
+            for policy in policies[i % len(policies):] + policies[: i % len(policies)]:
+                score = scores[policy][task]
+                start = time.perf_counter()
+                responses = list(stream_generate(model, tokenizer, prompt, seed=seed * 100003 + i, policy=policy,
+                                                 **(generate_kwargs or {}).get(policy, {})))
+                score.seconds += time.perf_counter() - start
+                text = "".join(r.text for r in responses)
+                score.correct += check(task, prompt, text)
+                score.total += 1
+                score.steps += [r.steps for r in responses]
+                score.tokens += responses[-1].generation_tokens
+                score.forwards += sum(r.steps for r in responses)
+                for r in responses:
+                    score.plans[r.plan.mode] = score.plans.get(r.plan.mode, 0) + 1
+                verified = [r for r in responses if r.plan.mode == "verified"]
+                score.rounds += len(verified)
+                score.round_tokens += sum(len(r.tokens) for r in verified)
     return scores
 
 
@@ -155,6 +165,20 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
     return "\n".join(lines)
 
 
+def format_side_by_side(scores: dict[str, dict[str, TaskScore]]) -> str:
+    """tok/s of every policy per task (measured turn about on the same instances), and each against
+    the fastest on that task."""
+    policies = list(scores)
+    tasks = list(scores[policies[0]])
+    lines = ["tok/s side by side (x: against the fastest on the task)",
+             f"  {'task':<8} " + " ".join(f"{p:>16}" for p in policies)]
+    for task in tasks:
+        rates = {p: scores[p][task].tokens / scores[p][task].seconds for p in policies}
+        best = max(rates.values())
+        lines.append(f"  {task:<8} " + " ".join(f"{rates[p]:9.1f} {rates[p] / best:5.2f}x" for p in policies))
+    return "\n".join(lines)
+
+
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", help="Checkpoint folder [default: the bundled demo model].")
 @click.option("-n", "--instances", "n", default=50, show_default=True, callback=option(at_least(1)),
@@ -176,16 +200,20 @@ def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_le
         model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
     except ValueError as e:  # the checkpoint's or the adapters' one-line reason
         raise click.ClickException(str(e)) from None
-    for policy in policies:
-        if templates:
+    if templates:
+        for policy in policies:
             click.echo(f"policy {policy}, {n} instances per task\n  {'task':<8} {'setting':<11} {'accuracy':>9} "
                        f"{'valid':>7}")
             for task, name, accuracy, valid in evaluate_templates(model, tokenizer, n, seed, policy,
                                                                        tasks=tasks or TASKS):
                 click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
-        else:
-            drafts = {"draft_length": draft_length, "draft_steps": draft_steps} if policy == "verified" else {}
-            click.echo(format_scores(policy, evaluate(model, tokenizer, n, seed, policy, tasks or TASKS, **drafts)))
+        return
+    drafts = {"verified": {"draft_length": draft_length, "draft_steps": draft_steps}}
+    scores = evaluate_policies(model, tokenizer, n, seed, list(policies), tasks or TASKS, drafts)
+    for policy in policies:
+        click.echo(format_scores(policy, scores[policy]))
+    if len(policies) > 1:
+        click.echo(format_side_by_side(scores))
 
 
 if __name__ == "__main__":
