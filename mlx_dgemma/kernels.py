@@ -48,7 +48,8 @@ class Kernels:
     expert_counts: Callable[[mx.array, int, bool], list[int] | None]
     # (q [B, H, T, D], k [B, Hkv, K, D], v [B, Hkv, K, Dv], bool mask broadcastable to [B, 1, T, K] | None)
     attention: Callable[[mx.array, mx.array, mx.array, mx.array | None], mx.array]
-    # the tanh approximation (gelu_pytorch_tanh); (x, elements the path is chosen for: default x.size)
+    # the tanh approximation (gelu_pytorch_tanh); (x, elements of one row of the batch, by which the path
+    # is chosen so that a row computes the same numbers in a batch as alone; default x.size)
     gelu: Callable[..., mx.array]
 
 
@@ -238,12 +239,12 @@ def _attention_masked_vjp(primals, cotangent, output):
 
 # Sizes from which leaving MLX's graph for numpy pays: below them (an AR token, a short draft) the
 # host round trip costs more than MLX's slow transcendentals (benchmarks/attention_cpu.py).
-NUMPY_ATTENTION_MIN_SCORES = 32768  # B · heads · queries · keys
-NUMPY_GELU_MIN_ELEMENTS = 8192
+NUMPY_ATTENTION_MIN_SCORES = 32768  # heads · queries · keys of one row
+NUMPY_GELU_MIN_ELEMENTS = 4096  # of one row; numpy and MLX cost the same at ~6000 (a GELU between two matmuls)
 
 
 def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
-    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] < NUMPY_ATTENTION_MIN_SCORES:
+    if q.shape[1] * q.shape[2] * k.shape[2] < NUMPY_ATTENTION_MIN_SCORES:  # per row: a batch's rows as alone
         return _mlx_attention(q, k, v, mask)
     return _attention_unmasked(q, k, v) if mask is None else _attention_masked(q, k, v, mask)
 

@@ -24,6 +24,12 @@ from .cache import CanvasView, KVCache
 from .config import ModelConfig
 
 
+def row_size(x: mx.array) -> int:
+    """Elements per row of a batch [B, T, ...]: the CPU kernels choose their path by it, so that a
+    row computes the same numbers in a batch as alone."""
+    return x.size // x.shape[0] if x.ndim >= 3 else x.size
+
+
 def rms_norm_noscale(x: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, None, eps)
 
@@ -117,7 +123,8 @@ class MLP(nn.Module):
         self.kernels = device_kernels.MLX
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.kernels.gelu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        return self.down_proj(self.kernels.gelu(gate, row_size(gate)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -211,6 +218,8 @@ class Experts(nn.Module):
 
     def __call__(self, x: mx.array, idx: mx.array, weights: mx.array) -> mx.array:
         shape, k = x.shape, idx.shape[-1]
+        # Copies routed per row of the batch: the GELU's path is chosen by them (see _gelu).
+        row_copies = k * (shape[-2] if len(shape) >= 3 else shape[0])
         x = x.reshape(-1, shape[-1])
         flat = idx.reshape(-1)
         # Token copies sorted by expert, so that each expert's weights are walked once.
@@ -223,31 +232,33 @@ class Experts(nn.Module):
         if self.shard is not None:
             # Each copy's output comes from the one rank that holds its expert (the others add
             # zeros): the very numbers of a single process, so sharded text equals unsharded text.
-            y = self.shard.all_sum(self._local_outputs(xs, sorted_idx, counts).astype(x.dtype))
+            y = self.shard.all_sum(self._local_outputs(xs, sorted_idx, counts, row_copies).astype(x.dtype))
         elif counts is not None:
-            y = self._ffn_segments(xs, counts, xs.shape[0]).astype(x.dtype)
+            y = self._ffn_segments(xs, counts, row_copies).astype(x.dtype)
         else:
-            y = self._ffn_gather(xs, sorted_idx)
+            y = self._ffn_gather(xs, sorted_idx, row_copies)
         y = y[mx.argsort(order)].reshape(-1, k, shape[-1])
         out = (y.astype(mx.float32) * weights.reshape(-1, k, 1)).sum(axis=1)
         return out.astype(x.dtype).reshape(shape)
 
-    def _gelu(self, gate: mx.array, copies: int) -> mx.array:
-        # The kernel is chosen by the size of all ``copies`` routed in this forward, not of the rows
-        # at hand: a rank holding some experts then computes its rows as a single process would.
-        return self.kernels.gelu(gate, copies * self.inner)
+    def _gelu(self, gate: mx.array, row_copies: int) -> mx.array:
+        # The kernel is chosen by the copies one row of the batch routes in this forward, not by the
+        # copies at hand: a rank holding some experts then computes them as a single process would,
+        # and a row in a batch as it would alone.
+        return self.kernels.gelu(gate, row_copies * self.inner)
 
-    def _ffn_segments(self, xs: mx.array, counts: list[int], copies: int) -> mx.array:
+    def _ffn_segments(self, xs: mx.array, counts: list[int], row_copies: int) -> mx.array:
         gate_up = self.gate_up_proj.segments(xs, counts)
-        return self.down_proj.segments(self._gelu(gate_up[..., : self.inner], copies) * gate_up[..., self.inner :],
-                                       counts)
+        return self.down_proj.segments(self._gelu(gate_up[..., : self.inner], row_copies)
+                                       * gate_up[..., self.inner :], counts)
 
-    def _ffn_gather(self, xs: mx.array, sorted_idx: mx.array) -> mx.array:
+    def _ffn_gather(self, xs: mx.array, sorted_idx: mx.array, row_copies: int) -> mx.array:
         gate_up = self.gate_up_proj(xs[:, None, :], sorted_idx)
-        h = self._gelu(gate_up[..., : self.inner], xs.shape[0]) * gate_up[..., self.inner :]
+        h = self._gelu(gate_up[..., : self.inner], row_copies) * gate_up[..., self.inner :]
         return self.down_proj(h, sorted_idx)[:, 0]
 
-    def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None) -> mx.array:
+    def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None,
+                       row_copies: int) -> mx.array:
         """The outputs [N, H] of the copies routed to this rank's experts, zero for the others."""
         start, stop = self.shard.start, self.shard.stop
         n = stop - start
@@ -256,7 +267,7 @@ class Experts(nn.Module):
             last = first + sum(counts[start:stop])
             parts = [mx.zeros((first, xs.shape[-1]), xs.dtype)]
             if last > first:
-                parts.append(self._ffn_segments(xs[first:last], counts[start:stop], xs.shape[0]).astype(xs.dtype))
+                parts.append(self._ffn_segments(xs[first:last], counts[start:stop], row_copies).astype(xs.dtype))
             parts.append(mx.zeros((xs.shape[0] - last, xs.shape[-1]), xs.dtype))
             return mx.concatenate(parts)
         local = sorted_idx.astype(mx.int32) - start
@@ -268,7 +279,7 @@ class Experts(nn.Module):
         below = mx.where(lowest < n, lowest, 0)
         above = mx.where(highest >= 0, highest, 0)
         local = mx.where(local < 0, below, mx.where(local >= n, above, local))
-        return mx.where(mine[:, None], self._ffn_gather(xs, local), 0)
+        return mx.where(mine[:, None], self._ffn_gather(xs, local, row_copies), 0)
 
 
 class Layer(nn.Module):
@@ -323,7 +334,8 @@ class SelfConditioning(nn.Module):
     def __call__(self, embeds: mx.array, signal: mx.array | None) -> mx.array:
         if signal is not None:  # a zero signal gives a zero MLP output, so step 1 skips it
             n = self.pre_norm(signal)
-            embeds = embeds + self.down_proj(self.kernels.gelu(self.gate_proj(n)) * self.up_proj(n))
+            gate = self.gate_proj(n)
+            embeds = embeds + self.down_proj(self.kernels.gelu(gate, row_size(gate)) * self.up_proj(n))
         return rms_norm_noscale(embeds, self.eps)
 
 
