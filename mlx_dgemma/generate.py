@@ -218,12 +218,12 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
         planner = (AutoPlanner(defaults, config.canvas_length, profile, expected_steps) if expected_steps
                    else auto_planner(model, defaults, profile))
         planner.sampling = bool(temperature)  # a temperature is for ar and verified only
-        plan = planner.choose(max_tokens, overrides)
+        plan = None  # chosen below, once the prompt's ids are known
     else:
         acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
         plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
                          draft_length=draft_length, draft_steps=draft_steps, acceptance=acceptance).overridden(overrides)
-    if temperature and plan.mode == "diffusion":
+    if temperature and plan is not None and plan.mode == "diffusion":
         raise ValueError("a temperature applies to autoregressive and verified decoding; "
                          "diffusion takes --temp-min/--temp-max")
     if temperature and template is not None:
@@ -231,6 +231,8 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
     ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})
     check_prompt(ids, config, max_tokens if template is None else 1)
+    if plan is None:  # auto's first choice: the answers to prompts like this one say how long it may be
+        plan = planner.choose(max_tokens, overrides, prompt=ids)
     rng = MxRandom(seed) if rng is None else rng
     stop_ids = set(defaults.eos_token_id)
     if template is not None:
@@ -315,7 +317,7 @@ def stream_generate(
 
         tic = time.perf_counter()
         if planner is not None:
-            blocks = adaptive(model, cache, first_logits, planner, plan, job.overrides, max_tokens, rng, stop_ids,
+            blocks = adaptive(model, cache, first_logits, planner, plan, job.overrides, max_tokens, job.ids, rng, stop_ids,
                               temperature)
         elif plan.mode == "ar" and template is not None:
             blocks = autoregressive_template(model, cache, first_logits, template, tokenizer, end_of_turn,
@@ -452,7 +454,7 @@ AR_BLOCK_MIN = 4  # tokens auto decodes autoregressively before it chooses again
 
 
 def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, overrides: dict, max_tokens: int,
-             rng: Random, stop_ids, temperature: float = 0.0) -> Iterator[Block]:
+             prompt: list[int], rng: Random, stop_ids, temperature: float = 0.0) -> Iterator[Block]:
     """The auto policy: before each canvas, AR block (as many tokens as the answer is expected still to
     have) or verified round the planner picks a plan from its current estimates (``plan``: its first
     choice), with the caller's sampler ``overrides``, and learns from what the step did. Everything
@@ -461,7 +463,7 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, o
     canvas = model.config.canvas_length
     remaining, known, rule, produced = max_tokens, None, None, 0
     while True:
-        plan = plan or planner.choose(remaining, overrides, produced)
+        plan = plan or planner.choose(remaining, overrides, produced, prompt)
         if plan.mode != "verified" and known is not None:  # leaving verified drafting
             logits, known = model.next_token_logits(mx.array([[known]]), cache), None
         tic = time.perf_counter()
@@ -474,28 +476,28 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, o
             produced += len(tokens)
             last = stopped or remaining <= 0
             if last:  # said before the last block: its consumer stops at it
-                planner.observe_canvas(name, result.steps, length, seconds, len(tokens))
-                planner.observe_answer(min(produced, max_tokens))
+                planner.observe_canvas(name, result.steps, length, seconds, len(tokens), prompt)
+                planner.observe_answer(min(produced, max_tokens), prompt)
             yield Block(tokens, stopped, result.steps, None, last)
             if last:
                 return
             tic = time.perf_counter()  # the commit's encode is part of the canvas's cost
             logits = model.head(model.encode(result.tokens, cache, return_hidden=True)[:, -1])
             mx.eval(logits)
-            planner.observe_canvas(name, result.steps, length, seconds + time.perf_counter() - tic, len(tokens))
+            planner.observe_canvas(name, result.steps, length, seconds + time.perf_counter() - tic, len(tokens), prompt)
         elif plan.mode == "ar":
             tokens, stopped = [], False
             # A block as long as the answer is expected still to be (a canvas at most, AR_BLOCK_MIN at
             # least): when AR was chosen for a short answer and it runs on, the planner chooses again soon.
-            size = min(canvas, remaining, max(AR_BLOCK_MIN, math.ceil(planner.expected_tokens(produced))))
+            size = min(canvas, remaining, max(AR_BLOCK_MIN, math.ceil(planner.expected_tokens(produced, prompt))))
             for block in autoregressive(model, cache, logits, size, size, stop_ids, temperature, rng):
                 tokens, stopped = block.tokens, block.stopped
-            planner.observe_ar(len(tokens), time.perf_counter() - tic)
+            planner.observe_ar(len(tokens), time.perf_counter() - tic, prompt)
             remaining -= len(tokens)
             produced += len(tokens)
             last = stopped or remaining <= 0
             if last:  # said before the last block: its consumer stops at it
-                planner.observe_answer(min(produced, max_tokens))
+                planner.observe_answer(min(produced, max_tokens), prompt)
             yield Block(tokens, stopped, len(tokens), None, last)
             if last:
                 return
@@ -513,13 +515,13 @@ def adaptive(model, cache, logits: mx.array, planner: AutoPlanner, plan: Plan, o
                 known, forwards = step.known, step.forwards
                 planner.observe_round(step.length, plan.draft_steps, step.kept,
                                       known is not None and step.kept < step.length - 1, len(step.tokens),
-                                      time.perf_counter() - tic, final=known is None)
+                                      time.perf_counter() - tic, final=known is None, prompt=prompt)
                 emitted += step.tokens
             remaining -= len(emitted)
             produced += len(emitted)
             last = known is None
             if last:  # said before the last block: its consumer stops at it
-                planner.observe_answer(min(produced, max_tokens))
+                planner.observe_answer(min(produced, max_tokens), prompt)
             yield Block(emitted, last and emitted[-1] in stop_ids, max(forwards, 1), None, last)
             if last:
                 return

@@ -611,8 +611,11 @@ def best_draft(profile: Profile, acceptance: Acceptance, canvas: int, length: in
 # Share of canvas positions the fast policy computes per step (active-set compaction): 74 of 144 on
 # the demo tasks (benchmarks/demo_speed.py).
 FAST_POSITION_SHARE = 0.5
-# auto expects an answer's length from this many recent answers
+# auto expects an answer's length from this many recent answers to prompts like its own; it keeps the
+# last OBSERVATIONS_KEPT of each thing it observes, and a prompt's first PROMPT_KEY ids say what it is like
 ANSWERS_KEPT = 8
+OBSERVATIONS_KEPT = 64
+PROMPT_KEY = 256
 # auto runs a plan again after this many choices without it, if predicted within this share of the best
 EXPLORE_EVERY = 16
 EXPLORE_WITHIN = 0.8
@@ -651,43 +654,52 @@ class AutoPlanner:
     start from a prior of the generation config (a quarter of the step limit, at least the stability
     threshold + 1: the stop rule fires well before the limit on a trained model) worth one canvas.
     How many tokens a canvas or a round will give is bounded by the tokens the answer still has to
-    come: expected from the lengths of the last ``ANSWERS_KEPT`` answers, whatever plan made them
-    (those longer than what this answer has so far; a whole canvas when none is); tokens per round
+    come: expected from the lengths of the last ``ANSWERS_KEPT`` answers to the prompts that begin
+    most like this one (the same instructions, the earlier turns of a conversation; all recent ones
+    when none shares more than the others), whatever plan made them (those longer than what this
+    answer has so far; a whole canvas when none is); tokens per round
     from the acceptance model, scaled by the observed ratio of tokens per round to the model's. Each
     prediction times that plan's pace: the tokens per second it gave (commit encodes included) over
     what was predicted when it was chosen, which corrects both the profile's times and the tokens a
-    canvas or round was expected to give (a short answer's canvas gives few). Means are over the last ~8
-    observations, and a plan not run for ``EXPLORE_EVERY`` choices but predicted within
-    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task."""
+    canvas or round was expected to give (a short answer's canvas gives few). Steps per canvas and
+    pace, like answer lengths, are means over the last ~8 observations made on prompts that begin
+    most like this one (``PromptLikeMeans``), so that one task's do not stand for another's, and a
+    plan not run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is
+    run once more, so estimates follow a change of task."""
 
     def __init__(self, gen: GenerationConfig, canvas: int, profile: Profile, expected_steps: float | None = None):
         self.gen, self.canvas, self.profile = gen, canvas, profile
         prior = expected_steps or max(gen.stability_threshold + 1, gen.max_denoising_steps / 4)
-        self.steps = {"reference": RunningMean(prior, 1), "fast": RunningMean(prior, 1)}
-        self.answers: deque[int] = deque(maxlen=ANSWERS_KEPT)  # lengths of the last answers
+        self.steps = {"reference": PromptLikeMeans(prior), "fast": PromptLikeMeans(prior)}
+        self.lengths = PromptLikeMeans(float(canvas), window=ANSWERS_KEPT)  # answer lengths
         self.acceptance = Acceptance()
         self.round_yield = RunningMean(1.0, 1)  # observed / modelled tokens per round
-        # profile-predicted / observed seconds per plan (host work and load the profile does not see)
-        self.pace = {name: RunningMean(1.0, 1) for name in ("reference", "fast", "ar", "verified")}
+        # tok/s a plan gave / tok/s predicted when it was chosen
+        self.pace = {name: PromptLikeMeans(1.0) for name in ("reference", "fast", "ar", "verified")}
         self.current: Plan | None = None
         self.sampling = False  # a sampling temperature: only ar and verified decode with one
         self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
         self.chosen: tuple[str, float] | None = None  # the plan running, and its tok/s predicted before its pace
 
-    def expected_tokens(self, produced: int) -> float:
-        """Tokens an answer that has ``produced`` so far is expected still to give."""
-        longer = [n - produced for n in self.answers if n > produced]
+    def answers(self, prompt: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """Lengths of the ``ANSWERS_KEPT`` answers to the prompts that begin most like ``prompt``."""
+        return [int(n) for n in self.lengths.observed(prompt)]
+
+    def expected_tokens(self, produced: int, prompt: list[int] | tuple[int, ...] = ()) -> float:
+        """Tokens an answer to ``prompt`` that has ``produced`` so far is expected still to give."""
+        longer = [n - produced for n in self.answers(prompt) if n > produced]
         return sum(longer) / len(longer) if longer else float(self.canvas)
 
-    def predictions(self, remaining: int, produced: int = 0) -> dict[str, tuple[float, str]]:
+    def predictions(self, remaining: int, produced: int = 0,
+                    prompt: list[int] | tuple[int, ...] = ()) -> dict[str, tuple[float, str]]:
         p, C = self.profile, self.canvas
-        expected = self.expected_tokens(produced)
+        expected = self.expected_tokens(produced, prompt)
         tokens = min(expected, remaining, C)
         length, steps, verified = best_draft(p, self.acceptance, C)
         out = {}
         for name in ("reference", "fast"):
             positions = C if name == "reference" else max(1, round(FAST_POSITION_SHARE * C))
-            n = self.steps[name].value
+            n = self.steps[name].value(prompt)
             out[name] = (tokens / (n * p.step_s(positions)),
                          f"{n:.1f} steps per canvas of {positions} computed positions, {tokens:.1f} tokens per canvas")
         out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
@@ -696,14 +708,16 @@ class AutoPlanner:
         out["verified"] = (verified * per_round / modelled,
                            f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round "
                            f"({self.acceptance.describe()})")
-        return {name: (tok_s * self.pace[name].value, why + (f", x{self.pace[name].value:.2f} as observed"
-                                                             if self.pace[name].count > 1 else ""))
+        paces = {name: self.pace[name].value(prompt) for name in out}
+        return {name: (tok_s * paces[name], why + (f", x{paces[name]:.2f} as observed"
+                                                   if self.pace[name].observed(prompt) else ""))
                 for name, (tok_s, why) in out.items()}
 
-    def choose(self, remaining: int, overrides: dict | None = None, produced: int = 0) -> Plan:
-        """The next plan for an answer that has ``produced`` tokens and room for ``remaining`` more,
-        with the caller's sampler ``overrides`` (``Plan.overridden``) applied."""
-        predicted = self.predictions(remaining, produced)
+    def choose(self, remaining: int, overrides: dict | None = None, produced: int = 0,
+               prompt: list[int] | tuple[int, ...] = ()) -> Plan:
+        """The next plan for an answer to ``prompt`` that has ``produced`` tokens and room for
+        ``remaining`` more, with the caller's sampler ``overrides`` (``Plan.overridden``) applied."""
+        predicted = self.predictions(remaining, produced, prompt)
         if self.sampling:
             predicted = {name: predicted[name] for name in ("ar", "verified")}
         best = max(predicted, key=lambda name: predicted[name][0])
@@ -716,7 +730,7 @@ class AutoPlanner:
             self.idle[name] += 1
         best = retry or best
         self.idle[best] = 0
-        self.chosen = best, predicted[best][0] / self.pace[best].value
+        self.chosen = best, predicted[best][0] / self.pace[best].value(prompt)
         plan = make_plan(best, self.gen, self.canvas, remaining, self.profile)
         if best == "verified":
             plan = verified_plan(plan, self.canvas, self.profile, None, None, self.acceptance)
@@ -730,32 +744,71 @@ class AutoPlanner:
         return self.current
 
     def observe_canvas(self, policy: str, steps: int, length: int, seconds: float | None = None,
-                       tokens: int | None = None) -> None:
+                       tokens: int | None = None, prompt: list[int] | tuple[int, ...] = ()) -> None:
         """A canvas of ``length`` positions took ``steps`` steps and gave ``tokens`` in ``seconds``."""
-        self.steps[policy].add(steps)
-        self._pace(policy, tokens, seconds)
+        self.steps[policy].add(steps, prompt)
+        self._pace(policy, tokens, seconds, prompt)
 
-    def observe_ar(self, tokens: int, seconds: float | None = None) -> None:
-        self._pace("ar", tokens, seconds)
+    def observe_ar(self, tokens: int, seconds: float | None = None, prompt: list[int] | tuple[int, ...] = ()) -> None:
+        self._pace("ar", tokens, seconds, prompt)
 
     def observe_round(self, length: int, steps: int, kept: int, rejected: bool, tokens: int,
-                      seconds: float | None = None, final: bool = False) -> None:
+                      seconds: float | None = None, final: bool = False,
+                      prompt: list[int] | tuple[int, ...] = ()) -> None:
         """A verified round; ``final``: it ended the answer (its tokens say how long the answer was,
         not how well drafts are accepted)."""
         modelled = self.acceptance.tokens_per_round(steps, length)
         self.acceptance.observe(steps, length, kept, rejected)
         if not final:
             self.round_yield.add(tokens / modelled)
-        self._pace("verified", tokens, seconds)
+        self._pace("verified", tokens, seconds, prompt)
 
-    def observe_answer(self, tokens: int) -> None:
-        """An answer ended after ``tokens`` tokens."""
-        self.answers.append(tokens)
+    def observe_answer(self, tokens: int, prompt: list[int] | tuple[int, ...] = ()) -> None:
+        """An answer to ``prompt`` ended after ``tokens`` tokens."""
+        self.lengths.add(tokens, prompt)
 
-    def _pace(self, name: str, tokens: int | None, seconds: float | None) -> None:
+    def _pace(self, name: str, tokens: int | None, seconds: float | None, prompt) -> None:
         if tokens is None or not seconds or self.chosen is None or self.chosen[0] != name:
             return
-        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / self.chosen[1])))
+        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / self.chosen[1])), prompt)
+
+
+class PromptLikeMeans:
+    """One quantity observed along with the prompt each observation came from, estimated from the
+    ``window`` observations on the prompts that share the longest beginnings with the one at hand (the
+    same instructions, a conversation's earlier turns; the latest when none shares more than the
+    template), after a prior worth one observation until there are ``window``. A new kind of prompt
+    starts from what the others gave and takes over the estimate as its own observations come in."""
+
+    def __init__(self, prior: float, window: int = 8):
+        self.prior, self.window = prior, window
+        self.records: deque[tuple[tuple[int, ...], float]] = deque(maxlen=OBSERVATIONS_KEPT)
+
+    def add(self, value: float, prompt: list[int] | tuple[int, ...] = ()) -> None:
+        self.records.append((tuple(prompt[:PROMPT_KEY]), value))
+
+    def observed(self, prompt: list[int] | tuple[int, ...] = ()) -> list[float]:
+        """The ``window`` observations on the prompts that share the longest beginnings with ``prompt``
+        (the latest first among equals), oldest first."""
+        key = tuple(prompt[:PROMPT_KEY])
+        shared = [_common_prefix(key, past) for past, _ in self.records]
+        nearest = sorted(range(len(shared)), key=lambda i: (shared[i], i), reverse=True)[: self.window]
+        return [self.records[i][1] for i in sorted(nearest)]
+
+    def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
+        seen = self.observed(prompt)
+        if len(seen) >= self.window:
+            return sum(seen) / len(seen)
+        return (self.prior + sum(seen)) / (1 + len(seen))
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def auto_planner(model, gen: GenerationConfig, profile: Profile) -> AutoPlanner:

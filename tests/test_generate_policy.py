@@ -108,6 +108,32 @@ def test_auto_expects_answers_as_long_as_the_last_ones():
     assert planner.expected_tokens(30) == 10 and planner.expected_tokens(40) == 16  # none longer: a canvas
 
 
+def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
+    """Answers to prompts that begin alike (a task's instructions, a conversation's earlier turns) say
+    how long the next one may be; a prompt like none of them gets all the recent answers."""
+    from mlx_dgemma.config import GenerationConfig
+    from mlx_dgemma.policy import AutoPlanner
+
+    profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
+                      verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
+    template, short, long = [2, 105, 9], [40, 41], [50, 51]
+    for i in range(8):
+        planner.observe_answer(3, template + short + [60 + i])
+        planner.observe_answer(40, template + long + [70 + i])
+    assert planner.answers(template + short + [99]) == [3] * 8
+    assert planner.expected_tokens(0, template + long + [99]) == 40
+    assert planner.choose(64, prompt=template + short + [99]).mode == "ar"  # 3 tokens per canvas or round
+    assert planner.choose(64, prompt=template + long + [99]).mode == "diffusion"
+    assert planner.expected_tokens(0, [7, 7]) == (3 + 40) / 2  # shares nothing: the latest answers
+    planner.observe_answer(20, template + [30])  # a new kind: its own, then the latest others
+    assert planner.answers(template + [30, 1]) == [40, 3, 40, 3, 40, 3, 40, 20]
+    for i in range(8):  # steps per canvas, too, come from the canvases of prompts like this one
+        planner.observe_canvas("fast", 1, 16, prompt=template + short + [60 + i])
+        planner.observe_canvas("fast", 6, 16, prompt=template + long + [70 + i])
+    assert planner.steps["fast"].value(template + short) == 1 and planner.steps["fast"].value(template + long) == 6
+
+
 def test_auto_learns_each_answers_length(pattern):
     model, tokenizer = pattern
     model.__dict__.pop("_auto_planner", None)
@@ -117,7 +143,7 @@ def test_auto_learns_each_answers_length(pattern):
     for max_tokens in (5, 21):
         responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens, policy="auto", profile=profile))
         lengths.append(responses[-1].generation_tokens)
-    assert list(model._auto_planner.answers) == lengths
+    assert model._auto_planner.answers() == lengths
     del model._auto_planner
 
 
@@ -134,7 +160,7 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern):
             super().__init__(*args)
             self.modes = iter(modes)
 
-        def choose(self, remaining, overrides=None, produced=0):
+        def choose(self, remaining, overrides=None, produced=0, prompt=()):
             name = next(self.modes, "ar")
             plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft_length=5, draft_steps=1)
             self.current = replace(plan, policy="auto").overridden(overrides or {})
@@ -231,7 +257,7 @@ def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
     planner.observe_canvas(name, 2, 16, seconds=10 / predicted, tokens=1)  # a tenth of the predicted rate
     after = planner.choose(64)
     assert (after.mode, bool(after.settings.freeze_after)) != (first.mode, bool(first.settings.freeze_after))
-    assert planner.pace[name].value < 1
+    assert planner.pace[name].value() < 1
     runner_up = planner.chosen
     for _ in range(6):  # the next best gives twice its prediction: it stays
         planner.choose(64)
@@ -241,4 +267,4 @@ def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
             planner.observe_round(8, 1, 4, True, 2, seconds=1 / runner_up[1])
         else:
             planner.observe_canvas(runner_up[0], 2, 16, seconds=1 / runner_up[1], tokens=2)
-    assert planner.chosen[0] == runner_up[0] and planner.pace[runner_up[0]].value > 1.5
+    assert planner.chosen[0] == runner_up[0] and planner.pace[runner_up[0]].value() > 1.5
