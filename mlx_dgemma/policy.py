@@ -783,17 +783,21 @@ class PromptLikeMeans:
     def __init__(self, prior: float, window: int = 8):
         self.prior, self.window = prior, window
         self.records: deque[tuple[tuple[int, ...], float]] = deque(maxlen=OBSERVATIONS_KEPT)
+        self._observed: dict[tuple[int, ...], list[float]] = {}  # per prompt key, until the next observation
 
     def add(self, value: float, prompt: list[int] | tuple[int, ...] = ()) -> None:
         self.records.append((tuple(prompt[:PROMPT_KEY]), value))
+        self._observed.clear()
 
     def observed(self, prompt: list[int] | tuple[int, ...] = ()) -> list[float]:
         """The ``window`` observations on the prompts that share the longest beginnings with ``prompt``
         (the latest first among equals), oldest first."""
         key = tuple(prompt[:PROMPT_KEY])
-        shared = [_common_prefix(key, past) for past, _ in self.records]
-        nearest = sorted(range(len(shared)), key=lambda i: (shared[i], i), reverse=True)[: self.window]
-        return [self.records[i][1] for i in sorted(nearest)]
+        if key not in self._observed:
+            shared = [_common_prefix(key, past) for past, _ in self.records]
+            nearest = sorted(range(len(shared)), key=lambda i: (shared[i], i), reverse=True)[: self.window]
+            self._observed[key] = [self.records[i][1] for i in sorted(nearest)]
+        return self._observed[key]
 
     def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
         seen = self.observed(prompt)

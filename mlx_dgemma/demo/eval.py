@@ -39,7 +39,7 @@ class TaskScore:
     seconds: float = 0.0
     rounds: int = 0  # verified drafting's rounds (one response each)
     round_tokens: int = 0  # tokens those rounds produced
-    plans: dict[str, int] = field(default_factory=dict)  # responses per plan mode (what auto chose)
+    plans: dict[str, int] = field(default_factory=dict)  # responses per plan (what auto chose)
 
     @property
     def accuracy(self) -> float:
@@ -81,7 +81,9 @@ def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], 
                 score.tokens += responses[-1].generation_tokens
                 score.forwards += sum(r.steps for r in responses)
                 for r in responses:
-                    score.plans[r.plan.mode] = score.plans.get(r.plan.mode, 0) + 1
+                    name = r.plan.mode if r.plan.mode != "diffusion" else "fast" if r.plan.settings.freeze_after \
+                        else "reference"
+                    score.plans[name] = score.plans.get(name, 0) + 1
                 verified = [r for r in responses if r.plan.mode == "verified"]
                 score.rounds += len(verified)
                 score.round_tokens += sum(len(r.tokens) for r in verified)
