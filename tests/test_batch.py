@@ -293,3 +293,39 @@ def test_demo_rows_that_join_at_every_step_give_what_they_give_alone(demo, polic
         r = requests[i]
         assert text == generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed, policy=policy,
                                 chat_template=False)
+
+
+def test_with_mlxs_own_blas_batched_denoise_rows_are_within_the_encoders_bound(checkpoints):
+    """The 2e-5 above is OpenBLAS's: with MLX's bundled BLAS (no row-count blocking) a batched row's
+    denoiser logits are within 1e-5 of the row alone, with and without self-conditioning."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+import mlx.core as mx
+from mlx_dgemma import fast_blas, load
+from tests.test_batch import LENGTHS, batched_cache, prompts_of, relative, single_cache
+assert fast_blas.loaded is None
+worst = 0.0
+for path in {[str(checkpoints(p)) for p in ("pattern", "mixed")]!r}:
+    model = load(path)[0]
+    C, V = model.config.canvas_length, model.config.vocab_size
+    prompts = prompts_of(model, LENGTHS[4], seed=1)
+    cache, _, _ = batched_cache(model, prompts)
+    canvas = mx.random.randint(0, V, (4, C), key=mx.random.key(1))
+    for sc in (None, mx.random.normal((4, C, V), key=mx.random.key(2)) * 3):
+        got = model.denoise(canvas, cache, sc)
+        for i, prompt in enumerate(prompts):
+            alone, _ = single_cache(model, prompt)
+            want = model.denoise(canvas[i:i + 1], alone, None if sc is None else sc[i:i + 1])
+            worst = max(worst, relative(got[i], want[0]))
+print(worst)
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MLX_DGEMMA_BLAS": "reference", "PYTHONPATH": str(root)}
+    env.pop("LD_PRELOAD", None)
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) <= BOUND
