@@ -239,12 +239,12 @@ def _attention_masked_vjp(primals, cotangent, output):
 
 # Sizes from which leaving MLX's graph for numpy pays: below them (an AR token, a short draft) the
 # host round trip costs more than MLX's slow transcendentals (benchmarks/attention_cpu.py).
-NUMPY_ATTENTION_MIN_SCORES = 32768  # heads · queries · keys of one row
+NUMPY_ATTENTION_MIN_SCORES = 32768  # B · heads · queries · keys (rows stacked pay for the host trip together)
 NUMPY_GELU_MIN_ELEMENTS = 4096  # of one row; numpy and MLX cost the same at ~6000 (a GELU between two matmuls)
 
 
 def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
-    if q.shape[1] * q.shape[2] * k.shape[2] < NUMPY_ATTENTION_MIN_SCORES:  # per row: a batch's rows as alone
+    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] < NUMPY_ATTENTION_MIN_SCORES:
         return _mlx_attention(q, k, v, mask)
     return _attention_unmasked(q, k, v) if mask is None else _attention_masked(q, k, v, mask)
 
