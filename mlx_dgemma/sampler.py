@@ -425,20 +425,28 @@ class CompactedRun(CanvasRun):
         free_entropy = mx.where(self.fixed, 0.0, self.entropy_all).sum()
         mean_entropy = free_entropy / self.free if self.free else mx.array(0.0)
         self.stop = self.stop_rule(self.argmax_all[None], mean_entropy)
-        settle = (self.streak[index] >= settings.freeze_after).tolist()
-        if any(settle):
-            rows = mx.array([p for p, s in zip(self.active, settle) if s], dtype=mx.int32)
-            self.frozen[rows] = True
-            self.tokens[rows] = self.argmax_all[rows]
-            keep = [i for i, s in enumerate(settle) if not s]
-            self.active = [self.active[i] for i in keep]
-            keep = mx.array(keep, dtype=mx.int32)
-            scaled, probs = scaled[:, keep], probs[:, keep]
+        # Which positions freeze is read in settle(), with the rest of the step: runs stepped together
+        # (step_compacted) then wait once for all of them, not once each.
+        self._freezing = self.streak[index] >= settings.freeze_after
         self.self_conditioning, self.self_conditioning_probs = scaled, probs
         self._draft = (accepted, mean_entropy)
-        return [self.stop, scaled, self.tokens]
+        return [self.stop, scaled, self.tokens, self._freezing]
+
+    def _freeze(self) -> None:
+        """Positions steady for ``freeze_after`` steps keep their token and K/V from now on."""
+        freezing = self._freezing.tolist()
+        if any(freezing):
+            rows = mx.array([p for p, f in zip(self.active, freezing) if f], dtype=mx.int32)
+            self.frozen[rows] = True
+            self.tokens[rows] = self.argmax_all[rows]
+            keep = [i for i, f in enumerate(freezing) if not f]
+            self.active = [self.active[i] for i in keep]
+            keep = mx.array(keep, dtype=mx.int32)
+            self.self_conditioning = self.self_conditioning[:, keep]
+            self.self_conditioning_probs = self.self_conditioning_probs[:, keep]
 
     def settle(self) -> None:
+        self._freeze()
         accepted, mean_entropy = self._draft
         if self.on_step is not None:
             self.on_step(Draft(self.step, self.argmax_all.tolist(), accepted.tolist(), mean_entropy.item(),
