@@ -6,24 +6,14 @@ over growing sizes: why the CPU kernels compute them that way.
 """
 
 import argparse
-import time
 
 from mlx_dgemma import fast_blas
 
 fast_blas.load()
 import mlx.core as mx  # noqa: E402
+from timing import best_ms  # noqa: E402
 
 from mlx_dgemma import kernels  # noqa: E402
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def main():
