@@ -621,26 +621,6 @@ EXPLORE_EVERY = 16
 EXPLORE_WITHIN = 0.8
 
 
-@dataclass
-class RunningMean:
-    """A mean over the last ~``window`` observations (older ones fade), started from a prior."""
-
-    total: float
-    count: float
-    window: int = 8
-
-    @property
-    def value(self) -> float:
-        return self.total / self.count
-
-    def add(self, x: float) -> None:
-        if self.count >= self.window:
-            self.total *= (self.window - 1) / self.count
-            self.count = self.window - 1
-        self.total += x
-        self.count += 1
-
-
 class AutoPlanner:
     """The auto policy: before each canvas, AR block or verified round, the plan with the most predicted
     tokens per second among reference, fast, ar and verified, from the device profile and what this
@@ -650,22 +630,19 @@ class AutoPlanner:
     Predicted tok/s: reference = tokens per canvas / (steps per canvas · step time at the canvas);
     fast = the same at ``FAST_POSITION_SHARE`` of the canvas's positions; ar = 1 / token time;
     verified = tokens per round / (draft steps · step time at the draft length + the verifying pass),
-    at the draft length and steps ``best_draft`` picks from the acceptance estimate. Steps per canvas
-    start from a prior of the generation config (a quarter of the step limit, at least the stability
-    threshold + 1: the stop rule fires well before the limit on a trained model) worth one canvas.
-    How many tokens a canvas or a round will give is bounded by the tokens the answer still has to
-    come: expected from the lengths of the last ``ANSWERS_KEPT`` answers to the prompts that begin
-    most like this one (the same instructions, the earlier turns of a conversation; all recent ones
-    when none shares more than the others), whatever plan made them (those longer than what this
-    answer has so far; a whole canvas when none is); tokens per round
-    from the acceptance model, scaled by the observed ratio of tokens per round to the model's. Each
-    prediction times that plan's pace: the tokens per second it gave (commit encodes included) over
-    what was predicted when it was chosen, which corrects both the profile's times and the tokens a
-    canvas or round was expected to give (a short answer's canvas gives few). Steps per canvas and
-    pace, like answer lengths, are means over the last ~8 observations made on prompts that begin
-    most like this one (``PromptLikeMeans``), so that one task's do not stand for another's, and a
-    plan not run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is
-    run once more, so estimates follow a change of task."""
+    at the draft length and steps ``best_draft`` picks from the acceptance estimate, scaled by the
+    observed ratio of tokens per round to the model's. A canvas or round gives no more tokens than the
+    answer is expected still to have, from the lengths of earlier answers (those longer than what this
+    one has so far; a whole canvas when none is). Each prediction times that plan's pace: the tokens
+    per second it gave (commit encodes included) over what was predicted when it was chosen, which
+    corrects both the profile's times and the tokens a canvas or round was expected to give.
+
+    Answer lengths, steps per canvas (from a prior of the generation config: a quarter of the step
+    limit, at least the stability threshold + 1, worth one canvas), tokens per round and pace are each
+    the mean of the ~8 observations made on the prompts that begin most like this one
+    (``PromptLikeMeans``: a task's instructions, a conversation's earlier turns), so one task's do not
+    stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but predicted within
+    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task."""
 
     def __init__(self, gen: GenerationConfig, canvas: int, profile: Profile, expected_steps: float | None = None):
         self.gen, self.canvas, self.profile = gen, canvas, profile
@@ -673,7 +650,7 @@ class AutoPlanner:
         self.steps = {"reference": PromptLikeMeans(prior), "fast": PromptLikeMeans(prior)}
         self.lengths = PromptLikeMeans(float(canvas), window=ANSWERS_KEPT)  # answer lengths
         self.acceptance = Acceptance()
-        self.round_yield = RunningMean(1.0, 1)  # observed / modelled tokens per round
+        self.round_yield = PromptLikeMeans(1.0)  # observed / modelled tokens per round
         # tok/s a plan gave / tok/s predicted when it was chosen
         self.pace = {name: PromptLikeMeans(1.0) for name in ("reference", "fast", "ar", "verified")}
         self.current: Plan | None = None
@@ -704,7 +681,7 @@ class AutoPlanner:
                          f"{n:.1f} steps per canvas of {positions} computed positions, {tokens:.1f} tokens per canvas")
         out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
         modelled = self.acceptance.tokens_per_round(steps, length)
-        per_round = min(modelled * self.round_yield.value, max(1.0, expected), remaining)
+        per_round = min(modelled * self.round_yield.value(prompt), max(1.0, expected), remaining)
         out["verified"] = (verified * per_round / modelled,
                            f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round "
                            f"({self.acceptance.describe()})")
@@ -760,7 +737,7 @@ class AutoPlanner:
         modelled = self.acceptance.tokens_per_round(steps, length)
         self.acceptance.observe(steps, length, kept, rejected)
         if not final:
-            self.round_yield.add(tokens / modelled)
+            self.round_yield.add(tokens / modelled, prompt)
         self._pace("verified", tokens, seconds, prompt)
 
     def observe_answer(self, tokens: int, prompt: list[int] | tuple[int, ...] = ()) -> None:
