@@ -214,25 +214,23 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
     overrides = {f.name: getattr(settings, f.name) for f in fields(settings)} if settings else {}
     given = dict(steps=steps, entropy_bound=entropy_bound, t_min=temp_min, t_max=temp_max, freeze_after=freeze_after)
     overrides.update({k: v for k, v in given.items() if v is not None})
+    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
+    ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})
+    check_prompt(ids, config, max_tokens if template is None else 1)
     if policy == "auto" and template is None:  # re-planned at every canvas or round
         planner = (AutoPlanner(defaults, config.canvas_length, profile, expected_steps) if expected_steps
                    else auto_planner(model, defaults, profile))
         planner.sampling = bool(temperature)  # a temperature is for ar and verified only
-        plan = None  # chosen below, once the prompt's ids are known
+        plan = planner.choose(max_tokens, overrides, prompt=ids)  # from what answers to prompts like it did
     else:
         acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
         plan = make_plan(policy, defaults, config.canvas_length, max_tokens, profile, expected_steps,
                          draft_length=draft_length, draft_steps=draft_steps, acceptance=acceptance).overridden(overrides)
-    if temperature and plan is not None and plan.mode == "diffusion":
+    if temperature and plan.mode == "diffusion":
         raise ValueError("a temperature applies to autoregressive and verified decoding; "
                          "diffusion takes --temp-min/--temp-max")
     if temperature and template is not None:
         raise ValueError("templates decode greedily; drop the temperature")
-    ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
-    ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})
-    check_prompt(ids, config, max_tokens if template is None else 1)
-    if plan is None:  # auto's first choice: the answers to prompts like this one say how long it may be
-        plan = planner.choose(max_tokens, overrides, prompt=ids)
     rng = MxRandom(seed) if rng is None else rng
     stop_ids = set(defaults.eos_token_id)
     if template is not None:
