@@ -12,6 +12,7 @@ A JSON answer may take two generations: a free draft, then the schema's template
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import queue
 import threading
@@ -200,9 +201,9 @@ class Scheduler:
                     prefill(self.model, mx.array(ids[cached:end]), cache, self.prefill_step_size, **images)
                     self.prompt_cache.insert(key[:end], cache)
             elif end > cached and self.prompt_cache.max_size:
-                # The engine encodes the rest of the prompt (fresh prompts of a round in one forward).
-                def keep(prompt_cache, key=key[:end]):
-                    self.prompt_cache.insert(key, prompt_cache, extra=1)
+                # The engine encodes the rest of the prompt (fresh prompts of a round in one forward)
+                # and hands the row's cache back, holding the whole prompt: kept without its last id.
+                keep = functools.partial(self.prompt_cache.insert, key[:end], extra=1)
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
             drafting = job.redraft is not None
