@@ -6,9 +6,10 @@ Starts ``python -m mlx_dgemma.server`` on a free loopback port (the bundled demo
 threads at once, so every level does the same work, and prints per level: requests, completion
 tokens, wall seconds, total completion tokens per second, and the p50 / p95 request latency.
 
-With ``--rounds N`` the levels run N times in turn (1 2 4 8 1 2 4 8 ...) and each level's fastest
-round is reported: on a shared machine a slow spell then lands on one round of every level rather
-than on whichever level happened to run during it.
+With ``--rounds N`` the levels run N times in turn (1 2 4 8 1 2 4 8 ...); each level's fastest
+round is reported, and beside it the median over rounds of the level's speed against the first
+level's in the same round (measured minutes apart, two levels' best rounds may come from a fast and
+a slow spell of a shared machine; a round's levels run seconds apart).
 
     python benchmarks/server_load.py --concurrency 1 2 4 8 --requests 32 --rounds 3
 """
@@ -106,12 +107,16 @@ def main():
     server = start_server(args.model, port)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     best: dict[int, dict] = {}
+    ratios: dict[int, list[float]] = {level: [] for level in args.concurrency}
     try:
         request(url, "sort: 3 1 2", 0, 8)  # warm up
         prompts = [make_instance(TASKS[i % len(TASKS)], rng, split="eval")[0] for i in range(args.requests)]
         for _ in range(args.rounds):
+            first = None
             for level in args.concurrency:
                 row = run_level(url, prompts, level, args.max_tokens, args.seed)
+                first = first or row["tokens_per_second"]
+                ratios[level].append(row["tokens_per_second"] / first)
                 print(f"concurrency {level:>3}: {row['requests']} requests, {row['tokens']} tokens in "
                       f"{row['seconds']:.2f} s = {row['tokens_per_second']:.1f} tok/s; latency p50 {row['p50']:.3f} s,"
                       f" p95 {row['p95']:.3f} s", flush=True)
@@ -122,10 +127,13 @@ def main():
         server.wait(timeout=30)
     rows = [best[level] for level in args.concurrency]
     base = rows[0]["tokens_per_second"]
-    print("\n| concurrency | requests | tokens | tok/s | vs first | p50 s | p95 s |\n|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| concurrency | requests | tokens | tok/s | vs first | vs first, per round (median) | p50 s | p95 s |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
+        row["vs_first_per_round"] = statistics.median(ratios[row["concurrency"]])
         print(f"| {row['concurrency']} | {row['requests']} | {row['tokens']} | {row['tokens_per_second']:.1f} | "
-              f"{row['tokens_per_second'] / base:.2f}x | {row['p50']:.3f} | {row['p95']:.3f} |")
+              f"{row['tokens_per_second'] / base:.2f}x | {row['vs_first_per_round']:.2f}x | {row['p50']:.3f} | "
+              f"{row['p95']:.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
