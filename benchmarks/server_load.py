@@ -2,7 +2,7 @@
 
 Starts ``python -m mlx_dgemma.server`` on a free loopback port (the bundled demo model unless
 --model) with its prompt cache off, then for each level sends the same ``--requests`` chat requests
-(demo-task prompts from tasks.py's evaluation split, a seed each, not streamed) from that many client
+(demo-task prompts from tasks.py's evaluation split, a seed each, not streamed, under --policy) from that many client
 threads at once, so every level does the same work, and prints per level: requests, completion
 tokens, wall seconds, total completion tokens per second, and the p50 / p95 request latency.
 
@@ -61,10 +61,10 @@ def start_server(model: str | None, port: int, timeout: float = 120) -> subproce
     raise SystemExit(f"the server did not answer within {timeout:.0f} s")
 
 
-def request(url: str, prompt: str, seed: int, max_tokens: int) -> tuple[float, int]:
+def request(url: str, prompt: str, seed: int, max_tokens: int, policy: str = "reference") -> tuple[float, int]:
     """(latency in seconds, completion tokens) of one chat request."""
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "seed": seed,
-                       "max_tokens": max_tokens}).encode()
+                       "max_tokens": max_tokens, "policy": policy}).encode()
     tic = time.perf_counter()
     with urllib.request.urlopen(urllib.request.Request(
             url, data=body, headers={"Content-Type": "application/json"}), timeout=600) as response:
@@ -77,10 +77,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int, seed: int) -> dict:
+def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int, seed: int,
+              policy: str = "reference") -> dict:
     tic = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda i: request(url, prompts[i], seed + i, max_tokens), range(len(prompts))))
+        results = list(pool.map(lambda i: request(url, prompts[i], seed + i, max_tokens, policy), range(len(prompts))))
     wall = time.perf_counter() - tic
     latencies = [r[0] for r in results]
     tokens = sum(r[1] for r in results)
@@ -96,6 +97,7 @@ def main():
     parser.add_argument("--requests", type=int, default=32, help="requests per level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="reference", help="the requests' policy (a body field of this server)")
     parser.add_argument("--rounds", type=int, default=1, help="times the levels run in turn; the fastest is kept")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
@@ -109,12 +111,12 @@ def main():
     best: dict[int, dict] = {}
     ratios: dict[int, list[float]] = {level: [] for level in args.concurrency}
     try:
-        request(url, "sort: 3 1 2", 0, 8)  # warm up
+        request(url, "sort: 3 1 2", 0, 8, args.policy)  # warm up
         prompts = [make_instance(TASKS[i % len(TASKS)], rng, split="eval")[0] for i in range(args.requests)]
         for _ in range(args.rounds):
             first = None
             for level in args.concurrency:
-                row = run_level(url, prompts, level, args.max_tokens, args.seed)
+                row = run_level(url, prompts, level, args.max_tokens, args.seed, args.policy)
                 first = first or row["tokens_per_second"]
                 ratios[level].append(row["tokens_per_second"] / first)
                 print(f"concurrency {level:>3}: {row['requests']} requests, {row['tokens']} tokens in "

@@ -8,9 +8,11 @@ no row waits for another's canvas to settle. Autoregressive rows share one left-
 take one token per step, all rows in one forward. Each row keeps its own draws and settings, so
 row i of ``batch_generate`` gives the text ``generate`` gives for that prompt and seed alone.
 
-Rows that cannot share a forward (verified drafting, the auto policy, a template decoded
-autoregressively) run alone, one canvas, block of tokens or verified round per step, through
-``stream_generate``.
+Verified drafting rows each keep their own cache too; the rows whose drafts have the same length
+and steps draft together (one forward per draft step) and are verified in one encoder pass, each
+keeping what it keeps (drafting.verify_rounds). Rows that cannot share a forward (the auto policy,
+which re-plans per canvas or round; a template decoded autoregressively or verified) run alone, one
+canvas, block of tokens or verified round per step, through ``stream_generate``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable, Iterator  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
+from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
 from .generate import PREFILL_STEP_SIZE, Job, cut_at_stop, generation_device, prefill, prepare, stream_generate  # noqa: E402
 from .sampler import CanvasRun, RunBatch, new_run, step_batch, step_compacted  # noqa: E402
@@ -75,6 +78,15 @@ class _Row:
     cache: object = None  # a prefilled prefix (BatchRequest.cache); a diffusion row's own cache
     on_prefilled: Callable[[object], None] | None = None
     run: CanvasRun | None = None  # diffusion: the canvas being denoised
+    rule: drafting.GreedyRule | None = None  # verified: what decides the tokens, and its output
+    known: int | None = None  # verified: the next token (decided, not yet encoded); None when done
+    leftover: list[int] = field(default_factory=list)  # verified: the last draft's tail (the next one's start)
+    first: list[int] = field(default_factory=list)  # verified: the prompt's next token, sent with the first round
+
+    @property
+    def mode(self) -> str:
+        """How the row's prompt is encoded and its answer generated in the batch."""
+        return "ar" if self.job.plan.mode == "ar" else "verified" if self.job.plan.mode == "verified" else "diffusion"
 
 
 @dataclass
@@ -142,9 +154,10 @@ class BatchGenerator:
         self._diffusion: list[_Row] = []
         self._lanes: dict[tuple[int, int], _Lane] = {}
         self._solo: list[_Row] = []
+        self._verifying: list[_Row] = []
 
     def __len__(self) -> int:
-        return len(self._pending) + len(self._diffusion) + len(self._ar.rows) + len(self._solo)
+        return len(self._pending) + len(self._diffusion) + len(self._ar.rows) + len(self._solo) + len(self._verifying)
 
     def insert(self, request: BatchRequest) -> int:
         job = prepare(self.model, self.tokenizer, list(request.prompt_ids), request.max_tokens, steps=request.steps,
@@ -152,9 +165,9 @@ class BatchGenerator:
                       policy=request.policy, template=request.template)
         row = _Row(next(self._uids), job, job.canvas_clamps(self.tokenizer, self.model.config),
                    remaining=job.max_tokens, cache=request.cache, on_prefilled=request.on_prefilled)
-        # Rows whose forwards do not line up with others' run alone: verified drafting (rounds of their own
-        # length), auto (re-plans per canvas or round), an autoregressive template (one forced token at a time).
-        if job.plan.mode == "verified" or job.planner is not None or job.plan.mode == "ar" and job.template is not None:
+        # Rows whose forwards do not line up with others' run alone: auto (re-plans per canvas or round), a
+        # template decoded autoregressively or verified (one forced token at a time, drafts clamped by it).
+        if job.planner is not None or job.plan.mode in ("ar", "verified") and job.template is not None:
             row.solo = stream_generate(self.model, self.tokenizer, job.ids, job.max_tokens, seed=request.seed,
                                        steps=request.steps, temp_min=request.temp_min, temp_max=request.temp_max,
                                        policy=request.policy, template=job.template)
@@ -164,6 +177,7 @@ class BatchGenerator:
     def remove(self, uid: int) -> None:
         self._pending = [r for r in self._pending if r.uid != uid]
         self._solo = [r for r in self._solo if r.uid != uid]
+        self._verifying = [r for r in self._verifying if r.uid != uid]
         self._diffusion = [r for r in self._diffusion if r.uid != uid]
         for key, lane in list(self._lanes.items()):
             keep = [i for i, r in enumerate(lane.rows) if r.uid != uid]
@@ -179,40 +193,47 @@ class BatchGenerator:
         """One step: a denoising step of every diffusion row, a token of every autoregressive row, a
         canvas, block or round of every row that runs alone; what each row committed."""
         self._admit()
-        return self._diffusion_step() + self._ar_round() + self._solo_round()
+        return self._diffusion_step() + self._ar_round() + self._verified_round() + self._solo_round()
 
     # -- joining --------------------------------------------------------------------------------
 
     def _admit(self) -> None:
         pending, self._pending = self._pending, []
         self._solo += [r for r in pending if r.solo is not None]
-        for mode in ("diffusion", "ar"):
-            rows = [r for r in pending if r.solo is None and (r.job.plan.mode == "ar") == (mode == "ar")]
+        for mode in ("diffusion", "ar", "verified"):
+            rows = [r for r in pending if r.solo is None and r.mode == mode]
             cached = [r for r in rows if r.cache is not None]
             if fresh := [r for r in rows if r.cache is None]:
                 longest = max(len(r.job.ids) for r in fresh)
                 padding = [longest - len(r.job.ids) for r in fresh]
                 ids = mx.array([[0] * p + r.job.ids for p, r in zip(padding, fresh)], dtype=mx.int32)
                 cache = self.model.make_cache(padding)
-                logits = prefill(self.model, ids, cache, self.prefill_step_size, logits=mode == "ar")
+                logits = prefill(self.model, ids, cache, self.prefill_step_size, logits=mode != "diffusion")
                 self._join(mode, fresh, cache, logits)
             for row in cached:  # a prefix already encoded: only the rest of its prompt
                 cache, row.cache = row.cache, None
                 logits = prefill(self.model, mx.array(row.job.ids[cache.offset:]), cache, self.prefill_step_size,
-                                 logits=mode == "ar")
+                                 logits=mode != "diffusion")
                 self._join(mode, [row], cache, logits)
 
     def _join(self, mode: str, rows: list[_Row], cache, logits: mx.array | None) -> None:
-        """Add prefilled ``rows`` (``cache``'s rows, in order): diffusion rows each with its own rows
-        of the cache, AR rows to the shared cache (``logits`` give their first tokens)."""
+        """Add prefilled ``rows`` (``cache``'s rows, in order): diffusion and verified rows each with its
+        own rows of the cache, AR rows to the shared cache (``logits`` give AR and verified rows their
+        first tokens)."""
         for i, row in enumerate(rows):
             own = cache if len(rows) == 1 else cache.row(i)
             if row.on_prefilled is not None:
                 row.on_prefilled(own)
-            if mode == "diffusion":
+            if mode != "ar":
                 row.cache = own
+            if mode == "verified":
+                row.rule = drafting.GreedyRule(row.job.stop_ids, row.job.max_tokens)
+                _, row.known = row.rule.follow(logits[i : i + 1], [])
+                row.first = row.rule.output[:]
         if mode == "diffusion":
             self._diffusion += rows
+        elif mode == "verified":
+            self._verifying += rows
         else:
             _join_group(self._ar, rows, cache, logits)
 
@@ -304,6 +325,37 @@ class BatchGenerator:
                 row.token = following[i : i + 1]
         group.drop(keep)
         return responses
+
+    def _verified_round(self) -> list[BatchResponse]:
+        """A verified round of every verified row: rows with the same draft steps draft and are
+        verified together, at the longest of their draft lengths (a longer draft than a row's plan
+        costs the row only positions of a forward it shares; what it keeps is still verified)."""
+        groups: dict[int, list[_Row]] = {}
+        responses = []
+        for row in self._verifying:
+            if row.known is None:  # the prompt's next token ended it
+                responses.append(self._verified_response(row, [], True, 0))
+                continue
+            groups.setdefault(row.job.plan.draft_steps, []).append(row)
+        for steps, rows in groups.items():
+            length = max(max(1, min(r.job.plan.draft_length, r.rule.room)) for r in rows)
+            rounds = drafting.verify_rounds(self.model, [r.cache for r in rows], [r.known for r in rows],
+                                            [r.rule for r in rows], length, drafting.DraftSettings(length, steps),
+                                            [r.job.plan.settings for r in rows], [r.job.rng for r in rows],
+                                            [r.leftover for r in rows])
+            for row, done in zip(rows, rounds):
+                if row.job.acceptance is not None and length > 1:
+                    row.job.acceptance.observe(steps, length, done.kept, done.known is not None and done.kept < length - 1)
+                row.known, row.leftover = done.known, done.leftover
+                responses.append(self._verified_response(row, done.tokens, done.known is None, done.forwards))
+        return responses
+
+    def _verified_response(self, row: _Row, tokens: list[int], done: bool, forwards: int) -> BatchResponse:
+        tokens, row.first = row.first + tokens, []
+        finish = ("stop" if tokens and tokens[-1] in row.job.stop_ids else "length") if done else None
+        if done:
+            self._verifying.remove(row)
+        return BatchResponse(row.uid, tokens, row.job.text.add(tokens, final=done), finish, max(forwards, 1))
 
     def _solo_round(self) -> list[BatchResponse]:
         responses = []

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .cache import CanvasView
 from .sampler import Clamp, Random, SamplerSettings, tempered_distribution
 
 
@@ -226,33 +227,47 @@ def draft(model, cache, known: list[int], length: int, settings: DraftSettings, 
     ``settings.steps`` steps, and, when sampling, the distribution [length, V] its last step drew
     each position from. ``schedule`` gives the self-conditioning temperatures. ``start`` seeds the
     positions after the known ones instead of noise (not clamped)."""
+    drafted, qs = draft_rows(model, cache.canvas_view(length), [known], length, settings, [schedule], [rng], [start])
+    return drafted[0], qs[0]
+
+
+def draft_rows(model, view, known: list[list[int]], length: int, settings: DraftSettings,
+               schedules: list[SamplerSettings], rngs: list[Random],
+               starts: list[list[int]]) -> tuple[mx.array, list[mx.array | None]]:
+    """``draft`` for the rows of ``view`` (a canvas view of ``length`` positions, rows stacked) at
+    once: each row with its own known tokens, schedule, random draws and start; drafts [B, length]."""
     vocab = model.config.vocab_size
-    fixed = np.zeros((1, length), dtype=bool)
-    fixed[0, :len(known)] = True
-    tokens = np.zeros((1, length), dtype=np.int32)
-    tokens[0, :len(known)] = known
+    fixed = np.zeros((len(known), length), dtype=bool)
+    tokens = np.zeros((len(known), length), dtype=np.int32)
+    canvases = []
+    for i, (row_known, rng, start) in enumerate(zip(known, rngs, starts)):
+        fixed[i, :len(row_known)] = True
+        tokens[i, :len(row_known)] = row_known
+        canvas = rng.canvas((1, length), vocab)
+        seeded = list(start)[:length - len(row_known)]
+        if seeded:
+            canvas[0, len(row_known):len(row_known) + len(seeded)] = mx.array(seeded, dtype=canvas.dtype)
+        canvases.append(canvas)
     clamp = Clamp(mx.array(fixed), mx.array(tokens))
-    canvas = rng.canvas((1, length), vocab)
-    seeded = list(start)[:length - len(known)]
-    if seeded:
-        canvas[0, len(known):len(known) + len(seeded)] = mx.array(seeded, dtype=canvas.dtype)
-    canvas = clamp.apply(canvas)
+    canvas = clamp.apply(canvases[0] if len(canvases) == 1 else mx.concatenate(canvases))
     self_conditioning = self_conditioning_probs = None
-    temperatures = SamplerSettings(steps=settings.steps, t_min=schedule.t_min, t_max=schedule.t_max).temperatures()
-    q = None
-    view = cache.canvas_view(length)  # the prefix laid out once for the draft's steps
-    for step, temperature in enumerate(temperatures, start=1):
+    temperatures = [SamplerSettings(steps=settings.steps, t_min=s.t_min, t_max=s.t_max).temperatures()
+                    for s in schedules]
+    qs = [None] * len(known)
+    for step in range(1, settings.steps + 1):
         logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs)
         if step == settings.steps:
             if settings.temperature > 0:
-                q = tempered_probs(logits[0], settings.temperature)
-                canvas = clamp.apply(rng.categorical(q)[None])
+                qs = [tempered_probs(logits[i], settings.temperature) for i in range(len(known))]
+                canvas = clamp.apply(mx.concatenate([rng.categorical(q)[None] for q, rng in zip(qs, rngs)]))
             else:
                 canvas = clamp.apply(logits.argmax(-1).astype(mx.int32))
             break
+        temperature = (temperatures[0][step - 1] if len(known) == 1
+                       else mx.stack([t[step - 1] for t in temperatures])[:, None, None])
         self_conditioning, self_conditioning_probs, _, argmax = tempered_distribution(logits, temperature)
         canvas = clamp.apply(argmax)
-    return canvas[0], q
+    return canvas, qs
 
 
 @dataclass
@@ -269,20 +284,38 @@ def verify_round(model, cache, known: int, rule, settings: DraftSettings, schedu
                  rng: Random, start: list[int] = ()) -> Round:
     """One round after ``known`` (decided, not in the cache): draft (from ``start``: the previous
     round's leftover), verify, keep, trim."""
-    before = len(rule.output)
     length = max(1, min(settings.length, rule.room))
+    return verify_rounds(model, [cache], [known], [rule], length, settings, [schedule], [rng], [start])[0]
+
+
+def verify_rounds(model, caches: list, known: list[int], rules: list, length: int, settings: DraftSettings,
+                  schedules: list[SamplerSettings], rngs: list[Random], starts: list[list[int]]) -> list[Round]:
+    """``verify_round`` for several rows at once (each with its own cache, known token, rule, schedule,
+    random draws and start), drafts of one ``length``: one forward per draft step and one verifying
+    pass for all of them; each row keeps what it keeps."""
+    befores = [len(rule.output) for rule in rules]
+    q = [None] * len(rules)
     if length == 1:  # nothing to draft: an autoregressive step
-        drafted, q, forwards = mx.array([known]), None, 1
+        drafted, forwards, view = mx.array([[k] for k in known], dtype=mx.int32), 1, None
     else:
-        drafted, q = draft(model, cache, [known] + rule.known(length - 1), length, settings, schedule, rng,
-                           start if settings.reuse else ())
+        view = CanvasView.stack([cache.canvas_view(length) for cache in caches])
+        drafted, q = draft_rows(model, view, [[k] + rule.known(length - 1) for k, rule in zip(known, rules)], length,
+                                settings, schedules, rngs, [s if settings.reuse else () for s in starts])
         forwards = settings.steps + 1
-    logits = model.head(model.encode(drafted[None], cache, return_hidden=True))[0]
-    mx.eval(drafted, logits)  # the round's one wait: the draft and its verification together
-    tokens = drafted.tolist()
-    kept, known = rule.follow(logits, tokens[1:], None if q is None else q[1:])
-    cache.trim(length - 1 - kept)
-    return Round(rule.output[before:], known, length, kept, forwards, tokens[kept + 2:])
+    if len(caches) == 1:
+        logits = model.head(model.encode(drafted, caches[0], return_hidden=True))
+    else:  # the drafts go through the rows' stacked views, then into each row's cache
+        view = view or CanvasView.stack([cache.canvas_view(length) for cache in caches])
+        logits = model.head(model.encode(drafted, view, return_hidden=True))
+        view.append_canvas(caches)
+    mx.eval(drafted, logits)  # the round's one wait: the drafts and their verification together
+    rounds = []
+    for i, (cache, rule, before) in enumerate(zip(caches, rules, befores)):
+        tokens = drafted[i].tolist()
+        kept, next_known = rule.follow(logits[i], tokens[1:], None if q[i] is None else q[i][1:])
+        cache.trim(length - 1 - kept)
+        rounds.append(Round(rule.output[before:], next_known, length, kept, forwards, tokens[kept + 2:]))
+    return rounds
 
 
 def verified(model, cache, first_logits: mx.array, rule, settings: DraftSettings, schedule: SamplerSettings,

@@ -248,6 +248,33 @@ def test_rows_that_join_at_every_step_give_what_they_give_alone(checkpoints):
         assert text == generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed, steps=6, chat_template=False)
 
 
+def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints):
+    """Verified rows on a random checkpoint, joining at different rounds, with budgets that end inside
+    a draft (shorter drafts, grouped apart): each answer is the autoregressive one, and a round of
+    several rows takes one verifying pass, not one per row."""
+    from mlx_dgemma import drafting
+
+    model, tokenizer = load(checkpoints("small", tame=True))
+    prompts = [[2, 10, 11, 12], [2] + list(range(20, 39)), [2, 7], [2, 30, 31, 32, 33, 34]]
+    budgets = [40, 23, 9, 31]
+    requests = [BatchRequest(p, n, seed=i, policy="verified") for i, (p, n) in enumerate(zip(prompts, budgets))]
+    passes = []
+    original = drafting.verify_rounds
+
+    def counted(model, caches, *args, **kwargs):
+        passes.append(len(caches))
+        return original(model, caches, *args, **kwargs)
+
+    drafting.verify_rounds = counted
+    try:
+        texts = _staggered(model, tokenizer, requests)
+    finally:
+        drafting.verify_rounds = original
+    assert max(passes) > 1
+    for i, r in enumerate(requests):
+        assert texts[i] == generate(model, tokenizer, r.prompt_ids, r.max_tokens, policy="ar", chat_template=False), i
+
+
 def test_a_template_row_joins_plain_rows_on_the_demo(demo):
     from mlx_dgemma.generate import prompt_ids
     from mlx_dgemma.template import parse_template
@@ -279,10 +306,11 @@ def test_a_row_without_self_conditioning_in_a_conditioned_batch(checkpoints):
     assert relative(got[1], model.denoise(canvas[1:], cache.rows([1]), sc[1:])[0]) > 1e-3
 
 
-@pytest.mark.parametrize("policy", ["reference", "fast"])
+@pytest.mark.parametrize("policy", ["reference", "fast", "verified"])
 def test_demo_rows_that_join_at_every_step_give_what_they_give_alone(demo, policy):
-    """Staggered joins on the demo, where canvases settle at different steps (and under the fast
-    policy freeze different positions): each answer is the one it gets alone."""
+    """Staggered joins on the demo, where canvases settle at different steps (under the fast policy
+    freeze different positions; verified rows keep different numbers of draft tokens per round, and
+    draft shorter near their budgets): each answer is the one it gets alone."""
     from mlx_dgemma.generate import prompt_ids
 
     model, tokenizer = demo

@@ -315,3 +315,32 @@ def test_the_verified_policy_learns_its_acceptance(demo):
     seen = sum(acceptance.kept.values()) + sum(acceptance.rejected.values())
     assert seen > 0 and (acceptance.alpha(1), acceptance.alpha(2)) != before
     del model._auto_planner
+
+
+def test_drafts_of_several_rows_equal_each_row_drafted_alone(checkpoints):
+    """``draft_rows`` over stacked views (prefixes of other lengths, each row its own known tokens,
+    start, random draws and self-conditioning schedule, two steps so the schedules are used) gives
+    each row the draft ``draft`` gives it alone."""
+    from mlx_dgemma.cache import CanvasView
+
+    model, _ = load(checkpoints("small", tame=True))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (7, 19, 12)]
+    caches = []
+    for prompt in prompts:
+        caches.append(model.make_cache())
+        model.encode(mx.array([prompt]), caches[-1])
+    length, settings = 12, drafting.DraftSettings(12, 2)
+    known = [[5], [6, 7], [8]]
+    starts = [[9, 10, 11], [], [12]]
+    schedules = [SamplerSettings(t_min=0.2, t_max=0.9), SamplerSettings(t_min=0.5, t_max=0.6),
+                 SamplerSettings(t_min=0.05, t_max=2.0)]
+    view = CanvasView.stack([c.canvas_view(length) for c in caches])
+    together, _ = drafting.draft_rows(model, view, known, length, settings, schedules,
+                                      [MxRandom(i) for i in range(3)], starts)
+    for i in range(3):
+        alone, _ = drafting.draft(model, caches[i], known[i], length, settings, schedules[i], MxRandom(i), starts[i])
+        assert together[i].tolist() == alone.tolist(), i
+    # The schedules matter: the first row drafted with the third's schedule is another draft.
+    other, _ = drafting.draft(model, caches[0], known[0], length, settings, schedules[2], MxRandom(0), starts[0])
+    assert other.tolist() != together[0].tolist()
