@@ -8,9 +8,9 @@ no row waits for another's canvas to settle. Autoregressive rows share one left-
 take one token per step, all rows in one forward. Each row keeps its own draws and settings, so
 row i of ``batch_generate`` gives the text ``generate`` gives for that prompt and seed alone.
 
-Verified drafting rows each keep their own cache too; the rows whose drafts have the same length
-and steps draft together (one forward per draft step) and are verified in one encoder pass, each
-keeping what it keeps (drafting.verify_rounds). Rows that cannot share a forward (the auto policy,
+Verified drafting rows each keep their own cache too; the rows whose drafts take the same number of
+steps draft together (one forward per draft step, at the longest of their draft lengths) and are
+verified in one encoder pass, each keeping what it keeps (drafting.verify_rounds). Rows that cannot share a forward (the auto policy,
 which re-plans per canvas or round; a template decoded autoregressively or verified) run alone, one
 canvas, block of tokens or verified round per step, through ``stream_generate``.
 """

@@ -81,6 +81,18 @@ def test_an_image_part_is_answered_as_generate_answers_it(client, vision_model, 
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
 
 
+@pytest.mark.parametrize("policy", ["ar", "verified"])
+def test_an_image_part_is_answered_under_the_autoregressive_policies(client, vision_model, policy):
+    """The image reaches AR and verified rows too (the worker places it; the engine decodes from there):
+    the answer is generate's with the image, and not the one without it."""
+    model, tokenizer = vision_model
+    expected = generate(model, tokenizer, PROMPT, 2 * C, seed=5, images=[PICTURES[0]], policy=policy)
+    blind = generate(model, tokenizer, PROMPT, 2 * C, seed=5, policy=policy)
+    assert expected != blind
+    reply = ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}], extra_body={"policy": policy})
+    assert reply.choices[0].message.content == expected
+
+
 def test_the_prompt_cache_tells_images_apart_and_keeps_them_for_the_next_turn(client, vision_model):
     model, tokenizer = vision_model
     first = [{"role": "user", "content": with_image(data_url(PICTURES[0]))}]
@@ -125,6 +137,11 @@ def test_a_template_image_prompt_needs_a_diffusion_policy(client):
     with pytest.raises(openai.BadRequestError, match="runs with policy reference or fast, not ar"):
         ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}],
             extra_body={"policy": "ar", "template": "7 {{fill:4}} 3"})
+    with pytest.raises(openai.BadRequestError, match="runs with policy reference or fast, not verified"):
+        ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}],
+            extra_body={"policy": "verified", "template": "7 {{fill:4}} 3"})
+    with pytest.raises(openai.BadRequestError, match="runs with policy reference, fast, ar or verified, not auto"):
+        ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}], extra_body={"policy": "auto"})
     reply = ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}],
                 extra_body={"policy": "fast", "template": "7 {{fill:4}} 3"}).choices[0].message.content
     assert reply.startswith("7 ") and reply.endswith(" 3")
