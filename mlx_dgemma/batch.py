@@ -50,7 +50,8 @@ class BatchRequest:
     # server's prompt cache: only the rest of the prompt is encoded.
     cache: object = None
     # Called with a one-row cache holding the whole prompt once the engine has encoded it (a server's
-    # prompt cache keeps a copy); generation goes on appending to that cache.
+    # prompt cache keeps a copy); generation goes on appending to that cache. Rows that run alone
+    # (auto, templates decoded autoregressively or verified) do not call it.
     on_prefilled: Callable[[object], None] | None = None
 
 
@@ -170,7 +171,7 @@ class BatchGenerator:
         if job.planner is not None or job.plan.mode in ("ar", "verified") and job.template is not None:
             row.solo = stream_generate(self.model, self.tokenizer, job.ids, job.max_tokens, seed=request.seed,
                                        steps=request.steps, temp_min=request.temp_min, temp_max=request.temp_max,
-                                       policy=request.policy, template=job.template)
+                                       policy=request.policy, template=job.template, prompt_cache=request.cache)
         self._pending.append(row)
         return row.uid
 

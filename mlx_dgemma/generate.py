@@ -268,6 +268,7 @@ def stream_generate(
     draft_steps: int | None = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
     images: list | None = None,
+    prompt_cache=None,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas.
 
@@ -296,7 +297,12 @@ def stream_generate(
     ``images`` (paths or PIL images; a checkpoint with a vision tower) go with the prompt: a text
     prompt gets one image placeholder per image before the text; ids or an untemplated prompt must
     hold them (the image token, ``<|image|>``) themselves.
+
+    ``prompt_cache`` (``model.make_cache()``) may already hold the prompt's first ``offset`` ids, images
+    placed (a server's prompt cache): only the rest is encoded, and the answer is appended to it.
     """
+    if prompt_cache is not None and images:
+        raise ValueError("give the images or a prompt cache that already holds them, not both")
     job = prepare(model, tokenizer, prompt, max_tokens, steps=steps, seed=seed, rng=rng, entropy_bound=entropy_bound,
                   temp_min=temp_min, temp_max=temp_max, freeze_after=freeze_after, settings=settings,
                   system_prompt=system_prompt, chat_template=chat_template, policy=policy, profile=profile,
@@ -306,12 +312,15 @@ def stream_generate(
     max_tokens, rng, stop_ids, text, end_of_turn = job.max_tokens, job.rng, job.stop_ids, job.text, job.end_of_turn
 
     with generation_device(model):
-        cache = model.make_cache()
-        tic = time.perf_counter()
+        cache = model.make_cache() if prompt_cache is None else prompt_cache
+        if cache.offset >= len(ids):
+            raise ValueError(f"the prompt cache holds {cache.offset} ids of a {len(ids)}-id prompt; "
+                             "at least its last id must be left to encode")
+        tic, cached = time.perf_counter(), cache.offset
         planner, temperature = job.planner, job.temperature
-        first_logits = prefill(model, mx.array(ids), cache, prefill_step_size,
+        first_logits = prefill(model, mx.array(ids[cached:]), cache, prefill_step_size,
                                logits=plan.mode in ("ar", "verified") or planner is not None, **job.vision_inputs)
-        prompt_tps = len(ids) / (time.perf_counter() - tic)
+        prompt_tps = (len(ids) - cached) / (time.perf_counter() - tic)
 
         tic = time.perf_counter()
         if planner is not None:

@@ -37,7 +37,7 @@ def test_longest_prefix_is_fetched_as_a_copy_and_lru_evicts():
     assert len(disabled) == 0 and disabled.fetch(long) == (None, 0)
 
 
-@pytest.mark.parametrize("policy", ["reference", "ar"])
+@pytest.mark.parametrize("policy", ["reference", "ar", "verified"])
 def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
     model, tokenizer = load(DEMO_MODEL)
     prompts = [prompt_ids(tokenizer, p) for p in ("sort: 42 17 85 23 61", "reverse: kayak7", "add: 17 25")]
@@ -55,6 +55,38 @@ def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
             texts[response.uid] += response.text
     assert list(texts.values()) == [generate(model, tokenizer, ids, 64, seed=i, policy=policy)
                                     for i, ids in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("policy", ["ar", "verified"])
+def test_a_row_that_runs_alone_starts_from_its_prefilled_prefix(policy):
+    """A template decoded autoregressively or verified runs alone (stream_generate's prompt_cache):
+    the prefix it brings is used, not encoded again, and the answer is the one without it."""
+    model, tokenizer = load(DEMO_MODEL)
+    ids = prompt_ids(tokenizer, "json: name=ada age=36 city=rome")
+    template = '{"name": "{{fill:6}}", "age": {{fill:3}}}'
+    cache = model.make_cache()
+    prefill(model, mx.array(ids[:-4]), cache)
+    engine = BatchGenerator(model, tokenizer)
+    from mlx_dgemma.template import parse_template
+
+    uid = engine.insert(BatchRequest(ids, seed=1, policy=policy, cache=cache,
+                                     template=parse_template(tokenizer, template)))
+    text = ""
+    while len(engine):
+        text += "".join(r.text for r in engine.next() if r.uid == uid)
+    assert cache.offset > len(ids)  # the answer went on after the prefix it was given
+    assert text == generate(model, tokenizer, ids, seed=1, policy=policy, template=template, chat_template=False)
+
+
+def test_a_prompt_cache_must_leave_the_prompt_an_id_and_cannot_come_with_images():
+    model, tokenizer = load(DEMO_MODEL)
+    ids = prompt_ids(tokenizer, "sort: 3 1 2")
+    whole = model.make_cache()
+    prefill(model, mx.array(ids), whole)
+    with pytest.raises(ValueError, match=f"holds {len(ids)} ids of a {len(ids)}-id prompt; at least its last id"):
+        generate(model, tokenizer, ids, prompt_cache=whole)
+    with pytest.raises(ValueError, match="give the images or a prompt cache that already holds them, not both"):
+        generate(model, tokenizer, ids, prompt_cache=model.make_cache(), images=["x.png"])
 
 
 def test_the_engine_hands_back_each_fresh_prompt_unpadded():

@@ -159,14 +159,6 @@ class Server:
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
         job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
         self._layout(job, body, forced)
-        # The engine runs auto rows and autoregressive or verified templates alone, from the prompt's ids:
-        # they would answer without the images.
-        if vision_inputs and policy == "auto":
-            raise BadRequest("an image prompt runs with policy reference, fast, ar or verified, not auto",
-                             param="policy")
-        if vision_inputs and policy in ("ar", "verified") and (request.template or job.redraft):
-            raise BadRequest(f"an image prompt with a template, response_format or forced tool call runs with "
-                             f"policy reference or fast, not {policy}", param="policy")
         request.max_tokens = self._fit(ids, max_tokens, max_key)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       forced["function"]["name"] if forced else None,
