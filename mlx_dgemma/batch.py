@@ -49,9 +49,9 @@ class BatchRequest:
     # One row (model.make_cache()) already holding prompt_ids[:cache.offset], a prefix kept by a
     # server's prompt cache: only the rest of the prompt is encoded.
     cache: object = None
-    # Called with a one-row cache holding the whole prompt once the engine has encoded it (a server's
-    # prompt cache keeps a copy); generation goes on appending to that cache. Rows that run alone
-    # (auto, templates decoded autoregressively or verified) do not call it.
+    # Called with a one-row cache holding the prompt once the engine has encoded it (a server's prompt
+    # cache keeps a copy); generation goes on appending to that cache. A row that runs alone (auto, a
+    # template decoded autoregressively or verified) hands it over holding all but the prompt's last id.
     on_prefilled: Callable[[object], None] | None = None
 
 
@@ -169,9 +169,11 @@ class BatchGenerator:
         # Rows whose forwards do not line up with others' run alone: auto (re-plans per canvas or round), a
         # template decoded autoregressively or verified (one forced token at a time, drafts clamped by it).
         if job.planner is not None or job.plan.mode in ("ar", "verified") and job.template is not None:
+            if row.on_prefilled is not None and row.cache is None:
+                row.cache = self.model.make_cache()  # _admit encodes the prompt in it but its last id
             row.solo = stream_generate(self.model, self.tokenizer, job.ids, job.max_tokens, seed=request.seed,
                                        steps=request.steps, temp_min=request.temp_min, temp_max=request.temp_max,
-                                       policy=request.policy, template=job.template, prompt_cache=request.cache)
+                                       policy=request.policy, template=job.template, prompt_cache=row.cache)
         self._pending.append(row)
         return row.uid
 
@@ -200,6 +202,11 @@ class BatchGenerator:
 
     def _admit(self) -> None:
         pending, self._pending = self._pending, []
+        for row in pending:
+            if row.solo is not None and row.on_prefilled is not None and row.cache.offset < len(row.job.ids) - 1:
+                # stream_generate encodes the last id (its logits start the answer); the rest is kept.
+                prefill(self.model, mx.array(row.job.ids[row.cache.offset : -1]), row.cache, self.prefill_step_size)
+                row.on_prefilled(row.cache)
         self._solo += [r for r in pending if r.solo is not None]
         for mode in ("diffusion", "ar", "verified"):
             rows = [r for r in pending if r.solo is None and r.mode == mode]

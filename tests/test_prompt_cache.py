@@ -18,6 +18,21 @@ def encoded(model, ids):
     return cache
 
 
+def test_a_stored_cache_forgets_the_positions_after_its_key():
+    model, _ = load(DEMO_MODEL)
+    store = PromptCache(max_size=2)
+    ids = [2, 5, 10, 11, 12]
+    longer = encoded(model, ids + [13, 14])
+    store.insert(ids, longer)
+    cache, hit = store.fetch(ids + [20])
+    assert hit == len(ids) and cache.offset == len(ids) and longer.offset == len(ids) + 2
+    step = mx.array([[20]])
+    want = model.next_token_logits(step, encoded(model, ids))
+    assert float(mx.abs(model.next_token_logits(step, cache) - want).max() / mx.abs(want).max()) <= 1e-5
+    with pytest.raises(ValueError, match="a cache of 3 positions cannot be stored for 5 ids"):
+        store.insert(ids, encoded(model, ids[:3]))
+
+
 def test_longest_prefix_is_fetched_as_a_copy_and_lru_evicts():
     model, _ = load(DEMO_MODEL)
     store = PromptCache(max_size=2)
@@ -76,6 +91,22 @@ def test_a_row_that_runs_alone_starts_from_its_prefilled_prefix(policy):
         text += "".join(r.text for r in engine.next() if r.uid == uid)
     assert cache.offset > len(ids)  # the answer went on after the prefix it was given
     assert text == generate(model, tokenizer, ids, seed=1, policy=policy, template=template, chat_template=False)
+
+
+def test_a_row_that_runs_alone_hands_back_its_prompt_but_the_last_id():
+    """A row that runs alone (auto here) is given its prompt encoded but for its last id, which
+    stream_generate encodes to start the answer; the callback sees exactly that prefix."""
+    model, tokenizer = load(DEMO_MODEL)
+    ids = prompt_ids(tokenizer, "reverse: kayak7")
+    handed = []
+    engine = BatchGenerator(model, tokenizer)
+    engine.insert(BatchRequest(ids, 8, seed=0, policy="auto", on_prefilled=lambda c: handed.append(copy.deepcopy(c))))
+    while len(engine):
+        engine.next()
+    assert len(handed) == 1 and handed[0].offset == len(ids) - 1
+    step = mx.array([ids[-1:]])
+    want = model.next_token_logits(step, encoded(model, ids[:-1]))
+    assert float(mx.abs(model.next_token_logits(step, handed[0]) - want).max() / mx.abs(want).max()) <= 1e-5
 
 
 def test_a_prompt_cache_must_leave_the_prompt_an_id_and_cannot_come_with_images():

@@ -161,6 +161,18 @@ def test_multi_turn_reuses_the_prompt_cache(client, demo):
     assert again.choices[0].message.content == generate(model, tokenizer, second_ids, seed=1)
 
 
+def test_multi_turn_under_auto_reuses_the_prompt_cache(client, demo):
+    """auto runs alone in the engine; its prompts go into the prompt cache too."""
+    _, tokenizer = demo
+    first = [{"role": "user", "content": "add: 12 75"}]
+    reply = client.chat.completions.create(model=MODEL_ID, messages=first, seed=1, extra_body={"policy": "auto"})
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "sort: 4 1 3"}]
+    again = client.chat.completions.create(model=MODEL_ID, messages=second, seed=1, extra_body={"policy": "auto"})
+    first_ids = tokenizer.apply_chat_template(first, tokenize=True)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(first_ids) - 1
+
+
 def test_json_schema_reply_parses_and_validates(client):
     for prompt in ("json: name=ada age=36", "json: name=bo age=7", "sort: 5 3 9"):  # the last is not a json task
         reply = chat(client, prompt, seed=2, response_format={

@@ -34,14 +34,16 @@ class PromptCache:
         self._entries.move_to_end(best)
         return copy.deepcopy(self._entries[best]), len(best)
 
-    def insert(self, ids: list[int], cache, extra: int = 0) -> None:
-        """Keep a copy of ``cache``, which holds exactly ``ids`` and ``extra`` positions after them (the
-        copy forgets those); the least recently used entry goes when the cache is full."""
+    def insert(self, ids: list[int], cache) -> None:
+        """Keep a copy of ``cache``, which holds ``ids`` and perhaps positions after them (the copy
+        forgets those); the least recently used entry goes when the cache is full."""
         if self.max_size == 0 or not ids:
             return
+        if cache.offset < len(ids):
+            raise ValueError(f"a cache of {cache.offset} positions cannot be stored for {len(ids)} ids")
         key = tuple(ids)
         kept = copy.deepcopy(cache)
-        kept.trim(extra)
+        kept.trim(cache.offset - len(ids))
         self._entries[key] = kept
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_size:

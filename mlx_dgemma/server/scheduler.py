@@ -202,8 +202,8 @@ class Scheduler:
                     self.prompt_cache.insert(key[:end], cache)
             elif end > cached and self.prompt_cache.max_size:
                 # The engine encodes the rest of the prompt (fresh prompts of a round in one forward)
-                # and hands the row's cache back, holding the whole prompt: kept without its last id.
-                keep = functools.partial(self.prompt_cache.insert, key[:end], extra=1)
+                # and hands the row's cache back: kept without the prompt's last id.
+                keep = functools.partial(self.prompt_cache.insert, key[:end])
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
             drafting = job.redraft is not None
