@@ -10,9 +10,10 @@ row i of ``batch_generate`` gives the text ``generate`` gives for that prompt an
 
 Verified drafting rows each keep their own cache too; the rows whose drafts take the same number of
 steps draft together (one forward per draft step, at the longest of their draft lengths) and are
-verified in one encoder pass, each keeping what it keeps (drafting.verify_rounds). Rows that cannot share a forward (the auto policy,
-which re-plans per canvas or round; a template decoded autoregressively or verified) run alone, one
-canvas, block of tokens or verified round per step, through ``stream_generate``.
+verified in one encoder pass, each keeping what it keeps (drafting.verify_rounds). Rows that cannot
+share a forward (the auto policy, which re-plans per canvas or round; a template decoded
+autoregressively or verified) run alone, one canvas, block of tokens or verified round per step,
+through ``stream_generate``, from the prefix their request brings.
 """
 
 from __future__ import annotations
@@ -83,11 +84,6 @@ class _Row:
     known: int | None = None  # verified: the next token (decided, not yet encoded); None when done
     leftover: list[int] = field(default_factory=list)  # verified: the last draft's tail (the next one's start)
     first: list[int] = field(default_factory=list)  # verified: the prompt's next token, sent with the first round
-
-    @property
-    def mode(self) -> str:
-        """How the row's prompt is encoded and its answer generated in the batch."""
-        return "ar" if self.job.plan.mode == "ar" else "verified" if self.job.plan.mode == "verified" else "diffusion"
 
 
 @dataclass
@@ -209,7 +205,7 @@ class BatchGenerator:
                 row.on_prefilled(row.cache)
         self._solo += [r for r in pending if r.solo is not None]
         for mode in ("diffusion", "ar", "verified"):
-            rows = [r for r in pending if r.solo is None and r.mode == mode]
+            rows = [r for r in pending if r.solo is None and r.job.plan.mode == mode]
             cached = [r for r in rows if r.cache is not None]
             if fresh := [r for r in rows if r.cache is None]:
                 longest = max(len(r.job.ids) for r in fresh)

@@ -148,8 +148,9 @@ def test_a_template_image_prompt_is_answered_with_its_image(client, vision_model
 
 
 def test_an_image_prompt_under_auto_is_answered(client, vision_model):
-    """auto runs alone from the image-encoded cache too; its plans depend on what it learned in this
-    server, so the answer is checked for its prompt count, not its text."""
+    """auto takes image prompts (it was refused, then answered blind). Its plans depend on what it has
+    learned in this server, so its text is not compared here; that a row running alone starts from
+    the image-encoded cache is what the template test above checks."""
     reply = ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}], extra_body={"policy": "auto"})
     assert reply.usage.prompt_tokens == len(prompt_ids(vision_model[1], PROMPT, images=1)) - 1 + 2 + 63
     assert reply.choices[0].finish_reason in ("stop", "length")
