@@ -30,6 +30,14 @@ def at_least(minimum: int) -> Callable[[object, str], None]:
     return check
 
 
+def check_steps(value, limit: int, name: str = "steps") -> None:
+    """Denoising steps from 1 to ``limit``, the checkpoint's ``max_denoising_steps``: each step is a forward
+    of the decoder, so an unbounded count is an unbounded request."""
+    if not is_int(value) or not 1 <= value <= limit:
+        raise ValueError(f"{name} must be an integer from 1 to {limit} (the checkpoint's max_denoising_steps), "
+                         f"got {value!r}")
+
+
 def check_seed(seed, name: str = "seed") -> None:
     if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"{name} must be an integer from 0 to 2**64 - 1, got {seed!r}")
