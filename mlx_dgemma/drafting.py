@@ -24,7 +24,7 @@ autoregressive template decoding of generate.py runs the same rule one token at 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -251,8 +251,7 @@ def draft_rows(model, view, known: list[list[int]], length: int, settings: Draft
     clamp = Clamp(mx.array(fixed), mx.array(tokens))
     canvas = clamp.apply(canvases[0] if len(canvases) == 1 else mx.concatenate(canvases))
     self_conditioning = self_conditioning_probs = None
-    temperatures = [SamplerSettings(steps=settings.steps, t_min=s.t_min, t_max=s.t_max).temperatures()
-                    for s in schedules]
+    schedules = [replace(s, steps=settings.steps) for s in schedules]  # the temperatures over the draft's steps
     qs = [None] * len(known)
     for step in range(1, settings.steps + 1):
         logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs)
@@ -263,8 +262,8 @@ def draft_rows(model, view, known: list[list[int]], length: int, settings: Draft
             else:
                 canvas = clamp.apply(logits.argmax(-1).astype(mx.int32))
             break
-        temperature = (temperatures[0][step - 1] if len(known) == 1
-                       else mx.stack([t[step - 1] for t in temperatures])[:, None, None])
+        temperature = (schedules[0].temperature(step - 1) if len(known) == 1
+                       else mx.stack([s.temperature(step - 1) for s in schedules])[:, None, None])
         self_conditioning, self_conditioning_probs, _, argmax = tempered_distribution(logits, temperature)
         canvas = clamp.apply(argmax)
     return canvas, qs

@@ -37,6 +37,7 @@ from .validate import (
     check_entropy_bound,
     check_request,
     check_seed,
+    check_steps,
     check_temperature,
     check_text,
     decode_utf8,
@@ -154,6 +155,13 @@ def check_prompt(ids: list[int], config, max_tokens: int = 1) -> None:
                           f"prompt, past the model's context of {context} tokens; ask for at most {room}")
 
 
+def check_step_counts(defaults: GenerationConfig, steps, draft_steps, names=("steps", "draft_steps")) -> None:
+    """The caller's denoising and draft steps (None: the plan's) within the checkpoint's ``max_denoising_steps``."""
+    for value, name in zip((steps, draft_steps), names):
+        if value is not None:
+            check_steps(value, defaults.max_denoising_steps, name)
+
+
 def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
     """The canvas up to and including its first stop id, and whether there was one."""
     for i, token in enumerate(canvas):
@@ -214,6 +222,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
     overrides = {f.name: getattr(settings, f.name) for f in fields(settings)} if settings else {}
     given = dict(steps=steps, entropy_bound=entropy_bound, t_min=temp_min, t_max=temp_max, freeze_after=freeze_after)
     overrides.update({k: v for k, v in given.items() if v is not None})
+    check_step_counts(defaults, overrides.get("steps"), draft_steps)
     ids = prompt_ids(tokenizer, prompt, system_prompt, chat_template, len(images or []))
     ids, vision_inputs = image_inputs(model, ids, images) if images else (ids, {})
     check_prompt(ids, config, max_tokens if template is None else 1)
@@ -776,13 +785,14 @@ def _generate_cli(model, prompt, system_prompt, max_tokens, steps, entropy_bound
         raise ValueError("adapters are not applied to a sharded model yet; merge them first: python -m mlx_dgemma.fuse")
     else:
         dgemma, tokenizer = distributed.sharded_load(model or DEMO_MODEL, group, watchdog)
+    defaults = generation_config(dgemma, tokenizer)
+    check_step_counts(defaults, steps, draft_steps, ("--steps", "--draft-steps"))  # before a schema's draft runs
     template = _read_template(tokenizer, template_file, schema_file, dgemma.config.max_position_embeddings)
     if isinstance(template, dict):  # a schema: holes sized by a free draft first
         template = drafted_json_template(
             dgemma, tokenizer, prompt, template, max_tokens=max_tokens, seed=seed, steps=steps,
             entropy_bound=entropy_bound, temp_min=temp_min, temp_max=temp_max, system_prompt=system_prompt,
             policy=policy, chat_template=not ignore_chat_template, images=images)
-    defaults = generation_config(dgemma, tokenizer)
     canvas_view = CanvasView(tokenizer, steps or defaults.max_denoising_steps) if view else None
     responses = []
     for response in stream_generate(

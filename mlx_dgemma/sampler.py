@@ -113,11 +113,13 @@ class SamplerSettings:
         )
         return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
 
-    def temperatures(self) -> list[mx.array]:
-        """The temperature of each step, first to last, rounded as the reference computes it: in
-        float32, because its step counter is an int32 tensor."""
+    def temperature(self, step: int) -> mx.array:
+        """The temperature of step ``step`` (0 is the first), rounded as the reference computes it: in
+        float32, because its step counter is an int32 tensor. A function of the step, so no schedule
+        of ``steps`` entries is ever held."""
+        cur = self.steps - step
         span, low = _f32(self.t_max - self.t_min), _f32(self.t_min)
-        return [mx.array(_f32(low + _f32(span * _f32(cur / self.steps)))) for cur in range(self.steps, 0, -1)]
+        return mx.array(_f32(low + _f32(span * _f32(cur / self.steps))))
 
 
 def _f32(x: float) -> float:
@@ -237,7 +239,6 @@ class CanvasRun:
         self.shape = (1, length)
         canvas = rng.canvas(self.shape, vocab)
         self.canvas = canvas if clamp is None else clamp.apply(canvas)
-        self.temperatures = settings.temperatures()
         self.step = 0
         self.result: CanvasResult | None = None
 
@@ -304,7 +305,7 @@ class RunBatch:
         if any(run.clamp is not None and run.clamp.bias is not None for run in runs):
             logits = mx.concatenate([logits[i : i + 1] if run.clamp is None else run.clamp.restrict(logits[i : i + 1])
                                      for i, run in enumerate(runs)])
-        temperature = mx.stack([run.temperatures[run.step] for run in runs])[:, None, None]
+        temperature = mx.stack([run.settings.temperature(run.step) for run in runs])[:, None, None]
         for run in runs:
             run.step += 1
         scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, kernels)
@@ -397,7 +398,7 @@ class CompactedRun(CanvasRun):
         settings, clamp = self.settings, self.clamp
         C, A = self.length, len(self.active)
         index = self._index()
-        temperature = self.temperatures[self.step]
+        temperature = settings.temperature(self.step)
         self.step += 1
         if clamp is not None:
             logits = clamp.restrict(logits, index if A < C else None)

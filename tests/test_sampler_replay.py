@@ -205,7 +205,8 @@ def test_temperature_schedule_rounds_like_the_reference():
     for steps, t_min, t_max in [(48, 0.4, 0.8), (7, 0.1, 1.3), (16, 0.0, 0.7)]:
         settings = SamplerSettings(steps=steps, t_min=t_min, t_max=t_max)
         processor = LinearTemperatureScheduleLogitsProcessor(t_min, t_max, steps)
-        for cur, temperature in zip(range(steps, 0, -1), settings.temperatures()):
+        for step, cur in enumerate(range(steps, 0, -1)):
+            temperature = settings.temperature(step)
             # The reference's step counter is an int32 tensor (generate's _denoising_step).
             ref = processor(None, logits, torch.tensor(cur, dtype=torch.int32)).numpy()
             ours = np.array(tempered_distribution(mx.array(logits.numpy()), temperature)[0])
