@@ -1,0 +1,64 @@
+"""Bounds on what one request may ask for: denoising and draft steps."""
+
+import tracemalloc
+
+import pytest
+from click.testing import CliRunner
+
+from mlx_dgemma import generate, load
+from mlx_dgemma.batch import BatchGenerator, BatchRequest
+from mlx_dgemma.generate import DEMO_MODEL, main
+from mlx_dgemma.sampler import MxRandom, SamplerSettings, new_run
+
+pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "model.safetensors").exists(), reason="no bundled demo model")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load(DEMO_MODEL)
+
+
+def test_a_run_holds_no_schedule_of_its_steps(demo):
+    """The temperature is computed per step: starting a run of a million steps allocates nothing per step."""
+    model, _ = demo
+    tracemalloc.start()
+    try:
+        run = new_run(model, SamplerSettings(steps=10**6), MxRandom(0))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # a schedule costs ~72 bytes a step: 72 MB here
+    settings = run.settings
+    assert settings.temperature(0).item() == pytest.approx(settings.t_max)
+    assert settings.temperature(10**6 - 1).item() == pytest.approx(settings.t_min, abs=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(steps=10**9), "steps"), (dict(steps=25), "steps"), (dict(steps=True), "steps"),
+    (dict(settings=SamplerSettings(steps=10**9)), "steps"),
+    (dict(policy="verified", draft_length=8, draft_steps=10**9), "draft_steps"),
+])
+def test_steps_past_the_checkpoints_bound_are_refused(demo, kwargs, name):
+    model, tokenizer = demo
+    limit = model.generation_config.max_denoising_steps
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer from 1 to {limit} "):
+        generate(model, tokenizer, "sort: 3 1", **kwargs)
+
+
+def test_a_batch_request_past_the_bound_is_refused(demo):
+    model, tokenizer = demo
+    engine = BatchGenerator(model, tokenizer)
+    with pytest.raises(ValueError, match="^steps must be an integer from 1 to 24"):
+        engine.insert(BatchRequest(tokenizer.encode("sort: 3 1"), 8, steps=10**9))
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--draft-steps"])
+def test_cli_steps_past_the_bound(flag, tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "integer"}')
+    for extra in ([], ["--schema", str(schema)]):  # the bound holds before a schema's free draft runs
+        result = CliRunner().invoke(main, ["--prompt", "sort: 3 1", "--policy", "verified", "--draft-length", "8",
+                                           flag, "1000000000", *extra])
+        assert result.exit_code == 1
+        assert result.output.strip().splitlines() == [
+            f"Error: {flag} must be an integer from 1 to 24 (the checkpoint's max_denoising_steps), got 1000000000"]
