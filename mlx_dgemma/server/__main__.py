@@ -1,6 +1,6 @@
 """``python -m mlx_dgemma.server``: serve a model (the bundled demo without --model) over OpenAI's API.
 
-SIGTERM or Ctrl-C: no new connections; requests in flight get ``SHUTDOWN_GRACE`` seconds to finish,
+SIGTERM or Ctrl-C: no new connections; requests in flight get ``--shutdown-grace`` seconds to finish,
 then end with a 503 ("shutting down") and the process exits. A second signal exits at once."""
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ POSITIVE = click.IntRange(min=1)
 @click.option("--allowed-image-dir", type=click.Path(exists=True, file_okay=False, resolve_path=True),
               help="Folder whose image files an image_url may name by path or file:// URL [default: none; "
                    "only data URLs].")
+@click.option("--shutdown-grace", default=SHUTDOWN_GRACE, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds requests in flight get to finish after SIGTERM before they end with a 503.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,
-         max_image_pixels, allowed_image_dir, log_level):
+         max_image_pixels, allowed_image_dir, shutdown_grace, log_level):
     """Serve a DiffusionGemma model with OpenAI's chat and completions API."""
     import uvicorn
 
@@ -64,7 +66,7 @@ def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, ma
         async def shutdown(self, sockets=None):
             import asyncio
 
-            asyncio.get_running_loop().call_later(SHUTDOWN_GRACE, scheduler.close)  # in-flight requests: 503
+            asyncio.get_running_loop().call_later(shutdown_grace, scheduler.close)  # in-flight requests: 503
             await super().shutdown(sockets)
 
     Uvicorn(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level)).run()

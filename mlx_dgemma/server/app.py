@@ -230,7 +230,6 @@ class Server:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", param="messages")
-        self._check_length(sum(map(len, _strings([messages, tools]))), "the messages and tools together", "messages")
         plain, images = [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -238,6 +237,8 @@ class Server:
             content, pictures = self._content(message.get("content"), i, len(images))
             plain.append({**message, "content": content})
             images += pictures
+        # (the images are out of the text by now: their data URLs are no text for the template)
+        self._check_length(sum(map(len, _strings([plain, tools]))), "the messages and tools together", "messages")
         if (pixels := sum(image.width * image.height for image in images)) > self.max_image_pixels:
             raise BadRequest(f"the request's images are {pixels} pixels together, more than the "
                              f"{self.max_image_pixels} accepted; scale them down", param="messages")
