@@ -17,6 +17,8 @@ import binascii
 import io
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from .errors import ImageError
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the reference processor's allowed budgets
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # larger images are refused (decoding alone would take GBs)
+MAX_IMAGE_FILE_BYTES = 64 << 20  # a local file an image_url names is read whole, up to this size
 
 
 @dataclass
@@ -164,25 +167,52 @@ def expand_image_tokens(ids: list[int], soft_tokens: list[int], image_token_id: 
 def load_image(source):
     """A PIL image from a PIL image, a file path or encoded bytes; files are decoded as the reference's
     ``load_image`` does (EXIF orientation applied, RGB)."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image
 
     if isinstance(source, Image.Image):
         _check_size(source, "the image")
         return source
-    name = "the image data" if isinstance(source, (bytes, bytearray)) else str(source)
+    return decode_image(open_image(source))
+
+
+def open_image(source):
+    """A file path or encoded bytes opened with only the image's header read, its size checked against
+    ``MAX_IMAGE_PIXELS`` before any pixel is decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    name = _name(source)
     try:
         image = Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
-        _check_size(image, name)
-        image.load()
     except FileNotFoundError:
         raise ImageError(f"image file {name} not found") from None
     except IsADirectoryError:
         raise ImageError(f"{name} is a folder, not an image file") from None
-    except (UnidentifiedImageError, Image.DecompressionBombError):
+    except UnidentifiedImageError:
+        raise ImageError(f"{name} is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # (the server makes the warning an error)
+        raise ImageError(f"{name} is over the {MAX_IMAGE_PIXELS} pixels accepted; scale it down first") from None
+    except OSError as e:
+        raise ImageError(f"cannot read image {name}: {e.strerror or e}") from None
+    _check_size(image, name)
+    return image
+
+
+def decode_image(image):
+    """An image from ``open_image`` decoded: EXIF orientation applied, RGB."""
+    from PIL import Image, ImageOps
+
+    name = _name(getattr(image, "filename", None) or b"")
+    try:
+        image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning, SyntaxError, ValueError):
         raise ImageError(f"{name} is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)") from None
     except OSError as e:
         raise ImageError(f"cannot read image {name}: {e.strerror or e}") from None
     return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def _name(source) -> str:
+    return "the image data" if isinstance(source, (bytes, bytearray)) else str(source)
 
 
 def _check_size(image, name: str) -> None:
@@ -191,20 +221,56 @@ def _check_size(image, name: str) -> None:
                          f"{MAX_IMAGE_PIXELS} pixels accepted; scale it down first")
 
 
-def image_from_url(url: str):
+def image_from_url(url: str, folder: str | Path | None = "/"):
     """An OpenAI chat ``image_url`` (``data:image/...;base64,...``, ``file://`` or a local path) → a PIL
-    image. Remote (http) URLs are refused: a local runtime does not fetch them."""
+    image. Remote (http) URLs are refused: a local runtime does not fetch them. Local paths are read
+    from regular files under ``folder`` only (the default, ``/``: any file on this machine; None: no
+    local paths), as ``open_image_url`` says."""
+    return decode_image(open_image_url(url, folder))
+
+
+def open_image_url(url: str, folder: str | Path | None = "/"):
+    """``image_from_url``'s image with only its header read (``open_image``). A local path is refused,
+    with one message whatever the reason (missing, a folder, a FIFO or device, outside ``folder``, not
+    an image), so that refusals do not map the filesystem; a FIFO is never waited on."""
     if url.startswith("data:"):
         header, _, payload = url.partition(",")
         if not header.startswith("data:image/") or ";base64" not in header:
             raise ImageError("an image data URL must look like data:image/png;base64,...")
         try:
-            return load_image(base64.b64decode(payload, validate=True))
+            return open_image(base64.b64decode(payload, validate=True))
         except binascii.Error:
             raise ImageError("the image data URL's base64 payload is damaged") from None
     if url.startswith(("http://", "https://")):
         raise ImageError(f"remote image URLs are not fetched ({url[:60]}); send the image as a data URL")
-    return load_image(url.removeprefix("file://"))
+    if folder is None:
+        raise ImageError("local image paths are not read here; send the image as a data URL")
+    refused = ImageError(f"{url[:80]!r} is not an image file that may be read here; send the image as a data URL")
+    try:
+        data = _read_under(url.removeprefix("file://"), Path(folder))
+        return open_image(data)
+    except (OSError, ValueError):  # (ImageError is a ValueError; so is a NUL byte in the path)
+        raise refused from None
+
+
+def _read_under(path: str, folder: Path) -> bytes:
+    """The bytes of the regular file ``path`` names (relative paths are under ``folder``) once symlinks
+    and ``..`` are resolved, if it lies under ``folder``; an ``OSError`` or ``ValueError`` otherwise."""
+    root = folder.resolve(strict=True)
+    target = (root / path).resolve(strict=True)
+    if target != root and root not in target.parents:
+        raise PermissionError(f"{target} is outside {root}")
+    fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens at once; it is refused next)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PermissionError(f"{target} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(MAX_IMAGE_FILE_BYTES + 1)
+        if len(data) > MAX_IMAGE_FILE_BYTES:
+            raise PermissionError(f"{target} is over {MAX_IMAGE_FILE_BYTES} bytes")
+        return data
+    finally:
+        os.close(fd)
 
 
 def image_inputs(model, ids: list[int], images) -> tuple[list[int], dict]:

@@ -149,11 +149,12 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     return "".join(content), calls
 
 
-def forced_call_template(tokenizer, tool: dict) -> CanvasTemplate:
+def forced_call_template(tokenizer, tool: dict, limit: int | None = None) -> CanvasTemplate:
     """A canvas template of one call of ``tool`` (an OpenAI tool: ``{"type": "function", "function":
     {"name", "parameters"}}``): the call's frame and the keys of its parameter schema clamped, the
-    values holes. Its ``render`` gives the arguments. The arguments are laid out as JSON (the
-    template module's), which ``parse_tool_calls`` reads as well as Gemma's own syntax."""
+    values holes (``limit``, the model's context, bounds them as in ``json_template``). Its ``render``
+    gives the arguments. The arguments are laid out as JSON (the template module's), which
+    ``parse_tool_calls`` reads as well as Gemma's own syntax."""
     function = tool.get("function", {})
     name = function.get("name")
     if not isinstance(name, str) or not _KEY.fullmatch(name):
@@ -162,7 +163,7 @@ def forced_call_template(tokenizer, tool: dict) -> CanvasTemplate:
     if parameters.get("type") == "object" and not parameters.get("properties"):
         arguments = CanvasTemplate(tokenizer.encode("{}", add_special_tokens=False), [], render=lambda values: {})
     else:
-        arguments = json_template(tokenizer, parameters)
+        arguments = json_template(tokenizer, parameters, limit=limit)
     head = tokenizer.encode(f"{CALL_OPEN}call:{name}", add_special_tokens=False)
     tail = tokenizer.encode(CALL_CLOSE, add_special_tokens=False)
     holes = [(start + len(head), hole) for start, hole in arguments.holes]

@@ -1,34 +1,46 @@
-"""``python -m mlx_dgemma.server``: serve a model (the bundled demo without --model) over OpenAI's API."""
+"""``python -m mlx_dgemma.server``: serve a model (the bundled demo without --model) over OpenAI's API.
+
+SIGTERM or Ctrl-C: no new connections; requests in flight get ``--shutdown-grace`` seconds to finish,
+then end with a 503 ("shutting down") and the process exits. A second signal exits at once."""
 
 from __future__ import annotations
+
+import os
 
 import click
 
 from ..generate import DEMO_MODEL, PREFILL_STEP_SIZE
-from .app import MAX_REQUEST_BYTES
+from .app import MAX_IMAGES, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS
 
-
-def _positive(ctx, param, value):
-    if value is not None and value < 1:
-        raise click.BadParameter(f"must be at least 1, got {value}")
-    return value
+SHUTDOWN_GRACE = 3.0  # seconds requests in flight get to finish after SIGTERM
+POSITIVE = click.IntRange(min=1)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8080, show_default=True, type=int, help="Port to listen on.")
-@click.option("--max-tokens", type=int, callback=_positive,
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
+@click.option("--max-tokens", type=POSITIVE,
               help="Default max_tokens of a request [default: the checkpoint's max_new_tokens].")
 @click.option("--prompt-cache-size", default=10, show_default=True, type=click.IntRange(min=0),
               help="Prompt KV caches kept for reuse (least recently used dropped first).")
-@click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True, type=int, callback=_positive,
+@click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True, type=POSITIVE,
               help="Prompt tokens encoded per forward.")
-@click.option("--max-request-bytes", default=MAX_REQUEST_BYTES, show_default=True, type=int, callback=_positive,
+@click.option("--max-request-bytes", default=MAX_REQUEST_BYTES, show_default=True, type=POSITIVE,
               help="Largest request body accepted (bigger ones get 413).")
+@click.option("--max-images", default=MAX_IMAGES, show_default=True, type=click.IntRange(min=0),
+              help="Image parts accepted in one request.")
+@click.option("--max-image-pixels", default=MAX_REQUEST_PIXELS, show_default=True, type=POSITIVE,
+              help="Pixels of a request's images together (read from their headers before decoding).")
+@click.option("--allowed-image-dir", type=click.Path(exists=True, file_okay=False, resolve_path=True),
+              help="Folder whose image files an image_url may name by path or file:// URL [default: none; "
+                   "only data URLs].")
+@click.option("--shutdown-grace", default=SHUTDOWN_GRACE, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds requests in flight get to finish after SIGTERM before they end with a 503.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, max_request_bytes, log_level):
+def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,
+         max_image_pixels, allowed_image_dir, shutdown_grace, log_level):
     """Serve a DiffusionGemma model with OpenAI's chat and completions API."""
     import uvicorn
 
@@ -42,8 +54,25 @@ def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, ma
         raise click.ClickException(str(e)) from None
     scheduler = Scheduler(dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size)
     server = Server(dgemma, tokenizer, model or "mlx-dgemma-demo", scheduler, max_tokens=max_tokens,
-                    max_request_bytes=max_request_bytes)
-    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
+                    max_request_bytes=max_request_bytes, max_images=max_images, max_image_pixels=max_image_pixels,
+                    image_dir=allowed_image_dir)
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if self.should_exit:  # the second signal
+                os._exit(128 + sig)
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            import asyncio
+
+            asyncio.get_running_loop().call_later(shutdown_grace, scheduler.close)  # in-flight requests: 503
+            await super().shutdown(sockets)
+
+    Uvicorn(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level)).run()
+    # MLX 0.32 can abort at interpreter exit once a thread that ran attention on the CPU has ended:
+    # everything is answered and closed by now, so the process ends here.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """The HTTP side: OpenAI's request and response shapes on starlette.
 
 A request is read and checked here (the body's size, its JSON, the model, every setting, the prompt
-against the context, the template or schema), so anything wrong gets OpenAI's error shape with a 4xx
-status before the worker sees it. The worker's events come back as one JSON reply or as server-sent
-events, a chunk per committed canvas.
+against the context, the template or schema, the images), so anything wrong gets OpenAI's error shape
+with a 4xx status before the worker sees it. Everything past reading the body (rendering, tokenizing,
+building templates, decoding images) runs on a small thread pool, each part bounded by a limit checked
+before it starts (docs/server.md, "Limits and hostile input"): the event loop stays free to answer.
+The worker's events come back as one JSON reply or as server-sent events, a chunk per committed canvas.
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ import asyncio
 import json
 import secrets
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from .. import validate
 from ..batch import BatchRequest
 from ..generate import PromptError, check_prompt, check_template_fits, generation_config
-from ..images import ImageError, image_from_url, image_inputs
+from ..images import ImageError, decode_image, image_inputs, open_image_url
 from ..policy import POLICIES
 from ..template import TemplateError, json_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
@@ -30,6 +36,16 @@ from .scheduler import Event, Job, Scheduler
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
 MAX_STOP_STRINGS = 4
+MAX_IMAGES = 8  # image parts in one request
+MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
+PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
+# OpenAI parameters this server does not honour, each with the value that leaves it off: clients
+# send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
+# store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
+UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
+               "presence_penalty": 0, "frequency_penalty": 0, "top_p": 1, "suffix": "", "functions": [],
+               "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
+               "reasoning_effort": None, "web_search_options": None}
 # A json_object reply whose free draft is not a JSON object: the draft's answer under one key.
 JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64}}}
 
@@ -64,12 +80,28 @@ class Reply:
 
 
 class Server:
+    """The endpoints. ``image_dir``: the folder whose regular files an ``image_url`` path may name
+    (None: local paths are refused; data URLs always work)."""
+
     def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, max_tokens: int | None = None,
-                 max_request_bytes: int = MAX_REQUEST_BYTES):
+                 max_request_bytes: int = MAX_REQUEST_BYTES, max_images: int = MAX_IMAGES,
+                 max_image_pixels: int = MAX_REQUEST_PIXELS, image_dir: str | Path | None = None):
+        from PIL.Image import DecompressionBombWarning
+
         self.model, self.tokenizer, self.model_id, self.scheduler = model, tokenizer, model_id, scheduler
         self.defaults = generation_config(model, tokenizer)
         self.max_tokens = max_tokens or self.defaults.max_new_tokens
         self.max_request_bytes = max_request_bytes
+        self.max_images, self.max_image_pixels, self.image_dir = max_images, max_image_pixels, image_dir
+        self.context = model.config.max_position_embeddings
+        # No token is longer than the vocabulary's longest: text longer than that many per position
+        # cannot fit the context, and is refused before it is rendered or tokenized.
+        self.max_text_chars = self.context * max(
+            [len(tokenizer.piece(i)) for i in range(model.config.vocab_size)] if tokenizer.has_vocabulary else [1])
+        self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlx-dgemma-prepare")
+        # Pillow warns (on stderr) of images past its own bound, larger than images.MAX_IMAGE_PIXELS:
+        # here they are refused with the request's one-line error instead.
+        warnings.filterwarnings("error", category=DecompressionBombWarning)
         self.created = int(time.time())
 
     # -- endpoints ----------------------------------------------------------------------------------
@@ -90,7 +122,7 @@ class Server:
     async def _complete(self, request: Request, chat: bool):
         try:
             body = await self._read_body(request)
-            job, reply = self._job(body, chat)
+            job, reply = await asyncio.get_running_loop().run_in_executor(self._preparing, self._job, body, chat)
         except BadRequest as e:
             return error_response(str(e), e.status, e.param, e.code)
         events = self.scheduler.submit(job)
@@ -115,21 +147,19 @@ class Server:
                 raise too_big
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # (bad UTF-8, an integer past Python's digit limit, deep nesting)
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise BadRequest("the request body must be a JSON object")
         return data
 
     def _job(self, body: dict, chat: bool) -> tuple[Job, Reply]:
+        _check_text(body)
+        _check_supported(body)
         model = body.get("model")
         if model not in (None, self.model_id, "default_model"):
-            raise BadRequest(f"the model '{model}' does not exist; this server serves '{self.model_id}'",
-                             param="model", code="model_not_found", status=404)
-        if _get(body, "n", int, 1) != 1:
-            raise BadRequest("only n=1 is supported", param="n")
-        if body.get("logprobs"):
-            raise BadRequest("logprobs are not supported", param="logprobs")
+            raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
+                             f"'{self.model_id}'", param="model", code="model_not_found", status=404)
         stream = _get(body, "stream", bool, False)
         stream_options = _get(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -146,14 +176,14 @@ class Server:
         policy = _get(body, "policy", str, "reference")
         if policy not in POLICIES:
             raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
-        steps = _get(body, "steps", int, None)
-        if steps is not None and steps < 1:
-            raise BadRequest(f"steps must be at least 1, got {steps}", param="steps")
+        steps, seed = body.get("steps"), body.get("seed")
+        _check(validate.check_steps, steps, self.defaults.max_denoising_steps, "steps")
+        _check(validate.check_seed, seed, "seed")
 
         tools, forced = self._tools(body) if chat else ([], None)
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
                               else (self._text_prompt(body), {}))
-        request = BatchRequest(ids, seed=_get(body, "seed", int, None), policy=policy, steps=steps)
+        request = BatchRequest(ids, seed=seed, policy=policy, steps=steps)
         if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
             scale = max(temperature, 1e-2)
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
@@ -169,10 +199,12 @@ class Server:
         """The request's tools (none with tool_choice "none") and the one a forced call is to."""
         tools = _get(body, "tools", list, None) or []
         for tool in tools:
-            if not (isinstance(tool, dict) and tool.get("type") == "function"
-                    and isinstance(tool.get("function"), dict) and isinstance(tool["function"].get("name"), str)):
-                raise BadRequest("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                                 param="tools")
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not (isinstance(function, dict) and tool.get("type") == "function"
+                    and isinstance(function.get("name"), str)
+                    and isinstance(function.get("parameters", {}), (dict, type(None)))):
+                raise BadRequest('each tool must be {"type": "function", "function": {"name": ..., "parameters": '
+                                 '{a JSON schema}}}', param="tools")
         choice = body.get("tool_choice", "auto" if tools else "none")
         if choice == "none":
             return [], None
@@ -185,7 +217,8 @@ class Server:
                 raise BadRequest("tool_choice 'required' is supported with one tool; name the function instead",
                                  param="tool_choice")
             return tools, tools[0]
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
         named = [t for t in tools if t["function"]["name"] == name]
         if not named:
             raise BadRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, "
@@ -201,9 +234,14 @@ class Server:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise BadRequest(f"messages[{i}] must be an object with a role", param="messages")
-            content, pictures = self._content(message.get("content"), i)
+            content, pictures = self._content(message.get("content"), i, len(images))
             plain.append({**message, "content": content})
             images += pictures
+        # (the images are out of the text by now: their data URLs are no text for the template)
+        self._check_length(sum(map(len, _strings([plain, tools]))), "the messages and tools together", "messages")
+        if (pixels := sum(image.width * image.height for image in images)) > self.max_image_pixels:
+            raise BadRequest(f"the request's images are {pixels} pixels together, more than the "
+                             f"{self.max_image_pixels} accepted; scale them down", param="messages")
         extra = {"tools": tools} if tools else {}
         try:
             ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, **extra)
@@ -216,13 +254,14 @@ class Server:
                                  "template that takes no image parts, or drops them from some messages)",
                                  param="messages")
             try:  # each placeholder the template wrote becomes its image's soft tokens
-                ids, vision_inputs = image_inputs(self.model, ids, images)
+                ids, vision_inputs = image_inputs(self.model, ids, [decode_image(image) for image in images])
             except ImageError as e:
                 raise BadRequest(f"messages: {e}", param="messages") from None
         return self._check_ids(ids, "messages"), vision_inputs
 
-    def _content(self, content, index: int) -> tuple[str | list[dict], list]:
-        """A message's content for the chat template (its text, or text and image parts) and its images."""
+    def _content(self, content, index: int, earlier_images: int) -> tuple[str | list[dict], list]:
+        """A message's content for the chat template (its text, or text and image parts) and its images,
+        opened (their headers read, ``open_image_url``)."""
         if content is None:
             return "", []
         if isinstance(content, str):
@@ -238,6 +277,9 @@ class Server:
         if not has_vision(self.model):
             raise BadRequest(f"messages[{index}] has an image, but this model takes text only (no vision tower)",
                              param="messages")
+        if (count := earlier_images + sum(p.get("type") == "image_url" for p in content)) > self.max_images:
+            raise BadRequest(f"the request has {count} or more images, more than the {self.max_images} accepted",
+                             param="messages")
         parts, images = [], []
         for part in content:
             if part.get("type") == "text":
@@ -249,7 +291,7 @@ class Server:
                 raise BadRequest(f'messages[{index}]: an image_url part must be {{"type": "image_url", '
                                  f'"image_url": {{"url": "data:image/png;base64,..."}}}}', param="messages")
             try:
-                images.append(image_from_url(url))
+                images.append(open_image_url(url, self.image_dir))
             except ImageError as e:
                 raise BadRequest(f"messages[{index}]: {e}", param="messages") from None
             parts.append({"type": "image"})
@@ -260,10 +302,18 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
+            self._check_length(len(prompt), "the prompt", "prompt")
             return self._check_ids(self.tokenizer.encode(prompt), "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
             return self._check_ids(prompt, "prompt")
         raise BadRequest("prompt must be a non-empty string or a list of token ids", param="prompt")
+
+    def _check_length(self, chars: int, what: str, param: str) -> None:
+        """Refuse text that cannot fit the context before it is rendered or tokenized."""
+        if chars > self.max_text_chars:
+            raise BadRequest(f"{what} is {chars} characters: more than the model's context of {self.context} "
+                             f"tokens can hold (at most {self.max_text_chars})", param=param,
+                             code="context_length_exceeded")
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         config = self.model.config
@@ -281,48 +331,49 @@ class Server:
         kind = response_format.get("type")
         if sum(x is not None for x in (text, forced, None if kind == "text" else kind)) > 1:
             raise BadRequest("give one of template, response_format and a forced tool call", param="response_format")
-        tokenizer = self.tokenizer
+        tokenizer, limit = self.tokenizer, self.context  # a template past the context is refused as it is built
+        param = "template" if text is not None else "tools" if forced is not None else "response_format"
+        largest = None
         try:
             if text is not None:
-                job.request.template = parse_template(tokenizer, text)
+                self._check_length(len(text), "the template", "template")
+                largest = job.request.template = parse_template(tokenizer, text, limit)
             elif forced is not None:
-                job.request.template = forced_call_template(tokenizer, forced)
+                largest = job.request.template = forced_call_template(tokenizer, forced, limit)
             elif kind == "json_schema":
                 spec = response_format.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise BadRequest("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
                                      "\"schema\": {...}}}", param="response_format")
-                json_template(tokenizer, schema)  # a schema the templates cannot express fails here
-                job.redraft = lambda draft: json_template(tokenizer, schema, draft=_json_or_none(draft))
+                # A schema the templates cannot express fails here; a draft sizes the holes at most this long.
+                largest = json_template(tokenizer, schema, limit=limit)
+                job.redraft = lambda draft: json_template(tokenizer, schema, draft=_json_or_none(draft), limit=limit)
             elif kind == "json_object":
                 job.redraft = lambda draft: (None if isinstance(_json_or_none(draft), dict)
-                                             else json_template(tokenizer, JSON_OBJECT_FALLBACK))
+                                             else json_template(tokenizer, JSON_OBJECT_FALLBACK, limit=limit))
             elif kind != "text":
                 raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
                                  param="response_format")
-        except TemplateError as e:
-            param = "template" if text is not None else "tools" if forced is not None else "response_format"
-            raise BadRequest(str(e), param=param) from None
-        largest = job.request.template
-        if largest is None and kind == "json_schema":
-            largest = json_template(tokenizer, schema)  # a draft sizes the holes at most this long
+        # (TypeError, OverflowError: numbers in the client's schema that numpy cannot take, e.g. 400 digits)
+        except (TemplateError, TypeError, OverflowError) as e:
+            raise BadRequest(f"{param}: {e}" if not isinstance(e, TemplateError) else str(e), param=param) from None
         if largest is not None:
             try:
                 check_template_fits(largest, len(job.request.prompt_ids), self.model.config)
             except TemplateError as e:
-                raise BadRequest(str(e), param="template" if text is not None else "response_format",
-                                 code="context_length_exceeded") from None
+                raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
 
     def _fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
-        """``max_tokens``, or the server's default cut to the context the prompt leaves."""
-        room = self.model.config.max_position_embeddings - len(ids)
+        """``max_tokens``, or the server's default cut to the whole canvases the prompt leaves room for
+        (``_check_ids`` made sure one fits)."""
+        canvas = self.model.config.canvas_length
         if max_tokens is None:
-            return min(self.max_tokens, room)
-        if max_tokens > room:
-            raise BadRequest(f"the prompt is {len(ids)} tokens and {param} is {max_tokens}: together over the "
-                             f"model's context of {room + len(ids)} tokens", param=param,
-                             code="context_length_exceeded")
+            return min(self.max_tokens, (self.context - len(ids)) // canvas * canvas)
+        try:
+            check_prompt(ids, self.model.config, max_tokens)
+        except PromptError as e:
+            raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
         return max_tokens
 
     # -- answering ---------------------------------------------------------------------------------
@@ -433,6 +484,48 @@ def _get(body: dict, key: str, kind, default):
         names = " or ".join(k.__name__ for k in kinds)
         raise BadRequest(f"{key} must be of type {names}, got {json.dumps(value)[:40]}", param=key)
     return value
+
+
+def _check(check, value, *args) -> None:
+    """A ``validate`` check of a request's setting (when given): its ValueError is a 400 naming it."""
+    if value is not None:
+        try:
+            check(value, *args)
+        except ValueError as e:
+            raise BadRequest(str(e), param=args[-1]) from None
+
+
+def _check_supported(body: dict) -> None:
+    for key, off in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is not None and not (value == off and isinstance(value, bool) == isinstance(off, bool)):
+            leave = "leave it out" if off is None else f"leave it out or send {json.dumps(off)}"
+            raise BadRequest(f"{key} is not supported by this server; {leave}", param=key)
+
+
+def _strings(value):
+    """Every string in a JSON value, keys included (looked at without recursion: a body may nest deep)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+
+
+def _check_text(body: dict) -> None:
+    """Text that UTF-8 cannot encode (lone surrogates, as JSON's "\\ud800" makes) is refused by its field."""
+    for key, value in body.items():
+        for text in _strings([key, value]):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                name = key if key.isascii() else None
+                raise BadRequest(f"{name or 'a key'} holds text that is not valid Unicode (a lone surrogate such "
+                                 "as \\ud800); send UTF-8 text", param=name) from None
 
 
 def _json_or_none(text: str):

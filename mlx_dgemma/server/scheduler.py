@@ -37,6 +37,9 @@ class RequestFailed(Exception):
         self.status = status
 
 
+SHUTTING_DOWN = RequestFailed("the server is shutting down; send the request again once it is back", status=503)
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
@@ -96,6 +99,7 @@ class Scheduler:
         self._active: dict[int, Job] = {}
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._closed = False
         self.rounds = self.finished = self.cancelled = 0
         # An array a model builds lazily on this thread's stream cannot be evaluated from the worker's
         # (MLX: "There is no Stream(cpu, 0) in current thread"): one small forward here evaluates any.
@@ -109,17 +113,26 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="mlx-dgemma-worker", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Fail what is still running and stop the worker."""
-        if self._thread is not None:
+    def close(self) -> None:
+        """Fail what is still running (503, "shutting down") and take no more; returns at once."""
+        if not self._closed:
+            self._closed = True
             self._inbox.put(None)
+
+    def stop(self) -> None:
+        """``close``, then wait for the worker to have failed what was running."""
+        if self._thread is not None:
+            self.close()
             self._stopped.wait()
             self._thread = None
 
     def submit(self, job: Job) -> asyncio.Queue:
         """Queue ``job``; its events arrive on the returned queue of the running event loop."""
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
-        self._inbox.put(job)
+        if self._closed:
+            job.events.put_nowait(Event(error=SHUTTING_DOWN))
+        else:
+            self._inbox.put(job)
         return job.events
 
     def status(self) -> dict:
@@ -144,12 +157,15 @@ class Scheduler:
                 pass
             if None in new:
                 for job in [*self._active.values(), *(j for j in new if j is not None)]:
-                    self._send(job, Event(error=RequestFailed("the server is shutting down", status=503)))
+                    self._send(job, Event(error=SHUTTING_DOWN))
                 self._active.clear()
                 self._stopped.set()
                 # MLX 0.32 aborts the process at exit once a thread that ran attention on the CPU has
-                # ended; the worker parks instead (a daemon thread, it ends with the process).
-                threading.Event().wait()
+                # ended; the worker stays, failing whatever still comes (a daemon thread, it ends with
+                # the process).
+                while True:
+                    if (job := self._inbox.get()) is not None:
+                        self._send(job, Event(error=SHUTTING_DOWN))
             for job in new:
                 self._start(job)
             for uid, job in list(self._active.items()):

@@ -1,0 +1,398 @@
+"""A hostile client against the server: every limit is a 400 naming its field, answered before any
+work starts, while /health keeps answering; local files stay unread unless a folder is allowed; SIGTERM
+ends a server with a request in flight. In-process servers on loopback (test_server's ``serving``),
+subprocess servers where signals or memory are checked."""
+
+import base64
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from mlx_dgemma.server.__main__ import main
+
+from .test_server import MODEL_ID, SORT, chat, demo, health, raw_post, serving  # noqa: F401 (demo: a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+BIG = 7990  # a 7990x7990 PNG: 64 MB of pixels in 62 KB of file
+
+
+def png(width: int, height: int) -> bytes:
+    """A valid all-black greyscale PNG of any size, small on the wire (its rows compress to nothing)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = zlib.compress(bytes((width + 1) * height), 9)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def big_png():
+    return png(BIG, BIG)
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("allowed")
+    Image.new("RGB", (8, 8)).save(folder / "ok.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(demo):  # noqa: F811
+    with serving(*demo, max_request_bytes=4 << 20) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def allowing_server(demo, image_dir):  # noqa: F811
+    with serving(*demo, image_dir=image_dir) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def post(server, body, path="/v1/chat/completions", timeout=10):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    start = time.monotonic()
+    status, reply = raw_post_timeout(server, path, data, timeout)
+    return status, reply.get("error", reply), time.monotonic() - start
+
+
+def raw_post_timeout(server, path, data, timeout):
+    request = urllib.request.Request(server + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def ask(content, **extra) -> dict:
+    return {"model": MODEL_ID, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def health_while(server, body, path="/v1/chat/completions") -> tuple[tuple, float]:
+    """The hostile ``body``'s answer, and the slowest /health seen while it was in flight."""
+    with ThreadPoolExecutor(1) as pool:
+        hostile = pool.submit(post, server, body, path, 60)
+        slowest = 0.0
+        while not hostile.done():
+            start = time.monotonic()
+            health(server)
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.02)
+        return hostile.result(), slowest
+
+
+def assert_still_serving(client):
+    assert chat(client, SORT, seed=3).choices[0].message.content == "17 23 42 61 85"
+
+
+# -- 1. steps ---------------------------------------------------------------------------------------
+
+def test_steps_are_bounded_by_the_checkpoint(server, client):
+    status, error, took = post(server, ask(SORT, steps=1_000_000_000))
+    assert status == 400 and error["param"] == "steps" and took < 1
+    assert "from 1 to 24 (the checkpoint's max_denoising_steps)" in error["message"]
+    assert_still_serving(client)
+
+
+# -- 2. big images ----------------------------------------------------------------------------------
+
+def test_many_big_images_are_refused_from_their_headers(server, client, big_png):
+    parts = [{"type": "text", "text": SORT}] + [image_part(data_url(big_png))] * 2
+    (status, error, took), slowest = health_while(server, ask(parts))
+    assert status == 400 and error["param"] == "messages" and took < 1
+    assert error["message"] == (f"the request's images are {2 * BIG * BIG} pixels together, more than the "
+                                f"{1 << 24} accepted; scale them down")
+    assert slowest < 1
+    status, error, took = post(server, ask([image_part(data_url(png(8, 8)))] * 9))
+    assert status == 400 and error["param"] == "messages" and took < 1
+    assert error["message"] == "the request has 9 or more images, more than the 8 accepted"
+    assert_still_serving(client)
+
+
+# -- 3. host files ----------------------------------------------------------------------------------
+
+REFUSED = "is not an image file that may be read here; send the image as a data URL"
+
+
+def test_local_image_paths_are_refused_by_default(server, image_dir):
+    for url in (str(image_dir / "ok.png"), f"file://{image_dir / 'ok.png'}", "/etc/passwd"):
+        status, error, _ = post(server, ask([image_part(url)]))
+        assert status == 400 and error["param"] == "messages"
+        assert error["message"] == "messages[0]: local image paths are not read here; send the image as a data URL"
+
+
+def test_an_allowed_folder_reads_only_its_regular_files_with_one_refusal(allowing_server, image_dir, tmp_path):
+    fifo = image_dir / "fifo.png"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    (image_dir / "notes.png").write_text("not a picture")
+    outside = tmp_path / "secret.png"
+    Image.new("RGB", (8, 8)).save(outside)
+    link = image_dir / "link.png"
+    if not link.is_symlink():
+        link.symlink_to(outside)
+    (image_dir / "sub").mkdir(exist_ok=True)
+    bad = [str(image_dir / "missing.png"), str(image_dir / "sub"), str(fifo), str(link), str(outside), "/dev/zero",
+           "/etc/passwd", f"{image_dir}/../{tmp_path.name}/secret.png", f"file://{fifo}", str(image_dir / "notes.png"),
+           f"{image_dir}/ok.png\x00.txt", "ok.png/.."]
+    for url in bad:
+        status, error, took = post(allowing_server, ask([image_part(url)]), timeout=5)  # a FIFO never blocks
+        assert status == 400 and error["param"] == "messages", url
+        assert error["message"] == f"messages[0]: {url[:80]!r} {REFUSED}", url
+    # A regular image under the folder is read (the demo's template then writes no placeholder for it).
+    for url in (str(image_dir / "ok.png"), f"file://{image_dir / 'ok.png'}", "ok.png", "sub/../ok.png"):
+        status, error, _ = post(allowing_server, ask([image_part(url)]))
+        assert status == 400 and error["message"].startswith("the chat template wrote 0 image placeholders"), url
+
+
+# -- 4. event-loop stalls ---------------------------------------------------------------------------
+
+def nested_arrays(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "maxItems": 2, "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("body, path, param", [
+    (ask(SORT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested_arrays(19)}}),
+     "/v1/chat/completions", "response_format"),
+    (ask(SORT, tools=[{"type": "function", "function": {"name": "f", "parameters": nested_arrays(19)}}],
+         tool_choice="required"), "/v1/chat/completions", "tools"),
+    (ask(SORT, template="{{fill:4}}" * 300_000), "/v1/chat/completions", "template"),
+    (ask("sort: 1 2 " * 300_000), "/v1/chat/completions", "messages"),
+    ({"model": MODEL_ID, "prompt": "sort: 1 2 " * 300_000}, "/v1/completions", "prompt"),
+], ids=["schema", "tool-schema", "template", "messages", "prompt"])
+def test_costly_templates_and_text_are_refused_while_health_answers(server, client, body, path, param):
+    (status, error, took), slowest = health_while(server, body, path)
+    assert status == 400 and error["param"] == param, error
+    assert took < 1 and slowest < 1
+    assert_still_serving(client)
+
+
+# -- 6. what gave 500s ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (b'{"model": "demo", "seed": ' + b"9" * 5000 + b"}", None),
+    (ask(SORT, template="{{fill:4}}\ud800"), "template"),
+    (ask("sort \ud800"), "messages"),
+    ({"model": MODEL_ID, "prompt": "sort \ud800"}, "prompt"),
+    ({**ask(SORT), "model": "demo\ud800"}, "model"),
+    (ask(SORT, tools=[{"type": "function", "function": {"name": "get", "parameters": "a string"}}]), "tools"),
+    (ask(SORT, tools=[{"type": "function", "function": {"name": "get", "parameters": ["a", "list"]}}]), "tools"),
+    (ask(SORT, tools=[{"type": "function", "function": {"name": "get"}}],
+         tool_choice={"type": "function", "function": "get"}), "tool_choice"),
+    (ask(SORT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 10**400}}}}}), "response_format"),
+], ids=["deep", "digits", "surrogate-template", "surrogate-message", "surrogate-prompt", "surrogate-model",
+        "parameters-string", "parameters-list", "choice-string", "huge-minimum"])
+def test_bodies_that_gave_500s_are_400s(server, client, body, param):
+    if isinstance(body, dict):  # (json.dumps writes lone surrogates as \ud800 escapes, as a hostile client would)
+        body = json.dumps(body).encode()
+    path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+    status, error, took = post(server, body, path)
+    assert status == 400 and error["param"] == param and error["message"], error
+    assert took < 1
+    assert_still_serving(client)
+
+
+# -- 7. CLI flags -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "70000 is not in the range 1<=x<=65535"),
+    (["--port", "0"], "0 is not in the range 1<=x<=65535"),
+    (["--max-images", "-1"], "-1 is not in the range x>=0"),
+    (["--max-image-pixels", "0"], "0 is not in the range x>=1"),
+    (["--shutdown-grace", "-1"], "-1.0 is not in the range x>=0"),
+    (["--allowed-image-dir", "/nowhere"], "'/nowhere' does not exist"),
+])
+def test_bad_server_flags_exit_before_loading(flags, message):
+    result = CliRunner().invoke(main, flags)
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+# -- 8, 9. max_tokens and the context -----------------------------------------------------------------
+
+def test_default_max_tokens_is_cut_to_whole_canvases(server, demo):  # noqa: F811
+    model, tokenizer = demo
+    ids = [tokenizer.bos_token_id] + tokenizer.encode("sort: 3 1 2 ", add_special_tokens=False) * 100
+    ids = ids[:980]  # 44 positions left of the 1024-token context: one 32-token canvas fits
+    status, reply, _ = post(server, {"model": MODEL_ID, "prompt": ids}, "/v1/completions")
+    assert status == 200, reply
+    assert 0 < reply["usage"]["completion_tokens"] <= 32
+    status, error, _ = post(server, {"model": MODEL_ID, "prompt": ids, "max_tokens": 40}, "/v1/completions")
+    assert status == 400 and error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    assert error["message"].endswith("ask for at most 32")
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"seed": "x"}, "seed", None),
+    ({"seed": -1}, "seed", None),
+    ({"max_tokens": 2000}, "max_tokens", "context_length_exceeded"),
+    ({"template": "{{fill:1000}}"}, "template", "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "sort: 1 2 " * 120}]}, "messages", "context_length_exceeded"),
+])
+def test_errors_name_their_param_and_code(server, extra, param, code):
+    status, error, _ = post(server, {**ask(SORT), **extra})
+    assert status == 400 and error["param"] == param and error["code"] == code, error
+
+
+# -- 10. OpenAI parameters the server does not honour ------------------------------------------------
+
+@pytest.mark.parametrize("key, value", [
+    ("echo", True), ("best_of", 2), ("logit_bias", {"17": 5}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+    ("top_p", 0.9), ("top_p", "1"), ("suffix", "end"), ("top_logprobs", 3), ("logprobs", True), ("n", 2),
+    ("functions", [{"name": "f"}]), ("reasoning_effort", "high"), ("echo", 0),
+])
+def test_unhonoured_openai_parameters_are_refused_by_name(server, key, value):
+    status, error, _ = post(server, {**ask(SORT), key: value})
+    assert status == 400 and error["param"] == key and key in error["message"], error
+
+
+def test_their_off_defaults_and_harmless_ones_are_accepted(client):
+    reply = chat(client, SORT, seed=3, n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0, top_p=1,
+                 user="someone", store=False, metadata={"k": "v"}, parallel_tool_calls=True,
+                 extra_body={"echo": False, "best_of": 1, "logit_bias": {}, "suffix": ""})
+    assert reply.choices[0].message.content == "17 23 42 61 85"
+
+
+# -- 5 and memory: subprocess servers -----------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Subprocess:
+    """``python -m mlx_dgemma.server`` on a free loopback port, its stderr in a file."""
+
+    def __init__(self, tmp_path: Path, *flags: str):
+        self.url = f"http://127.0.0.1:{(port := free_port())}"
+        self.log = tmp_path / "server.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+        self.process = subprocess.Popen([sys.executable, "-m", "mlx_dgemma.server", "--port", str(port),
+                                         "--log-level", "warning", *flags], cwd=ROOT, env=env,
+                                        stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()
+            try:
+                health(self.url)
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    def wait(self, timeout: float) -> float:
+        start = time.monotonic()
+        try:
+            self.process.wait(timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+        return time.monotonic() - start
+
+
+LONG = {"messages": [{"role": "user", "content": SORT}], "template": "{{fill:900}}"}  # ~6 s
+
+
+def in_flight(server: Subprocess):
+    """``LONG`` posted from a thread; returns once the worker runs it, and the thread's answer box."""
+    answer = {}
+
+    def send():
+        try:
+            answer["status"], answer["body"] = raw_post_timeout(server.url, "/v1/chat/completions",
+                                                                json.dumps(LONG).encode(), 60)
+        except OSError as e:  # (a server that exits at once drops the connection)
+            answer["dropped"] = e
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while health(server.url)["active"] == 0:
+        assert time.monotonic() < deadline and not answer, answer
+        time.sleep(0.05)
+    return thread, answer
+
+
+def test_sigterm_ends_a_long_request_with_503_and_exits(tmp_path):
+    server = Subprocess(tmp_path, "--shutdown-grace", "0.5")
+    thread, answer = in_flight(server)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait(10) < 5, server.log.read_text()
+    thread.join(5)
+    assert answer["status"] == 503 and "shutting down" in answer["body"]["error"]["message"]
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    server = Subprocess(tmp_path, "--shutdown-grace", "60")
+    in_flight(server)
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert server.process.poll() is None  # in its grace period
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait(10) < 2
+
+
+RSS_BOUND = 1536 << 20  # bytes; see the test's docstring
+
+
+def peak_rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) << 10
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_hostile_requests_keep_the_servers_memory_bounded(tmp_path, big_png):
+    """The demo server idles at ~0.4 GB. The worst a request may decode is --max-image-pixels (16.8 M
+    pixels: ~50 MB as RGB, a few copies while converted and resized), two requests at once; the rest
+    of the hostile cases are refused from headers and lengths. 1.5 GB leaves room for allocator
+    slack; the unbounded server peaked at 3.4 GB on twelve 7990x7990 images."""
+    server = Subprocess(tmp_path, "--max-request-bytes", str(8 << 20))
+    bodies = [ask([image_part(data_url(big_png))] * 12), ask([image_part(data_url(big_png))]),
+              ask([image_part(data_url(png(4096, 4096)))]), ask([image_part(data_url(png(10_000, 10_000)))]),
+              ask(SORT, steps=10**9), ask(SORT, response_format={"type": "json_schema", "json_schema": {
+                  "name": "x", "schema": nested_arrays(19)}}), ask("sort: 1 2 " * 400_000)]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda body: post(server.url, body, timeout=60), bodies * 3))
+        assert all(status == 400 for status, _, _ in answers), answers
+        assert peak_rss(server.process.pid) < RSS_BOUND
+        assert "DecompressionBombWarning" not in server.log.read_text()
+    finally:
+        server.process.send_signal(signal.SIGTERM)
+        server.wait(10)
