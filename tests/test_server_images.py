@@ -46,8 +46,13 @@ def vision_model(checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(vision_model):
-    with serving(*vision_model, model_id=MODEL_ID) as url:
+def image_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("allowed-images")
+
+
+@pytest.fixture(scope="module")
+def client(vision_model, image_dir):
+    with serving(*vision_model, model_id=MODEL_ID, image_dir=image_dir) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
@@ -65,7 +70,7 @@ def ask(client, messages, **kwargs):
     return client.chat.completions.create(model=MODEL_ID, messages=messages, seed=5, max_tokens=2 * C, **kwargs)
 
 
-def test_an_image_part_is_answered_as_generate_answers_it(client, vision_model, tmp_path):
+def test_an_image_part_is_answered_as_generate_answers_it(client, vision_model, image_dir):
     model, tokenizer = vision_model
     expected = generate(model, tokenizer, PROMPT, 2 * C, seed=5, images=[PICTURES[0]])
     reply = ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}])
@@ -73,8 +78,8 @@ def test_an_image_part_is_answered_as_generate_answers_it(client, vision_model, 
     ids = prompt_ids(tokenizer, PROMPT, images=1)
     assert reply.usage.prompt_tokens == len(ids) - 1 + 2 + 63  # the placeholder → <boi>, 63 soft tokens, <eoi>
 
-    # A local file, as a path or a file:// URL, streamed: the same answer.
-    path = tmp_path / "picture.png"
+    # A local file in the server's allowed folder, as a path or a file:// URL, streamed: the same answer.
+    path = image_dir / "picture.png"
     PICTURES[0].save(path)
     for url in (str(path), f"file://{path}"):
         chunks = ask(client, [{"role": "user", "content": with_image(url)}], stream=True)
@@ -123,7 +128,8 @@ def test_the_prompt_cache_tells_images_apart_and_keeps_them_for_the_next_turn(cl
      "messages[0]: the image data is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)"),
     ("https://example.com/cat.png", "messages[0]: remote image URLs are not fetched (https://example.com/cat.png); "
                                     "send the image as a data URL"),
-    ("/nowhere/cat.png", "messages[0]: image file /nowhere/cat.png not found"),
+    ("/nowhere/cat.png", "messages[0]: '/nowhere/cat.png' is not an image file that may be read here; send the "
+                         "image as a data URL"),
 ])
 def test_bad_image_parts_get_openai_errors(client, url, message):
     with pytest.raises(openai.BadRequestError) as caught:
