@@ -310,7 +310,10 @@ def _all_finite(tree) -> mx.array:
 
 def save_run(model, args, adapter_path: Path, names: list[str]) -> None:
     """The trained parameters under each of ``names`` and the run's options, each file written whole
-    or not at all."""
+    or not at all; parameters that are not finite are never saved."""
+    if not _all_finite(model.trainable_parameters()).item():
+        raise FineTuneError(f"the trained parameters are not finite; nothing saved to {adapter_path} "
+                            "(lower --learning-rate)")
     for name in names:
         save_adapters(model, adapter_path / name)
     options = {k: v for k, v in vars(args).items() if k != "config"}
