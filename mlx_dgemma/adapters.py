@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .cli import write_atomically
 from .errors import FineTuneError
 
 ADAPTERS = "adapters.safetensors"
@@ -71,7 +72,12 @@ class EmbeddingRows:
 
 
 def save_adapters(model, path: Path) -> None:
-    mx.save_safetensors(str(path), dict(tree_flatten(model.trainable_parameters())))
+    """The trainable parameters at ``path``, written whole or not at all (a full disk leaves the previous file)."""
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    try:
+        write_atomically(path, lambda temporary: mx.save_safetensors(str(temporary), weights))
+    except OSError as e:
+        raise FineTuneError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def load_adapters(model, adapter_path: str | Path):
@@ -80,14 +86,30 @@ def load_adapters(model, adapter_path: str | Path):
     for name in (ADAPTER_CONFIG, ADAPTERS):
         if not (folder / name).is_file():
             raise FineTuneError(f"no {name} in {folder}; pass the --adapter-path a training run wrote")
+    config = read_adapter_config(folder / ADAPTER_CONFIG)
     try:
-        config = json.loads((folder / ADAPTER_CONFIG).read_text())
         apply_fine_tune(model, config.get("fine_tune_type", "lora"), config["num_layers"],
                         config.get("lora_parameters"), config.get("train_embeddings", False))
     except (ValueError, KeyError, TypeError) as e:
         raise FineTuneError(f"{folder / ADAPTER_CONFIG} cannot be applied to this model: {e}") from None
     load_trainable(model, folder / ADAPTERS, "the run that wrote it")
     return model
+
+
+def read_adapter_config(path: Path) -> dict:
+    """A run's adapter_config.json: a JSON object with at least ``num_layers``."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise FineTuneError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    except json.JSONDecodeError as e:
+        raise FineTuneError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); pass the --adapter-path "
+                            "a training run wrote") from None
+    if not isinstance(config, dict):
+        raise FineTuneError(f"{path} must be a JSON object of the run's options, got a {type(config).__name__}")
+    if "num_layers" not in config:
+        raise FineTuneError(f"{path} has no num_layers; pass the --adapter-path a training run wrote")
+    return config
 
 
 def load_trainable(model, path: str | Path, origin: str = "the run that wrote it") -> None:

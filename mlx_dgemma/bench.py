@@ -19,6 +19,7 @@ from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
+from .cli import command_line  # noqa: E402
 from .policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas  # noqa: E402
 from .validate import at_least, option, writable_file  # noqa: E402
 
@@ -298,6 +299,7 @@ class _Several(click.Option):
 @click.option("--repeats", default=2, show_default=True, callback=option(at_least(1)),
               help="Timed repeats (best is kept).")
 @click.option("--breakdown", is_flag=True, help="Only time each part of a 256-position step.")
+@command_line
 def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
     from .errors import CheckpointError
     from .loader import load

@@ -278,3 +278,6 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not UTF-8 text; re-export it") from None
+    except OSError as e:  # a folder, or a file that cannot be opened
+        raise ConfigError(f"{path} cannot be read ({e.strerror}); a checkpoint folder needs a config.json file") \
+            from None

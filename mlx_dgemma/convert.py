@@ -31,6 +31,7 @@ from typing import Callable, Iterator  # noqa: E402
 import click  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
+from .cli import command_line  # noqa: E402
 from .config import ConfigError, ModelConfig  # noqa: E402
 from .convert_report import format_table, measure_against, measure_recipe, reference_logits  # noqa: E402
 from .errors import ConversionError  # noqa: E402
@@ -365,30 +366,30 @@ def foreign_files(dst: Path) -> list[str]:
     return [name for name in entries if name not in ours or not (dst / name).is_file() or (dst / name).is_symlink()]
 
 
-def check_destination(dst: Path, force: bool) -> None:
+def check_destination(dst: Path, force: bool, flag: str = "--mlx-path") -> None:
     """Refuse a destination whose replacement could lose anything: a file or link, a folder holding
     files a conversion did not write (even with ``force``), or an earlier conversion without ``force``."""
     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
-        raise ConversionError(f"{dst} exists and is not a plain folder (a file or a link); choose another --mlx-path")
+        raise ConversionError(f"{dst} exists and is not a plain folder (a file or a link); choose another {flag}")
     if not dst.exists():
         return
     if foreign := foreign_files(dst):
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise ConversionError(f"{dst} holds files a conversion did not write ({foreign[0]}{more}); "
-                              "choose another --mlx-path (--force replaces only an earlier conversion)")
+                              f"choose another {flag} (--force replaces only an earlier conversion)")
     if not force:
         raise ConversionError(f"{dst} already exists; pass --force to replace it")
 
 
-def check_apart(src: Path, dst: Path) -> None:
+def check_apart(src: Path, dst: Path, flag: str = "--mlx-path") -> None:
     """The destination may neither be, hold, nor lie inside the source (replacing it would delete it)."""
     source, target = src.resolve(), dst.resolve()
     if target == source:
-        raise ConversionError(f"{dst} is the source checkpoint; choose another --mlx-path")
+        raise ConversionError(f"{dst} is the source checkpoint; choose another {flag}")
     if source.is_relative_to(target):
-        raise ConversionError(f"{dst} contains the source checkpoint {src}; choose an --mlx-path outside it")
+        raise ConversionError(f"{dst} contains the source checkpoint {src}; choose an {flag} outside it")
     if target.is_relative_to(source):
-        raise ConversionError(f"{dst} is inside the source checkpoint {src}; choose an --mlx-path outside it")
+        raise ConversionError(f"{dst} is inside the source checkpoint {src}; choose an {flag} outside it")
 
 
 @contextmanager
@@ -443,7 +444,7 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def staging_folder(dst: Path, force: bool) -> Iterator[Path]:
+def staging_folder(dst: Path, force: bool, flag: str = "--mlx-path") -> Iterator[Path]:
     """A temporary sibling of ``dst`` (named with this process's id) that replaces it when the block
     succeeds and vanishes when it fails, is interrupted, or gets SIGTERM/SIGHUP."""
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -458,18 +459,18 @@ def staging_folder(dst: Path, force: bool) -> Iterator[Path]:
             tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the result should not be
             yield tmp
             write_marker(tmp)
-            _replace(tmp, dst, force)
+            _replace(tmp, dst, force, flag)
         except BaseException:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
 
-def _replace(new: Path, dst: Path, force: bool) -> None:
+def _replace(new: Path, dst: Path, force: bool, flag: str) -> None:
     if not dst.exists() and not dst.is_symlink():
         new.rename(dst)
         return
-    check_destination(dst, force)  # again: the destination may have changed during the conversion
+    check_destination(dst, force, flag)  # again: the destination may have changed during the conversion
     old = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.old")
     dst.rename(old)
     try:
@@ -585,6 +586,7 @@ def _int(value: str | None) -> int | None:
 @_dtype
 @click.option("--force", is_flag=True, help="Replace --mlx-path if it holds an earlier conversion (and nothing else).")
 @click.option("--report", is_flag=True, help="Afterwards, measure the logit error against the source.")
+@command_line
 def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, quant_predicate, dtype, force, report):
     """Convert a Hugging Face DiffusionGemma checkpoint to MLX."""
     try:
@@ -609,6 +611,7 @@ def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, q
 @_dtype
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Where the trial conversions go (default: the system's temporary folder).")
+@command_line
 def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir):
     """Convert with each recipe and bit width; print logit error, size and load time against the source."""
     try:

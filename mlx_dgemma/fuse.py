@@ -16,16 +16,25 @@ fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
-from .convert import MAX_SHARD_BYTES, copy_side_files, split_into_shards, staging_folder  # noqa: E402
+from .cli import check_writable_folder, command_line  # noqa: E402
+from .convert import (  # noqa: E402
+    MAX_SHARD_BYTES,
+    check_apart,
+    check_destination,
+    copy_side_files,
+    split_into_shards,
+    staging_folder,
+)
 from .model import ExpertLinear, QuantizedExpertLinear  # noqa: E402
 from .safetensors_io import ShardWriter, TensorSpec, shard_names, write_index  # noqa: E402
+
+SAVE_PATH = "--save-path"
 
 
 def fuse_adapters(model, dequantize: bool = False):
@@ -77,7 +86,7 @@ def save_model(model, base_folder: Path, save_path: Path, dequantized: bool = Fa
     if dequantized:
         config.pop("quantization", None)
         config.pop("quantization_config", None)
-    with staging_folder(save_path, force) as folder:
+    with staging_folder(save_path, force, SAVE_PATH) as folder:
         weight_map = {}
         for file_name, shard in zip(shard_names(len(shards)), shards):
             with ShardWriter(folder / file_name, [spec for _, specs in shard for spec in specs]) as writer:
@@ -91,6 +100,7 @@ def save_model(model, base_folder: Path, save_path: Path, dequantized: bool = Fa
     return save_path
 
 
+@command_line
 def main(argv=None) -> None:
     from .generate import DEMO_MODEL
     from .loader import load, resolve
@@ -98,23 +108,23 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Fuse fine-tuned adapters into the model.")
     p.add_argument("--model", help="The base checkpoint [default: the bundled demo model].")
     p.add_argument("--adapter-path", default="adapters", help="The adapters' folder [default: adapters].")
-    p.add_argument("--save-path", default="fused_model", help="Where to write the fused model [default: fused_model].")
+    p.add_argument(SAVE_PATH, default="fused_model", help="Where to write the fused model [default: fused_model].")
     p.add_argument("--dequantize", action="store_true", help="Write the fused model unquantized.")
-    p.add_argument("--force", action="store_true", help="Replace an existing --save-path.")
+    p.add_argument("--force", action="store_true", help=f"Replace an existing {SAVE_PATH} (an earlier fused model).")
     args = p.parse_args(argv)
+    save_path = Path(args.save_path)
     try:
-        save_path = Path(args.save_path)
-        if save_path.exists() and not args.force:
-            raise ValueError(f"{save_path} already exists; pass --force to replace it")
         base = resolve(args.model or DEMO_MODEL)
+        check_apart(base, save_path, SAVE_PATH)
+        check_destination(save_path, args.force, SAVE_PATH)  # before the model loads
+        check_writable_folder(save_path.parent, SAVE_PATH)
         model, _ = load(base, adapter_path=args.adapter_path)
         fuse_adapters(model, args.dequantize)
         if args.dequantize:
             dequantize_model(model)
         save_model(model, base, save_path, dequantized=args.dequantize, force=args.force)
-    except (ValueError, OSError) as e:
-        print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
-        raise SystemExit(1) from None
+    except OSError as e:
+        raise ValueError(f"cannot write {SAVE_PATH} {save_path}: {e.strerror or e}") from None
     print(f"Fused model saved to {save_path}")
 
 

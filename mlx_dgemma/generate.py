@@ -25,6 +25,7 @@ import click  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from . import drafting
+from .cli import command_line
 from .config import GenerationConfig
 from .images import image_inputs, load_image
 from .policy import POLICIES, AutoPlanner, Plan, Profile, auto_planner, cached_profile, make_plan
@@ -712,6 +713,7 @@ def statistics(responses: list[GenerationResponse]) -> str:
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @click.option("--image", "image_files", multiple=True, metavar="PATH",
               help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
+@command_line
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
          ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file, prefill_step_size,
          schema_file, image_files, adapter_path):

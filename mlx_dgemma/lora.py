@@ -20,7 +20,8 @@ fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -40,8 +41,10 @@ from .adapters import (  # noqa: E402
     load_trainable,
     save_adapters,
 )
+from .cli import check_writable_folder, command_line, write_atomically  # noqa: E402
 from .data import iterate_batches, load_dataset  # noqa: E402
 from .errors import FineTuneError  # noqa: E402
+from .validate import at_least, check_seed, finite_number  # noqa: E402
 
 EMBEDDINGS = "model.decoder.embed_tokens.weight"
 
@@ -113,23 +116,152 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_args(argv=None) -> argparse.Namespace:
-    """Flags over the YAML config over mlx-lm's defaults."""
-    args = build_parser().parse_args(argv)
-    config = {}
-    if args.config:
-        import yaml
+def _yaml_loader():
+    """PyYAML's safe loader, reading ``1e-5`` as a number as mlx-lm's does (YAML 1.1 wants ``1.0e-5``)."""
+    import yaml
 
-        try:
-            config = yaml.safe_load(Path(args.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise FineTuneError(f"cannot read the config {args.config}: {e}") from None
-        if unknown := sorted(set(config) - set(CONFIG_DEFAULTS)):
-            raise FineTuneError(f"{args.config}: unknown option {unknown[0]!r}")
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+         [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+    return Loader
+
+
+def read_config(path: str) -> dict:
+    """The options of a YAML config file, a mapping of CONFIG_DEFAULTS' keys."""
+    import yaml
+
+    try:
+        config = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_yaml_loader())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        reason = getattr(e, "strerror", None) or " ".join(str(e).split())
+        raise FineTuneError(f"cannot read the config {path}: {reason}") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise FineTuneError(f"the config {path} must be a mapping of options (key: value), got a "
+                            f"{type(config).__name__}")
+    if unknown := sorted(map(str, set(config) - set(CONFIG_DEFAULTS))):
+        raise FineTuneError(f"{path}: unknown option {unknown[0]!r}")
+    return config
+
+
+def resolve_args(argv=None) -> argparse.Namespace:
+    """Flags over the YAML config over mlx-lm's defaults, each checked (``check_options``);
+    ``lora_parameters`` of the config fill in the defaults they do not give."""
+    args = build_parser().parse_args(argv)
+    config = read_config(args.config) if args.config else {}
+    sources = {}
     for key, default in CONFIG_DEFAULTS.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, config.get(key, default))
+        if getattr(args, key, None) is not None:
+            sources[key] = "--" + key.replace("_", "-")
+            continue
+        value = config.get(key, default)
+        sources[key] = f"{key} in {args.config}" if key in config else key
+        if key == "lora_parameters" and isinstance(value, dict):
+            value = {**default, **value}
+        setattr(args, key, value)
+    check_options(args, sources)
     return args
+
+
+def _optional(check):
+    return lambda value, name: None if value is None else check(value, name)
+
+
+def _one_of(*choices):
+    def check(value, name):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return check
+
+
+def _of_type(kind, what):
+    def check(value, name):
+        if not isinstance(value, kind):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+    return check
+
+
+def _count_or_all(value, name):  # -1: every batch, or every layer (whose count is checked once the model loads)
+    if value != -1:
+        at_least(1)(value, name)
+
+
+def _lora_parameters(value, name):
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping (rank, dropout, scale), got {value!r}")
+    if unknown := sorted(map(str, set(value) - {"rank", "dropout", "scale", "keys"})):
+        raise ValueError(f"{name}: unknown key {unknown[0]!r} (rank, dropout, scale, keys)")
+    at_least(1)(value["rank"], f"{name} rank")
+    finite_number(0.0, 1.0)(value["dropout"], f"{name} dropout")
+    finite_number(-math.inf)(value["scale"], f"{name} scale")
+    if "keys" in value and not (isinstance(value["keys"], list) and all(isinstance(k, str) for k in value["keys"])):
+        raise ValueError(f"{name} keys must be a list of module names, got {value['keys']!r}")
+
+
+def _lr_schedule(value, name):
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
+            or not isinstance(value.get("arguments"), list) or not value["arguments"]:
+        raise ValueError(f"{name} must be a mapping with a name and arguments, as mlx-lm's "
+                         f"{{name: cosine_decay, arguments: [1.0e-5, 1000], warmup: 100}}; got {value!r}")
+    if unknown := sorted(map(str, set(value) - {"name", "arguments", "warmup", "warmup_init"})):
+        raise ValueError(f"{name}: unknown key {unknown[0]!r} (name, arguments, warmup, warmup_init)")
+    if not hasattr(optim.schedulers, value["name"]):
+        raise ValueError(f"{name}: no schedule {value['name']!r} in mlx.optimizers.schedulers")
+    finite_number(0.0, low_open=True)(value["arguments"][0], f"{name} arguments[0] (the peak learning rate)")
+    for i, argument in enumerate(value["arguments"][1:], 1):
+        finite_number(-math.inf)(argument, f"{name} arguments[{i}]")
+    at_least(0)(value.get("warmup", 0), f"{name} warmup")
+    finite_number(0.0)(value.get("warmup_init", 0.0), f"{name} warmup_init")
+
+
+_TEXT = _optional(_of_type(str, "text"))
+_FLAG = _of_type(bool, "true or false")
+OPTION_CHECKS = {
+    "model": _TEXT,
+    "train": _FLAG,
+    "data": _of_type(str, "text"),
+    "fine_tune_type": _one_of("lora", "full"),
+    "optimizer": _one_of("adam", "adamw"),
+    "seed": check_seed,
+    "num_layers": _optional(_count_or_all),
+    "batch_size": at_least(1),
+    "iters": at_least(1),
+    "val_batches": _count_or_all,
+    "learning_rate": finite_number(0.0, low_open=True),
+    "lr_schedule": _optional(_lr_schedule),
+    "steps_per_report": at_least(1),
+    "steps_per_eval": at_least(1),
+    "resume_adapter_file": _TEXT,
+    "adapter_path": _of_type(str, "text"),
+    "save_every": at_least(1),
+    "test": _FLAG,
+    "test_batches": _count_or_all,
+    "max_seq_length": _optional(at_least(1)),
+    "grad_checkpoint": _FLAG,
+    "mask_prompt": _FLAG,
+    "train_embeddings": _FLAG,
+    "trainable_tokens": _TEXT,
+    "embedding_learning_rate": _optional(finite_number(0.0, low_open=True)),
+    "lora_parameters": _lora_parameters,
+}
+
+
+def check_options(args: argparse.Namespace, sources: dict[str, str]) -> None:
+    """Every option of a run, checked before anything loads: a NaN learning rate or a batch of 0
+    would otherwise train to the end and save garbage. ``sources`` names each option as the user
+    gave it (the flag, or the key in the config file)."""
+    for key, check in OPTION_CHECKS.items():
+        try:
+            check(getattr(args, key), sources.get(key, key))
+        except ValueError as e:
+            raise FineTuneError(str(e)) from None
 
 
 def evaluate(model, examples, batch_size: int, num_batches: int, seed: int,
@@ -172,13 +304,28 @@ def make_optimizer(args) -> optim.Optimizer:
     return optim.MultiOptimizer([embeddings, layers], [lambda path, _: path == EMBEDDINGS])
 
 
+def _all_finite(tree) -> mx.array:
+    return mx.all(mx.stack([mx.isfinite(v).all() for _, v in tree_flatten(tree)]))
+
+
+def save_run(model, args, adapter_path: Path, names: list[str]) -> None:
+    """The trained parameters under each of ``names`` and the run's options, each file written whole
+    or not at all; parameters that are not finite are never saved."""
+    if not _all_finite(model.trainable_parameters()).item():
+        raise FineTuneError(f"the trained parameters are not finite; nothing saved to {adapter_path} "
+                            "(lower --learning-rate)")
+    for name in names:
+        save_adapters(model, adapter_path / name)
+    options = {k: v for k, v in vars(args).items() if k != "config"}
+    write_atomically(adapter_path / ADAPTER_CONFIG, lambda path: path.write_text(json.dumps(options, indent=4)))
+
+
 def run_training(model, args, train_set, valid_set, objective: train.ObjectiveConfig, log=_print,
                  embedding_rows: EmbeddingRows | None = None) -> None:
+    """Train for ``args.iters`` steps; a step whose loss or gradient is not finite stops the run before
+    its update, with nothing saved from it."""
     cfg = model.config
     adapter_path = Path(args.adapter_path)
-    adapter_path.mkdir(parents=True, exist_ok=True)
-    (adapter_path / ADAPTER_CONFIG).write_text(json.dumps(
-        {k: v for k, v in vars(args).items() if k != "config"}, indent=4))
     optimizer = make_optimizer(args)
 
     def step_loss(batch, noise):
@@ -203,6 +350,12 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
         (total, decoder, encoder), grads = value_and_grad(batch, noise)
         if embedding_rows:
             grads = embedding_rows.mask_gradient(grads)
+        finite = _all_finite(grads)
+        mx.eval(total, finite)
+        if not (math.isfinite(total.item()) and finite.item()):
+            what = f"the loss is {total.item()}" if not math.isfinite(total.item()) else "a gradient is not finite"
+            raise FineTuneError(f"iteration {it}: {what}; training stopped and nothing more was saved "
+                                "(lower --learning-rate)")
         optimizer.update(model, grads)
         if embedding_rows:
             embedding_rows.restore()
@@ -220,11 +373,12 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
                 f"Peak mem {mx.get_peak_memory() / 1e9:.3f} GB")
             sums, steps, tokens, elapsed = np.zeros(3), 0, 0, 0.0
         if it % args.save_every == 0:
-            save_adapters(model, adapter_path / ADAPTERS)
-            save_adapters(model, adapter_path / f"{it:07d}_{ADAPTERS}")
+            adapter_path.mkdir(parents=True, exist_ok=True)
+            save_run(model, args, adapter_path, [ADAPTERS, f"{it:07d}_{ADAPTERS}"])
             log(f"Iter {it}: Saved adapter weights to {adapter_path / ADAPTERS} and "
                 f"{adapter_path / f'{it:07d}_{ADAPTERS}'}.")
-    save_adapters(model, adapter_path / ADAPTERS)
+    adapter_path.mkdir(parents=True, exist_ok=True)
+    save_run(model, args, adapter_path, [ADAPTERS])
     log(f"Saved final weights to {adapter_path / ADAPTERS}.")
 
 
@@ -260,6 +414,7 @@ def run(args, log=_print) -> None:
         if len(data["train"]) < args.batch_size:
             raise FineTuneError(f"train.jsonl has {len(data['train'])} samples, fewer than --batch-size "
                                 f"{args.batch_size}")
+        check_writable_folder(args.adapter_path, "--adapter-path")
         apply_fine_tune(model, args.fine_tune_type, args.num_layers, args.lora_parameters, args.train_embeddings)
         if args.resume_adapter_file:
             load_trainable(model, args.resume_adapter_file, "the run that wrote it")
@@ -269,7 +424,8 @@ def run(args, log=_print) -> None:
         log(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M), "
             f"{args.fine_tune_type} on the last {args.num_layers} of {n_layers} layers"
             + (f", the embedding rows of {len(token_ids)} tokens" if token_ids else ""))
-        run_training(model, args, data["train"], data["valid"], objective, log, embedding_rows)
+        with np.errstate(over="ignore", invalid="ignore"):  # a diverging run is stopped by its loss, in one line
+            run_training(model, args, data["train"], data["valid"], objective, log, embedding_rows)
     elif args.adapter_path:
         load_adapters(model, args.adapter_path)
     if args.test:
@@ -279,12 +435,9 @@ def run(args, log=_print) -> None:
         log(f"Test loss {loss:.3f} (decoder {decoder:.3f}, encoder {encoder:.3f}).")
 
 
+@command_line
 def main(argv=None) -> None:
-    try:
-        run(resolve_args(argv))
-    except ValueError as e:  # DataError, FineTuneError, CheckpointError: one line says what is wrong
-        print(f"Error: {' '.join(str(e).split())}", file=sys.stderr)
-        raise SystemExit(1) from None
+    run(resolve_args(argv))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,24 @@ def at_least(minimum: int) -> Callable[[object, str], None]:
     return check
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def finite_number(low: float, high: float | None = None, low_open: bool = False,
+                  high_open: bool = True) -> Callable[[object, str], None]:
+    """A check of a finite number from ``low`` to ``high`` (each end open or closed)."""
+    bounds = ("" if high is None and low == -math.inf else f" {'>' if low_open else '>='} {low:g}" if high is None else
+              f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}")
+
+    def check(value, name: str) -> None:
+        if not is_number(value) or not math.isfinite(value) or value < low or (low_open and value == low) \
+                or (high is not None and (value > high or (high_open and value == high))):
+            raise ValueError(f"{name} must be a finite number{bounds}, got {value!r}")
+
+    return check
+
+
 def check_steps(value, limit: int, name: str = "steps") -> None:
     """Denoising steps from 1 to ``limit``, the checkpoint's ``max_denoising_steps``: each step is a forward
     of the decoder, so an unbounded count is an unbounded request."""

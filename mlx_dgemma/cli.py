@@ -1,0 +1,105 @@
+"""What every command line of the package does at its edge: exit codes and one-line errors.
+
+``@command_line`` on a CLI's entry function (under Click's decorators, on the callback itself):
+
+* 0 when it returns; 1 with one ``Error: ...`` line for bad input (a ``ValueError``, the typed
+  errors of errors.py) or an output that cannot be written (stdout on a full disk, a closed pipe);
+* 130 with one line on Ctrl-C, wherever it lands (loading, generating, training, fusing), never
+  Click's "Aborted!" nor a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def fail(message: str, status: int = 1):
+    print(f"Error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+class OutputError(OSError):
+    """Standard output refused a write (a full disk, a closed pipe)."""
+
+
+class _GuardedStdout:
+    """``sys.stdout`` whose failed writes are ``OutputError``, told apart from the command's own files."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, method, *args):
+        try:
+            return method(*args)
+        except OSError as e:
+            raise OutputError(e.errno, e.strerror) from None
+
+    def write(self, text):
+        return self._guarded(self._stream.write, text)
+
+    def flush(self):
+        return self._guarded(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null, so that the interpreter's last flush does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno())
+    except (OSError, AttributeError, ValueError):
+        pass
+    sys.stdout = open(os.devnull, "w")
+
+
+def command_line(main):
+    @functools.wraps(main)
+    def guarded(*args, **kwargs):
+        sys.stdout = _GuardedStdout(sys.stdout)
+        try:
+            result = main(*args, **kwargs)
+            sys.stdout.flush()
+            return result
+        except KeyboardInterrupt:
+            _silence_stdout()
+            fail("interrupted", INTERRUPTED)
+        except OutputError as e:
+            _silence_stdout()
+            fail(f"cannot write the output to stdout ({e.strerror})")
+        except ValueError as e:  # the typed bad-input errors: the message says what is wrong
+            fail(str(e))
+
+    return guarded
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(temporary_path)`` in ``path``'s folder, then renamed over ``path``: a failed or
+    interrupted write leaves the previous file (or none) and no temporary one. The temporary name
+    keeps the suffix (writers such as mx.save_safetensors add theirs otherwise)."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def check_writable_folder(folder: Path, flag: str) -> None:
+    """``folder`` is, or can be created as, a folder that takes new files; nothing is created here
+    (checked before a long run writes into it)."""
+    folder = Path(folder).expanduser().absolute()
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {folder}: {existing} is not a folder; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {folder}: {existing} is not writable; choose another path")

@@ -1,0 +1,241 @@
+"""The command lines at their edges: options that would train garbage, a diverging run, a full disk,
+Ctrl-C, an output that cannot be written, files of the wrong kind. Each ends in one line on stderr
+and a known exit status (docs/cli.md); nothing half-written is left."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_dgemma import adapters, lora
+from mlx_dgemma.errors import FineTuneError
+from mlx_dgemma.generate import DEMO_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+
+
+def cli(module, *args, **kwargs):
+    return subprocess.run([sys.executable, "-m", f"mlx_dgemma.{module}", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, env=ENV, **kwargs)
+
+
+def one_line(result, *needles, status=1) -> str:
+    assert result.returncode == status, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    subprocess.run([sys.executable, "-m", "mlx_dgemma.demo.tasks", str(folder), "--mix", "upper=6",
+                    "--held-out", "1"], check=True, cwd=ROOT, env=ENV, capture_output=True)
+    return folder
+
+
+def train(data, adapters_folder, *args, **kwargs):
+    return cli("lora", "--train", "--data", data, "--batch-size", 2, "--num-layers", 1,
+               "--adapter-path", adapters_folder, *args, **kwargs)
+
+
+# ---- 1. options are checked before anything loads, from flags and from the YAML config alike --------
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number > 0, got nan"),
+    (["--learning-rate", "inf"], "--learning-rate must be a finite number > 0, got inf"),
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+])
+def test_options_that_would_train_garbage_are_refused(data, tmp_path, flags, message):
+    result = cli("lora", "--train", "--data", data, "--adapter-path", tmp_path / "a", *flags)
+    assert one_line(result) == f"Error: {message}"
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("yaml, message", [
+    ("iters: many", "iters in {} must be an integer, got 'many'"),
+    ("learning_rate: .nan", "learning_rate in {} must be a finite number > 0, got nan"),
+    ("learning_rate: -1e-5", "learning_rate in {} must be a finite number > 0, got -1e-05"),
+    ("batch_size: 0", "batch_size in {} must be at least 1, got 0"),
+    ("save_every: 0", "save_every in {} must be at least 1, got 0"),
+    ("num_layers: 0", "num_layers in {} must be at least 1, got 0"),
+    ("grad_checkpoint: 'yes'", "grad_checkpoint in {} must be true or false, got 'yes'"),
+    ("lora_parameters: {rank: -3}", "lora_parameters in {} rank must be at least 1, got -3"),
+    ("lora_parameters: {dropout: 1.0}", "lora_parameters in {} dropout must be a finite number in [0, 1), got 1.0"),
+    ("lora_parameters: {scale: .inf}", "lora_parameters in {} scale must be a finite number, got inf"),
+    ("lora_parameters: {rank: '8'}", "lora_parameters in {} rank must be an integer, got '8'"),
+    ("lr_schedule: {name: cosine_decay, arguments: [.nan, 10]}",
+     "lr_schedule in {} arguments[0] (the peak learning rate) must be a finite number > 0, got nan"),
+    ("lr_schedule: {name: cosine_decay, arguments: [1e-3, 10], warmup: -1}",
+     "lr_schedule in {} warmup must be at least 0, got -1"),
+    ("- iters: 3", "the config {} must be a mapping of options (key: value), got a list"),
+])
+def test_config_values_are_checked_as_flags_are(tmp_path, yaml, message):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml + "\n")
+    with pytest.raises(FineTuneError) as info:
+        lora.resolve_args(["--train", "-c", str(config)])
+    assert str(info.value) == message.format(config)
+
+
+def test_a_partial_lora_parameters_keeps_the_other_defaults(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("lora_parameters: {rank: 4}\nlearning_rate: 1e-4\n")
+    args = lora.resolve_args(["--train", "-c", str(config)])
+    assert args.lora_parameters == {"rank": 4, "dropout": 0.0, "scale": 20.0}
+    assert args.learning_rate == 1e-4  # mlx-lm's YAML reading: 1e-4 is a number, not a string
+
+
+# ---- 2, 3. a diverging run stops at once; the adapter folder is checked before training ------------
+
+
+def test_a_diverging_run_stops_and_saves_nothing(data, tmp_path):
+    result = train(data, tmp_path / "a", "--learning-rate", "1e30", "--iters", 50)
+    line = one_line(result, "training stopped", "lower --learning-rate")
+    assert "is nan" in line or "not finite" in line
+    assert "Saved" not in result.stdout
+    assert not (tmp_path / "a").exists()
+
+
+def test_an_adapter_path_that_cannot_be_written_is_refused_before_training(data, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    result = train(data, tmp_path / "file" / "adapters", "--iters", 1)
+    one_line(result, "--adapter-path", "is not a folder")
+    assert "Iter" not in result.stdout
+
+
+# ---- 4. saves are whole or absent -------------------------------------------------------------------
+
+
+def failing_writer(path, weights, *args, **kwargs):
+    Path(path).write_bytes(b"half a safetensors file")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_leaves_the_previous_adapters_and_no_temporary(tmp_path, monkeypatch):
+    from mlx_dgemma import load
+
+    demo, _ = load(DEMO_MODEL)
+    adapters.apply_fine_tune(demo, "lora", 1, {"rank": 2, "dropout": 0.0, "scale": 1.0})
+    target = tmp_path / "adapters.safetensors"
+    adapters.save_adapters(demo, target)
+    before = target.read_bytes()
+    monkeypatch.setattr(mx, "save_safetensors", failing_writer)
+    with pytest.raises(FineTuneError, match="cannot write .*adapters.safetensors: No space left on device"):
+        adapters.save_adapters(demo, target)
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapters.safetensors"]
+
+
+def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_nothing(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mx, "save_safetensors", failing_writer)
+    folder = tmp_path / "a"
+    with pytest.raises(SystemExit) as info:
+        lora.main(["--train", "--data", str(data), "--iters", "1", "--batch-size", "2", "--num-layers", "1",
+                   "--adapter-path", str(folder)])
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("Error: cannot write") and "No space left" in err[0], err
+    assert list(folder.iterdir()) == []
+
+
+# ---- 5, 6. Ctrl-C and an output that cannot be written ---------------------------------------------
+
+
+def interrupted(args, wait_for: str):
+    """Start ``python -m mlx_dgemma.ARGS``, send SIGINT once stdout shows ``wait_for``, return (rc, stderr)."""
+    process = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=ROOT, env=ENV)
+    seen = ""
+    while wait_for not in seen:
+        char = process.stdout.read(1)
+        assert char, f"ended before {wait_for!r}: {process.stderr.read()}"
+        seen += char
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    return process.returncode, stderr
+
+
+def test_ctrl_c_during_training_is_130_and_one_line(data, tmp_path):
+    rc, stderr = interrupted(["mlx_dgemma.lora", "--train", "--data", str(data), "--iters", "100000",
+                              "--batch-size", "2", "--num-layers", "1", "--steps-per-report", "1",
+                              "--adapter-path", str(tmp_path / "a")], "Train loss")
+    assert rc == 130 and stderr.strip().splitlines() == ["Error: interrupted"], stderr
+    assert not (tmp_path / "a").exists()
+
+
+def test_ctrl_c_during_generation_is_130_and_one_line():
+    rc, stderr = interrupted(["mlx_dgemma.generate", "--max-tokens", "900", "--policy", "ar"], " ")
+    assert rc == 130 and stderr.strip().splitlines() == ["Error: interrupted"], stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_an_output_on_a_full_disk_is_one_line():
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--max-tokens", "8"], stdout=full,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    one_line(result, "cannot write the output to stdout", "No space left on device")
+
+
+def test_a_closed_pipe_is_one_line():
+    process = subprocess.Popen([sys.executable, "-m", "mlx_dgemma.generate", "--max-tokens", "900", "--policy", "ar"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    process.stdout.read(1)
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=60) == 1
+    assert stderr.strip().splitlines() == ["Error: cannot write the output to stdout (Broken pipe)"], stderr
+
+
+# ---- 7. files of the wrong kind ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def demo_copy(tmp_path):
+    folder = tmp_path / "demo"
+    shutil.copytree(DEMO_MODEL, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    return folder
+
+
+def test_a_config_json_that_is_a_folder(demo_copy):
+    (demo_copy / "config.json").unlink()
+    (demo_copy / "config.json").mkdir()
+    one_line(cli("generate", "--model", demo_copy, "--max-tokens", 8), f"{demo_copy / 'config.json'} cannot be read")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "must be a JSON object of the run's options, got a list"),
+    ('{"num_layers": ', "is not valid JSON"),
+    ("{}", "has no num_layers"),
+])
+def test_an_adapter_config_of_the_wrong_kind(tmp_path, content, message):
+    (tmp_path / "adapter_config.json").write_text(content)
+    (tmp_path / "adapters.safetensors").write_bytes(b"")
+    one_line(cli("generate", "--max-tokens", 8, "--adapter-path", tmp_path),
+             str(tmp_path / "adapter_config.json"), message)
+
+
+# ---- 8. fuse names its own flags --------------------------------------------------------------------
+
+
+def test_fuse_errors_name_save_path(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    line = one_line(cli("fuse", "--adapter-path", tmp_path / "none", "--save-path", tmp_path / "taken", "--force"),
+                    "--save-path")
+    assert "--mlx-path" not in line
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+    line = one_line(cli("fuse", "--adapter-path", tmp_path / "none", "--save-path", DEMO_MODEL, "--force"),
+                    "is the source checkpoint", "--save-path")
+    assert json.loads((DEMO_MODEL / "config.json").read_text())
