@@ -15,6 +15,9 @@ multiplies row by row in float32 only, so there:
   1.5x for a 2048-token prefill chunk (benchmarks/attention_cpu.py);
 - the feed-forward's tanh-approximated GELU runs in numpy (MLX: 7.1 ms over 256 × 1024, numpy
   0.25 ms), with MLX's own gradient, so training through it is unchanged;
+- quantized products (linears, the experts a forward routes to, the tied head) dequantize their
+  weights in bounded chunks and multiply in float32 by BLAS, where MLX's CPU quantized kernels run at
+  a few GFLOP/s (benchmarks/quantized_cpu.py), except for a few rows (an AR token);
 - matmuls use OpenBLAS when it is installed (``fast_blas.py``: loaded before ``mlx.core``).
 """
 
@@ -51,6 +54,8 @@ class Kernels:
     # the tanh approximation (gelu_pytorch_tanh); (x, elements of one row of the batch, by which the path
     # is chosen so that a row computes the same numbers in a batch as alone; default x.size)
     gelu: Callable[..., mx.array]
+    # mx.quantized_matmul's arguments: (x, w, scales, biases, transpose, group_size, bits, mode)
+    quantized_matmul: Callable[..., mx.array]
 
 
 # --- MLX (Metal, CUDA) -------------------------------------------------------------------------
@@ -86,8 +91,12 @@ def _mlx_gelu(x: mx.array, elements: int | None = None) -> mx.array:
     return nn.gelu_approx(x)
 
 
+def _mlx_quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode) -> mx.array:
+    return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode)
+
+
 MLX = Kernels("mlx", _mlx_softcap, _mlx_softmax, _mlx_tempered_distribution, _gather_always, _mlx_attention,
-              _mlx_gelu)
+              _mlx_gelu, _mlx_quantized_matmul)
 
 
 # --- CPU -----------------------------------------------------------------------------------------
@@ -276,8 +285,36 @@ def _numpy_gelu_vjp(x, cotangent, output):  # one input: the array itself, not a
     return mx.vjp(nn.gelu_approx, [x], [cotangent])[1][0]
 
 
+# Rows from which dequantizing a weight and multiplying in float32 by BLAS beats MLX's CPU quantized
+# product (measured on 2 cores, 2816 x 4096 at 4 bits: 0.6x its time at 1 row, 2.6x at 8, 4.4x at 256 with the
+# reference BLAS, and the gap grows with OpenBLAS); weights are dequantized in chunks of at most this many
+# elements (64 MB of float32), so a vocabulary-wide head never holds its whole float32 copy.
+QUANTIZED_MIN_ROWS = 4
+DEQUANTIZED_CHUNK_ELEMENTS = 1 << 24
+
+
+def _cpu_quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode) -> mx.array:
+    if math.prod(x.shape[:-1]) < QUANTIZED_MIN_ROWS:
+        return _mlx_quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode)
+    per_row = w.shape[-1] * 32 // bits  # the dequantized row's width
+    step = max(1, DEQUANTIZED_CHUNK_ELEMENTS // per_row)
+    xf = x.astype(mx.float32)
+    parts = []
+    for a in range(0, w.shape[0], step):
+        b = min(a + step, w.shape[0])
+        weight = mx.dequantize(w[a:b], scales[a:b], None if biases is None else biases[a:b], group_size=group_size,
+                               bits=bits, mode=mode).astype(mx.float32)
+        # transpose: w is [out, in] and a chunk gives some outputs; otherwise [in, out] and a partial sum
+        part = xf @ weight.T if transpose else xf[..., a:b] @ weight
+        if w.shape[0] > step:
+            mx.eval(part)  # one chunk's float32 weights alive at a time
+        parts.append(part)
+    out = mx.concatenate(parts, axis=-1) if transpose else sum(parts[1:], parts[0])
+    return out.astype(x.dtype)
+
+
 CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cpu_expert_counts, _cpu_attention,
-              _cpu_gelu)
+              _cpu_gelu, _cpu_quantized_matmul)
 
 
 def differentiable(kernels: Kernels) -> Kernels:

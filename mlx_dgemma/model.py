@@ -63,6 +63,25 @@ def rope_periods(head_dim: int, params: dict) -> mx.array:
     return mx.array(periods, dtype=mx.float32)
 
 
+class QuantizedLinear(nn.QuantizedLinear):
+    """mlx's quantized linear with its product through the device seam (kernels.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernels = device_kernels.for_device()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.kernels.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), True,
+                                          self.group_size, self.bits, self.mode)
+        return y + self["bias"] if "bias" in self else y
+
+
+class Linear(nn.Linear):
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
+                     **_) -> QuantizedLinear:
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -72,11 +91,11 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.layer_kv_heads(layer)
         self.eps = cfg.rms_norm_eps
         hidden = cfg.hidden_size
-        self.q_proj = nn.Linear(hidden, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=False)
+        self.q_proj = Linear(hidden, self.n_heads * d, bias=False)
+        self.k_proj = Linear(hidden, self.n_kv_heads * d, bias=False)
         if self.sliding:  # full layers have K = V and no v_proj
-            self.v_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, hidden, bias=False)
+            self.v_proj = Linear(hidden, self.n_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.n_heads * d, hidden, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         kind = "sliding_attention" if self.sliding else "full_attention"
@@ -117,9 +136,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dims: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
+        self.gate_proj = Linear(dims, hidden, bias=False)
+        self.up_proj = Linear(dims, hidden, bias=False)
+        self.down_proj = Linear(hidden, dims, bias=False)
         self.kernels = device_kernels.MLX
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -130,7 +149,7 @@ class MLP(nn.Module):
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.proj = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.scale = mx.ones((cfg.hidden_size,))
         self.per_expert_scale = mx.ones((cfg.num_experts,))
         self.top_k = cfg.top_k_experts
@@ -177,6 +196,7 @@ class QuantizedExpertLinear(nn.Module):
         if biases is not None:
             self.biases = biases
         self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.kernels = device_kernels.for_device()
         self.freeze()
 
     def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
@@ -187,8 +207,9 @@ class QuantizedExpertLinear(nn.Module):
         biases = self.get("biases")
 
         def product(rows, e):
-            return mx.quantized_matmul(rows, self.weight[e], self.scales[e], None if biases is None else biases[e],
-                                       transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
+            return self.kernels.quantized_matmul(rows, self.weight[e], self.scales[e],
+                                                 None if biases is None else biases[e], True, self.group_size,
+                                                 self.bits, self.mode)
 
         return _per_segment(x, counts, product)
 
@@ -325,9 +346,9 @@ class SelfConditioning(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.pre_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.eps = cfg.rms_norm_eps
         self.kernels = device_kernels.MLX
 
@@ -383,14 +404,17 @@ def _embedding_dtype(embed: nn.Module, activations: mx.Dtype) -> mx.Dtype:
     return embed.scales.dtype if mx.issubdtype(embed.scales.dtype, mx.floating) else activations
 
 
-def soft_embed(embed: nn.Module, probs: mx.array) -> mx.array:
-    """``probs [.., V] @ E [V, H]``: the expected embedding under a distribution over the vocabulary."""
+def embedding_product(kernels: device_kernels.Kernels, embed: nn.Module, x: mx.array, transpose: bool) -> mx.array:
+    """``x @ E.T`` (the tied head) or, without ``transpose``, ``x @ E``; a quantized ``E`` through the seam."""
     if isinstance(embed, nn.QuantizedEmbedding):
-        return mx.quantized_matmul(
-            probs, embed.weight, embed.scales, embed.get("biases"), transpose=False,
-            group_size=embed.group_size, bits=embed.bits, mode=embed.mode,
-        )
-    return probs @ embed.weight
+        return kernels.quantized_matmul(x, embed.weight, embed.scales, embed.get("biases"), transpose,
+                                        embed.group_size, embed.bits, embed.mode)
+    return x @ (embed.weight.T if transpose else embed.weight)
+
+
+def soft_embed(embed: nn.Module, probs: mx.array, kernels: device_kernels.Kernels = device_kernels.MLX) -> mx.array:
+    """``probs [.., V] @ E [V, H]``: the expected embedding under a distribution over the vocabulary."""
+    return embedding_product(kernels, embed, probs, transpose=False)
 
 
 class DiffusionGemma(nn.Module):
@@ -407,9 +431,9 @@ class DiffusionGemma(nn.Module):
     def use_kernels(self, kernels: device_kernels.Kernels) -> None:
         """The device's fast paths (kernels.py); chosen for the default device when the model is made."""
         self.kernels = kernels
-        for layer in self.layers:
-            layer.experts.kernels = layer.self_attn.kernels = layer.mlp.kernels = kernels
-        self.model.decoder.self_conditioning.kernels = kernels
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
 
     @contextlib.contextmanager
     def kernels_in_use(self, kernels: device_kernels.Kernels):
@@ -535,11 +559,12 @@ class DiffusionGemma(nn.Module):
             # The reference keeps the previous step's logits in the embedding dtype before the softmax.
             probs = self.kernels.softmax(logits.astype(embedding_dtype).astype(mx.float32)).astype(embedding_dtype)
         scale = mx.array(math.sqrt(self.config.hidden_size), dtype=embedding_dtype).astype(dtype)
-        return (soft_embed(embed, probs) * scale).astype(dtype)
+        return (soft_embed(embed, probs, self.kernels) * scale).astype(dtype)
 
     def head(self, hidden: mx.array) -> mx.array:
         """Tied output head with the fp32 soft-cap."""
-        logits = self.model.decoder.embed_tokens.as_linear(hidden).astype(mx.float32)
+        logits = embedding_product(self.kernels, self.model.decoder.embed_tokens, hidden, transpose=True)
+        logits = logits.astype(mx.float32)
         return self.kernels.softcap(logits, self.config.final_logit_softcapping)
 
 
