@@ -411,3 +411,18 @@ def test_parse_check_finds_what_is_wrong():
     assert "no file" in check("python benchmarks/no_such_benchmark.py")[0]
     assert "no extra 'gpu'" in check("pip install -e '.[gpu]'")[0]
     assert check("python -m mlx_dgemma.convert report --hf-path SRC --q-bits 4") == []  # a subcommand's flags
+
+
+def test_readme_predicted_table_is_what_the_roofline_predicts():
+    from mlx_dgemma.policy import predicted_table
+
+    text = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| ((?:M\d|RTX|H\d)[^|]*?)(?: \(4-bit\))? \| (.+) \|$", text, re.M)
+    assert len(rows) >= 5, "the README's predicted table is gone"
+    predicted = predicted_table()
+    for device, cells in rows:
+        p = predicted[device]
+        expected = [f"{p['ar_tok_s']:.1f}", f"{p['diffusion_tok_s']:.1f}", f"{p['speedup']:.2f}x",
+                    f"{p['verified_tok_s']:.1f} ({p['verified_length']}/{p['verified_steps']})",
+                    f"{p['verified_half_tok_s']:.1f} ({p['verified_half_length']}/{p['verified_half_steps']})"]
+        assert [c.strip() for c in cells.split("|")] == expected, device
