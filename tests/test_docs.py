@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_FENCES = {"bash", "sh", "shell", "console", "zsh"}
 CHAIN = {"&&", "||", ";", "|", "&"}
-REDIRECT = re.compile(r"^\d*(<|>|>>)$")
+REDIRECT = re.compile(r"^\d*(<<|<|>|>>)$")
 PYTHONS = {"python", "python3", "$(which python)", "$(which python3)"}
 NEVER_RUN = {"pip", "pytest", "mlx_dgemma.server"}  # changes the environment, runs the suite, or serves for ever
 INPUT_FLAGS = {"--model", "--hf-path", "--data", "-c", "--config", "--template", "--schema", "--image",
@@ -60,6 +61,7 @@ class Command:
     line: str  # the logical line it came from
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "."  # where the block's `cd` left it, relative to the repository
     stdin: str | None = None
     stdout: str | None = None
 
@@ -101,8 +103,11 @@ def tokens(line: str) -> list[str]:
 
 def logical_lines(block: str) -> list[str]:
     """A block's lines with backslash continuations and quotes left open joined."""
-    lines, pending = [], ""
+    lines, pending, heredoc = [], "", None
     for raw in block.splitlines():
+        if heredoc is not None:  # a here-document's body is input, not commands
+            heredoc = None if raw.strip() == heredoc else heredoc
+            continue
         raw = re.sub(r"^\s*\$ ", "", raw)  # a console prompt
         if raw.rstrip().endswith("\\"):
             pending += raw.rstrip()[:-1] + " "
@@ -115,6 +120,8 @@ def logical_lines(block: str) -> list[str]:
             continue
         if pending.strip():
             lines.append(pending)
+            if end := re.search(r"<<-?\s*['\"]?(\w+)", pending):
+                heredoc = end.group(1)
         pending = ""
     return lines
 
@@ -127,7 +134,7 @@ def commands_in(text: str, name: str) -> list[list[Command]]:
     """Each shell block's commands, in order."""
     out = []
     for block in shell_blocks(text):
-        cmds = []
+        cmds, cwd = [], Path(".")
         for line in logical_lines(block):
             parts: list[list[str]] = [[]]
             for tok in tokens(line):
@@ -136,7 +143,10 @@ def commands_in(text: str, name: str) -> list[list[Command]]:
                 else:
                     parts[-1].append(tok)
             for part in filter(None, parts):
-                cmd = Command(name, line, [])
+                if part[0] == "cd" and len(part) == 2:
+                    cwd = cwd / part[1]
+                    continue
+                cmd = Command(name, line, [], cwd=cwd.as_posix())
                 it = iter(part)
                 for tok in it:
                     if REDIRECT.match(tok):
@@ -222,9 +232,9 @@ def python_bin() -> str:
 
 
 @functools.cache
-def help_text(program: tuple[str, ...]) -> str | None:
+def help_text(program: tuple[str, ...], cwd: str = ".") -> str | None:
     """`PROGRAM --help`'s output, or None when it fails."""
-    proc = subprocess.run([*program, "--help"], cwd=ROOT, env=env_for({}), capture_output=True, text=True,
+    proc = subprocess.run([*program, "--help"], cwd=ROOT / cwd, env=env_for({}), capture_output=True, text=True,
                           timeout=120)
     return proc.stdout + proc.stderr if proc.returncode == 0 else None
 
@@ -239,15 +249,43 @@ def flags(args: list[str]) -> list[str]:
     return out
 
 
-def missing_flags(program: list[str], args: list[str]) -> list[str] | str:
-    """The flags of ``args`` that ``program --help`` does not list, or why there is no help."""
-    helps = [help_text(tuple(program))]
+def source_of(ep: EntryPoint, cwd: str) -> Path | None:
+    """The file of this repository that defines ``ep``'s options, if it is one."""
+    if ep.name.endswith(".py"):
+        path = ROOT / cwd / ep.name
+    elif ep.program[1:2] == ["-m"] and module_exists(ep.name):
+        sys.path.insert(0, str(ROOT))
+        try:
+            spec = find_spec(ep.name)
+            if spec.submodule_search_locations:  # a package runs its __main__
+                spec = find_spec(f"{ep.name}.__main__")
+        finally:
+            sys.path.remove(str(ROOT))
+        path = Path(spec.origin) if spec and spec.origin else None
+    else:
+        return None
+    return path if path and path.is_file() and ROOT in path.resolve().parents else None
+
+
+def declared_flags(path: Path) -> set[str]:
+    """Option names written as string literals in ``path`` (argparse's and click's "--a/--b")."""
+    literals = re.findall(r"""["'](-{1,2}[A-Za-z][\w/-]*)["']""", path.read_text())
+    return {f for lit in literals for f in lit.split("/") if f.startswith("-")}
+
+
+def missing_flags(program: list[str], args: list[str], cwd: str = ".", source: Path | None = None) -> list[str] | str:
+    """The flags of ``args`` that ``source`` does not declare and ``program --help`` does not list,
+    or why there is no help."""
+    wanted = [f for f in flags(args) if source is None or f not in declared_flags(source)]
+    if not wanted:
+        return []
+    helps = [help_text(tuple(program), cwd)]
     if args and not args[0].startswith("-"):  # a subcommand (or a positional argument, whose help is the same)
-        helps.append(help_text((*program, args[0])))
+        helps.append(help_text((*program, args[0]), cwd))
     text = "\n".join(h for h in helps if h)
     if not text:
         return f"`{shlex.join(program)} --help` fails"
-    return [f for f in flags(args) if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
+    return [f for f in wanted if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
 
 
 def check_parses(cmd: Command) -> list[str]:
@@ -265,16 +303,17 @@ def check_parses(cmd: Command) -> list[str]:
         problems += [f"{cmd}: {bad}"] if isinstance(bad, str) else [f"{cmd}: mlx.launch has no {f}" for f in bad]
     if ep.program[1:2] == ["-m"] and not module_exists(ep.name):
         return [*problems, f"{cmd}: no module {ep.name}"]
-    if ep.name.endswith(".py") and not (ROOT / ep.name).is_file():
+    if ep.name.endswith(".py") and not (ROOT / cmd.cwd / ep.name).is_file():
         return [*problems, f"{cmd}: no file {ep.name}"]
-    bad = missing_flags(ep.program, ep.args)
+    bad = missing_flags(ep.program, ep.args, cmd.cwd, source_of(ep, cmd.cwd))
     if isinstance(bad, str):
         return [*problems, f"{cmd}: {bad}"]
     return problems + [f"{cmd}: {ep.name} has no {f}" for f in bad]
 
 
-def why_not_run(cmd: Command, cwd: Path, quick: bool) -> str | None:
-    """None when ``cmd`` can run here and now, else the reason it cannot."""
+def why_not_run(cmd: Command, root: Path, quick: bool) -> str | None:
+    """None when ``cmd`` can run now in the repository at ``root``, else the reason it cannot."""
+    cwd = root / cmd.cwd
     ep = entry_point(cmd)
     if ep is None:
         return "not a Python entry point"
@@ -300,8 +339,10 @@ def why_not_run(cmd: Command, cwd: Path, quick: bool) -> str | None:
     return None
 
 
-def run(cmd: Command, cwd: Path, quick: bool, timeout: float) -> str | None:
-    """Run ``cmd`` in ``cwd``; None when it exits 0 (or, not quick, runs past ``timeout``), else what failed."""
+def run(cmd: Command, root: Path, quick: bool, timeout: float) -> str | None:
+    """Run ``cmd`` in the repository at ``root``; None when it exits 0 (or, not quick, runs past
+    ``timeout``), else what failed."""
+    cwd = root / cmd.cwd
     ep = entry_point(cmd)
     argv = [sys.executable if a in PYTHONS else a for a in cmd.argv]
     if argv[0] == "mlx.launch":
@@ -310,19 +351,25 @@ def run(cmd: Command, cwd: Path, quick: bool, timeout: float) -> str | None:
         argv = ep.program + ep.args
     if quick and ep.name in QUICK and "--help" not in ep.args:
         argv += ["--max-tokens", QUICK_MAX_TOKENS]
+    temp = root.parent / "tmp"  # the programs' temporary files stay with the test's
+    temp.mkdir(exist_ok=True)
     stdin = open(cwd / cmd.stdin, "rb") if cmd.stdin else subprocess.DEVNULL
+    # A session of its own, so that a timeout ends what the command started too (a server, ranks).
+    proc = subprocess.Popen(argv, cwd=cwd, env=env_for({**cmd.env, "TMPDIR": str(temp)}, root), stdin=stdin,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        proc = subprocess.run(argv, cwd=cwd, env=env_for(cmd.env, cwd), stdin=stdin, capture_output=True,
-                              timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return f"{cmd}: still running after {timeout:.0f} s" if quick else None
     finally:
         if cmd.stdin:
             stdin.close()
     if cmd.stdout:
-        (cwd / cmd.stdout).write_bytes(proc.stdout)
+        (cwd / cmd.stdout).write_bytes(out)
     if proc.returncode != 0:
-        return f"{cmd}: exit {proc.returncode}: {proc.stderr.decode(errors='replace')[-600:]}"
+        return f"{cmd}: exit {proc.returncode}: {err.decode(errors='replace')[-600:]}"
     return None
 
 
@@ -335,15 +382,15 @@ def repo_copy(tmp_path: Path) -> Path:
 
 
 def run_page(page: Path, tmp_path: Path, quick: bool, timeout: float) -> tuple[list[str], int]:
-    cwd = None
+    copy = None
     failures, ran = [], 0
     for block in commands(page):
         for cmd in block:
-            if why_not_run(cmd, cwd or ROOT, quick) is not None:
+            if why_not_run(cmd, copy or ROOT, quick) is not None:
                 continue
-            cwd = cwd or repo_copy(tmp_path)
+            copy = copy or repo_copy(tmp_path)
             ran += 1
-            failure = run(cmd, cwd, quick, timeout)
+            failure = run(cmd, copy, quick, timeout)
             if failure:
                 failures.append(failure)
     return failures, ran
@@ -397,6 +444,11 @@ def test_shell_lines_are_split_as_a_shell_splits_them():
         (["curl", "-d", '{"a":\n 1}', "u"], {}, None, None),
     ]
     assert flags(block[0].argv) == ["-m", "--x", "--y"]
+
+    [block] = commands_in("```console\n$ cd examples && python chat.py --turns 2\npython - <<EOF\nprint(1)\n"
+                          "python -m x\nEOF\n```\n", "x.md")
+    assert [(c.argv, c.cwd) for c in block] == [(["python", "chat.py", "--turns", "2"], "examples"),
+                                                 (["python", "-"], "examples")]
 
 
 def test_parse_check_finds_what_is_wrong():
