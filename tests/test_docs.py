@@ -62,6 +62,7 @@ class Command:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     cwd: str = "."  # where the block's `cd` left it, relative to the repository
+    piped: bool = False  # its input is the previous command's output
     stdin: str | None = None
     stdout: str | None = None
 
@@ -136,17 +137,19 @@ def commands_in(text: str, name: str) -> list[list[Command]]:
     for block in shell_blocks(text):
         cmds, cwd = [], Path(".")
         for line in logical_lines(block):
-            parts: list[list[str]] = [[]]
+            parts: list[tuple[bool, list[str]]] = [(False, [])]
             for tok in tokens(line):
                 if tok in CHAIN:
-                    parts.append([])
+                    parts.append((tok == "|", []))
                 else:
-                    parts[-1].append(tok)
-            for part in filter(None, parts):
+                    parts[-1][1].append(tok)
+            for piped, part in parts:
+                if not part:
+                    continue
                 if part[0] == "cd" and len(part) == 2:
                     cwd = cwd / part[1]
                     continue
-                cmd = Command(name, line, [], cwd=cwd.as_posix())
+                cmd = Command(name, line, [], cwd=cwd.as_posix(), piped=piped)
                 it = iter(part)
                 for tok in it:
                     if REDIRECT.match(tok):
@@ -334,6 +337,8 @@ def why_not_run(cmd: Command, root: Path, quick: bool) -> str | None:
             return f"{flag} {value} is not here"
     if cmd.stdin is not None and not (cwd / cmd.stdin).exists():
         return f"< {cmd.stdin} is not here"
+    if cmd.piped or ("-" in args and cmd.stdin is None):
+        return "reads another command's output"
     if any("$" in a and a not in PYTHONS for a in cmd.argv):
         return "a shell expansion"
     return None
@@ -446,9 +451,11 @@ def test_shell_lines_are_split_as_a_shell_splits_them():
     assert flags(block[0].argv) == ["-m", "--x", "--y"]
 
     [block] = commands_in("```console\n$ cd examples && python chat.py --turns 2\npython - <<EOF\nprint(1)\n"
-                          "python -m x\nEOF\n```\n", "x.md")
-    assert [(c.argv, c.cwd) for c in block] == [(["python", "chat.py", "--turns", "2"], "examples"),
-                                                 (["python", "-"], "examples")]
+                          "python -m x\nEOF\necho hi | python -m y --prompt -\n```\n", "x.md")
+    assert [(c.argv, c.cwd, c.piped) for c in block] == [(["python", "chat.py", "--turns", "2"], "examples", False),
+                                                          (["python", "-"], "examples", False),
+                                                          (["echo", "hi"], "examples", False),
+                                                          (["python", "-m", "y", "--prompt", "-"], "examples", True)]
 
 
 def test_parse_check_finds_what_is_wrong():
@@ -478,3 +485,11 @@ def test_readme_predicted_table_is_what_the_roofline_predicts():
                     f"{p['verified_tok_s']:.1f} ({p['verified_length']}/{p['verified_steps']})",
                     f"{p['verified_half_tok_s']:.1f} ({p['verified_half_length']}/{p['verified_half_steps']})"]
         assert [c.strip() for c in cells.split("|")] == expected, device
+
+
+def test_a_command_that_fails_is_reported(tmp_path):
+    [[good, bad]] = commands_in('```bash\npython -m mlx_dgemma.generate --prompt "reverse: abc"\n'
+                                'python -m mlx_dgemma.generate --prompt " "\n```\n', "x.md")
+    root = repo_copy(tmp_path)
+    assert run(good, root, quick=True, timeout=120) is None
+    assert "exit 1: Error: the prompt is empty" in run(bad, root, quick=True, timeout=120)
