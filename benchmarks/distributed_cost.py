@@ -11,7 +11,7 @@ forward makes (one per MoE layer, [tokens · top_k, hidden] in the activation dt
 a fraction of the forward. CK: ``python -m convert.random_checkpoint CK --preset many-experts``
 (experts 85% of the weights), or any checkpoint.
 
-Predicted, for the released model on N Macs over Thunderbolt 5 (the roofline of policy.py: every
+Predicted, for the released model on N Macs over Thunderbolt 5 (the roofline of policy/roofline.py: every
 rank runs attention, dense MLP, router and head whole and 1/N of the experts, plus the all_sums):
 
     python benchmarks/distributed_cost.py --predict [--link-gbps 80 --link-efficiency 0.5 --latency-us 30]

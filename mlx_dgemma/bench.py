@@ -4,7 +4,7 @@
 
 Measures prefill tok/s, autoregressive tok/s, the denoising step time per canvas length, and real
 sampler runs at several steps per 256-canvas (early stop off); prints the crossover and the
-roofline predictions for known Apple and NVIDIA devices (see policy.py for the model behind them).
+roofline predictions for known Apple and NVIDIA devices (see policy/roofline.py for the model behind them).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def format_report(r: dict) -> str:
     lines.append(f"verified drafting measured (this checkpoint's own acceptance, {m['tokens']} tokens): drafts of "
                  f"{m['draft_length']} in {m['draft_steps']} step(s), {m['tokens_per_round']:.2f} tokens per round, "
                  f"{m['tokens_per_forward']:.2f} per forward, {m['tok_s']:.2f} tok/s")
-    lines.append("predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy.py; verified "
+    lines.append("predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy/roofline.py; verified "
                  "at the demo's acceptance and at half of it, best draft length L and steps k):")
     lines.append(f"{'device':<10} {'AR tok/s':>9} {'diffusion':>10} {'speedup':>8} {'verified':>9} {'L/k':>6} "
                  f"{'half':>7} {'L/k':>6}")

@@ -27,7 +27,7 @@ def _visible(text: str) -> str:
     return "".join("⏎" if c == "\n" else "⇥" if c == "\t" else "·" if ord(c) < 32 else c for c in text)
 
 
-class CanvasView:
+class TerminalView:
     def __init__(self, tokenizer, steps: int, stream=None, ansi: bool | None = None):
         self.tokenizer = tokenizer
         self.steps = steps
@@ -94,3 +94,6 @@ class CanvasView:
             self._clear()
             self.stream.write("\n")
         self.stream.flush()
+
+
+CanvasView = TerminalView  # the name generate.py still imports (cache.CanvasView is the K/V view)

@@ -413,7 +413,7 @@ def test_holes_may_be_written_with_spaces(demo):
 @pytest.fixture
 def fake_measure(monkeypatch):
     calls = []
-    monkeypatch.setattr(policy, "measure", lambda model: calls.append(model) or PROFILE)
+    monkeypatch.setattr(policy.profile, "measure", lambda model: calls.append(model) or PROFILE)
     return calls
 
 

@@ -15,7 +15,7 @@ from convert.random_checkpoint import PRESETS
 from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma.generate import PromptError, main, prompt_ids
 from mlx_dgemma.sampler import Draft
-from mlx_dgemma.view import ACCEPTED, FIXED, RESTORE_AND_CLEAR, SAVE, CanvasView, _visible
+from mlx_dgemma.view import ACCEPTED, FIXED, RESTORE_AND_CLEAR, SAVE, TerminalView, _visible
 
 from .tokenizer_files import train_sentencepiece, write_sentencepiece
 
@@ -134,7 +134,7 @@ def test_cli_view_shows_every_step(chat_checkpoint, chat_model, reference_run):
 def test_view_redraws_in_place_on_a_terminal(chat_model):
     _, tokenizer = chat_model
     out = io.StringIO()
-    view = CanvasView(tokenizer, steps=4, stream=out, ansi=True)
+    view = TerminalView(tokenizer, steps=4, stream=out, ansi=True)
     tokens = np.array(tokenizer.encode("abcd", add_special_tokens=False))
     view.step(Draft(1, tokens, np.array([True, False, False, False]), 2.5))
     first = out.getvalue()
