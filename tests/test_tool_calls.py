@@ -38,12 +38,14 @@ def test_malformed_calls_say_where(text, where):
         parse_tool_calls(text)
 
 
+GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+
+
 def test_forced_call_template_clamps_the_frame_and_renders_the_arguments():
     _, tokenizer = load(DEMO_MODEL)
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}, "days": {"type": "integer",
-                                                                                                "minimum": 1, "maximum": 7}}}}}
-    template = forced_call_template(tokenizer, tool)
+    template = forced_call_template(tokenizer, GET_WEATHER)
     literal = [t for t in template.tokens if t != FREE]
     assert tokenizer.decode(literal) == '<|tool_call>call:get_weather{"city": "", "days": }<tool_call|>'
     assert [h.size for _, h in template.holes] == [5, 1]
