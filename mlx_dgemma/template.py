@@ -14,7 +14,10 @@ stops there. A hole takes no stop id, except the end of turn where that is the t
 ``json_template`` builds the template from a JSON schema: brackets, keys and separators clamped, each
 value a hole limited to the tokens its type allows (string characters, digits, an enum's choices);
 the output is rendered from the hole values (numbers clamped to their range, strings cut to their
-``maxLength``, unused optional array items dropped), so it always parses and validates.
+``maxLength``, unused optional array items dropped), so it always parses and validates. A schema
+whose answer could not validate (a ``required`` key that is not a property, an enum value not of
+the schema's type or not JSON, a bound no float holds) is refused, as is any feature the clamps
+cannot express. docs/templates.md has the whole list.
 """
 
 from __future__ import annotations
