@@ -489,7 +489,7 @@ def _choice(b: _Builder, options: list, texts: list[str], path: str):
         sequences.append(_literal(b.tokenizer, text))
         b.room(len(sequences[-1]), path, "shorten its enum values")
     index = b.hole(Hole(max(map(len, sequences)), "choice", choices=sequences, where=path))
-    first = dict(zip(reversed(texts), reversed(options)))  # a value's first option where two share a text
+    first = dict(zip(reversed(texts), reversed(options)))  # (an enum may repeat a value)
     return lambda values: first.get(values[index], options[0])
 
 
