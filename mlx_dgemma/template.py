@@ -14,14 +14,19 @@ stops there. A hole takes no stop id, except the end of turn where that is the t
 ``json_template`` builds the template from a JSON schema: brackets, keys and separators clamped, each
 value a hole limited to the tokens its type allows (string characters, digits, an enum's choices);
 the output is rendered from the hole values (numbers clamped to their range, strings cut to their
-``maxLength``, unused optional array items dropped), so it always parses and validates.
+``maxLength``, unused optional array items dropped), so it always parses and validates. A schema
+whose answer could not validate (a ``required`` key that is not a property, an enum value not of
+the schema's type or not JSON, a bound no float holds) is refused, as is any feature the clamps
+cannot express. docs/templates.md has the whole list.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +41,7 @@ DEFAULT_STRING = 16  # tokens of a string value without maxLength
 DEFAULT_DIGITS = 6  # digits of an integer without a maximum
 DECIMALS = 4  # fractional digits a number hole leaves room for
 MAX_DEPTH = 64  # nesting levels of a schema
+MAX_CHOICES = 1000  # values of one enum (OpenAI's structured outputs allow 1000 in a whole schema)
 TEMPLATE_LIMIT = 1 << 20  # positions a template may take when the caller does not give the model's context
 FREE = -1  # a hole position in CanvasTemplate.tokens
 _NEG = -1e9  # the bias of a token a position may not take (finite: no inf - inf anywhere)
@@ -122,6 +128,7 @@ def parse_template(tokenizer, text: str, limit: int | None = None) -> CanvasTemp
     literal text. ``limit`` (the model's context) bounds the positions the template may take."""
     if not isinstance(text, str):
         raise TemplateError(f"a template is text, got {type(text).__name__}")
+    _check_unicode(text, "the template")
     limit = TEMPLATE_LIMIT if limit is None else limit
     tokens: list[int] = []
     holes: list[tuple[int, Hole]] = []
@@ -151,6 +158,9 @@ def parse_template(tokenizer, text: str, limit: int | None = None) -> CanvasTemp
         tokens += [FREE] * n
         position = hole.end()
     tokens += _literal(tokenizer, text[position:])
+    if len(tokens) > limit:
+        raise TemplateError(f"the template's text takes {len(tokens)} tokens, past the model's context of {limit} "
+                            "positions; shorten it")
     if not holes and not tokens:
         raise TemplateError("the template is empty")
     return CanvasTemplate(tokens, holes)
@@ -170,10 +180,21 @@ def _literal(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) if text else []
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """Refuse a lone surrogate (JSON's "\\ud800" makes one): UTF-8 cannot encode it, no tokenizer reads it."""
+    if bad := _SURROGATE.search(text):
+        raise TemplateError(f"{what} holds a lone surrogate ({ascii(bad.group())[1:-1]}) at {_place(text, bad.start())}, "
+                            "which is not text; send UTF-8")
+
+
 def infill_template(tokenizer, suffix: str, max_fill: int, canvas_length: int) -> CanvasTemplate:
     """A hole of ``max_fill`` tokens or more, then ``suffix`` ending exactly at a canvas end."""
     if max_fill < 1:
         raise TemplateError(f"max_fill must be at least 1, got {max_fill}")
+    _check_unicode(suffix, "the suffix")
     tail = _literal(tokenizer, suffix)
     canvases = -(-(max_fill + len(tail)) // canvas_length)
     size = canvases * canvas_length - len(tail)
@@ -193,6 +214,8 @@ _SUPPORTED = {
     "boolean": {"type"},
     "null": {"type"},
 }
+_PYTHON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+_TOO_LONG = "lower its maxItems, maxLength or maximum"
 
 
 @dataclass
@@ -203,8 +226,9 @@ class _Builder:
     holes: list[tuple[int, Hole]] = field(default_factory=list)
     depth: int = 0
 
-    def text(self, s: str) -> None:
+    def text(self, s: str, path: str) -> None:
         self.tokens += _literal(self.tokenizer, s)
+        self.room(0, path, "shorten its keys and const or enum values")
 
     def hole(self, hole: Hole) -> int:
         self.room(hole.size, hole.where)
@@ -212,11 +236,11 @@ class _Builder:
         self.tokens += [FREE] * hole.size
         return len(self.holes) - 1
 
-    def room(self, size: int, path: str) -> None:
+    def room(self, size: int, path: str, fix: str = _TOO_LONG) -> None:
         """Refuse, before building it, what would take the template past the model's context."""
         if len(self.tokens) + size > self.limit:
             raise TemplateError(f"schema at {path} takes the template past the model's context of {self.limit} "
-                                "positions; lower its maxItems, maxLength or maximum")
+                                f"positions; {fix}")
 
 
 def _count(schema: dict, key: str, path: str, default: int) -> int:
@@ -228,13 +252,42 @@ def _count(schema: dict, key: str, path: str, default: int) -> int:
     return int(value)
 
 
-def _bound(schema: dict, key: str, path: str) -> float | None:
-    """A schema's minimum or maximum: a finite number, or None."""
+def _bound(schema: dict, key: str, path: str) -> int | float | None:
+    """A schema's minimum or maximum: a finite number that fits a float (integers kept exact), or None."""
     value = schema.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not np.isfinite(value)):
+    if value is None:
+        return None
+    if not _is_number(value):
         raise TemplateError(f"{key} at {path} must be a finite number, got {json.dumps(value)}")
+    if abs(value) > sys.float_info.max:  # (Python compares an int with a float exactly)
+        raise TemplateError(f"{key} at {path} is an integer of more than 308 digits; a bound must fit a float "
+                            f"(at most {sys.float_info.max:.1e})")
     return value
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number: an int or a finite float, not a bool."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
+                                                                         and math.isfinite(value))
+
+
+def _is_type(value: Any, kind: str) -> bool:
+    """``value`` is of JSON schema type ``kind`` (1.0 is an integer, True is not)."""
+    if kind in ("integer", "number"):
+        return _is_number(value) and (kind == "number" or isinstance(value, int) or value.is_integer())
+    return isinstance(value, _PYTHON_TYPES[kind])
+
+
+def check_required(schema: dict, path: str = "$") -> None:
+    """An object schema's ``required``: a list of keys, each one of its ``properties`` (the template
+    writes those keys only)."""
+    required, properties = schema.get("required", []), schema.get("properties") or {}
+    if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+        raise TemplateError(f"required at {path} must be a list of property names, got {json.dumps(required)[:60]}")
+    for key in required:
+        if key not in properties:
+            raise TemplateError(f"required key {json.dumps(key)} at {path} is not in its properties; add it to "
+                                "properties or drop it from required")
 
 
 _NO_DRAFT = object()
@@ -269,11 +322,12 @@ def _node(b: _Builder, schema: dict, path: str, draft: Any = _NO_DRAFT) -> Calla
 def _layout(b: _Builder, schema: dict, path: str, draft: Any) -> Callable[[list[str]], Any]:
     if not isinstance(schema, dict):
         raise TemplateError(f"schema at {path} must be an object, got {json.dumps(schema)}")
-    if "const" in schema:
-        b.text(json.dumps(schema["const"]))
-        return lambda values, v=schema["const"]: v
-    if "enum" in schema:
-        return _choice(b, schema["enum"], path)
+    if "const" in schema or "enum" in schema:
+        values, texts = _listed_values(schema, path)
+        if "const" in schema:
+            b.text(texts[0], path)
+            return lambda values_, v=values[0]: v
+        return _choice(b, values, texts, path)
     kind = schema.get("type")
     if kind is None and set(schema) - _ANNOTATIONS:
         raise TemplateError(f"schema feature '{min(set(schema) - _ANNOTATIONS)}' at {path} is not supported")
@@ -292,9 +346,40 @@ def _layout(b: _Builder, schema: dict, path: str, draft: Any) -> Callable[[list[
     if kind in ("integer", "number"):
         return _number(b, schema, path, draft, integer=kind == "integer")
     if kind == "boolean":
-        return _choice(b, [True, False], path)
-    b.text("null")
+        return _choice(b, [True, False], ["true", "false"], path)
+    b.text("null", path)
     return lambda values: None
+
+
+def _listed_values(schema: dict, path: str) -> tuple[list, list[str]]:
+    """A ``const``'s value or an ``enum``'s values and their JSON texts: each JSON (no NaN or
+    Infinity) and of the schema's ``type`` where it has one."""
+    word = "const" if "const" in schema else "enum"
+    extra = set(schema) - {word, "type"} - _ANNOTATIONS
+    if extra:
+        raise TemplateError(f"schema feature '{min(extra)}' at {path} is not supported alongside '{word}'")
+    values = [schema["const"]] if word == "const" else schema["enum"]
+    if not isinstance(values, list) or not values:
+        raise TemplateError(f"enum at {path} needs a non-empty list of values")
+    if len(values) > MAX_CHOICES:
+        raise TemplateError(f"enum at {path} has {len(values)} values, more than the {MAX_CHOICES} a template takes")
+    kind = schema.get("type")
+    kinds = [kind] if isinstance(kind, str) else kind
+    if kind is not None and not (isinstance(kinds, list) and kinds
+                                 and all(isinstance(k, str) and k in _SUPPORTED for k in kinds)):
+        raise TemplateError(f"schema at {path}: type {json.dumps(kind)[:60]} is not a JSON type; use one of "
+                            f"{', '.join(_SUPPORTED)} or a list of them")
+    texts = []
+    for value in values:
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise TemplateError(f"{word} at {path} holds a value that is not JSON ({e})") from None
+        if kind is not None and not any(_is_type(value, k) for k in kinds):
+            raise TemplateError(f"{word} value {text[:40]} at {path} is not of type {json.dumps(kind)}; "
+                                "fix the value or the type")
+        texts.append(text)
+    return values, texts
 
 
 def _object(b: _Builder, schema: dict, path: str, draft: Any):
@@ -303,13 +388,14 @@ def _object(b: _Builder, schema: dict, path: str, draft: Any):
         raise TemplateError(f"properties at {path} must be an object, got {json.dumps(properties)}")
     if not properties:
         raise TemplateError(f"object at {path} needs 'properties' (its keys are clamped)")
+    check_required(schema, path)
     readers = {}
-    b.text("{")
+    b.text("{", path)
     for i, (key, sub) in enumerate(properties.items()):
-        b.text((", " if i else "") + json.dumps(key) + ": ")
+        b.text((", " if i else "") + json.dumps(key) + ": ", path)
         readers[key] = _node(b, sub, f"{path}.{key}", draft.get(key, _NO_DRAFT) if isinstance(draft, dict)
                              else _NO_DRAFT)
-    b.text("}")
+    b.text("}", path)
     return lambda values: {k: read(values) for k, read in readers.items()}
 
 
@@ -323,15 +409,15 @@ def _array(b: _Builder, schema: dict, path: str, draft: Any):
     if isinstance(draft, list):  # the draft's item count, all required
         most = least = min(max(len(draft), least), most)
     items = []
-    b.text("[")
+    b.text("[", path)
     for i in range(most):
         if i:
-            b.text(", ")
+            b.text(", ", path)
         first = len(b.holes)
         sub = draft[i] if isinstance(draft, list) and i < len(draft) else _NO_DRAFT
         read = _node(b, schema.get("items", {"type": "string"}), f"{path}[{i}]", sub)
         items.append((read, first, len(b.holes), i < least))
-    b.text("]")
+    b.text("]", path)
 
     def value(values):
         out = []
@@ -352,21 +438,22 @@ def _string(b: _Builder, schema: dict, path: str, draft: Any):
     size = longest
     if isinstance(draft, str):
         size = min(longest, max(shortest, 1, len(_literal(b.tokenizer, draft))))
-    b.text('"')
+    b.text('"', path)
     index = b.hole(Hole(size, "string", required=shortest, where=path))
-    b.text('"')
-    # A token may be several characters: the hole bounds tokens, the cut bounds characters.
-    return lambda values: values[index][:longest]
+    b.text('"', path)
+    # A token may be several characters: the hole bounds tokens, the cut bounds characters. Byte
+    # tokens may make fewer characters than tokens: spaces then make up minLength.
+    return lambda values: values[index][:longest].ljust(shortest)
 
 
 def _number(b: _Builder, schema: dict, path: str, draft: Any, integer: bool):
     """An integer hole (digits, maybe a sign) or a number hole (with a decimal point and ``DECIMALS``
-    more digits); the value is clamped into the schema's range."""
+    more digits); the value is clamped into the schema's range, in exact integer arithmetic for integers."""
     low, high = _bound(schema, "minimum", path), _bound(schema, "maximum", path)
     if low is not None and high is not None and low > high:
         raise TemplateError(f"number at {path}: minimum {low} is above maximum {high}")
     if integer:
-        low, high = (None if low is None else int(np.ceil(low))), (None if high is None else int(np.floor(high)))
+        low, high = (None if low is None else math.ceil(low)), (None if high is None else math.floor(high))
         if low is not None and high is not None and low > high:
             raise TemplateError(f"integer at {path}: no integer lies between minimum {schema['minimum']} "
                                 f"and maximum {schema['maximum']}")
@@ -374,7 +461,7 @@ def _number(b: _Builder, schema: dict, path: str, draft: Any, integer: bool):
         else DEFAULT_DIGITS
     signed = low is None or low < 0
     size = widest + signed + (0 if integer else 1 + DECIMALS)
-    if isinstance(draft, (int, float)) and not isinstance(draft, bool):
+    if _is_number(draft) and abs(draft) < 10 ** size:  # (a longer draft leaves the hole as it is)
         size = min(size, max(1, len(str(int(draft) if integer else draft))))
     kind = "number" if not integer else "signed" if signed else "digits"
     index = b.hole(Hole(size, kind, required=1, where=path))
@@ -384,6 +471,8 @@ def _number(b: _Builder, schema: dict, path: str, draft: Any, integer: bool):
     def value(values):
         text = values[index]
         number = parse(text) if re.fullmatch(pattern, text) else parse(0)
+        if math.isinf(number):  # more digits than a float holds
+            number = math.copysign(sys.float_info.max, number)
         if low is not None:
             number = max(number, low)
         if high is not None:
@@ -393,13 +482,15 @@ def _number(b: _Builder, schema: dict, path: str, draft: Any, integer: bool):
     return value
 
 
-def _choice(b: _Builder, options: list, path: str):
-    if not isinstance(options, list) or not options:
-        raise TemplateError(f"enum at {path} needs a non-empty list of values")
-    texts = [json.dumps(v) for v in options]
-    sequences = [_literal(b.tokenizer, t) for t in texts]
+def _choice(b: _Builder, options: list, texts: list[str], path: str):
+    """A hole that ends as one of ``texts`` (the JSON of ``options``)."""
+    sequences = []
+    for text in texts:
+        sequences.append(_literal(b.tokenizer, text))
+        b.room(len(sequences[-1]), path, "shorten its enum values")
     index = b.hole(Hole(max(map(len, sequences)), "choice", choices=sequences, where=path))
-    return lambda values: options[texts.index(values[index])] if values[index] in texts else options[0]
+    first = dict(zip(reversed(texts), reversed(options)))  # (an enum may repeat a value)
+    return lambda values: first.get(values[index], options[0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,11 +524,32 @@ def token_classes(tokenizer, vocab: int) -> dict[str, np.ndarray]:
     return classes
 
 
+class _BuiltOnRead(Sequence):
+    """``n`` items, each built by ``build(index)`` when it is read and not kept."""
+
+    def __init__(self, n: int, build: Callable[[int], Any]):
+        self.n, self.build = n, build
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.build(i) for i in range(*index.indices(self.n))]
+        if not -self.n <= index < self.n:
+            raise IndexError(index)
+        return self.build(index % self.n)
+
+
 def canvas_clamps(template: CanvasTemplate, tokenizer, vocab: int, canvas_length: int, end_of_turn: int | None,
-                  last_length: Callable[[int, int], int] | None = None) -> list[tuple[int, Clamp]]:
+                  last_length: Callable[[int, int], int] | None = None) -> Sequence[tuple[int, Clamp]]:
     """(length, Clamp) per canvas of the template. After the template, its last canvas holds
     ``end_of_turn`` then padding (with None, padding alone). ``last_length(used, canvas_length)``
-    may shorten the last canvas to a length that still holds its ``used`` template positions."""
+    may shorten the last canvas to a length that still holds its ``used`` template positions.
+
+    Each canvas's Clamp is built when it is read: its ``bias`` holds a row of the vocabulary for each
+    token set its own positions allow (an enum's positions each allow their own), so memory follows
+    the canvas length, not the template's."""
     pad = tokenizer.pad_token_id
     tokens = list(template.tokens)
     if end_of_turn is not None:
@@ -446,53 +558,58 @@ def canvas_clamps(template: CanvasTemplate, tokenizer, vocab: int, canvas_length
     total = -(-len(tokens) // canvas_length) * canvas_length
     tokens += [pad] * (total - len(tokens))
     classes = token_classes(tokenizer, vocab)
-    rows = {"any": np.zeros(vocab, np.float32)}  # row 0 allows everything (fixed positions)
-    position_class = np.zeros(total, dtype=np.int32)
-    choice_holes = []
-    names = list(rows)
+    allowed: list[tuple | None] = [None] * total  # per position, what its row allows (None: everything)
     for index, (start, hole) in enumerate(template.holes):
         after = template.following(index, end_of_turn)
         for j in range(hole.size):
-            required = j < hole.required
-            if hole.kind == "choice":
-                allowed = np.zeros(vocab, dtype=bool)
-                for seq in hole.choices:
-                    if j < len(seq):
-                        allowed[seq[j]] = True
-                name = f"choice@{start}+{j}"
-                required = all(j < len(seq) for seq in hole.choices)
-            else:
-                allowed = classes[hole.kind].copy()
-                name = hole.kind
-                if after and not required:  # the value may end early: see CanvasTemplate.hole_values
-                    # A kind-limited hole can write the next text's first token; a text hole all of
-                    # it, the end of turn included, so the cut can see where the value stopped.
-                    ends = after[:1] if hole.kind != "text" else after
-                    allowed[ends] = True
-                    name += "+" + ",".join(map(str, ends))
-            if not required:
-                allowed[pad] = True
-                name += "+pad"
-            if name not in rows:
-                rows[name] = np.where(allowed, 0.0, _NEG).astype(np.float32)
-                names.append(name)
-            position_class[start + j] = names.index(name)
-        if hole.kind == "choice":
-            choice_holes.append((start, hole))
-    bias = mx.array(np.stack([rows[n] for n in names]))
+            allowed[start + j] = _allowed(hole, j, after)
     fixed = np.array([t != FREE for t in tokens])
     values = np.array([max(t, 0) for t in tokens], dtype=np.int32)
-    clamps = []
+    windows = []
     for k in range(0, total, canvas_length):
         length = canvas_length
         if last_length is not None and k + canvas_length >= total:
             length = max(used - k, min(canvas_length, last_length(used - k, canvas_length)))
+        windows.append((k, length))
+    choice_holes = [(start, hole) for start, hole in template.holes if hole.kind == "choice"]
+
+    def clamp(i: int) -> tuple[int, Clamp]:
+        k, length = windows[i]
         window = slice(k, k + length)
+        rows = {None: 0}  # row 0 allows everything (fixed positions)
+        position_class = np.array([rows.setdefault(a, len(rows)) for a in allowed[window]], dtype=np.int32)
+        bias = np.stack([_bias_row(a, classes, vocab, pad) for a in rows])
         finish = _snap_choices([(s - k, h) for s, h in choice_holes if k <= s < k + length], pad)
-        clamps.append((length, Clamp(
-            fixed=mx.array(fixed[None, window]), tokens=mx.array(values[None, window]),
-            classes=mx.array(position_class[None, window]), bias=bias, finish=finish)))
-    return clamps
+        return length, Clamp(fixed=mx.array(fixed[None, window]), tokens=mx.array(values[None, window]),
+                             classes=mx.array(position_class[None]), bias=mx.array(bias), finish=finish)
+
+    return _BuiltOnRead(len(windows), clamp)
+
+
+def _allowed(hole: Hole, j: int, after: list[int]) -> tuple[str, tuple[int, ...], bool]:
+    """What position ``j`` of ``hole`` may take: (token class, more tokens, padding too)."""
+    if hole.kind == "choice":
+        tokens = tuple(sorted({seq[j] for seq in hole.choices if j < len(seq)}))
+        return "choice", tokens, not all(j < len(seq) for seq in hole.choices)
+    required = j < hole.required
+    if required or not after:
+        return hole.kind, (), not required
+    # The value may end early (see CanvasTemplate.hole_values): a kind-limited hole can write the
+    # next text's first token; a text hole all of it, the end of turn included, so the cut can see
+    # where the value stopped.
+    return hole.kind, tuple(after[:1] if hole.kind != "text" else after), True
+
+
+def _bias_row(allowed: tuple | None, classes: dict[str, np.ndarray], vocab: int, pad: int) -> np.ndarray:
+    """The [V] bias of a position: 0 where ``allowed`` (``_allowed``'s) allows a token, ``_NEG`` elsewhere."""
+    if allowed is None:
+        return np.zeros(vocab, np.float32)
+    kind, tokens, padded = allowed
+    mask = np.zeros(vocab, dtype=bool) if kind == "choice" else classes[kind].copy()
+    mask[list(tokens)] = True
+    if padded:
+        mask[pad] = True
+    return np.where(mask, 0.0, _NEG).astype(np.float32)
 
 
 def _snap_choices(holes: list[tuple[int, Hole]], pad: int):

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .template import CanvasTemplate, TemplateError, json_template
+from .template import CanvasTemplate, TemplateError, check_required, json_template
 
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
 STRING_DELIMITER = '<|"|>'
@@ -155,12 +155,16 @@ def forced_call_template(tokenizer, tool: dict, limit: int | None = None) -> Can
     values holes (``limit``, the model's context, bounds them as in ``json_template``). Its ``render``
     gives the arguments. The arguments are laid out as JSON (the template module's), which
     ``parse_tool_calls`` reads as well as Gemma's own syntax."""
-    function = tool.get("function", {})
+    function = tool.get("function") if isinstance(tool, dict) else None
+    parameters = function.get("parameters") if isinstance(function, dict) else None
+    if not isinstance(function, dict) or not isinstance(parameters, (dict, type(None))):
+        raise TemplateError('a tool is {"type": "function", "function": {"name": ..., "parameters": {a JSON schema}}}')
     name = function.get("name")
     if not isinstance(name, str) or not _KEY.fullmatch(name):
         raise TemplateError(f"tool name {name!r} must be letters, digits, '_', '.' or '-'")
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    parameters = parameters or {"type": "object", "properties": {}}
     if parameters.get("type") == "object" and not parameters.get("properties"):
+        check_required(parameters)
         arguments = CanvasTemplate(tokenizer.encode("{}", add_special_tokens=False), [], render=lambda values: {})
     else:
         arguments = json_template(tokenizer, parameters, limit=limit)

@@ -225,7 +225,7 @@ UNICODE = "holds text that is not valid Unicode"
          tool_choice={"type": "function", "function": "get"}), "tool_choice", "tool_choice must be"),
     (ask(SORT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 10**400}}}}}), "response_format",
-     "response_format"),
+     "minimum at $.n is an integer of more than 308 digits"),
 ], ids=["deep", "digits", "surrogate-template", "surrogate-message", "surrogate-prompt", "surrogate-model",
         "parameters-string", "parameters-list", "choice-string", "huge-minimum"])
 def test_bodies_that_gave_500s_are_400s(server, client, body, param, message):
@@ -235,6 +235,29 @@ def test_bodies_that_gave_500s_are_400s(server, client, body, param, message):
     status, error, took = post(server, body, path)
     assert status == 400 and error["param"] == param and message in error["message"], error
     assert took < 1
+    assert_still_serving(client)
+
+
+def schema_body(schema: dict) -> dict:
+    return ask(SORT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+
+
+@pytest.mark.parametrize("body, param, message", [
+    (schema_body({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["a", "b"]}),
+     "response_format", 'required key "b" at $ is not in its properties'),
+    (ask(SORT, tools=[{"type": "function", "function": {"name": "get", "parameters": {
+        "type": "object", "properties": {}, "required": ["city"]}}}], tool_choice="required"),
+     "tools", 'required key "city" at $ is not in its properties'),
+    (schema_body({"type": "string", "enum": ["a", 1]}), "response_format", 'enum value 1 at $ is not of type "string"'),
+    (schema_body({"const": float("nan")}), "response_format", "not JSON"),  # (sent as NaN, which Python's JSON reads)
+    (schema_body({"enum": list(range(100_000))}), "response_format", "has 100000 values, more than the 1000"),
+    (schema_body({"type": "object", "properties": {"k" * 3_000_000: {"type": "null"}}}), "response_format",
+     TOO_LONG),
+], ids=["required", "tool-required", "enum-type", "nan", "huge-enum", "long-key"])
+def test_schemas_whose_answer_could_not_validate_are_400s(server, client, body, param, message):
+    (status, error, took), slowest = health_while(server, body)
+    assert status == 400 and error["param"] == param and message in error["message"], error
+    assert took < 1 and slowest < 1
     assert_still_serving(client)
 
 

@@ -5,6 +5,7 @@ on a random checkpoint's sizes through the same code.
 """
 
 import json
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -225,3 +226,95 @@ def test_a_draft_sizes_the_schema_holes(demo):
     assert drafted["$.where.y"] == upper["$.where.y"]  # no draft value: the upper bound
     for nonsense in (None, [1, 2], "text"):  # a draft that is not an object sizes nothing
         assert sizes(json_template(tokenizer, SCHEMA, draft=nonsense)) == upper
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+     'required key "b" at $ is not in its properties; add it to properties or drop it from required'),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": "a"},
+     'required at $ must be a list of property names, got "a"'),
+    ({"type": "string", "enum": ["x", 1]}, 'enum value 1 at $ is not of type "string"'),
+    ({"type": ["string", "null"], "enum": ["x", False]}, 'enum value false at $ is not of type ["string", "null"]'),
+    ({"type": "integer", "const": 1.5}, 'const value 1.5 at $ is not of type "integer"'),
+    ({"type": "strin", "enum": ["x"]}, 'type "strin" is not a JSON type'),
+    ({"const": float("nan")}, "const at $ holds a value that is not JSON (Out of range float values"),
+    ({"enum": [1, [float("inf")]]}, "enum at $ holds a value that is not JSON"),
+    ({"enum": ["a", "b"], "maxLength": 1}, "schema feature 'maxLength' at $ is not supported alongside 'enum'"),
+    ({"enum": [f"s{i}" for i in range(100_000)]}, "enum at $ has 100000 values, more than the 1000 a template takes"),
+    ({"type": "integer", "minimum": 10 ** 400}, "minimum at $ is an integer of more than 308 digits; a bound must fit"),
+    ({"type": "number", "maximum": -(10 ** 309)}, "maximum at $ is an integer of more than 308 digits"),
+])
+def test_schemas_whose_answer_could_not_validate_are_refused(demo, schema, message):
+    _, tokenizer = demo
+    start = time.perf_counter()
+    with pytest.raises(TemplateError) as info:
+        json_template(tokenizer, schema)
+    assert time.perf_counter() - start < 1
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_integer_bounds_are_exact_and_numbers_finite(demo):
+    _, tokenizer = demo
+    big = {"type": "integer", "minimum": 10 ** 20 + 1, "maximum": 10 ** 20 + 3}
+    assert json_template(tokenizer, big).render(["0"]) == 10 ** 20 + 1
+    assert json_template(tokenizer, {"type": "integer", "maximum": 2 ** 53 + 1}).render(["9" * 40]) == 2 ** 53 + 1
+    assert json_template(tokenizer, {"type": "integer", "minimum": 0.5, "maximum": 1e19}).render(["0"]) == 1
+    wide = json_template(tokenizer, {"type": "number", "minimum": -1e308})  # a hole of 315 positions
+    assert np.isfinite(wide.render(["9" * 400]))  # more digits than a float holds: the largest float
+    for draft in (float("inf"), float("nan"), 10 ** 400):  # a free draft's nonsense sizes nothing
+        assert [h.size for _, h in json_template(tokenizer, {"type": "integer"}, draft=draft).holes] == [7]
+
+
+def test_min_length_holds_when_byte_tokens_make_one_character(demo):
+    _, tokenizer = demo
+    schema = {"type": "string", "minLength": 2, "maxLength": 2}
+    template = json_template(tokenizer, schema)
+    e_acute = tokenizer.encode("é", add_special_tokens=False)
+    assert len(e_acute) == 2 and len(tokenizer.decode(e_acute)) == 1  # two byte tokens, one character
+    answer = template.render([tokenizer.decode(v) for v in template.hole_values(e_acute, tokenizer.pad_token_id,
+                                                                                None)])
+    jsonschema.validate(answer, schema)
+
+
+@pytest.mark.parametrize("build", [
+    lambda t: parse_template(t, "x" * 5000 + "{{fill:2}}", limit=1024),
+    lambda t: parse_template(t, "{{fill:2}}" + "x" * 5000, limit=1024),
+    lambda t: json_template(t, {"type": "object", "properties": {"k" * 5000: {"type": "null"}}}, limit=1024),
+    lambda t: json_template(t, {"type": "object", "properties": {"k": {"const": "x" * 5000}}}, limit=1024),
+    lambda t: json_template(t, {"enum": ["a", "x" * 5000]}, limit=1024),
+])
+def test_template_text_is_bounded_by_the_context(demo, build):
+    _, tokenizer = demo
+    with pytest.raises(TemplateError, match="past the model's context of 1024 positions") as info:
+        build(tokenizer)
+    assert "\n" not in str(info.value)
+
+
+def test_a_lone_surrogate_is_a_template_error(demo):
+    model, tokenizer = demo
+    with pytest.raises(TemplateError, match=r"the template holds a lone surrogate \(\\ud800\) at line 2, column 3"):
+        parse_template(tokenizer, "{{fill:2}}\nab\ud800")
+    with pytest.raises(TemplateError, match="the suffix holds a lone surrogate"):
+        infill_template(tokenizer, "\udfff", 4, model.config.canvas_length)
+
+
+def test_a_canvas_bias_has_rows_for_its_own_positions_only(demo):
+    model, tokenizer = demo
+    C, V, pad = model.config.canvas_length, model.config.vocab_size, tokenizer.pad_token_id
+    options = ["cat", "zebra", 12, None, "dog!"]
+    schema = {"type": "array", "minItems": 1, "maxItems": 40, "items": {"enum": options}}
+    template = json_template(tokenizer, schema)
+    holes = dict(template.holes)
+    clamps = canvas_clamps(template, tokenizer, V, C, tokenizer.token_id("<turn|>"))
+    assert len(clamps) * C >= len(template) > 3 * C
+    for k, (length, clamp) in enumerate(clamps):
+        assert clamp.bias.shape[0] <= length + 1  # not a row per choice position of the whole template
+        allowed = np.array(clamp.bias)[np.array(clamp.classes[0])] == 0
+        for i in range(length):
+            start = max((s for s in holes if s <= k * C + i), default=None)
+            if start is not None and k * C + i < start + holes[start].size:
+                j = k * C + i - start
+                sequences = holes[start].choices
+                expected = {seq[j] for seq in sequences if j < len(seq)}
+                expected |= {pad} if any(j >= len(seq) for seq in sequences) else set()
+                assert set(np.flatnonzero(allowed[i])) == expected

@@ -38,12 +38,14 @@ def test_malformed_calls_say_where(text, where):
         parse_tool_calls(text)
 
 
+GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+
+
 def test_forced_call_template_clamps_the_frame_and_renders_the_arguments():
     _, tokenizer = load(DEMO_MODEL)
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}, "days": {"type": "integer",
-                                                                                                "minimum": 1, "maximum": 7}}}}}
-    template = forced_call_template(tokenizer, tool)
+    template = forced_call_template(tokenizer, GET_WEATHER)
     literal = [t for t in template.tokens if t != FREE]
     assert tokenizer.decode(literal) == '<|tool_call>call:get_weather{"city": "", "days": }<tool_call|>'
     assert [h.size for _, h in template.holes] == [5, 1]
@@ -53,3 +55,14 @@ def test_forced_call_template_clamps_the_frame_and_renders_the_arguments():
     assert no_arguments.render([]) == {}
     with pytest.raises(TemplateError, match="tool name"):
         forced_call_template(tokenizer, {"type": "function", "function": {"name": "two words"}})
+
+
+def test_tools_whose_call_could_not_validate_are_refused():
+    _, tokenizer = load(DEMO_MODEL)
+    no_properties = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "required": ["city"]}}}
+    with pytest.raises(TemplateError, match='required key "city" at \\$ is not in its properties'):
+        forced_call_template(tokenizer, no_properties)
+    for tool in ("f", {"type": "function", "function": "f"}, {"function": {"name": "f", "parameters": [1]}}):
+        with pytest.raises(TemplateError, match='a tool is {"type": "function", "function"'):
+            forced_call_template(tokenizer, tool)

@@ -346,6 +346,7 @@ class Server:
                 if not isinstance(schema, dict):
                     raise BadRequest("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
                                      "\"schema\": {...}}}", param="response_format")
+                self._check_length(sum(map(len, _strings(schema))), "the schema's text", "response_format")
                 # A schema the templates cannot express fails here; a draft sizes the holes at most this long.
                 largest = json_template(tokenizer, schema, limit=limit)
                 job.redraft = lambda draft: json_template(tokenizer, schema, draft=_json_or_none(draft), limit=limit)
@@ -355,9 +356,8 @@ class Server:
             elif kind != "text":
                 raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
                                  param="response_format")
-        # (TypeError, OverflowError: numbers in the client's schema that numpy cannot take, e.g. 400 digits)
-        except (TemplateError, TypeError, OverflowError) as e:
-            raise BadRequest(f"{param}: {e}" if not isinstance(e, TemplateError) else str(e), param=param) from None
+        except TemplateError as e:
+            raise BadRequest(str(e), param=param) from None
         if largest is not None:
             try:
                 check_template_fits(largest, len(job.request.prompt_ids), self.model.config)
