@@ -83,6 +83,7 @@ class Reply:
     tools: bool  # tool calls in the answer are parsed out ("auto")
     forced_tool: str | None  # the function a forced call's arguments are for
     id: str = ""
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -109,8 +110,9 @@ class Api:
 
     def __init__(self, server: Server):
         self.server = server
-        # The API's own message index of each chat message (None: one it added, e.g. a system prompt).
-        self.origins: list[int | None] | None = None
+        # What the API calls each chat message ("messages[2]", "input[0]"; None: the system prompt it
+        # became), when that is not the chat message's own index.
+        self.origins: list[str | None] | None = None
 
     def translate(self, body: dict) -> tuple[dict, bool] | None:
         raise NotImplementedError
@@ -130,17 +132,15 @@ class Api:
     def renamed(self, e: BadRequest) -> BadRequest:
         """``e`` with this API's field names (and its own message indices)."""
         message, param = str(e), e.param
+        if self.origins is not None and param == "messages":
+            message = re.sub(r"messages\[(\d+)\]", lambda m: self._message_name(int(m.group(1))), message)
         if param in self.names:
-            message = re.sub(rf"(?<![\w.]){re.escape(param)}(?!\w)", self.names[param], message)
+            message = re.sub(rf"(?<![\w.]){re.escape(param)}(?![\w\[])", self.names[param], message)
             param = self.names[param]
-        if self.origins is not None and e.param == "messages":
-            name = self.names.get("messages", "messages")
-            message = re.sub(r"messages\[(\d+)\]", lambda m: self._message_name(int(m.group(1)), name), message)
         return BadRequest(message, param, e.code, e.status)
 
-    def _message_name(self, index: int, name: str) -> str:
-        origin = self.origins[index] if index < len(self.origins) else None
-        return f"{name}[{origin}]" if origin is not None else "the system prompt"
+    def _message_name(self, index: int) -> str:
+        return (self.origins[index] if index < len(self.origins) else None) or "the system prompt"
 
 
 class OpenAI(Api):
@@ -251,7 +251,7 @@ class Server:
     async def respond(self, request: Request, api: Api) -> Response:
         """Read, translate and check ``request``'s body, run it, and answer in ``api``'s shape."""
         try:
-            body = await self._read_body(request)
+            body = await self.read_body(request)
             prepared = await asyncio.get_running_loop().run_in_executor(self._preparing, self._prepare, api, body)
             if prepared is None:
                 return api.empty()
@@ -270,7 +270,7 @@ class Server:
 
     # -- reading a request -------------------------------------------------------------------------
 
-    async def _read_body(self, request: Request) -> dict:
+    async def read_body(self, request: Request) -> dict:
         limit = self.max_request_bytes
         too_big = BadRequest(f"the request body is over the server's limit of {limit} bytes",
                              code="request_too_large", status=413)
@@ -333,7 +333,7 @@ class Server:
             self._infill(job, body, suffix, max_tokens)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       forced["function"]["name"] if forced else None,
-                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}")
+                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
         return job, reply
 
     def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
@@ -523,7 +523,7 @@ class Server:
             check_template_fits(template, len(ids), self.model.config)
         except TemplateError as e:
             raise BadRequest(str(e), param="suffix", code="context_length_exceeded") from None
-        job.request.template = template
+        job.request.template, job.request.max_tokens = template, len(template)
         job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
 
     def _fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
@@ -575,6 +575,22 @@ class Server:
         finally:  # the client went away mid-answer (a finished job's cancel changes nothing)
             job.cancel()
 
+    async def text_pieces(self, events: AsyncIterator[Event], reply: Reply):
+        """A stream's answer as its text pieces, then its ``Answer`` (tool calls parsed out of the text
+        held back to the end, which its last piece was), or the ``RequestFailed`` that ended it."""
+        async for event in events:
+            if event.error is not None:
+                yield event.error
+                return
+            if event.finish_reason is None:
+                if event.content:
+                    yield event.content
+                continue
+            last = self.answer(event, reply)
+            if last.content:
+                yield last.content
+            yield last
+
     @staticmethod
     async def _events(events: asyncio.Queue, request: Request) -> AsyncIterator[Event]:
         """The job's events up to its last (a finish or an error), or until its client has gone away."""
@@ -623,6 +639,11 @@ def _check_supported(body: dict, chat: bool) -> None:
         if value is not None and not (value == off and isinstance(value, bool) == isinstance(off, bool)):
             leave = "leave it out" if off is None else f"leave it out or send {json.dumps(off)}"
             raise BadRequest(f"{key} is not supported by this server; {leave}", param=key)
+
+
+def given(fields: dict) -> dict:
+    """A translated body: the fields its request gave (None is left out, as the chat body reads it)."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _strings(value):
@@ -682,9 +703,12 @@ def create_app(server: Server) -> Starlette:
     async def not_found(request: Request, exc):
         return error_response(f"no route {request.method} {request.url.path}", exc.status_code)
 
+    from . import anthropic, ollama, responses
+
     return Starlette(routes=[
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        *responses.routes(server), *anthropic.routes(server), *ollama.routes(server),
     ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
