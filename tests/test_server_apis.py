@@ -15,7 +15,7 @@ import pytest
 
 from mlx_dgemma import generate, infill
 
-from .test_server import MODEL_ID, PERSON, SORT, WEATHER, serving
+from .test_server import MODEL_ID, PERSON, SORT, WEATHER, health, serving
 from .test_server_images import PROMPT, vision_model  # noqa: F401 (a fixture)
 from .test_vision import PICTURES, C
 
@@ -347,10 +347,13 @@ def test_a_mix_of_the_four_apis_is_answered_as_each_alone(ollama_client, openai_
             "type": "json_schema", "name": "person", "schema": PERSON}}).output_text,
         lambda: message(anthropic_client, "reverse: hello", seed=8).content[0].text,
     ]
+    start = health(server)["rounds"]
     alone = [ask() for ask in asks]
+    middle = health(server)["rounds"]
     with ThreadPoolExecutor(len(asks)) as pool:
         together = [f.result(timeout=60) for f in [pool.submit(ask) for ask in asks]]
     assert together == alone
+    assert health(server)["rounds"] - middle < middle - start  # their canvases shared the engine's rounds
 
 
 # -- images on a checkpoint with a vision tower ---------------------------------------------------------
