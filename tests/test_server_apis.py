@@ -15,7 +15,7 @@ import pytest
 
 from mlx_dgemma import generate, infill
 
-from .test_server import MODEL_ID, PERSON, SORT, WEATHER, health, serving
+from .test_server import MAX_BODY, MODEL_ID, PERSON, SORT, WEATHER, health, raw_post, serving
 from .test_server_images import PROMPT, vision_model  # noqa: F401 (a fixture)
 from .test_vision import PICTURES, C
 
@@ -38,7 +38,7 @@ def demo():
 
 @pytest.fixture(scope="module")
 def server(demo):
-    with serving(*demo) as url:
+    with serving(*demo, max_request_bytes=MAX_BODY) as url:
         yield url
 
 
@@ -297,6 +297,21 @@ def test_messages_errors(anthropic_client):
         assert body["type"] == "error" and message_part in body["error"]["message"], body
         assert body["error"]["type"] == ("not_found_error" if error is anthropic.NotFoundError
                                          else "invalid_request_error")
+
+
+@pytest.mark.parametrize("path, shape", [
+    ("/api/chat", lambda body: body["error"]),
+    ("/api/generate", lambda body: body["error"]),
+    ("/v1/responses", lambda body: body["error"]["message"]),
+    ("/v1/messages", lambda body: body["type"] == "error" and body["error"]["message"]),
+])
+def test_malformed_and_oversized_bodies_in_each_shape(server, path, shape):
+    status, body = raw_post(server, path, b'{"model": "demo", "messages": [')
+    assert status == 400 and "not valid JSON" in shape(body), body
+    status, body = raw_post(server, path, json.dumps({"prompt": "x" * MAX_BODY}).encode())
+    assert status == 413 and "over the server's limit" in shape(body), body
+    if path == "/v1/messages":
+        assert body["error"]["type"] == "request_too_large"
 
 
 # -- infill through suffix ----------------------------------------------------------------------------

@@ -256,7 +256,7 @@ class Scheduler:
         reasoning = job.thought.add(tokens, final=finish is not None) if job.thought else ""
         stop_sequence = None
         if (cut := _find_any(job.text, job.stop, max(0, job.sent - _longest(job.stop)))) is not None:
-            stop_sequence = next(s for s in job.stop if job.text.startswith(s, cut))
+            stop_sequence = next(n for n in job.stop if job.text.startswith(n, cut))
             job.text, finish = job.text[:cut], "stop"
         if finish is not None:
             del self._active[response.uid]
