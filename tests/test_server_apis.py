@@ -116,6 +116,11 @@ def test_ollama_format_schema_and_json(ollama_client):
         assert isinstance(json.loads(ollama_chat(ollama_client, text, seed=2, format="json").message.content), dict)
 
 
+def test_ollama_takes_an_editors_stop_strings(ollama_client):
+    stop = [" 42", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<|endoftext|>", "\n\n", "```", "</code>"]
+    assert ollama_chat(ollama_client, options={"stop": stop}).message.content == ANSWER[: ANSWER.index(" 42")]
+
+
 def test_ollama_tool_call(ollama_client):
     for stream in (False, True):
         reply = ollama_chat(ollama_client, "weather in oslo", seed=0, tools=[WEATHER], options={"template": CALL},
@@ -132,6 +137,7 @@ def test_ollama_errors(ollama_client):
         ({"model": "llama3"}, 404, "the model \"llama3\" does not exist; this server serves 'demo'"),
         ({"options": {"num_predict": 0}}, 400, "options.num_predict must be at least 1, got 0"),
         ({"options": {"temperature": 5}}, 400, "options.temperature must be between 0 and 2, got 5"),
+        ({"options": {"stop": ["x"] * 17}}, 400, "options.stop must be a non-empty string or a list of at most 16"),
         ({"format": {"type": "string", "pattern": "[a-z]+"}}, 400, "'pattern'"),
         ({"messages": user("sort: 1 2 " * 120)}, 400, "does not fit the model's context"),
     ]:
@@ -285,7 +291,7 @@ def test_messages_errors(anthropic_client):
     for kwargs, error, message_part in [
         ({"model": "claude-sonnet-4"}, anthropic.NotFoundError, "does not exist"),
         ({"max_tokens": 0}, anthropic.BadRequestError, "max_tokens must be at least 1"),
-        ({"stop_sequences": ["a"] * 5}, anthropic.BadRequestError, "stop_sequences must be"),
+        ({"stop_sequences": ["a"] * 17}, anthropic.BadRequestError, "stop_sequences must be"),
         ({"extra_body": {"top_k": 5}}, anthropic.BadRequestError, "top_k is not supported"),
         ({"messages": user("hi") + [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
          anthropic.BadRequestError, "messages[1]: content of type document is not supported"),

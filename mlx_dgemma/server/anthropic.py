@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .app import Answer, Api, BadRequest, Reply, Server, given
+from .ollama import MAX_STOP
 from .scheduler import RequestFailed
 
 PASSED = ("model", "max_tokens", "temperature", "top_p", "seed", "policy", "steps", "template")
@@ -22,6 +23,7 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 class Anthropic(Api):
     names = {"stop": "stop_sequences"}
+    max_stop = MAX_STOP  # (Anthropic's API sets no small limit either)
 
     def __init__(self, server: Server):
         super().__init__(server)

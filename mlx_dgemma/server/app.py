@@ -40,7 +40,7 @@ from ..vision import has_vision
 from .scheduler import Event, Job, Scheduler, Usage
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 4  # OpenAI's limit; Api.max_stop
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
@@ -107,6 +107,7 @@ class Api:
 
     stream_type = "text/event-stream"
     names: dict[str, str] = {}  # chat and completions fields this API calls otherwise
+    max_stop = MAX_STOP_STRINGS  # stop strings a request may give
 
     def __init__(self, server: Server):
         self.server = server
@@ -266,7 +267,7 @@ class Server:
 
     def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
         translated = api.translate(body)
-        return None if translated is None else self._job(*translated)
+        return None if translated is None else self._job(*translated, max_stop=api.max_stop)
 
     # -- reading a request -------------------------------------------------------------------------
 
@@ -290,7 +291,7 @@ class Server:
             raise BadRequest("the request body must be a JSON object")
         return data
 
-    def _job(self, body: dict, chat: bool) -> tuple[Job, Reply]:
+    def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS) -> tuple[Job, Reply]:
         _check_text(body)
         _check_supported(body, chat)
         model = body.get("model")
@@ -308,8 +309,8 @@ class Server:
             raise BadRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
         stop = _get(body, "stop", (str, list), None) or []
         stop = [stop] if isinstance(stop, str) else stop
-        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}", param="stop")
+        if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest(f"stop must be a non-empty string or a list of at most {max_stop}", param="stop")
         policy = _get(body, "policy", str, "reference")
         if policy not in POLICIES:
             raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
