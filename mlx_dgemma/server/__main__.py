@@ -46,7 +46,8 @@ def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, ma
     import uvicorn
 
     from ..loader import load
-    from .app import Server, create_app
+    from .app import Server
+    from .routes import create_app
     from .scheduler import Scheduler
 
     try:

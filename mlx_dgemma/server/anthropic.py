@@ -11,8 +11,7 @@ import secrets
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .app import Answer, Api, BadRequest, Reply, Server, given
-from .ollama import MAX_STOP
+from .app import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, Server, given
 from .scheduler import RequestFailed
 
 PASSED = ("model", "max_tokens", "temperature", "top_p", "seed", "policy", "steps", "template")
@@ -23,7 +22,7 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 class Anthropic(Api):
     names = {"stop": "stop_sequences"}
-    max_stop = MAX_STOP  # (Anthropic's API sets no small limit either)
+    max_stop = MANY_STOP_STRINGS
 
     def __init__(self, server: Server):
         super().__init__(server)

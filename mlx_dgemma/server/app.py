@@ -24,10 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from .. import validate
 from ..batch import BatchRequest
@@ -40,7 +38,9 @@ from ..vision import has_vision
 from .scheduler import Event, Job, Scheduler, Usage
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
-MAX_STOP_STRINGS = 4  # OpenAI's limit; Api.max_stop
+MAX_STOP_STRINGS = 4  # OpenAI's limit (Api.max_stop)
+# APIs with no small limit of their own (Ollama's, Anthropic's): editors send several for tab completion.
+MANY_STOP_STRINGS = 16
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
@@ -687,29 +687,3 @@ def _usage(usage: Usage) -> dict:
 
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
-
-
-def create_app(server: Server) -> Starlette:
-    """The starlette app of ``server``; its scheduler's worker runs while the app does."""
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def lifespan(app):
-        server.scheduler.start()
-        try:
-            yield
-        finally:
-            server.scheduler.stop()
-
-    async def not_found(request: Request, exc):
-        return error_response(f"no route {request.method} {request.url.path}", exc.status_code)
-
-    from . import anthropic, ollama, responses
-
-    return Starlette(routes=[
-        Route("/health", server.health, methods=["GET"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        *responses.routes(server), *anthropic.routes(server), *ollama.routes(server),
-    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})

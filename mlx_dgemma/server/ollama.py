@@ -13,17 +13,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..vision import has_vision
-from .app import Answer, Api, BadRequest, Reply, Server, given
+from .app import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, Server, given
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these endpoints follow
-MAX_STOP = 16  # Ollama sets no limit; editors send several stop strings for tab completion
 
 
 class Ollama(Api):
     """``/api/chat`` (``chat``) or ``/api/generate``."""
 
     stream_type = "application/x-ndjson"
-    max_stop = MAX_STOP
+    max_stop = MANY_STOP_STRINGS
     # Ollama's options carry the sampler settings, and here the server's own (policy, steps, template).
     names = {"max_tokens": "options.num_predict", "response_format": "format",
              **{key: f"options.{key}" for key in ("temperature", "seed", "stop", "policy", "steps", "template")}}
