@@ -403,6 +403,8 @@ def test_an_image_through_each_api_is_answered_as_generate_answers_it(vision_ser
                        options=options)
     assert chat.message.content == expected
     assert client.generate(model="vision", prompt=PROMPT, images=[encoded], options=options).response == expected
+    with pytest.raises(ollama.ResponseError, match="images: the image data is not an image Pillow can read"):
+        client.generate(model="vision", prompt=PROMPT, images=["aGVsbG8="])
     responses = openai.OpenAI(base_url=vision_server + "/v1", api_key="none", max_retries=0)
     content = [{"type": "input_image", "image_url": "data:image/png;base64," + encoded},
                {"type": "input_text", "text": PROMPT}]

@@ -63,8 +63,10 @@ class Ollama(Api):
             return None
         if body.get("raw"):
             return given({**shared, "prompt": prompt}), False
+        if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
+            raise BadRequest("images must be a list of base64-encoded images", param="images")
         system = body.get("system")
-        self.origins = [None] * bool(system) + ["prompt"]
+        self.origins = [None] * bool(system) + ["images"]  # (the user message's errors are its images')
         user = self._message({"role": "user", "content": prompt or "", "images": images}, 0)
         return given({**shared, "messages": [{"role": "system", "content": system}] * bool(system) + [user]}), True
 
