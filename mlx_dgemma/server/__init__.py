@@ -1,7 +1,10 @@
-"""An OpenAI-compatible server: ``python -m mlx_dgemma.server`` (app.py the HTTP side, scheduler.py the
-worker that owns the model and drives the batched engine, prompt_cache.py the multi-turn prefix cache)."""
+"""A server speaking OpenAI's, Anthropic's and Ollama's APIs: ``python -m mlx_dgemma.server`` (app.py the
+HTTP side and OpenAI's shapes, ollama.py / responses.py / anthropic.py the other APIs' translations,
+routes.py all their routes on one app, scheduler.py the worker that owns the model and drives the
+batched engine, prompt_cache.py the multi-turn prefix cache)."""
 
-from .app import Server, create_app
+from .app import Server
+from .routes import create_app
 from .scheduler import Scheduler
 
 __all__ = ["Server", "Scheduler", "create_app"]

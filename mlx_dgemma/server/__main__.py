@@ -1,4 +1,5 @@
-"""``python -m mlx_dgemma.server``: serve a model (the bundled demo without --model) over OpenAI's API.
+"""``python -m mlx_dgemma.server``: serve a model (the bundled demo without --model) over OpenAI's,
+Anthropic's and Ollama's APIs.
 
 SIGTERM or Ctrl-C: no new connections; requests in flight get ``--shutdown-grace`` seconds to finish,
 then end with a 503 ("shutting down") and the process exits. A second signal exits at once."""
@@ -41,11 +42,12 @@ POSITIVE = click.IntRange(min=1)
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,
          max_image_pixels, allowed_image_dir, shutdown_grace, log_level):
-    """Serve a DiffusionGemma model with OpenAI's chat and completions API."""
+    """Serve a DiffusionGemma model over OpenAI's (chat, completions, Responses), Anthropic's and Ollama's APIs."""
     import uvicorn
 
     from ..loader import load
-    from .app import Server, create_app
+    from .app import Server
+    from .routes import create_app
     from .scheduler import Scheduler
 
     try:

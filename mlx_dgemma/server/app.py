@@ -1,5 +1,8 @@
-"""The HTTP side: OpenAI's request and response shapes on starlette.
+"""The HTTP side on starlette: one request model under every API the server speaks.
 
+Every endpoint is an ``Api``: a translation of its JSON into the chat or completions body read here
+(OpenAI's, so every API shares the same checks, templates, tool parsing, limits and streaming), and of
+the answer back into its own shape (OpenAI's here; ollama.py, responses.py and anthropic.py the others).
 A request is read and checked here (the body's size, its JSON, the model, every setting, the prompt
 against the context, the template or schema, the images), so anything wrong gets OpenAI's error shape
 with a 4xx status before the worker sees it. Everything past reading the body (rendering, tokenizing,
@@ -12,30 +15,32 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 import warnings
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import validate
 from ..batch import BatchRequest
 from ..generate import PromptError, check_prompt, check_template_fits, generation_config
 from ..images import ImageError, decode_image, image_inputs, open_image_url
 from ..policy import POLICIES
-from ..template import TemplateError, json_template, parse_template
+from ..template import TemplateError, infill_template, json_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision
-from .scheduler import Event, Job, Scheduler
+from .scheduler import Event, Job, Scheduler, Usage
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 4  # OpenAI's limit (Api.max_stop)
+# APIs with no small limit of their own (Ollama's, Anthropic's): editors send several for tab completion.
+MANY_STOP_STRINGS = 16
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
@@ -51,7 +56,8 @@ JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "str
 
 
 class BadRequest(Exception):
-    """A request answered with OpenAI's error shape."""
+    """A request answered with a 4xx (or a worker's 5xx) in its API's error shape. Messages and ``param``
+    name fields as the chat and completions bodies do; ``Api.renamed`` gives them an API's own names."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
@@ -77,6 +83,130 @@ class Reply:
     tools: bool  # tool calls in the answer are parsed out ("auto")
     forced_tool: str | None  # the function a forced call's arguments are for
     id: str = ""
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Answer:
+    """A finished answer (or a stream's last piece): its text, thought channel, tool calls as (name,
+    arguments as JSON text), finish reason ("tool_calls" when there are calls), and usage."""
+
+    content: str
+    reasoning: str
+    calls: list[tuple[str, str]]
+    finish: str
+    usage: Usage | None = None
+    stop_sequence: str | None = None  # the stop string that ended it
+
+
+class Api:
+    """One API over the shared request model. ``translate`` turns its body into a chat or completions
+    body (None: nothing to generate, answered by ``empty``); ``reply`` shapes a whole answer,
+    ``stream`` the events of a streamed one, ``error_reply`` an error. One instance per request: a
+    translation may keep what its answer needs."""
+
+    stream_type = "text/event-stream"
+    names: dict[str, str] = {}  # chat and completions fields this API calls otherwise
+    max_stop = MAX_STOP_STRINGS  # stop strings a request may give
+
+    def __init__(self, server: Server):
+        self.server = server
+        # What the API calls each chat message ("messages[2]", "input[0]"; None: the system prompt it
+        # became), when that is not the chat message's own index.
+        self.origins: list[str | None] | None = None
+
+    def translate(self, body: dict) -> tuple[dict, bool] | None:
+        raise NotImplementedError
+
+    def reply(self, answer: Answer, reply: Reply) -> dict:
+        raise NotImplementedError
+
+    def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
+        raise NotImplementedError
+
+    def error_reply(self, e: BadRequest) -> Response:
+        return error_response(str(e), e.status, e.param, e.code)
+
+    def empty(self) -> Response:
+        raise NotImplementedError
+
+    def renamed(self, e: BadRequest) -> BadRequest:
+        """``e`` with this API's field names (and its own message indices)."""
+        message, param = str(e), e.param
+        if self.origins is not None and param == "messages":
+            message = re.sub(r"messages\[(\d+)\]", lambda m: self._message_name(int(m.group(1))), message)
+        if param in self.names:
+            message = re.sub(rf"(?<![\w.]){re.escape(param)}(?![\w\[])", self.names[param], message)
+            param = self.names[param]
+        return BadRequest(message, param, e.code, e.status)
+
+    def _message_name(self, index: int) -> str:
+        return (self.origins[index] if index < len(self.origins) else None) or "the system prompt"
+
+
+class OpenAI(Api):
+    """OpenAI's chat completions and completions."""
+
+    def __init__(self, server: Server, chat: bool):
+        super().__init__(server)
+        self.chat = chat
+
+    def translate(self, body: dict) -> tuple[dict, bool]:
+        return body, self.chat
+
+    def reply(self, answer: Answer, reply: Reply) -> dict:
+        if reply.chat:
+            choice = {"index": 0, "message": {"role": "assistant", **self._message(answer)}, "logprobs": None,
+                      "finish_reason": answer.finish}
+        else:
+            choice = {"index": 0, "text": answer.content, "logprobs": None, "finish_reason": answer.finish}
+        return {**self._head(reply, chunk=False), "choices": [choice], "usage": _usage(answer.usage)}
+
+    async def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
+        head = self._head(reply, chunk=True)
+        if reply.chat:
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None}]})
+        async for event in events:
+            if event.error is not None:
+                yield _sse(error_body(str(event.error), event.error.status))
+                break
+            yield _sse({**head, "choices": [self._delta(event, reply)]})
+            if event.finish_reason is not None and reply.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(event.usage)})
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _message(answer: Answer) -> dict:
+        message = {"content": answer.content or (None if answer.calls else "")}
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        if answer.calls:
+            message["tool_calls"] = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                                      "function": {"name": name, "arguments": arguments}}
+                                     for name, arguments in answer.calls]
+        return message
+
+    def _delta(self, event: Event, reply: Reply) -> dict:
+        if not reply.chat:
+            return {"index": 0, "text": event.content, "logprobs": None, "finish_reason": event.finish_reason}
+        delta, finish = {}, event.finish_reason
+        if finish is not None and (reply.tools or reply.forced_tool):
+            # Tool-call text was held back until the end: now it becomes tool_calls.
+            last = self.server.answer(event, reply)
+            delta, finish = {k: v for k, v in self._message(last).items() if v}, last.finish
+            for index, call in enumerate(delta.get("tool_calls", [])):
+                call["index"] = index
+        elif event.content:
+            delta["content"] = event.content
+        if event.reasoning:
+            delta["reasoning_content"] = event.reasoning
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def _head(self, reply: Reply, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if reply.chat else "text_completion"
+        return {"id": reply.id, "object": kind, "created": int(time.time()), "model": self.server.model_id,
+                "system_fingerprint": None}
 
 
 class Server:
@@ -114,26 +244,34 @@ class Server:
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dgemma"}]})
 
     async def chat_completions(self, request: Request):
-        return await self._complete(request, chat=True)
+        return await self.respond(request, OpenAI(self, chat=True))
 
     async def completions(self, request: Request):
-        return await self._complete(request, chat=False)
+        return await self.respond(request, OpenAI(self, chat=False))
 
-    async def _complete(self, request: Request, chat: bool):
+    async def respond(self, request: Request, api: Api) -> Response:
+        """Read, translate and check ``request``'s body, run it, and answer in ``api``'s shape."""
         try:
-            body = await self._read_body(request)
-            job, reply = await asyncio.get_running_loop().run_in_executor(self._preparing, self._job, body, chat)
+            body = await self.read_body(request)
+            prepared = await asyncio.get_running_loop().run_in_executor(self._preparing, self._prepare, api, body)
+            if prepared is None:
+                return api.empty()
+            job, reply = prepared
+            events = self.scheduler.submit(job)
+            if reply.stream:
+                return StreamingResponse(self._streamed(api, job, events, reply, request), media_type=api.stream_type,
+                                         headers={"Cache-Control": "no-cache"})
+            return JSONResponse(api.reply(await self._whole(job, events, reply, request), reply))
         except BadRequest as e:
-            return error_response(str(e), e.status, e.param, e.code)
-        events = self.scheduler.submit(job)
-        if reply.stream:
-            return StreamingResponse(self._stream(job, events, reply, request), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await self._whole(job, events, reply, request)
+            return api.error_reply(api.renamed(e))
+
+    def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
+        translated = api.translate(body)
+        return None if translated is None else self._job(*translated, max_stop=api.max_stop)
 
     # -- reading a request -------------------------------------------------------------------------
 
-    async def _read_body(self, request: Request) -> dict:
+    async def read_body(self, request: Request) -> dict:
         limit = self.max_request_bytes
         too_big = BadRequest(f"the request body is over the server's limit of {limit} bytes",
                              code="request_too_large", status=413)
@@ -153,9 +291,9 @@ class Server:
             raise BadRequest("the request body must be a JSON object")
         return data
 
-    def _job(self, body: dict, chat: bool) -> tuple[Job, Reply]:
+    def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS) -> tuple[Job, Reply]:
         _check_text(body)
-        _check_supported(body)
+        _check_supported(body, chat)
         model = body.get("model")
         if model not in (None, self.model_id, "default_model"):
             raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
@@ -171,8 +309,8 @@ class Server:
             raise BadRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
         stop = _get(body, "stop", (str, list), None) or []
         stop = [stop] if isinstance(stop, str) else stop
-        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}", param="stop")
+        if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest(f"stop must be a non-empty string or a list of at most {max_stop}", param="stop")
         policy = _get(body, "policy", str, "reference")
         if policy not in POLICIES:
             raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
@@ -181,18 +319,22 @@ class Server:
         _check(validate.check_seed, seed, "seed")
 
         tools, forced = self._tools(body) if chat else ([], None)
+        suffix = None if chat else _get(body, "suffix", str, None) or None
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
-                              else (self._text_prompt(body), {}))
+                              else (self._text_prompt(body, empty=suffix is not None), {}))
         request = BatchRequest(ids, seed=seed, policy=policy, steps=steps)
         if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
             scale = max(temperature, 1e-2)
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
         job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
-        self._layout(job, body, forced)
-        request.max_tokens = self._fit(ids, max_tokens, max_key)
+        if suffix is None:
+            self._layout(job, body, forced)
+            request.max_tokens = self._fit(ids, max_tokens, max_key)
+        else:
+            self._infill(job, body, suffix, max_tokens)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       forced["function"]["name"] if forced else None,
-                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}")
+                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
         return job, reply
 
     def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
@@ -297,11 +439,12 @@ class Server:
             parts.append({"type": "image"})
         return parts, images
 
-    def _text_prompt(self, body: dict) -> list[int]:
-        prompt = body.get("prompt")
+    def _text_prompt(self, body: dict, empty: bool = False) -> list[int]:
+        """The prompt's ids (an infill's prefix may be ``empty``)."""
+        prompt = body.get("prompt", "" if empty else None)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
+        if isinstance(prompt, str) and (prompt or empty):
             self._check_length(len(prompt), "the prompt", "prompt")
             return self._check_ids(self.tokenizer.encode(prompt), "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
@@ -364,6 +507,26 @@ class Server:
             except TemplateError as e:
                 raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
 
+    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None) -> None:
+        """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default what the
+        context leaves next to the suffix, at most the server's default), then the suffix clamped at the
+        end of its last canvas; the worker takes the suffix off the answer (``Job.tail``)."""
+        if body.get("template") is not None or (_get(body, "response_format", dict, None) or {}).get(
+                "type", "text") != "text":
+            raise BadRequest("give one of suffix, template and response_format", param="suffix")
+        self._check_length(len(suffix), "the suffix", "suffix")
+        ids, canvas = job.request.prompt_ids, self.model.config.canvas_length
+        if max_tokens is None:
+            room = (self.context - len(ids)) // canvas * canvas
+            max_tokens = max(1, min(self.max_tokens, room - len(self.tokenizer.encode(suffix, add_special_tokens=False))))
+        template = infill_template(self.tokenizer, suffix, max_tokens, canvas)
+        try:
+            check_template_fits(template, len(ids), self.model.config)
+        except TemplateError as e:
+            raise BadRequest(str(e), param="suffix", code="context_length_exceeded") from None
+        job.request.template, job.request.max_tokens = template, len(template)
+        job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
+
     def _fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
         """``max_tokens``, or the server's default cut to the whole canvases the prompt leaves room for
         (``_check_ids`` made sure one fits)."""
@@ -378,29 +541,12 @@ class Server:
 
     # -- answering ---------------------------------------------------------------------------------
 
-    async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
-        content, reasoning = "", ""
-        while True:
-            event = await _next_event(events, request)
-            if event is None:
-                job.cancel()
-                return error_response("the client went away", 499)
-            if event.error is not None:
-                return error_response(str(event.error), event.error.status)
-            content += event.content
-            reasoning += event.reasoning
-            if event.finish_reason is not None:
-                break
-        choice, finish = self._message(content, reasoning, event.finish_reason, reply)
-        if reply.chat:
-            choice = {"index": 0, "message": {"role": "assistant", **choice}, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
-        return JSONResponse({**self._head(reply, chunk=False), "choices": [choice], "usage": _usage(event)})
-
-    def _message(self, content: str, reasoning: str, finish: str, reply: Reply) -> tuple[dict, str]:
-        """A finished chat answer as a message: content, reasoning_content and tool_calls."""
-        calls = []
+    def answer(self, event: Event, reply: Reply, content: str | None = None, reasoning: str | None = None) -> Answer:
+        """The answer a finishing ``event`` ends (``content`` and ``reasoning``: the whole answer's, for
+        a reply in one piece; the event's own in a stream), its tool calls parsed out."""
+        content = event.content if content is None else content
+        reasoning = event.reasoning if reasoning is None else reasoning
+        calls, finish = [], event.finish_reason
         if reply.forced_tool is not None:
             calls, content = [(reply.forced_tool, content)], ""
         elif reply.tools:
@@ -409,59 +555,50 @@ class Server:
                 calls = [(c.name, json.dumps(c.arguments)) for c in parsed]
             except ValueError:  # a malformed call stays in the text, where the client can see it
                 pass
-        message = {"content": content or (None if calls else "")}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if calls:
-            message["tool_calls"] = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                                      "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
-            finish = "tool_calls"
-        return message, finish
+        return Answer(content, reasoning, calls, "tool_calls" if calls else finish, event.usage, event.stop_sequence)
 
-    async def _stream(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
-        head = self._head(reply, chunk=True)
-        finished = False
+    async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request) -> Answer:
+        content, reasoning = "", ""
+        async for event in self._events(events, request):
+            if event.error is not None:
+                raise BadRequest(str(event.error), status=event.error.status)
+            content += event.content
+            reasoning += event.reasoning
+            if event.finish_reason is not None:
+                return self.answer(event, reply, content, reasoning)
+        job.cancel()
+        raise BadRequest("the client went away", status=499)
+
+    async def _streamed(self, api: Api, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
         try:
-            if reply.chat:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "finish_reason": None}]})
-            while not finished:
-                event = await _next_event(events, request)
-                if event is None:
-                    break
-                if event.error is not None:
-                    finished = True
-                    yield _sse(error_body(str(event.error), event.error.status))
-                    break
-                finished = event.finish_reason is not None
-                yield _sse({**head, "choices": [self._delta(event, reply)]})
-                if finished and reply.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(event)})
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away mid-answer
-                job.cancel()
+            async for chunk in api.stream(self._events(events, request), reply):
+                yield chunk
+        finally:  # the client went away mid-answer (a finished job's cancel changes nothing)
+            job.cancel()
 
-    def _delta(self, event: Event, reply: Reply) -> dict:
-        if not reply.chat:
-            return {"index": 0, "text": event.content, "logprobs": None, "finish_reason": event.finish_reason}
-        delta, finish = {}, event.finish_reason
-        if finish is not None and (reply.tools or reply.forced_tool):
-            # Tool-call text was held back until the end: now it becomes tool_calls.
-            message, finish = self._message(event.content, "", finish, reply)
-            delta = {k: v for k, v in message.items() if v}
-            for index, call in enumerate(delta.get("tool_calls", [])):
-                call["index"] = index
-        elif event.content:
-            delta["content"] = event.content
-        if event.reasoning:
-            delta["reasoning_content"] = event.reasoning
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    async def text_pieces(self, events: AsyncIterator[Event], reply: Reply):
+        """A stream's answer as its text pieces, then its ``Answer`` (tool calls parsed out of the text
+        held back to the end, which its last piece was), or the ``RequestFailed`` that ended it."""
+        async for event in events:
+            if event.error is not None:
+                yield event.error
+                return
+            if event.finish_reason is None:
+                if event.content:
+                    yield event.content
+                continue
+            last = self.answer(event, reply)
+            if last.content:
+                yield last.content
+            yield last
 
-    def _head(self, reply: Reply, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if reply.chat else "text_completion"
-        return {"id": reply.id, "object": kind, "created": int(time.time()), "model": self.model_id,
-                "system_fingerprint": None}
+    @staticmethod
+    async def _events(events: asyncio.Queue, request: Request) -> AsyncIterator[Event]:
+        """The job's events up to its last (a finish or an error), or until its client has gone away."""
+        while (event := await _next_event(events, request)) is not None:
+            yield event
+            if event.error is not None or event.finish_reason is not None:
+                return
 
 
 async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.25) -> Event | None:
@@ -495,12 +632,19 @@ def _check(check, value, *args) -> None:
             raise BadRequest(str(e), param=args[-1]) from None
 
 
-def _check_supported(body: dict) -> None:
+def _check_supported(body: dict, chat: bool) -> None:
     for key, off in UNSUPPORTED.items():
         value = body.get(key)
+        if key == "suffix" and not chat:  # completions fill the middle
+            continue
         if value is not None and not (value == off and isinstance(value, bool) == isinstance(off, bool)):
             leave = "leave it out" if off is None else f"leave it out or send {json.dumps(off)}"
             raise BadRequest(f"{key} is not supported by this server; {leave}", param=key)
+
+
+def given(fields: dict) -> dict:
+    """A translated body: the fields its request gave (None is left out, as the chat body reads it)."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _strings(value):
@@ -535,8 +679,7 @@ def _json_or_none(text: str):
         return None
 
 
-def _usage(event: Event) -> dict:
-    usage = event.usage
+def _usage(usage: Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
@@ -544,26 +687,3 @@ def _usage(event: Event) -> dict:
 
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
-
-
-def create_app(server: Server) -> Starlette:
-    """The starlette app of ``server``; its scheduler's worker runs while the app does."""
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def lifespan(app):
-        server.scheduler.start()
-        try:
-            yield
-        finally:
-            server.scheduler.stop()
-
-    async def not_found(request: Request, exc):
-        return error_response(f"no route {request.method} {request.url.path}", exc.status_code)
-
-    return Starlette(routes=[
-        Route("/health", server.health, methods=["GET"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})

@@ -56,6 +56,7 @@ class Event:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: RequestFailed | None = None
+    stop_sequence: str | None = None  # the stop string that ended the answer
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Job:
     redraft: Callable[[str], CanvasTemplate | None] | None = None
     stop: list[str] = field(default_factory=list)  # strings that end the answer (not part of it)
     hold: list[str] = field(default_factory=list)  # strings from which on text waits for the end
+    tail: str = ""  # text the template's answer ends with that is no part of it (an infill's suffix)
     vision_inputs: dict = field(default_factory=dict)  # the prompt's images as model.encode takes them
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -249,8 +251,12 @@ class Scheduler:
         job.produced += len(tokens)
         job.completion_tokens += sum(t != self.tokenizer.pad_token_id for t in tokens)
         job.text += job.answer.add(tokens, final=finish is not None)
+        if finish is not None and job.tail and job.text.endswith(job.tail):
+            job.text = job.text[: -len(job.tail)]
         reasoning = job.thought.add(tokens, final=finish is not None) if job.thought else ""
+        stop_sequence = None
         if (cut := _find_any(job.text, job.stop, max(0, job.sent - _longest(job.stop)))) is not None:
+            stop_sequence = next(n for n in job.stop if job.text.startswith(n, cut))
             job.text, finish = job.text[:cut], "stop"
         if finish is not None:
             del self._active[response.uid]
@@ -265,7 +271,7 @@ class Scheduler:
         if job.redraft is not None:
             return  # a draft's text is not the answer
         end = len(job.text) if finish else _sendable(job.text, job.stop + job.hold)
-        event = Event(job.text[job.sent:end], reasoning, finish)
+        event = Event(job.text[job.sent:end], reasoning, finish, stop_sequence=stop_sequence)
         job.sent = max(job.sent, end)
         if finish is not None:
             self.finished += 1

@@ -1,0 +1,229 @@
+"""Ollama's API on the shared request model: ``/api/chat`` and ``/api/generate`` become the chat or
+completions body app.py reads, their answers NDJSON lines (streamed by default) or one object, and
+errors ``{"error": "..."}``. ``/api/tags``, ``/api/show`` and ``/api/version`` describe the model."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..vision import has_vision
+from .app import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, Server, given
+
+OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these endpoints follow
+
+
+class Ollama(Api):
+    """``/api/chat`` (``chat``) or ``/api/generate``."""
+
+    stream_type = "application/x-ndjson"
+    max_stop = MANY_STOP_STRINGS
+    # Ollama's options carry the sampler settings, and here the server's own (policy, steps, template).
+    names = {"max_tokens": "options.num_predict", "response_format": "format",
+             **{key: f"options.{key}" for key in ("temperature", "seed", "stop", "policy", "steps", "template")}}
+
+    def __init__(self, server: Server, chat: bool):
+        super().__init__(server)
+        self.chat = chat
+        self.started = time.monotonic_ns()
+
+    def translate(self, body: dict) -> tuple[dict, bool] | None:
+        options = body.get("options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("options must be an object such as {\"temperature\": 0.7, \"seed\": 1}", param="options")
+        predict = options.get("num_predict")
+        shared = {"model": model_name(self.server, body.get("model")),
+                  "stream": True if body.get("stream") is None else body["stream"],
+                  "temperature": options.get("temperature"), "seed": options.get("seed"), "stop": options.get("stop"),
+                  # (-1: no limit, -2: fill the context; both the server's default)
+                  "max_tokens": None if isinstance(predict, int) and predict < 0 else predict,
+                  "response_format": _response_format(body.get("format")),
+                  **{key: options.get(key) for key in ("policy", "steps", "template")}}
+        if self.chat:
+            messages = body.get("messages")
+            if not messages:  # Ollama's way of loading a model
+                return None
+            if isinstance(messages, list):
+                messages = [self._message(m, i) for i, m in enumerate(messages)]
+            return given({**shared, "messages": messages, "tools": body.get("tools")}), True
+        for key in ("template", "context"):
+            if body.get(key):
+                raise BadRequest(f"{key} is not supported by this server; leave it out", param=key)
+        prompt, suffix, images = body.get("prompt"), body.get("suffix"), body.get("images")
+        if images and (suffix or body.get("raw")):
+            raise BadRequest("images go through the chat template: leave out suffix and raw", param="images")
+        if suffix:  # the prompt is the prefix: no chat template
+            return given({**shared, "prompt": prompt or "", "suffix": suffix}), False
+        if not prompt and not images:
+            return None
+        if body.get("raw"):
+            return given({**shared, "prompt": prompt}), False
+        if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
+            raise BadRequest("images must be a list of base64-encoded images", param="images")
+        system = body.get("system")
+        self.origins = [None] * bool(system) + ["images"]  # (the user message's errors are its images')
+        user = self._message({"role": "user", "content": prompt or "", "images": images}, 0)
+        return given({**shared, "messages": [{"role": "system", "content": system}] * bool(system) + [user]}), True
+
+    @staticmethod
+    def _message(message, index: int):
+        """An Ollama message as a chat message: its base64 ``images`` become image parts before its text."""
+        if not isinstance(message, dict) or not message.get("images"):
+            return message
+        images = message["images"]
+        if not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
+            raise BadRequest(f"messages[{index}].images must be a list of base64-encoded images", param="messages")
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{index}].content must be a string", param="messages")
+        parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + i}} for i in images]
+        return {**{k: v for k, v in message.items() if k != "images"},
+                "content": parts + [{"type": "text", "text": content}]}
+
+    def reply(self, answer: Answer, reply: Reply) -> dict:
+        return self._line(answer, done=True)
+
+    async def stream(self, events, reply: Reply):
+        async for event in events:
+            if event.error is not None:
+                yield _ndjson({"error": str(event.error)})
+                return
+            if event.finish_reason is None:
+                if event.content or event.reasoning:
+                    yield _ndjson(self._line(Answer(event.content, event.reasoning, [], ""), done=False))
+                continue
+            last = self.server.answer(event, reply)
+            if last.content or last.reasoning or last.calls:
+                yield _ndjson(self._line(last, done=False))
+            yield _ndjson(self._line(Answer("", "", [], last.finish, last.usage), done=True))
+
+    def _line(self, answer: Answer, done: bool) -> dict:
+        """One NDJSON line (or the whole reply): the answer's text, thinking and tool calls, and once
+        ``done`` why it ended and the counts."""
+        out = {"model": self.server.model_id, "created_at": _now()}
+        if self.chat:
+            message = {"role": "assistant", "content": answer.content}
+            if answer.reasoning:
+                message["thinking"] = answer.reasoning
+            if answer.calls:
+                message["tool_calls"] = [{"function": {"name": name, "arguments": json.loads(arguments)}}
+                                         for name, arguments in answer.calls]
+            out["message"] = message
+        else:
+            out["response"] = answer.content
+            if answer.reasoning:
+                out["thinking"] = answer.reasoning
+        out["done"] = done
+        if done:
+            usage = answer.usage
+            out.update(done_reason="length" if answer.finish == "length" else "stop",
+                       total_duration=time.monotonic_ns() - self.started, load_duration=0,
+                       prompt_eval_count=usage.prompt_tokens, eval_count=usage.completion_tokens)
+        return out
+
+    def error_reply(self, e: BadRequest) -> Response:
+        return JSONResponse({"error": str(e)}, e.status)
+
+    def empty(self) -> Response:
+        """What Ollama answers a request with nothing to generate: the model is loaded."""
+        text = {"message": {"role": "assistant", "content": ""}} if self.chat else {"response": ""}
+        return JSONResponse({"model": self.server.model_id, "created_at": _now(), **text, "done": True,
+                             "done_reason": "load"})
+
+
+def model_name(server: Server, name):
+    """The server's model id for Ollama's ``name:latest`` of it (any other name is left to the shared check)."""
+    return server.model_id if name == f"{server.model_id}:latest" else name
+
+
+def _response_format(value) -> dict | None:
+    if value in (None, ""):
+        return None
+    if value == "json":
+        return {"type": "json_object"}
+    if isinstance(value, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": value}}
+    raise BadRequest(f'format must be "json" or a JSON schema, got {json.dumps(value)[:40]}', param="format")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _ndjson(data: dict) -> str:
+    return json.dumps(data) + "\n"
+
+
+class Models:
+    """The model as Ollama's ``/api/tags`` and ``/api/show`` describe it."""
+
+    def __init__(self, server: Server):
+        from mlx.utils import tree_flatten
+
+        self.server = server
+        weights = [w for _, w in tree_flatten(server.model.parameters())]
+        config = server.model.config
+        self.size = sum(w.nbytes for w in weights)
+        parameters = sum(w.size for w in weights)
+        quantization = getattr(config, "quantization", None)
+        self.details = {"parent_model": "", "format": "safetensors", "family": "gemma4", "families": ["gemma4"],
+                        "parameter_size": _count(parameters),
+                        "quantization_level": f"Q{quantization['bits']}" if quantization and "bits" in quantization
+                        else str(weights[0].dtype).removeprefix("mlx.core.").upper()}
+        self.info = {"general.architecture": "gemma4", "general.parameter_count": parameters,
+                     "gemma4.context_length": server.context}
+        tokenizer = server.tokenizer
+        self.capabilities = ["completion", "insert", "tools"]
+        if has_vision(server.model) and tokenizer.has_vocabulary:
+            with_image = tokenizer.apply_chat_template(
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], tokenize=True)
+            if config.image_token_id in with_image:  # the chat template takes images
+                self.capabilities.append("vision")
+        self.modified = datetime.fromtimestamp(server.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    async def tags(self, request: Request):
+        model_id = self.server.model_id
+        return JSONResponse({"models": [{"name": model_id, "model": model_id, "modified_at": self.modified,
+                                         "size": self.size, "details": self.details}]})
+
+    async def show(self, request: Request):
+        try:
+            body = await self.server.read_body(request)
+        except BadRequest as e:
+            return JSONResponse({"error": str(e)}, e.status)
+        name = body.get("model", body.get("name"))
+        if model_name(self.server, name) != self.server.model_id:
+            return JSONResponse({"error": f"model {json.dumps(name)[:80]} not found; this server serves "
+                                          f"'{self.server.model_id}'"}, 404)
+        return JSONResponse({"modelfile": "", "parameters": "", "template": "", "details": self.details,
+                             "model_info": self.info, "capabilities": self.capabilities,
+                             "modified_at": self.modified})
+
+    async def version(self, request: Request):
+        return JSONResponse({"version": OLLAMA_VERSION})
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def routes(server: Server) -> list[Route]:
+    models = Models(server)
+
+    async def chat(request: Request):
+        return await server.respond(request, Ollama(server, chat=True))
+
+    async def generate(request: Request):
+        return await server.respond(request, Ollama(server, chat=False))
+
+    return [Route("/api/chat", chat, methods=["POST"]), Route("/api/generate", generate, methods=["POST"]),
+            Route("/api/tags", models.tags, methods=["GET"]), Route("/api/show", models.show, methods=["POST"]),
+            Route("/api/version", models.version, methods=["GET"])]

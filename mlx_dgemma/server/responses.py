@@ -1,0 +1,218 @@
+"""OpenAI's Responses API on the shared request model: ``POST /v1/responses`` (``input`` as text or
+items, ``instructions``, ``max_output_tokens``, ``text.format``, function tools) becomes a chat body;
+the answer is a response object, or its semantic events (``response.created`` …
+``response.output_text.delta`` … ``response.completed``). Responses are not stored."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+import time
+
+from starlette.routing import Route
+
+from .app import Answer, Api, BadRequest, Reply, Server, error_body, given
+from .scheduler import RequestFailed
+
+PASSED = ("model", "temperature", "top_p", "top_logprobs", "parallel_tool_calls", "seed", "policy", "steps",
+          "template")  # read as the chat body reads them
+
+
+class Responses(Api):
+    names = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
+             "reasoning_effort": "reasoning"}
+
+    def __init__(self, server: Server):
+        super().__init__(server)
+        self.id, self.created = f"resp_{secrets.token_hex(12)}", int(time.time())
+        self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.body: dict = {}
+
+    def translate(self, body: dict) -> tuple[dict, bool]:
+        self.body = body
+        for key in ("previous_response_id", "conversation", "prompt"):
+            if body.get(key) is not None:
+                raise BadRequest(f"{key} is not supported by this server (it stores no responses); send the whole "
+                                 "conversation in input", param=key)
+        if body.get("background"):
+            raise BadRequest("background is not supported by this server; leave it out", param="background")
+        messages, self.origins = [], []
+        if (instructions := body.get("instructions")) is not None:
+            if not isinstance(instructions, str):
+                raise BadRequest("instructions must be a string", param="instructions")
+            messages.append({"role": "system", "content": instructions})
+            self.origins.append(None)
+        items = body.get("input")
+        if isinstance(items, str):
+            messages.append({"role": "user", "content": items})
+            self.origins.append("input")
+        elif isinstance(items, list) and items:
+            for index, item in enumerate(items):
+                if (message := _message(item, index)) is not None:
+                    messages.append(message)
+                    self.origins.append(f"input[{index}]")
+        else:
+            raise BadRequest("input must be a string or a non-empty list of items", param="input")
+        text = body.get("text") or {}
+        if not isinstance(text, dict):
+            raise BadRequest('text must be an object such as {"format": {"type": "text"}}', param="text")
+        reasoning = body.get("reasoning") or {}
+        return given({**{k: body[k] for k in PASSED if k in body}, "messages": messages, "stream": body.get("stream"),
+                      "max_tokens": body.get("max_output_tokens"), "response_format": _format(text.get("format")),
+                      "tools": [_tool(t) for t in _list(body.get("tools"), "tools")] or None,
+                      "tool_choice": _tool_choice(body.get("tool_choice")),
+                      "reasoning_effort": reasoning.get("effort") if isinstance(reasoning, dict) else reasoning}), True
+
+    def reply(self, answer: Answer, reply: Reply) -> dict:
+        items = ([self._text_item(answer.content)] if answer.content or not answer.calls else []) + \
+            [_call_item(name, arguments) for name, arguments in answer.calls]
+        return self._response(answer, items)
+
+    async def stream(self, events, reply: Reply):
+        sequence = itertools.count()
+
+        def sse(kind: str, **data) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(sequence), **data})}\n\n"
+
+        yield sse("response.created", response=self._response(None, []))
+        yield sse("response.in_progress", response=self._response(None, []))
+        text, items = None, []  # text: the message's, once its item is open
+        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        async for piece in self.server.text_pieces(events, reply):
+            if isinstance(piece, RequestFailed):
+                yield sse("error", **{k: v for k, v in error_body(str(piece), piece.status)["error"].items()
+                                      if k != "type"})
+                return
+            if text is None and (isinstance(piece, str) or not piece.calls):
+                yield sse("response.output_item.added", output_index=0,
+                          item={**self._text_item(""), "status": "in_progress", "content": []})
+                yield sse("response.content_part.added", **where, part=_output_text(""))
+                text = ""
+            if isinstance(piece, str):
+                text += piece
+                yield sse("response.output_text.delta", **where, delta=piece, logprobs=[])
+                continue
+            if text is not None:
+                yield sse("response.output_text.done", **where, text=text, logprobs=[])
+                yield sse("response.content_part.done", **where, part=_output_text(text))
+                items.append(self._text_item(text))
+                yield sse("response.output_item.done", output_index=0, item=items[-1])
+            for name, arguments in piece.calls:
+                item, index = _call_item(name, arguments), len(items)
+                yield sse("response.output_item.added", output_index=index,
+                          item={**item, "arguments": "", "status": "in_progress"})
+                call = {"item_id": item["id"], "output_index": index}
+                yield sse("response.function_call_arguments.delta", **call, delta=arguments)
+                yield sse("response.function_call_arguments.done", **call, name=name, arguments=arguments)
+                items.append(item)
+                yield sse("response.output_item.done", output_index=index, item=item)
+            final = self._response(piece, items)
+            yield sse(f"response.{final['status']}", response=final)
+
+    def _response(self, answer: Answer | None, output: list[dict]) -> dict:
+        """The response object: in progress (no ``answer`` yet), completed, or incomplete (cut by
+        ``max_output_tokens``)."""
+        body = self.body
+        cut = answer is not None and answer.finish == "length"
+        usage = None
+        if answer is not None:
+            u = answer.usage
+            usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                     "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": u.prompt_tokens + u.completion_tokens}
+        return {"id": self.id, "object": "response", "created_at": self.created,
+                "status": "in_progress" if answer is None else "incomplete" if cut else "completed",
+                "model": self.server.model_id, "output": output, "usage": usage, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+                "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                "parallel_tool_calls": body.get("parallel_tool_calls", True), "temperature": body.get("temperature"),
+                "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice", "auto"),
+                "tools": body.get("tools") or [], "text": body.get("text") or {"format": {"type": "text"}},
+                "store": False, "metadata": body.get("metadata") or {}}
+
+    def _text_item(self, text: str) -> dict:
+        return {"type": "message", "id": self.message_id, "status": "completed", "role": "assistant",
+                "content": [_output_text(text)]}
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(name: str, arguments: str) -> dict:
+    return {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": f"call_{secrets.token_hex(12)}",
+            "name": name, "arguments": arguments, "status": "completed"}
+
+
+def _list(value, name: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise BadRequest(f"{name} must be a list", param=name)
+    return value
+
+
+def _message(item, index: int) -> dict | None:
+    """An input item as a chat message (None for a reasoning item, which the model does not read)."""
+    if isinstance(item, str):
+        return {"role": "user", "content": item}
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind == "message":
+        role, content = item.get("role"), item.get("content")
+        if isinstance(content, list):
+            content = [_part(part) for part in content]
+        return {"role": "system" if role == "developer" else role, "content": content}
+    if kind == "function_call":
+        return {"role": "assistant", "content": "", "tool_calls": [{
+            "id": item.get("call_id"), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]}
+    if kind == "function_call_output":
+        output = item.get("output")
+        if isinstance(output, list):
+            output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+        return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
+    if kind == "reasoning":
+        return None
+    raise BadRequest(f"input[{index}]: items of type {json.dumps(kind)[:40]} are not supported; send messages, "
+                     "function_call and function_call_output items", param="input")
+
+
+def _part(part):
+    """A content part as a chat part (a kind the chat body does not take keeps its type, to be refused by name)."""
+    if not isinstance(part, dict):
+        return part
+    kind = part.get("type")
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": part.get("text", "")}
+    if kind == "refusal":
+        return {"type": "text", "text": part.get("refusal", "")}
+    if kind == "input_image":
+        return {"type": "image_url", "image_url": {"url": part.get("image_url")}}
+    return part
+
+
+def _format(value) -> dict | None:
+    if value is None or not isinstance(value, dict) or value.get("type") != "json_schema":
+        return value
+    return {"type": "json_schema", "json_schema": {"name": value.get("name"), "schema": value.get("schema")}}
+
+
+def _tool(tool) -> dict:
+    if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str)):
+        raise BadRequest('each tool must be {"type": "function", "name": ..., "parameters": {a JSON schema}} '
+                         '(the server runs no built-in tools)', param="tools")
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
+
+
+def _tool_choice(choice):
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def routes(server: Server) -> list[Route]:
+    async def responses(request):
+        return await server.respond(request, Responses(server))
+
+    return [Route("/v1/responses", responses, methods=["POST"])]
