@@ -17,7 +17,7 @@ _API = {
     "batch_generate": "batch",
     "BatchGenerator": "batch",
     "parse_template": "template",
-    "json_template": "template",
+    "json_template": "json_schema",
 }
 
 __all__ = list(_API)

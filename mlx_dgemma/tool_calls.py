@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .template import CanvasTemplate, TemplateError, check_required, json_template
+from .json_schema import check_required, json_template
+from .template import CanvasTemplate, TemplateError
 
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
 STRING_DELIMITER = '<|"|>'

@@ -11,7 +11,9 @@ MAX_LINES = 600
 OVER_MAX_LINES = {"generate", "convert"}
 # sampler re-exports the denoise loop (lazily, in its module __getattr__) for the modules that still
 # import it from sampler (generate.py, batch.py); the edge goes once they import it from denoise.
-REEXPORTS = {("sampler", "denoise")}
+# template re-exports json_template and check_required (lazily, in its module __getattr__) for the
+# modules that still import them from template (generate.py, server/app.py, demo/eval.py).
+REEXPORTS = {("sampler", "denoise"), ("template", "json_schema")}
 
 
 def module_names() -> dict[str, Path]:
