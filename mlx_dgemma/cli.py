@@ -3,7 +3,8 @@
 ``@command_line`` on a CLI's entry function (under Click's decorators, on the callback itself):
 
 * 0 when it returns; 1 with one ``Error: ...`` line for bad input (a ``ValueError``, the typed
-  errors of errors.py) or an output that cannot be written (stdout on a full disk, a closed pipe);
+  errors of errors.py) or a file or output that cannot be written (stdout on a full disk, a closed
+  pipe);
 * 130 with one line on Ctrl-C, wherever it lands (loading, generating, training, fusing), never
   Click's "Aborted!" nor a traceback.
 """
@@ -74,6 +75,8 @@ def command_line(main):
             fail(f"cannot write the output to stdout ({e.strerror})")
         except ValueError as e:  # the typed bad-input errors: the message says what is wrong
             fail(str(e))
+        except OSError as e:  # a file of the command's own that cannot be read or written
+            fail(f"{e.filename or 'a file'}: {e.strerror or e}")
 
     return guarded
 
