@@ -62,7 +62,8 @@ def _silence_stdout() -> None:
 def command_line(main):
     @functools.wraps(main)
     def guarded(*args, **kwargs):
-        sys.stdout = _GuardedStdout(sys.stdout)
+        stdout = sys.stdout
+        sys.stdout = _GuardedStdout(stdout)
         try:
             result = main(*args, **kwargs)
             sys.stdout.flush()
@@ -77,6 +78,9 @@ def command_line(main):
             fail(str(e))
         except OSError as e:  # a file of the command's own that cannot be read or written
             fail(f"{e.filename or 'a file'}: {e.strerror or e}")
+        finally:
+            if isinstance(sys.stdout, _GuardedStdout):  # a caller in the same process gets its stream back
+                sys.stdout = stdout
 
     return guarded
 
