@@ -276,10 +276,9 @@ def _read_under(path: str, folder: Path) -> bytes:
 def image_inputs(model, ids: list[int], images) -> tuple[list[int], dict]:
     """A prompt's ids with its image placeholders expanded, and the keyword arguments of
     ``model.encode`` that carry the images."""
-    from .vision import has_vision
+    from .vision import check_takes_images
 
-    if not has_vision(model):
-        raise ImageError("this checkpoint has no vision tower weights: it takes text only, not images")
+    check_takes_images(model)
     cfg = model.config
     processor = getattr(model, "image_processor", None) or ImageProcessorConfig.from_dict(
         {"patch_size": cfg.vision_config.patch_size, "pooling_kernel_size": cfg.vision_config.pooling_kernel_size})

@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .config import VisionConfig
+from .errors import ImageError
 
 
 def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -204,8 +205,24 @@ def add_vision_modules(model) -> None:
     encoder.embed_vision = MultimodalEmbedder(cfg.hidden_size, model.config.hidden_size, cfg.rms_norm_eps)
 
 
+def text_only_reason(model) -> str | None:
+    """Why the checkpoint cannot take images (None: it can). A tower is of no use without image
+    tokens in the vocabulary (the bundled demo has an untrained tower and no image tokens)."""
+    cfg = model.config
+    if "vision_tower" not in model.model.encoder:
+        return "it has no vision tower weights"
+    if (outside := max(cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id)) >= cfg.vocab_size:
+        return f"its image token ids (up to {outside}) are outside its vocabulary of {cfg.vocab_size}"
+    return None
+
+
 def has_vision(model) -> bool:
-    return "vision_tower" in model.model.encoder
+    return text_only_reason(model) is None
+
+
+def check_takes_images(model) -> None:
+    if reason := text_only_reason(model):
+        raise ImageError(f"this checkpoint takes text only, not images: {reason}")
 
 
 def image_features(model, pixel_values, image_position_ids) -> mx.array:
@@ -213,8 +230,7 @@ def image_features(model, pixel_values, image_position_ids) -> mx.array:
 
     ``pixel_values`` [N, P, 3·p²] and ``image_position_ids`` [N, P, 2] as the image processor
     returns them (padded to the same P; (-1, -1) marks padding)."""
-    if not has_vision(model):
-        raise ValueError("this checkpoint has no vision tower weights: it takes text only")
+    check_takes_images(model)
     encoder = model.model.encoder
     cfg = model.config.vision_config
     positions = np.asarray(image_position_ids).astype(np.int64)

@@ -21,7 +21,7 @@ from convert.random_checkpoint import PRESETS
 from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma import images as images_module
 from mlx_dgemma.convert import convert
-from mlx_dgemma.generate import main, prompt_ids
+from mlx_dgemma.generate import DEMO_MODEL, main, prompt_ids
 from mlx_dgemma.images import (
     ImageError,
     ImageProcessorConfig,
@@ -285,7 +285,8 @@ def test_image_prompt_through_the_cli(chat_checkpoint, tmp_path):
     assert generate(model, tokenizer, "sort: 7 3", 2 * C, seed=5, images=[PICTURES[1], PICTURES[0]]) != expected
 
 
-@pytest.mark.parametrize("case", ["text file", "missing", "too large", "no vision tower", "placeholders"])
+@pytest.mark.parametrize("case", ["text file", "missing", "too large", "no vision tower", "no image tokens",
+                                  "placeholders"])
 def test_bad_images_get_a_one_line_error(chat_checkpoint, tmp_path, monkeypatch, case):
     good = tmp_path / "picture.png"
     PICTURES[0].save(good)
@@ -306,7 +307,11 @@ def test_bad_images_get_a_one_line_error(chat_checkpoint, tmp_path, monkeypatch,
         weights = mx.load(str(model / "model.safetensors"))
         mx.save_safetensors(str(model / "model.safetensors"), {k: v for k, v in weights.items() if "vision" not in k})
         extra = ["--ignore-chat-template"]
-        expected = "this checkpoint has no vision tower weights: it takes text only, not images"
+        expected = "this checkpoint takes text only, not images: it has no vision tower weights"
+    elif case == "no image tokens":  # the demo: a vision tower, but image token ids past its vocabulary
+        model = DEMO_MODEL
+        expected = ("this checkpoint takes text only, not images: its image token ids (up to 350) are outside its "
+                    "vocabulary of 348")
     else:
         extra = ["--ignore-chat-template"]
         expected = "the prompt has 0 image placeholders for 1 images; give one image per placeholder"
