@@ -3,16 +3,20 @@ Ctrl-C, an output that cannot be written, files of the wrong kind. Each ends in 
 and a known exit status (docs/cli.md); nothing half-written is left."""
 
 import errno
+import io
 import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from PIL import Image
 
 from mlx_dgemma import adapters, lora
 from mlx_dgemma.errors import FineTuneError
@@ -208,6 +212,22 @@ def demo_copy(tmp_path):
     folder = tmp_path / "demo"
     shutil.copytree(DEMO_MODEL, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     return folder
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` (its one pixel of data never decoded)."""
+    png = io.BytesIO()
+    Image.new("L", (1, 1)).save(png, format="PNG")
+    data = bytearray(png.getvalue())
+    ihdr = b"IHDR" + struct.pack(">II", width, height) + data[24:29]
+    data[12:33] = ihdr + struct.pack(">I", zlib.crc32(ihdr))
+    return bytes(data)
+
+
+def test_an_image_past_pillows_bound_is_our_one_line_only(tmp_path):
+    (tmp_path / "bomb.png").write_bytes(png_header(10000, 9000))  # past Pillow's warning, short of its error
+    one_line(cli("generate", "--image", tmp_path / "bomb.png", "--max-tokens", 8),
+             "is 10000x9000 pixels, more than the 67108864 pixels accepted")
 
 
 def test_a_config_json_that_is_a_folder(demo_copy):
