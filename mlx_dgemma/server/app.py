@@ -187,7 +187,8 @@ class Server:
         if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
             scale = max(temperature, 1e-2)
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
-        job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
+        job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs,
+                  prompt_param="messages" if chat else "prompt")
         self._layout(job, body, forced)
         request.max_tokens = self._fit(ids, max_tokens, max_key)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
@@ -333,6 +334,7 @@ class Server:
             raise BadRequest("give one of template, response_format and a forced tool call", param="response_format")
         tokenizer, limit = self.tokenizer, self.context  # a template past the context is refused as it is built
         param = "template" if text is not None else "tools" if forced is not None else "response_format"
+        job.template_param = param
         largest = None
         try:
             if text is not None:
@@ -386,7 +388,7 @@ class Server:
                 job.cancel()
                 return error_response("the client went away", 499)
             if event.error is not None:
-                return error_response(str(event.error), event.error.status)
+                return error_response(str(event.error), event.error.status, event.error.param)
             content += event.content
             reasoning += event.reasoning
             if event.finish_reason is not None:
@@ -431,7 +433,7 @@ class Server:
                     break
                 if event.error is not None:
                     finished = True
-                    yield _sse(error_body(str(event.error), event.error.status))
+                    yield _sse(error_body(str(event.error), event.error.status, event.error.param))
                     break
                 finished = event.finish_reason is not None
                 yield _sse({**head, "choices": [self._delta(event, reply)]})
