@@ -5,8 +5,8 @@
 * 0 when it returns; 1 with one ``Error: ...`` line for bad input (a ``ValueError``, the typed
   errors of errors.py) or a file or output that cannot be written (stdout on a full disk, a closed
   pipe);
-* 130 with one line on Ctrl-C, wherever it lands (loading, generating, training, fusing), never
-  Click's "Aborted!" nor a traceback.
+* 130 with one line on Ctrl-C, wherever it lands (loading, generating, training, fusing, evaluating,
+  converting), never Click's "Aborted!" nor a traceback.
 """
 
 from __future__ import annotations
