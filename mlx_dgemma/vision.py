@@ -205,24 +205,23 @@ def add_vision_modules(model) -> None:
     encoder.embed_vision = MultimodalEmbedder(cfg.hidden_size, model.config.hidden_size, cfg.rms_norm_eps)
 
 
-def text_only_reason(model) -> str | None:
-    """Why the checkpoint cannot take images (None: it can). A tower is of no use without image
-    tokens in the vocabulary (the bundled demo has an untrained tower and no image tokens)."""
-    cfg = model.config
-    if "vision_tower" not in model.model.encoder:
-        return "it has no vision tower weights"
-    if (outside := max(cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id)) >= cfg.vocab_size:
-        return f"its image token ids (up to {outside}) are outside its vocabulary of {cfg.vocab_size}"
-    return None
-
-
 def has_vision(model) -> bool:
-    return text_only_reason(model) is None
+    """The checkpoint holds vision tower weights (whether it can take images: ``check_takes_images``)."""
+    return "vision_tower" in model.model.encoder
 
 
 def check_takes_images(model) -> None:
-    if reason := text_only_reason(model):
-        raise ImageError(f"this checkpoint takes text only, not images: {reason}")
+    """An ``ImageError`` saying why the checkpoint cannot take images, if it cannot: a tower is of no
+    use without image tokens in the vocabulary (the bundled demo has an untrained tower and no image
+    tokens)."""
+    cfg = model.config
+    if not has_vision(model):
+        reason = "it has no vision tower weights"
+    elif (outside := max(cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id)) >= cfg.vocab_size:
+        reason = f"its image token ids (up to {outside}) are outside its vocabulary of {cfg.vocab_size}"
+    else:
+        return
+    raise ImageError(f"this checkpoint takes text only, not images: {reason}")
 
 
 def image_features(model, pixel_values, image_position_ids) -> mx.array:

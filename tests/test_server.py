@@ -258,14 +258,16 @@ def test_bad_requests_get_openai_errors(client, kwargs, error, param):
 def test_content_the_demo_cannot_take_is_refused(client):
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, format="PNG")
-    # The demo's tiny vision tower is untrained; its vocabulary has no image tokens. Any image is refused
-    # as such, before its data is read.
-    for payload in ["aGVsbG8=", base64.b64encode(png.getvalue()).decode()]:
+    for payload, message in [
+        ("aGVsbG8=", "messages[0]: the image data is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)"),
+        # The demo's chat template (its tiny vision tower is untrained) writes no image placeholders.
+        (base64.b64encode(png.getvalue()).decode(), "the chat template wrote 0 image placeholders for 1 images "
+                                                    "(a template that takes no image parts, or drops them from some messages)"),
+    ]:
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + payload}}
         with pytest.raises(openai.BadRequestError) as caught:
             chat(client, [{"type": "text", "text": SORT}, image])
-        assert caught.value.body["message"] == ("messages[0] has an image, but this model takes text only (its image "
-                                                "token ids (up to 350) are outside its vocabulary of 348)")
+        assert caught.value.body["message"] == message
     with pytest.raises(openai.BadRequestError, match="content of type input_audio is not supported"):
         chat(client, [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
 

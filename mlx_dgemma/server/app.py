@@ -31,7 +31,7 @@ from ..images import ImageError, decode_image, image_inputs, open_image_url
 from ..policy import POLICIES
 from ..template import TemplateError, json_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
-from ..vision import text_only_reason
+from ..vision import has_vision
 from .scheduler import Event, Job, Scheduler
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
@@ -275,8 +275,8 @@ class Server:
                              f"send text or image_url", param="messages")
         if all(p.get("type") == "text" for p in content):
             return "".join(str(p.get("text", "")) for p in content), []
-        if reason := text_only_reason(self.model):
-            raise BadRequest(f"messages[{index}] has an image, but this model takes text only ({reason})",
+        if not has_vision(self.model):
+            raise BadRequest(f"messages[{index}] has an image, but this model takes text only (no vision tower)",
                              param="messages")
         if (count := earlier_images + sum(p.get("type") == "image_url" for p in content)) > self.max_images:
             raise BadRequest(f"the request has {count} or more images, more than the {self.max_images} accepted",
