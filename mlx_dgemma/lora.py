@@ -290,8 +290,7 @@ def stalled_hint(previous: tuple[int, float], loss: float) -> str | None:
     if abs(before - loss) > STALLED * abs(before):
         return None
     return (f"Hint: the validation loss has not moved since iteration {since} ({before:.3f}, now {loss:.3f}); "
-            "if the model should still be learning, try a higher --learning-rate, and replay its old tasks "
-            "in the data (docs/fine-tuning.md)")
+            "if the model should still be learning, try a higher --learning-rate (docs/fine-tuning.md)")
 
 
 def _print(message: str) -> None:
