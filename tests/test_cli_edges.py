@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from mlx_dgemma import adapters, lora
+from mlx_dgemma.cli import command_line
 from mlx_dgemma.errors import FineTuneError
 from mlx_dgemma.generate import DEMO_MODEL
 
@@ -251,6 +252,23 @@ def test_a_closed_pipe_is_one_line():
     stderr = process.stderr.read()
     assert process.wait(timeout=60) == 1
     assert stderr.strip().splitlines() == ["Error: cannot write the output to stdout (Broken pipe)"], stderr
+
+
+def test_an_os_error_of_a_commands_own_file_is_one_line(capsys):
+    @command_line
+    def reads_a_missing_file():
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/nowhere/run.yaml")
+
+    with pytest.raises(SystemExit) as info:
+        reads_a_missing_file()
+    assert info.value.code == 1
+    assert capsys.readouterr().err == "Error: /nowhere/run.yaml: No such file or directory\n"
+
+
+def test_an_in_process_caller_gets_its_stdout_back():
+    stdout = sys.stdout
+    command_line(lambda: print("done"))()
+    assert sys.stdout is stdout
 
 
 # ---- 7. files of the wrong kind ---------------------------------------------------------------------
