@@ -3,9 +3,10 @@
 ``@command_line`` on a CLI's entry function (under Click's decorators, on the callback itself):
 
 * 0 when it returns; 1 with one ``Error: ...`` line for bad input (a ``ValueError``, the typed
-  errors of errors.py) or an output that cannot be written (stdout on a full disk, a closed pipe);
-* 130 with one line on Ctrl-C, wherever it lands (loading, generating, training, fusing), never
-  Click's "Aborted!" nor a traceback.
+  errors of errors.py) or a file or output that cannot be written (stdout on a full disk, a closed
+  pipe);
+* 130 with one line on Ctrl-C, wherever it lands (loading, generating, training, fusing, evaluating,
+  converting), never Click's "Aborted!" nor a traceback.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _silence_stdout() -> None:
 def command_line(main):
     @functools.wraps(main)
     def guarded(*args, **kwargs):
-        sys.stdout = _GuardedStdout(sys.stdout)
+        stdout = sys.stdout
+        sys.stdout = _GuardedStdout(stdout)
         try:
             result = main(*args, **kwargs)
             sys.stdout.flush()
@@ -74,6 +76,11 @@ def command_line(main):
             fail(f"cannot write the output to stdout ({e.strerror})")
         except ValueError as e:  # the typed bad-input errors: the message says what is wrong
             fail(str(e))
+        except OSError as e:  # a file of the command's own that cannot be read or written
+            fail(f"{e.filename or 'a file'}: {e.strerror or e}")
+        finally:
+            if isinstance(sys.stdout, _GuardedStdout):  # a caller in the same process gets its stream back
+                sys.stdout = stdout
 
     return guarded
 

@@ -47,6 +47,7 @@ from .errors import FineTuneError  # noqa: E402
 from .validate import at_least, check_seed, finite_number  # noqa: E402
 
 EMBEDDINGS = "model.decoder.embed_tokens.weight"
+STALLED = 0.01  # a validation loss that moves less than this fraction between two evaluations has stalled
 
 CONFIG_DEFAULTS = {
     "model": None,
@@ -282,6 +283,16 @@ def evaluate(model, examples, batch_size: int, num_batches: int, seed: int,
     return tuple(sums / max(count, 1))
 
 
+def stalled_hint(previous: tuple[int, float], loss: float) -> str | None:
+    """A line for a validation loss that has not moved since the evaluation at ``previous``
+    (iteration, loss), or None."""
+    since, before = previous
+    if abs(before - loss) > STALLED * abs(before):
+        return None
+    return (f"Hint: the validation loss has not moved since iteration {since} ({before:.3f}, now {loss:.3f}); "
+            "if the model should still be learning, try a higher --learning-rate (docs/fine-tuning.md)")
+
+
 def _print(message: str) -> None:
     print(message, flush=True)  # progress reaches a log file as it happens
 
@@ -337,6 +348,7 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
     data_rng, noise_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
     batches = iterate_batches(train_set, args.batch_size, cfg.canvas_length, cfg.pad_token_id, data_rng, loop=True)
     sums, steps, tokens, trained, elapsed = np.zeros(3), 0, 0, 0, 0.0
+    evaluated, hinted = None, False  # the last evaluation (iteration, loss); whether the hint was given
     model.train()
     for it in range(1, args.iters + 1):
         if valid_set and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
@@ -344,6 +356,10 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
             val = evaluate(model, valid_set, args.batch_size, args.val_batches, args.seed + 2, objective)
             log(f"Iter {it}: Val loss {val[0]:.3f} (decoder {val[1]:.3f}, encoder {val[2]:.3f}), "
                 f"Val took {time.perf_counter() - start:.1f}s")
+            if evaluated and not hinted and (hint := stalled_hint(evaluated, val[0])):
+                log(hint)
+                hinted = True
+            evaluated = (it, val[0])
         start = time.perf_counter()
         batch = next(batches)
         noise = train.draw_noise(noise_rng, batch, cfg.canvas_length, cfg.vocab_size, objective)

@@ -18,6 +18,7 @@ from .config import GenerationConfig, ModelConfig
 from .errors import TokenizerError
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
+IMAGE_PLACEHOLDER = "<|image|>"  # what chat templates write for an image part
 
 # Gemma 4's chat format, used when the checkpoint ships no template. With the generation prompt
 # comes an empty thought channel: the model answers without thinking. Content is text, or a list of
@@ -29,7 +30,7 @@ BUILTIN_CHAT_TEMPLATE = (
     "{{ '<|turn>' + role + '\n' }}"
     "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
     "{%- else -%}{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'image' -%}{{ '<|image|>' }}"
+    "{%- if item['type'] == 'image' -%}{{ '" + IMAGE_PLACEHOLDER + "' }}"
     "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{ '<turn|>\n' }}"
@@ -104,6 +105,7 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool = True,
         generation_config: GenerationConfig | None = None,
+        image_token_id: int | None = None,
     ):
         self._backend = backend
         self.stop_ids = list(stop_ids)
@@ -114,6 +116,9 @@ class Tokenizer:
         # The checkpoint's generation_config.json: loader.load() hands only this module the folder.
         self.generation_config = generation_config or GenerationConfig(eos_token_id=self.stop_ids)
         self._thought = (self.token_id(THOUGHT_OPEN), self.token_id(THOUGHT_CLOSE))
+        # The model's image token, for a vocabulary that does not spell it (a text-only tokenizer
+        # given to a vision checkpoint): the placeholder a template writes is then that id.
+        self._image = image_token_id if backend is not None and self.token_id(IMAGE_PLACEHOLDER) is None else None
 
     @property
     def has_vocabulary(self) -> bool:
@@ -129,13 +134,20 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in it (``<bos>``, ``<|turn>``…) become their
-        ids. ``add_special_tokens`` prepends ``<bos>`` (as Gemma's tokenizer does) unless it is there."""
+        ids, and so does the image placeholder (the model's image token) where the vocabulary lacks it.
+        ``add_special_tokens`` prepends ``<bos>`` (as Gemma's tokenizer does) unless it is there."""
         if self._backend is None:
             raise TokenizerError("this checkpoint has no tokenizer files (tokenizer.json or tokenizer.model); "
                                  "pass the prompt as token ids")
-        ids = self._backend.encode(text)
+        ids = self._encode_images(text) if self._image is not None else self._backend.encode(text)
         if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
+        return ids
+
+    def _encode_images(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, chunk in enumerate(text.split(IMAGE_PLACEHOLDER)):
+            ids += ([self._image] if i else []) + (self._backend.encode(chunk) if chunk else [])
         return ids
 
     def decode(self, ids) -> str:
@@ -302,4 +314,5 @@ def load_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
         chat_template=_chat_template(folder, settings),
         add_bos_token=bool(settings.get("add_bos_token", True)),
         generation_config=generation,
+        image_token_id=config.image_token_id if config.image_token_id < config.vocab_size else None,
     )

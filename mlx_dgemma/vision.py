@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .config import VisionConfig
+from .errors import ImageError
 
 
 def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -205,7 +206,22 @@ def add_vision_modules(model) -> None:
 
 
 def has_vision(model) -> bool:
+    """The checkpoint holds vision tower weights (whether it can take images: ``check_takes_images``)."""
     return "vision_tower" in model.model.encoder
+
+
+def check_takes_images(model) -> None:
+    """An ``ImageError`` saying why the checkpoint cannot take images, if it cannot: a tower is of no
+    use without image tokens in the vocabulary (the bundled demo has an untrained tower and no image
+    tokens)."""
+    cfg = model.config
+    if not has_vision(model):
+        reason = "it has no vision tower weights"
+    elif (outside := max(cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id)) >= cfg.vocab_size:
+        reason = f"its image token ids (up to {outside}) are outside its vocabulary of {cfg.vocab_size}"
+    else:
+        return
+    raise ImageError(f"this checkpoint takes text only, not images: {reason}")
 
 
 def image_features(model, pixel_values, image_position_ids) -> mx.array:
@@ -213,8 +229,7 @@ def image_features(model, pixel_values, image_position_ids) -> mx.array:
 
     ``pixel_values`` [N, P, 3·p²] and ``image_position_ids`` [N, P, 2] as the image processor
     returns them (padded to the same P; (-1, -1) marks padding)."""
-    if not has_vision(model):
-        raise ValueError("this checkpoint has no vision tower weights: it takes text only")
+    check_takes_images(model)
     encoder = model.model.encoder
     cfg = model.config.vision_config
     positions = np.asarray(image_position_ids).astype(np.int64)

@@ -3,18 +3,23 @@ Ctrl-C, an output that cannot be written, files of the wrong kind. Each ends in 
 and a known exit status (docs/cli.md); nothing half-written is left."""
 
 import errno
+import io
 import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from PIL import Image
 
 from mlx_dgemma import adapters, lora
+from mlx_dgemma.cli import command_line
 from mlx_dgemma.errors import FineTuneError
 from mlx_dgemma.generate import DEMO_MODEL
 
@@ -153,33 +158,82 @@ def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_nothing(data, tmp_
 # ---- 5, 6. Ctrl-C and an output that cannot be written ---------------------------------------------
 
 
-def interrupted(args, wait_for: str):
-    """Start ``python -m mlx_dgemma.ARGS``, send SIGINT once stdout shows ``wait_for``, return (rc, stderr)."""
-    process = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, cwd=ROOT, env=ENV)
+def interrupted(command, wait_for: str) -> str:
+    """Start ``python COMMAND``, send SIGINT once stdout shows ``wait_for`` (or anything, for "") — the
+    command is then in the phase under test — and check that it ends with 130 and one line; returns its stdout."""
+    process = subprocess.Popen([sys.executable, *map(str, command)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
     seen = ""
-    while wait_for not in seen:
+    while not seen or wait_for not in seen:
         char = process.stdout.read(1)
         assert char, f"ended before {wait_for!r}: {process.stderr.read()}"
         seen += char
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    return process.returncode, stderr
+    stdout, stderr = process.communicate(timeout=60)
+    *progress, last = stderr.replace("\r", "\n").strip().splitlines() or [""]
+    assert process.returncode == 130 and last == "Error: interrupted", (process.returncode, stderr)
+    assert all("%|" in line for line in progress), stderr  # nothing but a progress bar before it
+    return seen + stdout
+
+
+# A command whose function ``WHERE.WHAT`` says "paused" and sleeps: SIGINT lands inside that phase.
+PAUSED = """
+import importlib, sys, time
+from mlx_dgemma import fast_blas
+fast_blas.load()
+where, what, command = sys.argv[1:4]
+owner = importlib.import_module(where)
+*path, name = what.split(".")
+for part in path:
+    owner = getattr(owner, part)
+def paused(*args, **kwargs):
+    print("paused", flush=True)
+    time.sleep(60)
+setattr(owner, name, paused)
+importlib.import_module(command).main(sys.argv[4:])
+"""
+
+
+def test_ctrl_c_while_loading_is_130_and_one_line():
+    interrupted(["-c", PAUSED, "mlx_dgemma.loader", "read_safetensors", "mlx_dgemma.generate", "--max-tokens", 8],
+                "paused")
+
+
+def test_ctrl_c_during_generation_is_130_and_one_line():
+    # The demo reverses 420 letters: seconds of canvases after the first one is printed.
+    letters = "".join("abcdefghij"[(i * 7) % 10] for i in range(420))
+    out = interrupted(["-m", "mlx_dgemma.generate", "--prompt", f"reverse: {letters}", "--max-tokens", 512], "")
+    assert len(out) < len(letters)
 
 
 def test_ctrl_c_during_training_is_130_and_one_line(data, tmp_path):
-    rc, stderr = interrupted(["mlx_dgemma.lora", "--train", "--data", str(data), "--iters", "100000",
-                              "--batch-size", "2", "--num-layers", "1", "--steps-per-report", "1",
-                              "--adapter-path", str(tmp_path / "a")], "Train loss")
-    assert rc == 130 and stderr.strip().splitlines() == ["Error: interrupted"], stderr
+    interrupted(["-m", "mlx_dgemma.lora", "--train", "--data", data, "--iters", 100000, "--batch-size", 2,
+                 "--num-layers", 1, "--steps-per-report", 1, "--val-batches", 1, "--adapter-path", tmp_path / "a"],
+                "Train loss")
     assert not (tmp_path / "a").exists()
 
 
-# Slow: on a loaded host its SIGINT can land before the CLI has installed its handler (seen: exit -2).
-@pytest.mark.slow
-def test_ctrl_c_during_generation_is_130_and_one_line():
-    rc, stderr = interrupted(["mlx_dgemma.generate", "--max-tokens", "900", "--policy", "ar"], " ")
-    assert rc == 130 and stderr.strip().splitlines() == ["Error: interrupted"], stderr
+def test_ctrl_c_while_fusing_is_130_and_one_line_and_leaves_nothing(tmp_path):
+    from mlx_dgemma import load
+
+    demo, _ = load(DEMO_MODEL)
+    args = lora.resolve_args(["--train", "--num-layers", "1"])
+    adapters.apply_fine_tune(demo, "lora", 1, args.lora_parameters)
+    (tmp_path / "a").mkdir()
+    lora.save_run(demo, args, tmp_path / "a", [adapters.ADAPTERS])  # untrained adapters, as a run saves them
+    interrupted(["-c", PAUSED, "mlx_dgemma.safetensors_io", "ShardWriter.write", "mlx_dgemma.fuse",
+                 "--adapter-path", tmp_path / "a", "--save-path", tmp_path / "fused"], "paused")
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]  # no fused model, no temporary folder
+
+
+def test_ctrl_c_while_evaluating_is_130_and_one_line():
+    interrupted(["-m", "mlx_dgemma.demo.eval", "--templates", "-n", 200], "instances per task")
+
+
+def test_ctrl_c_while_converting_is_130_and_one_line_and_leaves_nothing(tmp_path):
+    interrupted(["-c", PAUSED, "mlx_dgemma.convert", "read_tensor", "mlx_dgemma.convert", "--hf-path", DEMO_MODEL,
+                 "--mlx-path", tmp_path / "out"], "paused")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -200,6 +254,23 @@ def test_a_closed_pipe_is_one_line():
     assert stderr.strip().splitlines() == ["Error: cannot write the output to stdout (Broken pipe)"], stderr
 
 
+def test_an_os_error_of_a_commands_own_file_is_one_line(capsys):
+    @command_line
+    def reads_a_missing_file():
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/nowhere/run.yaml")
+
+    with pytest.raises(SystemExit) as info:
+        reads_a_missing_file()
+    assert info.value.code == 1
+    assert capsys.readouterr().err == "Error: /nowhere/run.yaml: No such file or directory\n"
+
+
+def test_an_in_process_caller_gets_its_stdout_back():
+    stdout = sys.stdout
+    command_line(lambda: print("done"))()
+    assert sys.stdout is stdout
+
+
 # ---- 7. files of the wrong kind ---------------------------------------------------------------------
 
 
@@ -208,6 +279,22 @@ def demo_copy(tmp_path):
     folder = tmp_path / "demo"
     shutil.copytree(DEMO_MODEL, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     return folder
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` (its one pixel of data never decoded)."""
+    png = io.BytesIO()
+    Image.new("L", (1, 1)).save(png, format="PNG")
+    data = bytearray(png.getvalue())
+    ihdr = b"IHDR" + struct.pack(">II", width, height) + data[24:29]
+    data[12:33] = ihdr + struct.pack(">I", zlib.crc32(ihdr))
+    return bytes(data)
+
+
+def test_an_image_past_pillows_bound_is_our_one_line_only(tmp_path):
+    (tmp_path / "bomb.png").write_bytes(png_header(10000, 9000))  # past Pillow's warning, short of its error
+    one_line(cli("generate", "--image", tmp_path / "bomb.png", "--max-tokens", 8),
+             "is 10000x9000 pixels, more than the 67108864 pixels accepted")
 
 
 def test_a_config_json_that_is_a_folder(demo_copy):

@@ -1,9 +1,15 @@
 """The package's layering runs one way: no module imports another that imports it back (at module
-level or inside a function), and no module reaches into another's private names. Every module, in
-subpackages too, has one job and stays under ``MAX_LINES``."""
+level or inside a function), no module reaches into another's private names, and every third-party
+module imported is declared in pyproject.toml. Every module, in subpackages too, has one job and stays
+under ``MAX_LINES``."""
 
 import ast
+import importlib.metadata
+import re
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_dgemma"
 MAX_LINES = 600
@@ -80,3 +86,40 @@ def test_no_module_over_the_line_limit():
     # The allow-list only shrinks: a module that is under the limit again leaves it.
     assert OVER_MAX_LINES <= over, f"now under {MAX_LINES} lines, take them off OVER_MAX_LINES: " \
                                    f"{sorted(OVER_MAX_LINES - over)}"
+
+
+def third_party_imports() -> dict[str, str]:
+    """Top-level modules outside the standard library that the package imports (anywhere), each with
+    a file that imports it."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != PACKAGE.name:
+                    found.setdefault(top, str(path.relative_to(PACKAGE.parent)))
+    return found
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_third_party_import_is_declared():
+    """Each module the package imports comes from a distribution pyproject.toml declares (as a
+    dependency or in an extra), not only as a dependency of another (yaml arrives with mlx-lm)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    declared = {normalized(re.match(r"[A-Za-z0-9._-]+", r).group()) for r in requirements}
+    # Import names to distributions as installed (yaml -> PyYAML, PIL -> pillow, mlx -> mlx or mlx-cpu).
+    distributions = importlib.metadata.packages_distributions()
+    undeclared = {module: path for module, path in third_party_imports().items()
+                  if not declared & {normalized(d) for d in distributions.get(module, [module])}}
+    assert undeclared == {}, f"imported but not declared in pyproject.toml: {undeclared}"

@@ -272,6 +272,28 @@ def test_content_the_demo_cannot_take_is_refused(client):
         chat(client, [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
 
 
+def test_a_refusal_by_the_worker_names_the_field(client, monkeypatch):
+    """What the worker refuses (the engine's own checks of a prompt or template) names the field,
+    whole and streamed."""
+    from mlx_dgemma import batch
+    from mlx_dgemma.errors import PromptError, TemplateError
+
+    def refusing(model, tokenizer, prompt, max_tokens, template=None, **kwargs):
+        raise TemplateError("the template is refused") if template is not None else PromptError("the prompt is refused")
+
+    monkeypatch.setattr(batch, "prepare", refusing)
+    for request, param in [(lambda: chat(client, SORT, extra_body={"template": "{{fill:4}}"}), "template"),
+                           (lambda: chat(client, SORT), "messages"),
+                           (lambda: client.completions.create(model=MODEL_ID, prompt=SORT), "prompt")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            request()
+        assert caught.value.body["param"] == param, caught.value.body
+    stream = chat(client, SORT, stream=True)
+    with pytest.raises(openai.APIError) as caught:
+        list(stream)
+    assert caught.value.body["param"] == "messages", caught.value.body
+
+
 def test_malformed_and_oversized_bodies(server, client):
     status, body = raw_post(server, "/v1/chat/completions", b'{"model": "demo", "messages": [')
     assert status == 400 and "not valid JSON" in body["error"]["message"]

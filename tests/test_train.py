@@ -1,6 +1,7 @@
 """Fine-tuning: the MLX objective against the reference's, adapters (train, save, load, fuse), bad data."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -429,6 +430,27 @@ def test_cli_trains_saves_tests_and_generates(tmp_path):
     generated = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc",
                                 "--adapter-path", adapters], capture_output=True, text=True, cwd=ROOT)
     assert generated.returncode == 0, generated.stderr
+
+
+def test_a_validation_loss_that_does_not_move_gets_one_hint(tmp_path):
+    from mlx_dgemma import lora
+
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=8",
+                    "--held-out", "2"], check=True, cwd=ROOT)
+
+    def logged(learning_rate) -> list[str]:
+        lines = []
+        lora.run(resolve_args(["--train", "--data", str(data), "--iters", "4", "--batch-size", "2", "--num-layers", "1",
+                               "--steps-per-eval", "1", "--learning-rate", str(learning_rate),
+                               "--adapter-path", str(tmp_path / f"a{learning_rate}")]), log=lines.append)
+        return lines
+
+    stalled = [line for line in logged(1e-12) if "Hint" in line]  # evaluated at iterations 1 to 4, never moving
+    assert len(stalled) == 1, stalled
+    assert re.fullmatch(r"Hint: the validation loss has not moved since iteration 1 \((\d+\.\d+), now \1\); .*"
+                        r"try a higher --learning-rate.*\(docs/fine-tuning.md\)", stalled[0]), stalled
+    assert not [line for line in logged(1e-3) if "Hint" in line]
 
 
 def test_cli_trainable_tokens_train_only_their_rows(tmp_path):

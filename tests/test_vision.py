@@ -21,7 +21,7 @@ from convert.random_checkpoint import PRESETS
 from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma import images as images_module
 from mlx_dgemma.convert import convert
-from mlx_dgemma.generate import main, prompt_ids
+from mlx_dgemma.generate import DEMO_MODEL, main, prompt_ids
 from mlx_dgemma.images import (
     ImageError,
     ImageProcessorConfig,
@@ -34,7 +34,7 @@ from mlx_dgemma.vision import has_vision, image_features
 
 from .reference import ReferenceSession, load_reference
 from .test_sampler_replay import DraftRecorder, ReplayRandom, recorded_draws
-from .tokenizer_files import train_sentencepiece, write_tokenizer_json
+from .tokenizer_files import train_sentencepiece, write_sentencepiece, write_tokenizer_json
 
 FP32_BOUND = 1e-4
 SIZES = PRESETS["vision"]
@@ -285,7 +285,26 @@ def test_image_prompt_through_the_cli(chat_checkpoint, tmp_path):
     assert generate(model, tokenizer, "sort: 7 3", 2 * C, seed=5, images=[PICTURES[1], PICTURES[0]]) != expected
 
 
-@pytest.mark.parametrize("case", ["text file", "missing", "too large", "no vision tower", "placeholders"])
+def test_a_text_prompt_gets_its_placeholders_from_a_tokenizer_without_image_tokens(
+        vision_checkpoint, chat_checkpoint, tmp_path):
+    """A sentencepiece tokenizer that knows no image token, and no chat template (the built-in one is
+    used): the placeholder the template writes still becomes the model's image token."""
+    model = tmp_path / "model"
+    shutil.copytree(vision_checkpoint, model)
+    write_sentencepiece(model, train_sentencepiece(tmp_path), chat_template=None)
+    dgemma, tokenizer = load(model)
+    assert tokenizer.token_id("<|image|>") is None
+    # The same ids as a tokenizer that spells the image token.
+    assert prompt_ids(tokenizer, "sort: 7 3", images=1) == prompt_ids(load(chat_checkpoint)[1], "sort: 7 3", images=1)
+    PICTURES[0].save(tmp_path / "picture.png")
+    args = ["--model", str(model), "--prompt", "sort: 7 3", "--max-tokens", str(C), "--seed", "5"]
+    result = CliRunner().invoke(main, args + ["--image", str(tmp_path / "picture.png")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == generate(dgemma, tokenizer, "sort: 7 3", C, seed=5, images=PICTURES[:1]) + "\n"
+
+
+@pytest.mark.parametrize("case", ["text file", "missing", "too large", "no vision tower", "no image tokens",
+                                  "placeholders"])
 def test_bad_images_get_a_one_line_error(chat_checkpoint, tmp_path, monkeypatch, case):
     good = tmp_path / "picture.png"
     PICTURES[0].save(good)
@@ -306,7 +325,11 @@ def test_bad_images_get_a_one_line_error(chat_checkpoint, tmp_path, monkeypatch,
         weights = mx.load(str(model / "model.safetensors"))
         mx.save_safetensors(str(model / "model.safetensors"), {k: v for k, v in weights.items() if "vision" not in k})
         extra = ["--ignore-chat-template"]
-        expected = "this checkpoint has no vision tower weights: it takes text only, not images"
+        expected = "this checkpoint takes text only, not images: it has no vision tower weights"
+    elif case == "no image tokens":  # the demo: a vision tower, but image token ids past its vocabulary
+        model = DEMO_MODEL
+        expected = ("this checkpoint takes text only, not images: its image token ids (up to 350) are outside its "
+                    "vocabulary of 348")
     else:
         extra = ["--ignore-chat-template"]
         expected = "the prompt has 0 image placeholders for 1 images; give one image per placeholder"

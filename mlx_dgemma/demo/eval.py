@@ -25,6 +25,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import click  # noqa: E402
 
+from ..cli import command_line  # noqa: E402
 from ..validate import at_least, check_seed, option  # noqa: E402
 from .tasks import TASKS, UNSEEN_TASKS, answer_template, check, json_schema, make_instance  # noqa: E402
 
@@ -194,14 +195,12 @@ def format_side_by_side(scores: dict[str, dict[str, TaskScore]]) -> str:
 @click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
 @click.option("--draft-length", type=int, help="verified: draft length [default: the policy's].")
 @click.option("--draft-steps", type=int, help="verified: draft steps [default: the policy's].")
+@command_line
 def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_length, draft_steps):
     from ..generate import DEMO_MODEL
     from ..loader import load
 
-    try:
-        model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
-    except ValueError as e:  # the checkpoint's or the adapters' one-line reason
-        raise click.ClickException(str(e)) from None
+    model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
     if templates:
         for policy in policies:
             click.echo(f"policy {policy}, {n} instances per task\n  {'task':<8} {'setting':<11} {'accuracy':>9} "

@@ -169,7 +169,7 @@ class OpenAI(Api):
                                              "finish_reason": None}]})
         async for event in events:
             if event.error is not None:
-                yield _sse(error_body(str(event.error), event.error.status))
+                yield _sse(error_body(str(event.error), event.error.status, event.error.param))
                 break
             yield _sse({**head, "choices": [self._delta(event, reply)]})
             if event.finish_reason is not None and reply.include_usage:
@@ -326,7 +326,8 @@ class Server:
         if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
             scale = max(temperature, 1e-2)
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
-        job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
+        job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs,
+                  prompt_param="messages" if chat else "prompt")
         if suffix is None:
             self._layout(job, body, forced)
             request.max_tokens = self._fit(ids, max_tokens, max_key)
@@ -476,6 +477,7 @@ class Server:
             raise BadRequest("give one of template, response_format and a forced tool call", param="response_format")
         tokenizer, limit = self.tokenizer, self.context  # a template past the context is refused as it is built
         param = "template" if text is not None else "tools" if forced is not None else "response_format"
+        job.template_param = param
         largest = None
         try:
             if text is not None:
@@ -561,7 +563,7 @@ class Server:
         content, reasoning = "", ""
         async for event in self._events(events, request):
             if event.error is not None:
-                raise BadRequest(str(event.error), status=event.error.status)
+                raise BadRequest(str(event.error), param=event.error.param, status=event.error.status)
             content += event.content
             reasoning += event.reasoning
             if event.finish_reason is not None:

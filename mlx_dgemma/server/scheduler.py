@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..batch import BatchGenerator, BatchRequest, BatchResponse
+from ..errors import PromptError, TemplateError
 from ..generate import PREFILL_STEP_SIZE, answer_text, generation_device, prefill
 from ..template import CanvasTemplate
 from ..tokenizer import TextStream
@@ -30,11 +31,12 @@ from .prompt_cache import PromptCache
 
 
 class RequestFailed(Exception):
-    """A request the worker could not run; ``status`` is the HTTP status to answer with."""
+    """A request the worker could not run; ``status`` is the HTTP status to answer with, ``param`` the
+    request field at fault (None: none is)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param
 
 
 SHUTTING_DOWN = RequestFailed("the server is shutting down; send the request again once it is back", status=503)
@@ -72,6 +74,9 @@ class Job:
     hold: list[str] = field(default_factory=list)  # strings from which on text waits for the end
     tail: str = ""  # text the template's answer ends with that is no part of it (an infill's suffix)
     vision_inputs: dict = field(default_factory=dict)  # the prompt's images as model.encode takes them
+    # The request fields a refusal by the worker names: the prompt's (messages or prompt) and the template's.
+    prompt_param: str | None = None
+    template_param: str | None = None
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: bool = False
@@ -232,7 +237,9 @@ class Scheduler:
             uid = self.engine.insert(replace(request, template=None if drafting else request.template, cache=cache,
                                              on_prefilled=keep))
         except ValueError as e:  # a prompt, template or setting the model cannot take
-            self._send(job, Event(error=RequestFailed(str(e))))
+            param = (job.template_param if isinstance(e, TemplateError)
+                     else job.prompt_param if isinstance(e, PromptError) else None)
+            self._send(job, Event(error=RequestFailed(str(e), param=param)))
             return
         except Exception as e:
             self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
