@@ -11,7 +11,8 @@ import secrets
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .app import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, Server, given
+from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
+from .app import Server
 from .scheduler import RequestFailed
 
 PASSED = ("model", "max_tokens", "temperature", "top_p", "seed", "policy", "steps", "template")

@@ -1,8 +1,8 @@
 """The HTTP side on starlette: one request model under every API the server speaks.
 
-Every endpoint is an ``Api``: a translation of its JSON into the chat or completions body read here
-(OpenAI's, so every API shares the same checks, templates, tool parsing, limits and streaming), and of
-the answer back into its own shape (OpenAI's here; ollama.py, responses.py and anthropic.py the others).
+Every endpoint is an ``Api`` (api.py): a translation of its JSON into the chat or completions body read
+here (OpenAI's, so every API shares the same checks, templates, tool parsing, limits and streaming), and
+of the answer back into its own shape (openai_api.py, ollama.py, responses.py and anthropic.py).
 A request is read and checked here (the body's size, its JSON, the model, every setting, the prompt
 against the context, the template or schema, the images), so anything wrong gets OpenAI's error shape
 with a 4xx status before the worker sees it. Everything past reading the body (rendering, tokenizing,
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 import time
 import warnings
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.requests import Request
@@ -35,12 +33,10 @@ from ..policy import POLICIES
 from ..template import TemplateError, infill_template, json_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision
-from .scheduler import Event, Job, Scheduler, Usage
+from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
+from .scheduler import Event, Job, Scheduler
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
-MAX_STOP_STRINGS = 4  # OpenAI's limit (Api.max_stop)
-# APIs with no small limit of their own (Ollama's, Anthropic's): editors send several for tab completion.
-MANY_STOP_STRINGS = 16
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
@@ -53,160 +49,6 @@ UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "bes
                "reasoning_effort": None, "web_search_options": None}
 # A json_object reply whose free draft is not a JSON object: the draft's answer under one key.
 JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64}}}
-
-
-class BadRequest(Exception):
-    """A request answered with a 4xx (or a worker's 5xx) in its API's error shape. Messages and ``param``
-    name fields as the chat and completions bodies do; ``Api.renamed`` gives them an API's own names."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.code, self.status = param, code, status
-
-
-def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None):
-    return JSONResponse(error_body(message, status, param, code), status)
-
-
-@dataclass
-class Reply:
-    """How to shape the worker's text for one request."""
-
-    chat: bool
-    stream: bool
-    include_usage: bool
-    tools: bool  # tool calls in the answer are parsed out ("auto")
-    forced_tool: str | None  # the function a forced call's arguments are for
-    id: str = ""
-    prompt_tokens: int = 0
-
-
-@dataclass
-class Answer:
-    """A finished answer (or a stream's last piece): its text, thought channel, tool calls as (name,
-    arguments as JSON text), finish reason ("tool_calls" when there are calls), and usage."""
-
-    content: str
-    reasoning: str
-    calls: list[tuple[str, str]]
-    finish: str
-    usage: Usage | None = None
-    stop_sequence: str | None = None  # the stop string that ended it
-
-
-class Api:
-    """One API over the shared request model. ``translate`` turns its body into a chat or completions
-    body (None: nothing to generate, answered by ``empty``); ``reply`` shapes a whole answer,
-    ``stream`` the events of a streamed one, ``error_reply`` an error. One instance per request: a
-    translation may keep what its answer needs."""
-
-    stream_type = "text/event-stream"
-    names: dict[str, str] = {}  # chat and completions fields this API calls otherwise
-    max_stop = MAX_STOP_STRINGS  # stop strings a request may give
-
-    def __init__(self, server: Server):
-        self.server = server
-        # What the API calls each chat message ("messages[2]", "input[0]"; None: the system prompt it
-        # became), when that is not the chat message's own index.
-        self.origins: list[str | None] | None = None
-
-    def translate(self, body: dict) -> tuple[dict, bool] | None:
-        raise NotImplementedError
-
-    def reply(self, answer: Answer, reply: Reply) -> dict:
-        raise NotImplementedError
-
-    def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
-        raise NotImplementedError
-
-    def error_reply(self, e: BadRequest) -> Response:
-        return error_response(str(e), e.status, e.param, e.code)
-
-    def empty(self) -> Response:
-        raise NotImplementedError
-
-    def renamed(self, e: BadRequest) -> BadRequest:
-        """``e`` with this API's field names (and its own message indices)."""
-        message, param = str(e), e.param
-        if self.origins is not None and param == "messages":
-            message = re.sub(r"messages\[(\d+)\]", lambda m: self._message_name(int(m.group(1))), message)
-        if param in self.names:
-            message = re.sub(rf"(?<![\w.]){re.escape(param)}(?![\w\[])", self.names[param], message)
-            param = self.names[param]
-        return BadRequest(message, param, e.code, e.status)
-
-    def _message_name(self, index: int) -> str:
-        return (self.origins[index] if index < len(self.origins) else None) or "the system prompt"
-
-
-class OpenAI(Api):
-    """OpenAI's chat completions and completions."""
-
-    def __init__(self, server: Server, chat: bool):
-        super().__init__(server)
-        self.chat = chat
-
-    def translate(self, body: dict) -> tuple[dict, bool]:
-        return body, self.chat
-
-    def reply(self, answer: Answer, reply: Reply) -> dict:
-        if reply.chat:
-            choice = {"index": 0, "message": {"role": "assistant", **self._message(answer)}, "logprobs": None,
-                      "finish_reason": answer.finish}
-        else:
-            choice = {"index": 0, "text": answer.content, "logprobs": None, "finish_reason": answer.finish}
-        return {**self._head(reply, chunk=False), "choices": [choice], "usage": _usage(answer.usage)}
-
-    async def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
-        head = self._head(reply, chunk=True)
-        if reply.chat:
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None}]})
-        async for event in events:
-            if event.error is not None:
-                yield _sse(error_body(str(event.error), event.error.status, event.error.param))
-                break
-            yield _sse({**head, "choices": [self._delta(event, reply)]})
-            if event.finish_reason is not None and reply.include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(event.usage)})
-        yield "data: [DONE]\n\n"
-
-    @staticmethod
-    def _message(answer: Answer) -> dict:
-        message = {"content": answer.content or (None if answer.calls else "")}
-        if answer.reasoning:
-            message["reasoning_content"] = answer.reasoning
-        if answer.calls:
-            message["tool_calls"] = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                                      "function": {"name": name, "arguments": arguments}}
-                                     for name, arguments in answer.calls]
-        return message
-
-    def _delta(self, event: Event, reply: Reply) -> dict:
-        if not reply.chat:
-            return {"index": 0, "text": event.content, "logprobs": None, "finish_reason": event.finish_reason}
-        delta, finish = {}, event.finish_reason
-        if finish is not None and (reply.tools or reply.forced_tool):
-            # Tool-call text was held back until the end: now it becomes tool_calls.
-            last = self.server.answer(event, reply)
-            delta, finish = {k: v for k, v in self._message(last).items() if v}, last.finish
-            for index, call in enumerate(delta.get("tool_calls", [])):
-                call["index"] = index
-        elif event.content:
-            delta["content"] = event.content
-        if event.reasoning:
-            delta["reasoning_content"] = event.reasoning
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-    def _head(self, reply: Reply, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if reply.chat else "text_completion"
-        return {"id": reply.id, "object": kind, "created": int(time.time()), "model": self.server.model_id,
-                "system_fingerprint": None}
 
 
 class Server:
@@ -242,12 +84,6 @@ class Server:
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dgemma"}]})
-
-    async def chat_completions(self, request: Request):
-        return await self.respond(request, OpenAI(self, chat=True))
-
-    async def completions(self, request: Request):
-        return await self.respond(request, OpenAI(self, chat=False))
 
     async def respond(self, request: Request, api: Api) -> Response:
         """Read, translate and check ``request``'s body, run it, and answer in ``api``'s shape."""
@@ -644,11 +480,6 @@ def _check_supported(body: dict, chat: bool) -> None:
             raise BadRequest(f"{key} is not supported by this server; {leave}", param=key)
 
 
-def given(fields: dict) -> dict:
-    """A translated body: the fields its request gave (None is left out, as the chat body reads it)."""
-    return {k: v for k, v in fields.items() if v is not None}
-
-
 def _strings(value):
     """Every string in a JSON value, keys included (looked at without recursion: a body may nest deep)."""
     stack = [value]
@@ -679,13 +510,3 @@ def _json_or_none(text: str):
         return json.loads(text)
     except ValueError:
         return None
-
-
-def _usage(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"

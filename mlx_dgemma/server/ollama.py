@@ -13,7 +13,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..vision import has_vision
-from .app import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, Server, given
+from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
+from .app import Server
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these endpoints follow
 

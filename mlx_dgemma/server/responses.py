@@ -12,7 +12,8 @@ import time
 
 from starlette.routing import Route
 
-from .app import Answer, Api, BadRequest, Reply, Server, error_body, given
+from .api import Answer, Api, BadRequest, Reply, error_body, given
+from .app import Server
 from .scheduler import RequestFailed
 
 PASSED = ("model", "temperature", "top_p", "top_logprobs", "parallel_tool_calls", "seed", "policy", "steps",

@@ -1,4 +1,4 @@
-"""The server's routes: OpenAI's (app.py), the Responses API's, Anthropic's and Ollama's, on one app."""
+"""The server's routes: OpenAI's, the Responses API's, Anthropic's and Ollama's, on one app."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
 
-from . import anthropic, ollama, responses
-from .app import Server, error_response
+from . import anthropic, ollama, openai_api, responses
+from .api import error_response
+from .app import Server
 
 
 def create_app(server: Server) -> Starlette:
@@ -28,7 +29,5 @@ def create_app(server: Server) -> Starlette:
     return Starlette(routes=[
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        *responses.routes(server), *anthropic.routes(server), *ollama.routes(server),
+        *openai_api.routes(server), *responses.routes(server), *anthropic.routes(server), *ollama.routes(server),
     ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
