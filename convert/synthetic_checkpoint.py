@@ -22,6 +22,12 @@ from mlx_dgemma.config import FULL, SLIDING, ModelConfig
 from mlx_dgemma.model import DiffusionGemma
 from mlx_dgemma.safetensors_io import ShardWriter, TensorSpec, write_index
 
+# The text config of google/diffusiongemma-26B-A4B-it (its config.json's text_config).
+RELEASED = dict(
+    vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
+    num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+    num_global_key_value_heads=2, num_experts=128, top_k_experts=8, sliding_window=1024, canvas_length=256,
+)
 _WIDTHS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "global_head_dim")
 _ONES = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "scale", "layer_scalar")
 
