@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from .loader import load
+from .memory import format_size
 
 PROMPT_LENGTH = 32
 MAX_CANVAS = 256
@@ -123,21 +124,13 @@ def format_table(rows: list[QualityRow]) -> str:
         header += f" {'diff acc':>8} {'steps':>6} {'AR acc':>6}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        line = (f"{r.label:<32} {_size(r.size_bytes):>10} {r.load_seconds:>7.2f} {r.step.rel_rms:>9.2e}"
+        line = (f"{r.label:<32} {format_size(r.size_bytes):>10} {r.load_seconds:>7.2f} {r.step.rel_rms:>9.2e}"
                 f" {r.step.max_abs:>8.3f} {r.step.top1:>6.1%} {r.self_conditioned.rel_rms:>10.2e}"
                 f" {r.self_conditioned.max_abs:>9.3f} {r.self_conditioned.top1:>8.1%}")
         if r.tasks:
             line += f" {r.tasks.diffusion_accuracy:>8.1%} {r.tasks.steps_per_canvas:>6.2f} {r.tasks.ar_accuracy:>6.1%}"
         lines.append(line)
     return "\n".join(lines)
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if nbytes < 1000 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    return ""
 
 
 def measure_against(src: Path, candidates: dict[str, Path]) -> str:
