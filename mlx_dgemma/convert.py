@@ -50,6 +50,7 @@ from .loader import (  # noqa: E402
     stack_experts,
     weight_files,
 )
+from .memory import format_size  # noqa: E402
 from .model import DiffusionGemma  # noqa: E402
 from .safetensors_io import (  # noqa: E402
     ShardWriter,
@@ -720,14 +721,15 @@ def sizes_command(hf_path, q_group_size):
     try:
         src = resolve(hf_path)
         raw, config = _read_config(src)
-        rows = recipe_sizes(src, raw, config, _source_tensors(src), list(RECIPES), list(BITS), _int(q_group_size))
+        tensors = _source_tensors(src)
+        rows = [("unquantized", converted_size(plan_tensors(src, raw, config, tensors, None, None)))]
+        rows += [(q.describe(), n) for q, n in
+                 recipe_sizes(src, raw, config, tensors, list(RECIPES), list(BITS), _int(q_group_size))]
     except _ERRORS as e:
         raise click.ClickException(str(e)) from None
-    click.echo(format_sizes(rows))
-
-
-def format_sizes(rows: list[tuple[Quantization, int]]) -> str:
-    return "\n".join(f"{q.describe():<32} {n / 1e9:8.2f} GB" for q, n in rows)
+    click.echo(f"{'recipe':<32} {'size':>10} {'bytes':>15}")
+    for label, nbytes in rows:
+        click.echo(f"{label:<32} {format_size(nbytes):>10} {nbytes:>15}")
 
 
 def main(argv: list[str] | None = None) -> None:
