@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .config import GenerationConfig, ModelConfig
+from .distributed import STACKED_EXPERTS, expert_range
 from .errors import CheckpointError, ConfigError, MemoryCheckError
 from .loader import VISION_KEY, ExpertSlice, map_key, read_config, resolve, weight_files
 from .safetensors_io import TensorInfo, read_header
@@ -28,7 +29,6 @@ IGNORE_FLAG = "--ignore-memory-check"
 LOGIT_COPIES = 4
 KV_CHUNK = 256  # positions a layer's cache grows by (cache.LayerCache.step)
 MEMORY_RECIPES = ("mixed-32gb", "mixed-24gb", "mixed-16gb")  # largest first: the best one that fits is named
-_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)\.(weight|scales|biases)$")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -88,14 +88,9 @@ def _tensors(folder: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def expert_share(num_experts: int, ranks: int) -> int:
-    """The experts the busiest rank holds (distributed.expert_range gives the first ranks one more)."""
-    return -(-num_experts // ranks)
-
-
 def weight_bytes(tensors: dict[str, TensorInfo], config: ModelConfig, ranks: int = 1) -> int:
     """The bytes the loader keeps of ``tensors``: every tensor the model uses, of the experts one rank's share."""
-    share = expert_share(config.num_experts, ranks)
+    share = expert_range(config.num_experts, 0, ranks)[1]  # rank 0 holds the most: experts [0, share)
     total = 0
     for key, info in tensors.items():
         target = map_key(key)
@@ -103,7 +98,7 @@ def weight_bytes(tensors: dict[str, TensorInfo], config: ModelConfig, ranks: int
             continue
         if isinstance(target, ExpertSlice):
             total += info.nbytes if target.expert < share else 0
-        elif _STACKED_EXPERTS.search(target):
+        elif STACKED_EXPERTS.search(target):
             total += info.nbytes * share // config.num_experts
         else:
             total += info.nbytes
