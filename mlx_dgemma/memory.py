@@ -1,8 +1,8 @@
 """Whether a checkpoint fits the device, decided before any weight is read: its weights (from the
 safetensors headers; a sharded run counts one rank's share of the experts), the KV cache at the
 requested context and a canvas's activations, against what the device can give: on Metal its
-recommended working set, elsewhere the available memory (/proc/meminfo's MemAvailable).
-``MLX_DGEMMA_DEVICE_MEMORY`` (for example ``16GB``) sets the device's memory instead."""
+recommended working set, on CUDA its free memory, elsewhere the available memory (/proc/meminfo's
+MemAvailable). ``MLX_DGEMMA_DEVICE_MEMORY`` (for example ``16GB``) sets the device's memory instead."""
 
 from __future__ import annotations
 
@@ -72,6 +72,8 @@ def device_memory() -> tuple[int, str] | None:
         return parse_size(raw), DEVICE_MEMORY_ENV
     if mx.metal.is_available():
         return int(mx.device_info()["max_recommended_working_set_size"]), "the GPU's recommended working set"
+    if mx.cuda.is_available() and mx.default_device() == mx.gpu and (free := mx.device_info().get("free_memory")):
+        return int(free), "the GPU's free memory"
     try:
         meminfo = Path("/proc/meminfo").read_text()
     except OSError:
