@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from .cli import command_line  # noqa: E402
 from .config import ConfigError, ModelConfig  # noqa: E402
-from .convert_report import format_table, measure_against, measure_recipe, reference_logits  # noqa: E402
+from .convert_report import format_size, format_table, measure_against, measure_recipe, reference_logits  # noqa: E402
 from .errors import ConversionError  # noqa: E402
 from .loader import (  # noqa: E402
     HUB_PATTERNS,
@@ -50,7 +50,6 @@ from .loader import (  # noqa: E402
     stack_experts,
     weight_files,
 )
-from .memory import format_size  # noqa: E402
 from .model import DiffusionGemma  # noqa: E402
 from .safetensors_io import (  # noqa: E402
     ShardWriter,

@@ -13,7 +13,6 @@ import mlx.core as mx
 import numpy as np
 
 from .loader import load
-from .memory import format_size
 
 PROMPT_LENGTH = 32
 MAX_CANVAS = 256
@@ -131,6 +130,14 @@ def format_table(rows: list[QualityRow]) -> str:
             line += f" {r.tasks.diffusion_accuracy:>8.1%} {r.tasks.steps_per_canvas:>6.2f} {r.tasks.ar_accuracy:>6.1%}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def format_size(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return ""
 
 
 def measure_against(src: Path, candidates: dict[str, Path]) -> str:

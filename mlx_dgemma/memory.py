@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .config import GenerationConfig, ModelConfig
+from .convert_report import format_size
 from .distributed import STACKED_EXPERTS, expert_range
 from .errors import CheckpointError, ConfigError, MemoryCheckError
 from .loader import VISION_KEY, ExpertSlice, map_key, read_config, resolve, weight_files
@@ -48,14 +49,6 @@ class MemoryNeed:
     def describe(self) -> str:
         return (f"{format_size(self.total)} ({format_size(self.weights)} of weights, {format_size(self.kv_cache)} of KV "
                 f"cache for {self.context} tokens, {format_size(self.activations)} for a {self.canvas}-position canvas)")
-
-
-def format_size(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if nbytes < 1000 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    return ""
 
 
 def parse_size(text: str, name: str = DEVICE_MEMORY_ENV) -> int:
