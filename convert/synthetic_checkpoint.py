@@ -4,6 +4,7 @@ benchmarks. The sizes are a preset of ``random_checkpoint`` made wider; the size
 the number of layers, so every tensor keeps its size whatever the checkpoint's total.
 
     python -m convert.synthetic_checkpoint OUT --gigabytes 2.5 [--dtype bfloat16]
+    python -m convert.synthetic_checkpoint OUT --released --header-only   # the released shapes, no data
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +24,12 @@ from mlx_dgemma.config import FULL, SLIDING, ModelConfig
 from mlx_dgemma.model import DiffusionGemma
 from mlx_dgemma.safetensors_io import ShardWriter, TensorSpec, write_index
 
+# The text config of google/diffusiongemma-26B-A4B-it (its config.json's text_config).
+RELEASED = dict(
+    vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
+    num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+    num_global_key_value_heads=2, num_experts=128, top_k_experts=8, sliding_window=1024, canvas_length=256,
+)
 _WIDTHS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "global_head_dim")
 _ONES = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "scale", "layer_scalar")
 
@@ -93,15 +101,38 @@ def write_checkpoint(out: Path, sizes: dict, dtype: str = "bfloat16", seed: int 
     return out
 
 
+def write_header_only(out: Path, sizes: dict, dtype: str = "bfloat16") -> Path:
+    """A checkpoint whose one safetensors file has the full header and no data: a sparse file of the
+    checkpoint's length (no disk is used), for what reads headers only (planning, sizes, memory checks)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(sizes, dtype), indent=2))
+    header, offset = {}, 0
+    for name, shape in hf_tensors(sizes):
+        nbytes = math.prod(shape) * getattr(mx, dtype).size
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return out
+
+
+_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--gigabytes", type=float, default=1.0)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--width", type=int, default=8, help="multiplier of the 'pattern' preset's widths")
+    parser.add_argument("--released", action="store_true", help="the released model's shapes (ignores --gigabytes)")
+    parser.add_argument("--header-only", action="store_true", help="write the header and no data (a sparse file)")
     args = parser.parse_args()
-    sizes = scaled_sizes(layers_for(args.gigabytes, args.dtype, args.width), args.width)
-    print(write_checkpoint(args.out, sizes, args.dtype))
+    sizes = RELEASED if args.released else scaled_sizes(layers_for(args.gigabytes, args.dtype, args.width), args.width)
+    print((write_header_only if args.header_only else write_checkpoint)(args.out, sizes, args.dtype))
 
 
 if __name__ == "__main__":

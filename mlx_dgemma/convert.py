@@ -2,7 +2,8 @@
 optionally quantized with mixed bit widths.
 
     python -m mlx_dgemma.convert --hf-path google/diffusiongemma-26B-A4B-it --mlx-path dgemma-4bit -q
-    python -m mlx_dgemma.convert report --hf-path SRC    # logit error, size and load time per recipe
+    python -m mlx_dgemma.convert report --hf-path SRC    # logit error, size, demo accuracy per recipe
+    python -m mlx_dgemma.convert sizes --hf-path SRC     # each recipe's output size, from the headers alone
 
 The output has mlx-vlm's layout (fused ``experts.gate_up_proj``, mlx-lm's ``quantization`` entry
 with per-module overrides in config.json), so it loads in mlx-vlm as well as here.
@@ -16,6 +17,7 @@ fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
 import copy  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -30,10 +32,11 @@ from typing import Callable, Iterator  # noqa: E402
 
 import click  # noqa: E402
 import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
 from .cli import command_line  # noqa: E402
 from .config import ConfigError, ModelConfig  # noqa: E402
-from .convert_report import format_table, measure_against, measure_recipe, reference_logits  # noqa: E402
+from .convert_report import format_size, format_table, measure_against, measure_recipe, reference_logits  # noqa: E402
 from .errors import ConversionError  # noqa: E402
 from .loader import (  # noqa: E402
     HUB_PATTERNS,
@@ -48,11 +51,21 @@ from .loader import (  # noqa: E402
     weight_files,
 )
 from .model import DiffusionGemma  # noqa: E402
-from .safetensors_io import ShardWriter, TensorInfo, TensorSpec, read_header, read_tensor, shard_names, write_index  # noqa: E402
+from .safetensors_io import (  # noqa: E402
+    ShardWriter,
+    TensorInfo,
+    TensorSpec,
+    read_header,
+    read_tensor,
+    shard_names,
+    shard_size,
+    write_index,
+)
 
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}  # (group size, bits)
-RECIPES = ("mixed", "uniform")
+BITS = (2, 3, 4, 5, 6, 8)  # the affine widths mx.quantize packs (mlx-lm's set)
+GROUP_SIZES = (32, 64, 128)
 DTYPES = ("bfloat16", "float16", "float32")
 _COPIED = [p for p in HUB_PATTERNS if p != "*.safetensors"]  # tokenizer, chat template, generation config
 _REWRITTEN = {"config.json", WEIGHTS_INDEX}
@@ -90,10 +103,33 @@ def is_sensitive(path: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """Which parameters each module gets: the sensitive ones ``sensitive`` (None: the same as the
+    others), the others ``bits`` (None: the requested --q-bits)."""
+
+    name: str
+    sensitive: QuantParams | None
+    bits: int | None
+    summary: str
+
+
+RECIPES = {r.name: r for r in (
+    Recipe("mixed", SENSITIVE_PARAMS, None, "embeddings, attention, router and dense MLP at 8 bits, group 64; "
+                                            "the experts and the self-conditioning MLP at --q-bits"),
+    Recipe("uniform", None, None, "every module at --q-bits"),
+    # Named for the Mac whose GPU working set (about three quarters of its memory) holds the released
+    # model's weights, a 256-position canvas and a few thousand tokens of context: docs/quantization.md.
+    Recipe("mixed-16gb", SENSITIVE_PARAMS, 2, "mixed with the experts at 2 bits"),
+    Recipe("mixed-24gb", SENSITIVE_PARAMS, 4, "mixed with the experts at 4 bits"),
+    Recipe("mixed-32gb", SENSITIVE_PARAMS, 6, "mixed with the experts at 6 bits"),
+)}
+
+
+@dataclass(frozen=True)
 class Quantization:
-    """The requested parameters and a recipe: ``uniform`` quantizes every module with them; ``mixed``
-    keeps the sensitive modules at 8 bits, group 64, and uses them for the experts and the
-    self-conditioning MLP only."""
+    """The requested parameters and a recipe (``RECIPES``): ``uniform`` quantizes every module with
+    them; the ``mixed`` ones keep the sensitive modules at 8 bits, group 64, and use them for the
+    experts and the self-conditioning MLP only."""
 
     default: QuantParams
     recipe: str = "mixed"
@@ -107,15 +143,28 @@ class Quantization:
         recipe = recipe or "mixed"
         if recipe not in RECIPES:
             raise ConversionError(f"unknown quantization recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+        fixed = RECIPES[recipe].bits
+        if fixed is not None and bits not in (None, fixed):
+            raise ConversionError(f"--quant-predicate {recipe} quantizes the experts at {fixed} bits; drop --q-bits "
+                                  f"{bits} or use --quant-predicate mixed")
+        if fixed is not None and mode != "affine":
+            raise ConversionError(f"--quant-predicate {recipe} is affine; drop --q-mode {mode}")
+        if bits is not None and bits not in BITS:
+            raise ConversionError(f"--q-bits {bits} is not a width MLX quantizes to; choose one of "
+                                  f"{', '.join(map(str, BITS))}")
+        if group_size is not None and group_size not in GROUP_SIZES:
+            raise ConversionError(f"--q-group-size {group_size} is not supported; choose one of "
+                                  f"{', '.join(map(str, GROUP_SIZES))}")
         mode_group, mode_bits = MODE_DEFAULTS[mode]
-        params = QuantParams(group_size or mode_group, bits or mode_bits, mode)
+        params = QuantParams(group_size or mode_group, bits or fixed or mode_bits, mode)
         if mode != "affine" and (params.group_size, params.bits) != (mode_group, mode_bits):
             raise ConversionError(f"--q-mode {mode} needs --q-group-size {mode_group} and --q-bits {mode_bits}")
         return cls(params, recipe)
 
     def params_for(self, path: str) -> QuantParams:
-        if self.recipe == "mixed" and is_sensitive(path):
-            return SENSITIVE_PARAMS
+        sensitive = RECIPES[self.recipe].sensitive
+        if sensitive is not None and is_sensitive(path):
+            return sensitive
         return self.default
 
     def config(self, paths: list[str]) -> dict:
@@ -255,10 +304,10 @@ def _check_group_sizes(targets: list[Target], quantization: Quantization) -> Non
             continue
         if t.quant == quantization.default:
             requested = [columns[u.module] for u in targets if u.quant == t.quant]
-            fits = [str(g) for g in (32, 64, 128) if all(c % g == 0 for c in requested)]
+            fits = [str(g) for g in GROUP_SIZES if all(c % g == 0 for c in requested)]
             hint = f"; --q-group-size {' or '.join(fits)} divides them all" if fits else ""
         else:
-            hint = "; the mixed recipe keeps it at 8 bits with group size 64 (try --quant-predicate uniform)"
+            hint = f"; the {quantization.recipe} recipe keeps it at 8 bits with group size 64 (try --quant-predicate uniform)"
         raise ConversionError(
             f"group size {t.quant.group_size} does not divide the input dimension {columns[t.module]} of {t.module}{hint}"
         )
@@ -268,7 +317,13 @@ def plan_conversion(src: Path, quantization: Quantization | None, dtype: str | N
     raw, config = _read_config(src)
     if raw.get("quantization") or raw.get("quantization_config"):
         raise ConversionError(f"{src} is already quantized; convert from the unquantized checkpoint")
-    targets = _targets(_source_tensors(src), config.num_experts)
+    return plan_tensors(src, raw, config, _source_tensors(src), quantization, dtype)
+
+
+def plan_tensors(src: Path, raw: dict, config: ModelConfig, tensors: dict[str, TensorInfo],
+                 quantization: Quantization | None, dtype: str | None) -> ConversionPlan:
+    """The plan for a source holding ``tensors`` (only their names, shapes and dtypes are read)."""
+    targets = _targets(tensors, config.num_experts)
     text_targets = [t for t in targets if not VISION_KEY.match(t.name)]
     model = DiffusionGemma(config)  # parameters stay lazy: only their names and shapes are read
     check_weights(model, {t.name: t.assemble(_placeholder) for t in text_targets})
@@ -298,6 +353,35 @@ def split_into_shards(groups: list[tuple[Target, list[TensorSpec]]], max_bytes: 
 def output_specs(plan: ConversionPlan) -> list[tuple[Target, list[TensorSpec]]]:
     """Each target with the names, shapes and dtypes of the tensors it will write."""
     return [(t, [TensorSpec.of(n, a) for n, a in t.build(_placeholder, plan.dtype).items()]) for t in plan.targets]
+
+
+def converted_size(plan: ConversionPlan, max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
+    """The bytes of the safetensors files ``write_weights`` writes for ``plan``, headers included."""
+    shards = split_into_shards(output_specs(plan), max_shard_bytes)
+    return sum(shard_size([s for _, specs in shard for s in specs]) for shard in shards)
+
+
+def text_tensors(raw_config: dict, dtype: mx.Dtype = mx.bfloat16) -> dict[str, TensorInfo]:
+    """The text model's tensors of an unquantized ``dtype`` checkpoint of ``raw_config``, as shapes
+    only (no file): what planning needs to size a conversion that has no source at hand."""
+    model = DiffusionGemma(ModelConfig.from_dict(raw_config))  # lazy: nothing is allocated
+    return {name: TensorInfo(Path(), dtype, tuple(v.shape), 0, math.prod(v.shape) * dtype.size)
+            for name, v in tree_flatten(model.parameters())}
+
+
+def recipe_trials(recipes: list[str], bits: list[int]) -> list[tuple[str, int]]:
+    """(recipe, bits) of each conversion a sweep makes: every bit width, or a recipe's own."""
+    return [(r, b) for r in recipes for b in ([RECIPES[r].bits] if RECIPES[r].bits else bits)]
+
+
+def recipe_sizes(src: Path, raw: dict, config: ModelConfig, tensors: dict[str, TensorInfo], recipes: list[str],
+                 bits: list[int], group_size: int | None = None) -> list[tuple[Quantization, int]]:
+    """Each recipe's converted size for a source of ``tensors``, planned without reading a weight."""
+    sizes = []
+    for recipe, b in recipe_trials(recipes, bits):
+        quantization = Quantization.from_flags(b, group_size, "affine", recipe)
+        sizes.append((quantization, converted_size(plan_tensors(src, raw, config, tensors, quantization, None))))
+    return sizes
 
 
 def write_weights(plan: ConversionPlan, folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = True) -> None:
@@ -542,14 +626,16 @@ _dtype = click.option("--dtype", type=click.Choice(DTYPES), default=None,
 
 
 def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | None, mode: str,
-          dtype: str | None, work_dir: str | None = None) -> str:
-    """Convert with every recipe × bit width (plus once unquantized) and tabulate the cost of each."""
+          dtype: str | None, work_dir: str | None = None, instances: int = 0, seed: int = 0) -> str:
+    """Convert with every recipe × bit width (a recipe that fixes its bits: once; plus once unquantized)
+    and tabulate the cost of each; ``instances`` > 0 adds the demo tasks' accuracy and steps."""
     src = resolve(hf_path)
     if mode != "affine":
         bits = [MODE_DEFAULTS[mode][1]]
+        recipes = [r for r in recipes if RECIPES[r].bits is None]
     reference, probe = reference_logits(src)
     rows, failures = [], []
-    trials = [(None, None)] + [(recipe, b) for recipe in recipes for b in bits]
+    trials = [(None, None)] + recipe_trials(recipes, bits)
     with tempfile.TemporaryDirectory(dir=work_dir, prefix="dgemma-report-") as tmp:
         for i, (recipe, b) in enumerate(trials):
             dst = Path(tmp) / f"trial-{i}"
@@ -561,7 +647,7 @@ def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | N
                 options = dict(quantize=True, q_bits=b, q_group_size=group_size, q_mode=mode, quant_predicate=recipe)
             try:
                 convert(str(src), str(dst), dtype=dtype, progress=False, **options)
-                rows.append(measure_recipe(dst, label, reference, probe))
+                rows.append(measure_recipe(dst, label, reference, probe, instances, seed))
             except Exception as e:  # one recipe the runtime cannot run should not hide the others
                 failures.append(f"{label}: failed ({type(e).__name__}: {str(e).splitlines()[0]})")
             mx.clear_cache()
@@ -576,13 +662,13 @@ def _int(value: str | None) -> int | None:
 @_hf_path
 @click.option("--mlx-path", default="mlx_model", show_default=True, help="Where to write the MLX checkpoint.")
 @click.option("-q", "--quantize", is_flag=True, help="Quantize the model.")
-@click.option("--q-bits", type=click.Choice(["4", "8"]), default=None,
-              help="Bits of the quantized modules (under 'mixed': the experts and the self-conditioning MLP).")
+@click.option("--q-bits", type=click.Choice([str(b) for b in BITS]), default=None,
+              help="Bits of the quantized modules (under 'mixed': the experts and the self-conditioning MLP) "
+                   "[default: the mode's, 4 for affine].")
 @_q_group_size
 @_q_mode
-@click.option("--quant-predicate", type=click.Choice(RECIPES), default=None,
-              help="'mixed' (default): embeddings, attention, router and dense MLP at 8 bits, group 64; "
-                   "'uniform': everything at --q-bits.")
+@click.option("--quant-predicate", type=click.Choice(list(RECIPES)), default=None,
+              help="Recipe [default: mixed]: " + "; ".join(f"'{r.name}': {r.summary}" for r in RECIPES.values()) + ".")
 @_dtype
 @click.option("--force", is_flag=True, help="Replace --mlx-path if it holds an earlier conversion (and nothing else).")
 @click.option("--report", is_flag=True, help="Afterwards, measure the logit error against the source.")
@@ -602,29 +688,55 @@ def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, q
 
 @click.command(context_settings=_CONTEXT)
 @_hf_path
-@click.option("--q-bits", "bits", type=click.Choice(["4", "8"]), multiple=True,
-              help="Bit widths to measure (repeatable; default: 4 and 8).")
+@click.option("--q-bits", "bits", type=click.Choice([str(b) for b in BITS]), multiple=True,
+              help="Bit widths of the recipes that take --q-bits (repeatable; default: all).")
 @_q_group_size
 @_q_mode
-@click.option("--quant-predicate", "recipes", type=click.Choice(RECIPES), multiple=True,
-              help="Recipes to measure (repeatable; default: both).")
+@click.option("--quant-predicate", "recipes", type=click.Choice(list(RECIPES)), multiple=True,
+              help="Recipes to measure (repeatable; default: all).")
 @_dtype
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Where the trial conversions go (default: the system's temporary folder).")
+@click.option("-n", "--instances", default=20, show_default=True, type=click.IntRange(min=0),
+              help="Fresh demo-task instances per task for the accuracy and steps columns (0: logit error only).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed of the task instances.")
 @command_line
-def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir):
-    """Convert with each recipe and bit width; print logit error, size and load time against the source."""
+def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir, instances, seed):
+    """Convert with each recipe and bit width; print logit error, size and load time against the source,
+    and the demo tasks' accuracy under diffusion and AR with the denoising steps per canvas."""
     try:
-        click.echo(sweep(hf_path, list(recipes or RECIPES), [int(b) for b in bits or ("4", "8")],
-                         _int(q_group_size), q_mode or "affine", dtype, work_dir))
+        click.echo(sweep(hf_path, list(recipes or RECIPES), [int(b) for b in bits or BITS], _int(q_group_size),
+                         q_mode or "affine", dtype, work_dir, instances, seed))
     except _ERRORS as e:
         raise click.ClickException(str(e)) from None
+
+
+@click.command(context_settings=_CONTEXT)
+@_hf_path
+@_q_group_size
+@command_line
+def sizes_command(hf_path, q_group_size):
+    """Each recipe's converted size, from the source's safetensors headers (no weight is read)."""
+    try:
+        src = resolve(hf_path)
+        raw, config = _read_config(src)
+        tensors = _source_tensors(src)
+        rows = [("unquantized", converted_size(plan_tensors(src, raw, config, tensors, None, None)))]
+        rows += [(q.describe(), n) for q, n in
+                 recipe_sizes(src, raw, config, tensors, list(RECIPES), list(BITS), _int(q_group_size))]
+    except _ERRORS as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{'recipe':<32} {'size':>10} {'bytes':>15}")
+    for label, nbytes in rows:
+        click.echo(f"{label:<32} {format_size(nbytes):>10} {nbytes:>15}")
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         report_command.main(argv[1:], prog_name="python -m mlx_dgemma.convert report")
+    elif argv[:1] == ["sizes"]:
+        sizes_command.main(argv[1:], prog_name="python -m mlx_dgemma.convert sizes")
     else:
         convert_command.main(argv, prog_name="python -m mlx_dgemma.convert")
 

@@ -1,5 +1,7 @@
-"""What a conversion recipe costs (measured here; ``convert.sweep`` runs the conversions): logit error against the unquantized source on a fixed prompt and
-canvas (one plain denoising step and one self-conditioned step), size on disk and load time."""
+"""What a conversion recipe costs (measured here; ``convert.sweep`` runs the conversions): logit error
+against the unquantized source on a fixed prompt and canvas (one plain denoising step and one
+self-conditioned step), size on disk, load time, and on the demo tasks (fresh instances) the accuracy
+under diffusion with its denoising steps per canvas and the accuracy under AR."""
 
 from __future__ import annotations
 
@@ -60,25 +62,50 @@ class LogitError:
 
 
 @dataclass(frozen=True)
+class TaskRow:
+    """The demo tasks, every task's instances together."""
+
+    diffusion_accuracy: float  # the checkpoint's own sampler (policy reference)
+    steps_per_canvas: float  # its mean denoising steps per canvas
+    ar_accuracy: float
+
+    @classmethod
+    def measure(cls, model, tokenizer, instances: int, seed: int) -> "TaskRow":
+        from .demo.eval import evaluate_policies
+
+        scores = evaluate_policies(model, tokenizer, instances, seed, ["reference", "ar"])
+        diffusion, ar = (list(scores[p].values()) for p in ("reference", "ar"))
+        steps = [n for s in diffusion for n in s.steps]
+        return cls(_accuracy(diffusion), sum(steps) / len(steps), _accuracy(ar))
+
+
+def _accuracy(scores) -> float:
+    return sum(s.correct for s in scores) / sum(s.total for s in scores)
+
+
+@dataclass(frozen=True)
 class QualityRow:
     label: str
     size_bytes: int
     load_seconds: float
     step: LogitError
     self_conditioned: LogitError
+    tasks: TaskRow | None = None
 
 
 def weights_size(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
-def measure_recipe(folder: Path, label: str, reference: tuple[np.ndarray, np.ndarray], probe: Probe) -> QualityRow:
+def measure_recipe(folder: Path, label: str, reference: tuple[np.ndarray, np.ndarray], probe: Probe,
+                   instances: int = 0, seed: int = 0) -> QualityRow:
     start = time.perf_counter()
-    model, _ = load(folder)
+    model, tokenizer = load(folder)
     load_seconds = time.perf_counter() - start
     step, self_conditioned = probe_logits(model, probe)
-    return QualityRow(label, weights_size(folder), load_seconds,
-                      LogitError.between(step, reference[0]), LogitError.between(self_conditioned, reference[1]))
+    tasks = TaskRow.measure(model, tokenizer, instances, seed) if instances else None
+    return QualityRow(label, weights_size(folder), load_seconds, LogitError.between(step, reference[0]),
+                      LogitError.between(self_conditioned, reference[1]), tasks)
 
 
 def reference_logits(src: Path) -> tuple[tuple[np.ndarray, np.ndarray], Probe]:
@@ -88,19 +115,24 @@ def reference_logits(src: Path) -> tuple[tuple[np.ndarray, np.ndarray], Probe]:
 
 
 def format_table(rows: list[QualityRow]) -> str:
+    """One line per recipe; the task columns (diffusion accuracy, steps per canvas, AR accuracy) where measured."""
+    tasks = any(r.tasks for r in rows)
     header = (f"{'recipe':<32} {'size':>10} {'load s':>7} {'rel RMS':>9} {'max|Δ|':>8} {'top-1':>6}"
               f" {'SC rel RMS':>10} {'SC max|Δ|':>9} {'SC top-1':>8}")
+    if tasks:
+        header += f" {'diff acc':>8} {'steps':>6} {'AR acc':>6}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(
-            f"{r.label:<32} {_size(r.size_bytes):>10} {r.load_seconds:>7.2f} {r.step.rel_rms:>9.2e} {r.step.max_abs:>8.3f}"
-            f" {r.step.top1:>6.1%} {r.self_conditioned.rel_rms:>10.2e} {r.self_conditioned.max_abs:>9.3f}"
-            f" {r.self_conditioned.top1:>8.1%}"
-        )
+        line = (f"{r.label:<32} {format_size(r.size_bytes):>10} {r.load_seconds:>7.2f} {r.step.rel_rms:>9.2e}"
+                f" {r.step.max_abs:>8.3f} {r.step.top1:>6.1%} {r.self_conditioned.rel_rms:>10.2e}"
+                f" {r.self_conditioned.max_abs:>9.3f} {r.self_conditioned.top1:>8.1%}")
+        if r.tasks:
+            line += f" {r.tasks.diffusion_accuracy:>8.1%} {r.tasks.steps_per_canvas:>6.2f} {r.tasks.ar_accuracy:>6.1%}"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def _size(nbytes: int) -> str:
+def format_size(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if nbytes < 1000 or unit == "GB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"

@@ -49,7 +49,7 @@ TIMEOUT_ENV = "MLX_DGEMMA_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 120.0
 # Variables the launchers set (mlx.launch's ring and JACCL backends, MPI): a process started by one.
 _LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)\.(weight|scales|biases)$")
+STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)\.(weight|scales|biases)$")
 _TICK_EVERY = 64  # tensors read between two lockstep ticks while loading
 
 
@@ -226,7 +226,7 @@ def load_model(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | N
         if isinstance(target, ExpertSlice):
             if start <= target.expert < stop:
                 per_expert.setdefault(target.target, {})[target] = _evaluated(read_tensor(info))
-        elif _STACKED_EXPERTS.search(target):
+        elif STACKED_EXPERTS.search(target):
             if info.shape[0] != config.num_experts:
                 raise CheckpointError(f"weight {key} has {info.shape[0]} experts, the config has "
                                       f"{config.num_experts}")

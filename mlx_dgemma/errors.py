@@ -34,6 +34,10 @@ class ConversionError(ValueError):
     """A conversion that cannot be done as asked; the message says why in one line."""
 
 
+class MemoryCheckError(ValueError):
+    """A model that needs more memory than the device can give; the message says what would fit."""
+
+
 class DistributedError(RuntimeError):
     """A rank that cannot go on: its peers are gone, or it holds a different checkpoint."""
 

@@ -713,10 +713,12 @@ def statistics(responses: list[GenerationResponse]) -> str:
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @click.option("--image", "image_files", multiple=True, metavar="PATH",
               help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
+@click.option("--ignore-memory-check", is_flag=True, help="Load the model even where it needs more memory than the "
+                                                          "device can give (see docs/quantization.md).")
 @command_line
 def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
          ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file, prefill_step_size,
-         schema_file, image_files, adapter_path):
+         schema_file, image_files, adapter_path, ignore_memory_check):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
     if model is None and not DEMO_MODEL.is_dir():
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
@@ -744,7 +746,7 @@ def main(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_mi
             responses, canvas_view = _generate_cli(
                 model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
                 ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file,
-                prefill_step_size, schema_file, image_files, group, watchdog, adapter_path)
+                prefill_step_size, schema_file, image_files, group, watchdog, adapter_path, ignore_memory_check)
     except ValueError as e:  # bad input: checkpoint, prompt or settings; the message says which
         raise click.ClickException(str(e)) from None
     except distributed.DistributedError as e:
@@ -767,10 +769,12 @@ def _plan_key(plan: Plan) -> tuple:
 
 def _generate_cli(model, prompt, system_prompt, max_tokens, steps, entropy_bound, temp_min, temp_max, seed,
                   ignore_chat_template, verbose, view, policy, draft_length, draft_steps, temp, template_file,
-                  prefill_step_size, schema_file, image_files, group, watchdog, adapter_path=None):
+                  prefill_step_size, schema_file, image_files, group, watchdog, adapter_path=None,
+                  ignore_memory_check=False):
     """The CLI's work on one rank: the model (or this rank's share of it), the text as it commits."""
     from . import distributed
     from .loader import load
+    from .memory import check_memory
     from .view import CanvasView
 
     if prompt == "-":
@@ -781,6 +785,8 @@ def _generate_cli(model, prompt, system_prompt, max_tokens, steps, entropy_bound
         check_text(system_prompt, "--system-prompt")
     check_request(prompt, max_tokens or 1, seed, system_prompt)  # before the model loads
     images = [load_image(path) for path in image_files] or None  # bad files fail before the model loads
+    if not ignore_memory_check:
+        check_memory(model or DEMO_MODEL, prompt, max_tokens, group.size() if group else 1)
     if group is None:
         dgemma, tokenizer = load(model or DEMO_MODEL, adapter_path=adapter_path)
     elif adapter_path:

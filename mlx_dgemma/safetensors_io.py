@@ -115,22 +115,32 @@ class TensorSpec:
         return cls(name, tuple(array.shape), array.dtype)
 
 
+def shard_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
+    """The bytes a shard of ``specs`` starts with: the header's length and the header."""
+    header: dict = {"__metadata__": metadata or {"format": "mlx"}}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {"dtype": _NAMES[spec.dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keeps the data 8-byte aligned, as the safetensors library does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def shard_size(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> int:
+    """The size in bytes of the file ``ShardWriter`` writes for ``specs``."""
+    return len(shard_header(specs, metadata)) + sum(s.nbytes for s in specs)
+
+
 class ShardWriter:
     """One safetensors file whose header is written first; the tensors then arrive in header order."""
 
     def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
-        header: dict = {"__metadata__": metadata or {"format": "mlx"}}
-        offset = 0
-        for spec in specs:
-            header[spec.name] = {"dtype": _NAMES[spec.dtype], "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
-            offset += spec.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # keeps the data 8-byte aligned, as the safetensors library does
         self.path = path
         self._pending = list(reversed(specs))
         self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._file.write(shard_header(specs, metadata))
 
     def write(self, name: str, array: mx.array) -> None:
         spec = self._pending.pop()

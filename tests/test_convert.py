@@ -2,10 +2,8 @@
 nothing behind, interop with the mlx-vlm / mlx-community layout, and bounded memory."""
 
 import json
-import math
 import os
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,22 +17,29 @@ from mlx.utils import tree_flatten, tree_map
 from safetensors.numpy import load_file
 
 from convert import random_checkpoint
-from convert.synthetic_checkpoint import hf_config, hf_tensors, scaled_sizes, write_checkpoint
+from convert.synthetic_checkpoint import RELEASED, scaled_sizes, write_checkpoint, write_header_only
 from mlx_dgemma import convert as convert_module
 from mlx_dgemma import load
 from mlx_dgemma.convert import (
+    BITS,
     MAX_SHARD_BYTES,
+    RECIPES,
     ConversionError,
     Quantization,
     convert,
     convert_command,
+    converted_size,
     main,
     output_specs,
     plan_conversion,
+    recipe_trials,
     report_command,
+    sizes_command,
     split_into_shards,
 )
 from mlx_dgemma.convert_report import LogitError, Probe, probe_logits
+from mlx_dgemma.demo.eval import evaluate_policies
+from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,6 +215,101 @@ def test_mixed_recipe_writes_mlx_lm_overrides(converted, src):
     assert sizes[0] > sizes[1] > sizes[2]
 
 
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {path: m for path, m in model.named_modules() if hasattr(m, "scales")}
+
+
+def dequantized(module: nn.Module) -> mx.array:
+    return mx.dequantize(module.weight, module.scales, getattr(module, "biases", None), group_size=module.group_size,
+                         bits=module.bits, mode=module.mode)
+
+
+@pytest.fixture(scope="module")
+def uniform_at(src, tmp_path_factory):
+    """``python -m mlx_dgemma.convert -q --q-bits B --quant-predicate uniform`` of ``src``, once per width."""
+    made: dict[int, Path] = {}
+
+    def get(bits: int) -> Path:
+        if bits not in made:
+            dst = tmp_path_factory.mktemp(f"uniform-{bits}") / "out"
+            result = CliRunner().invoke(convert_command, ["--hf-path", str(src), "--mlx-path", str(dst), "-q",
+                                                          "--q-bits", str(bits), "--quant-predicate", "uniform"])
+            assert result.exit_code == 0, result.output
+            made[bits] = dst
+        return made[bits]
+
+    return get
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_every_width_dequantizes_within_one_step_and_runs_as_its_dequantized_weights(src, uniform_at, bits):
+    """At each width every module is stored at it, its dequantized weight lies within one quantization step
+    (MLX's affine step: the group's range / (2**bits - 1), widened where the zero point is snapped) of the
+    source's, and the quantized model's logits are those of the model holding the dequantized weights."""
+    quantized, _ = load(uniform_at(bits))
+    source, _ = load(src)
+    original = dict(tree_flatten(source.parameters()))
+    modules = quantized_modules(quantized)
+    assert len(modules) > 20 and {m.bits for m in modules.values()} == {bits}
+    replaced = []
+    for path, module in modules.items():
+        w, d = original[f"{path}.weight"], dequantized(module)
+        groups = w.reshape(*w.shape[:-1], -1, module.group_size)
+        step = (groups.max(-1) - groups.min(-1)) / (2**bits - 1)
+        scales = mx.abs(module.scales)
+        error = mx.abs(d - w).reshape(groups.shape).max(-1)
+        assert mx.all(error <= scales * 1.0001 + 1e-7).item(), path
+        assert mx.all(scales <= 2 * step + 1e-7).item(), path
+        replaced.append((f"{path}.weight", d))
+    source.load_weights(replaced, strict=False)
+    probe = Probe.for_model(source)
+    for ours, theirs in zip(probe_logits(quantized, probe), probe_logits(source, probe)):
+        assert np.abs(ours - theirs).max() < 2e-3 * np.abs(theirs).max()
+
+
+def test_logit_error_falls_with_every_bit(uniform_at, reference):
+    rel_rms = [errors(uniform_at(bits), reference)[0].rel_rms for bits in BITS]
+    assert all(a > b for a, b in zip(rel_rms, rel_rms[1:])), rel_rms
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--q-bits", "3", "--quant-predicate", "mixed-24gb"], "mixed-24gb quantizes the experts at 4 bits; drop --q-bits 3"),
+    (["--quant-predicate", "mixed-16gb", "--q-mode", "mxfp4"], "mixed-16gb is affine; drop --q-mode mxfp4"),
+])
+def test_conflicting_quantization_flags_are_refused(src, tmp_path, options, message):
+    assert message in cli_error(["--hf-path", str(src), "-q", *options], tmp_path / "dst")
+
+
+def test_a_width_mlx_cannot_quantize_to_is_refused_by_the_python_api(src, tmp_path):
+    with pytest.raises(ConversionError, match="--q-bits 7 is not a width MLX quantizes to; choose one of 2, 3, 4"):
+        convert(str(src), str(tmp_path / "dst"), quantize=True, q_bits=7)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("recipe,bits", [(None, None), *recipe_trials(list(RECIPES), [3, 5])])
+def test_predicted_size_is_what_the_conversion_writes(src, tmp_path, recipe, bits):
+    """From the headers alone, exactly the bytes of the safetensors files written (several shards)."""
+    quantization = None if recipe is None else Quantization.from_flags(bits, recipe=recipe)
+    predicted = converted_size(plan_conversion(src, quantization, None), max_shard_bytes=300_000)
+    options = {} if recipe is None else dict(quantize=True, q_bits=bits, quant_predicate=recipe)
+    dst = convert(str(src), str(tmp_path / "dst"), max_shard_bytes=300_000, progress=False, **options)
+    files = list(dst.glob("*.safetensors"))
+    assert len(files) > 1 and predicted == sum(f.stat().st_size for f in files)
+
+
+def test_sizes_command_prints_every_recipe_without_reading_a_weight(src, monkeypatch):
+    monkeypatch.setattr(convert_module, "read_tensor", lambda info: pytest.fail("a weight was read"))
+    result = CliRunner().invoke(sizes_command, ["--hf-path", str(src)])
+    assert result.exit_code == 0, result.output
+    rows = {line[:32].strip(): int(line.split()[-1]) for line in result.stdout.strip().splitlines()[1:]}
+    assert len(rows) == 1 + 2 * len(BITS) + 3
+    source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    assert abs(rows["unquantized"] - source_bytes) < 1e-3 * source_bytes  # the same tensors, another header
+    expected = converted_size(plan_conversion(src, Quantization.from_flags(2, recipe="mixed-16gb"), None))
+    assert rows["mixed-16gb 2-bit affine g64"] == expected == rows["mixed 2-bit affine g64"]
+    assert rows["uniform 2-bit affine g64"] < expected < rows["mixed 3-bit affine g64"]
+
+
 @pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])
 def test_microscaling_modes_convert_and_load(converted, reference, mode):
     step, _ = errors(converted(quantize=True, q_mode=mode), reference)
@@ -223,40 +323,49 @@ def test_uniform_microscaling_quantizes_the_embedding_too(converted, reference):
 
 
 def test_report_lists_every_recipe(src, tmp_path):
-    result = CliRunner().invoke(report_command, ["--hf-path", str(src), "--work-dir", str(tmp_path)])
+    """The recipes that take --q-bits once per width asked for; the memory recipes once, at their own."""
+    result = CliRunner().invoke(report_command, ["--hf-path", str(src), "--work-dir", str(tmp_path), "-n", "0",
+                                                 "--q-bits", "4", "--q-bits", "8"])
     assert result.exit_code == 0, result.output
     rows = result.stdout.strip().splitlines()[2:]
     assert [r.split("  ")[0] for r in rows] == [
         "unquantized (config dtype)", "mixed 4-bit affine g64", "mixed 8-bit affine g64",
-        "uniform 4-bit affine g64", "uniform 8-bit affine g64",
+        "uniform 4-bit affine g64", "uniform 8-bit affine g64", "mixed-16gb 2-bit affine g64",
+        "mixed-24gb 4-bit affine g64", "mixed-32gb 6-bit affine g64",
     ]
     assert " 0.00e+00 " in rows[0] and " 0.00e+00 " not in rows[1]
+    assert "diff acc" not in result.stdout  # -n 0: logit error only
     assert list(tmp_path.iterdir()) == []
 
 
-# The released 26B-A4B geometry (its config.json's text_config).
-RELEASED = dict(
-    vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
-    num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
-    num_global_key_value_heads=2, num_experts=128, top_k_experts=8, sliding_window=1024, canvas_length=256,
-)
+def test_report_measures_the_demo_tasks(tmp_path):
+    """Accuracy under diffusion (with steps per canvas) and AR: the unquantized row is what the demo
+    evaluation gives the same instances; a 2-bit-expert recipe is measured the same way."""
+    n = 2
+    result = CliRunner().invoke(report_command, ["--hf-path", str(DEMO_MODEL), "--work-dir", str(tmp_path),
+                                                 "--quant-predicate", "mixed-16gb", "--q-group-size", "32",
+                                                 "-n", str(n), "--seed", "5"])
+    assert result.exit_code == 0, result.output
+    header, _, *rows = result.stdout.strip().splitlines()
+    assert header.split()[-5:] == ["diff", "acc", "steps", "AR", "acc"]
+    assert [r.split("  ")[0] for r in rows] == ["unquantized (config dtype)", "mixed-16gb 2-bit affine g32"]
+    model, tokenizer = load(DEMO_MODEL)
+    scores = evaluate_policies(model, tokenizer, n, 5, ["reference", "ar"])
+    diffusion, ar = (list(scores[p].values()) for p in ("reference", "ar"))
+    steps = [k for s in diffusion for k in s.steps]
+    expected = [f"{sum(s.correct for s in d) / sum(s.total for s in d):.1%}" for d in (diffusion, ar)]
+    assert rows[0].split()[-3:] == [expected[0], f"{sum(steps) / len(steps):.2f}", expected[1]]
+    for row in rows:
+        diffusion_accuracy, steps_per_canvas, ar_accuracy = row.split()[-3:]
+        assert diffusion_accuracy.endswith("%") and ar_accuracy.endswith("%")
+        assert 1 <= float(steps_per_canvas) <= model.generation_config.max_denoising_steps
 
 
 def test_plan_for_the_released_checkpoint(tmp_path):
     """A sparse 50 GB bf16 file (a header and no data) plans like the real one: every quantized
     dimension divides group 64; mixed 4-bit writes 15.4 GB of text weights in 3 shards of at most 5 GiB,
     with one 8-bit override per embedding, attention, router and dense MLP module; group 128 is refused."""
-    header, offset = {}, 0
-    for name, shape in hf_tensors(RELEASED):
-        nbytes = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header).encode()
-    with open(tmp_path / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(RELEASED, "bfloat16")))
-
+    write_header_only(tmp_path, RELEASED)
     plan = plan_conversion(tmp_path, Quantization.from_flags(bits=4), dtype=None)
     groups = output_specs(plan)
     sizes = [sum(s.nbytes for _, specs in shard for s in specs) for shard in split_into_shards(groups, MAX_SHARD_BYTES)]

@@ -40,17 +40,22 @@ POSITIVE = click.IntRange(min=1)
               help="Seconds requests in flight get to finish after SIGTERM before they end with a 503.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
+@click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
+                                                          "answer's KV cache need more memory than the device can give.")
 def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,
-         max_image_pixels, allowed_image_dir, shutdown_grace, log_level):
+         max_image_pixels, allowed_image_dir, shutdown_grace, log_level, ignore_memory_check):
     """Serve a DiffusionGemma model over OpenAI's (chat, completions, Responses), Anthropic's and Ollama's APIs."""
     import uvicorn
 
     from ..loader import load
+    from ..memory import check_memory
     from .app import Server
     from .routes import create_app
     from .scheduler import Scheduler
 
     try:
+        if not ignore_memory_check:
+            check_memory(model or DEMO_MODEL, max_tokens=max_tokens)
         dgemma, tokenizer = load(model or DEMO_MODEL)
     except ValueError as e:
         raise click.ClickException(str(e)) from None

@@ -1,0 +1,205 @@
+"""Whether a checkpoint fits the device, decided before any weight is read: its weights (from the
+safetensors headers; a sharded run counts one rank's share of the experts), the KV cache at the
+requested context and a canvas's activations, against what the device can give: on Metal its
+recommended working set, on CUDA its free memory, elsewhere the available memory (/proc/meminfo's
+MemAvailable). ``MLX_DGEMMA_DEVICE_MEMORY`` (for example ``16GB``) sets the device's memory instead."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .config import GenerationConfig, ModelConfig
+from .convert_report import format_size
+from .distributed import STACKED_EXPERTS, expert_range
+from .errors import CheckpointError, ConfigError, MemoryCheckError
+from .loader import VISION_KEY, ExpertSlice, map_key, read_config, resolve, weight_files
+from .safetensors_io import TensorInfo, read_header
+
+DEVICE_MEMORY_ENV = "MLX_DGEMMA_DEVICE_MEMORY"
+IGNORE_FLAG = "--ignore-memory-check"
+# A denoising step holds a canvas's [positions, vocabulary] float32 logits about four times over (the
+# logits, their soft-capped and tempered copies, the self-conditioning probabilities): measured 1.1 GB
+# above the weights for a 256-position canvas of the released 262144-token vocabulary.
+LOGIT_COPIES = 4
+KV_CHUNK = 256  # positions a layer's cache grows by (cache.LayerCache.step)
+MEMORY_RECIPES = ("mixed-32gb", "mixed-24gb", "mixed-16gb")  # largest first: the best one that fits is named
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    weights: int
+    kv_cache: int
+    activations: int
+    context: int  # tokens the KV cache is counted for
+    canvas: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations
+
+    def describe(self) -> str:
+        return (f"{format_size(self.total)} ({format_size(self.weights)} of weights, {format_size(self.kv_cache)} of KV "
+                f"cache for {self.context} tokens, {format_size(self.activations)} for a {self.canvas}-position canvas)")
+
+
+def parse_size(text: str, name: str = DEVICE_MEMORY_ENV) -> int:
+    """``16GB``, ``24 GiB``, ``512MB`` or a number of bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m or float(m[1]) <= 0:
+        raise MemoryCheckError(f"{name}={text!r} is not a memory size; write it like 16GB or 24GiB")
+    return int(float(m[1]) * _UNITS[(m[2] or "").upper()])
+
+
+def device_memory() -> tuple[int, str] | None:
+    """What the device can give a model, and where that figure comes from (None: unknown)."""
+    if raw := os.environ.get(DEVICE_MEMORY_ENV):
+        return parse_size(raw), DEVICE_MEMORY_ENV
+    if mx.metal.is_available():
+        return int(mx.device_info()["max_recommended_working_set_size"]), "the GPU's recommended working set"
+    if mx.cuda.is_available() and mx.default_device() == mx.gpu and (free := mx.device_info().get("free_memory")):
+        return int(free), "the GPU's free memory"
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    if m := re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE):
+        return int(m[1]) * 1024, "available memory"
+    return None
+
+
+def _tensors(folder: Path) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for f in weight_files(folder):
+        tensors.update(read_header(f))
+    return tensors
+
+
+def weight_bytes(tensors: dict[str, TensorInfo], config: ModelConfig, ranks: int = 1) -> int:
+    """The bytes the loader keeps of ``tensors``: every tensor the model uses, of the experts one rank's share."""
+    share = expert_range(config.num_experts, 0, ranks)[1]  # rank 0 holds the most: experts [0, share)
+    total = 0
+    for key, info in tensors.items():
+        target = map_key(key)
+        if target is None or (VISION_KEY.match(key) and config.vision_config is None):
+            continue
+        if isinstance(target, ExpertSlice):
+            total += info.nbytes if target.expert < share else 0
+        elif STACKED_EXPERTS.search(target):
+            total += info.nbytes * share // config.num_experts
+        else:
+            total += info.nbytes
+    return total
+
+
+def _activation_itemsize(tensors: dict[str, TensorInfo]) -> int:
+    """The activations' bytes per element: the embedding's dtype (its scales' when quantized)."""
+    embedding = {map_key(k): info for k, info in tensors.items() if ".embed_tokens." in k and "decoder" in k}
+    for name in ("model.decoder.embed_tokens.scales", "model.decoder.embed_tokens.weight"):
+        if (info := embedding.get(name)) is not None and mx.issubdtype(info.dtype, mx.floating):
+            return info.dtype.size
+    return 4
+
+
+def kv_cache_bytes(config: ModelConfig, context: int, itemsize: int) -> int:
+    """The encoder's cache at ``context`` tokens (a sliding layer keeps its window and a canvas, in
+    whole chunks) and the canvas view's copy of it with room for a canvas."""
+    total = 0
+    for layer in range(config.num_hidden_layers):
+        positions = context
+        if config.is_sliding(layer):
+            positions = min(context, config.sliding_window - 1 + config.canvas_length + KV_CHUNK)
+        per_position = 2 * config.layer_kv_heads(layer) * config.layer_head_dim(layer) * itemsize
+        cached = -(-positions // KV_CHUNK) * KV_CHUNK
+        total += (cached + positions + config.canvas_length) * per_position
+    return total
+
+
+def canvas_bytes(config: ModelConfig) -> int:
+    return LOGIT_COPIES * config.canvas_length * config.vocab_size * 4
+
+
+def memory_need(config: ModelConfig, tensors: dict[str, TensorInfo], context: int, ranks: int = 1) -> MemoryNeed:
+    context = min(context, config.max_position_embeddings)
+    return MemoryNeed(weight_bytes(tensors, config, ranks), kv_cache_bytes(config, context,
+                      _activation_itemsize(tensors)), canvas_bytes(config), context, config.canvas_length)
+
+
+def requested_context(folder: Path, config: ModelConfig, prompt: str = "", max_tokens: int | None = None) -> int:
+    """The prompt's UTF-8 bytes (no fewer than its tokens) and ``max_tokens`` (default: the generation
+    config's) in whole canvases."""
+    try:
+        max_tokens = max_tokens or GenerationConfig.from_folder(folder, config).max_new_tokens
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return len(prompt.encode()) + -(-max_tokens // config.canvas_length) * config.canvas_length
+
+
+def check_memory(path_or_repo: str | os.PathLike, prompt: str = "", max_tokens: int | None = None,
+                 ranks: int = 1) -> MemoryNeed | None:
+    """Raise MemoryCheckError, naming what would fit, when the model needs more than the device can
+    give; returns the need (None when the device's memory is unknown). Reads only headers and configs."""
+    folder = resolve(path_or_repo)
+    config = read_config(folder)
+    tensors = _tensors(folder)
+    context = requested_context(folder, config, prompt, max_tokens)
+    needed = memory_need(config, tensors, context, ranks)
+    if (device := device_memory()) is None:
+        return None
+    available, source = device
+    if needed.total <= available:
+        return needed
+    raise MemoryCheckError(f"the model needs {needed.describe()} and this device can give {format_size(available)} "
+                           f"({source}); {_what_fits(folder, config, tensors, needed, available, ranks)}, or pass "
+                           f"{IGNORE_FLAG} to load it anyway")
+
+
+def _what_fits(folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo], needed: MemoryNeed,
+               available: int, ranks: int) -> str:
+    room = available - needed.kv_cache - needed.activations
+    options = []
+    sizes = recipe_weight_sizes(folder, config, tensors, ranks)
+    if fitting := [(name, size) for name, size in sizes if size <= room and size < needed.weights]:
+        name, size = fitting[0]
+        options.append(f"converted with --quant-predicate {name} it fits ({format_size(size)} of weights)")
+    for n in range(ranks + 1, config.num_experts + 1):
+        if weight_bytes(tensors, config, n) <= room:
+            options.append(f"sharded over {n} machines like this one it fits (mlx.launch, docs/distributed.md)")
+            break
+    return "; ".join(options) if options else "no recipe or sharding here makes it fit"
+
+
+def recipe_weight_sizes(folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo],
+                        ranks: int = 1) -> list[tuple[str, int]]:
+    """(recipe, weight bytes per rank) for ``MEMORY_RECIPES``, planned from shapes: the checkpoint's own
+    tensors when unquantized, else its config's text model in bfloat16 and its vision tensors as they are."""
+    with warnings.catch_warnings():  # the converter's import asks for the fast BLAS, loaded (or not) by now
+        warnings.simplefilter("ignore")
+        from . import convert
+    raw = json.loads((folder / "config.json").read_text())
+    if config.quantization:
+        raw = {k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")}
+        tensors = {**convert.text_tensors(raw), **{k: v for k, v in tensors.items() if VISION_KEY.match(k)}}
+    base = ModelConfig.from_dict(raw)
+    sizes = []
+    for name in MEMORY_RECIPES:
+        for group_size in convert.GROUP_SIZES[1::-1]:  # 64, then 32 where 64 does not divide a dimension
+            quantization = convert.Quantization.from_flags(group_size=group_size, recipe=name)
+            try:
+                plan = convert.plan_tensors(folder, raw, base, tensors, quantization, None)
+            except convert.ConversionError:
+                continue
+            specs = {s.name: s for _, group in convert.output_specs(plan) for s in group}
+            infos = {n: TensorInfo(Path(), s.dtype, s.shape, 0, s.nbytes) for n, s in specs.items()}
+            sizes.append((name, weight_bytes(infos, base, ranks)))
+            break
+    return sizes
+
