@@ -172,7 +172,7 @@ def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
 
 
 @dataclass
-class Job:
+class PreparedRequest:
     """One prompt made ready to generate: its ids, plan (with the sampler settings), draws and text decoder."""
 
     ids: list[int]
@@ -205,7 +205,8 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
             system_prompt: str | None = None, chat_template: bool = True, policy: str = "reference",
             profile: Profile | None = None, expected_steps: float | None = None,
             template: str | CanvasTemplate | None = None, images: list | None = None,
-            temperature: float | None = None, draft_length: int | None = None, draft_steps: int | None = None) -> Job:
+            temperature: float | None = None, draft_length: int | None = None, draft_steps: int | None = None
+            ) -> PreparedRequest:
     """Check a request and settle everything about it before any forward (see ``stream_generate``)."""
     config = model.config
     defaults = generation_config(model, tokenizer)
@@ -247,7 +248,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: in
         check_template_fits(template, len(ids), config)
     text = answer_text(model, tokenizer, template)
 
-    return Job(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn, vision_inputs,
+    return PreparedRequest(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn, vision_inputs,
                planner, acceptance, temperature or 0.0)
 
 

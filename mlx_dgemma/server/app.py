@@ -184,7 +184,9 @@ class Server:
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
                               else (self._text_prompt(body), {}))
         request = BatchRequest(ids, seed=seed, policy=policy, steps=steps)
-        if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
+        if policy in ("ar", "verified"):  # the answer's sampling temperature (0: greedy)
+            request.temperature = temperature
+        elif temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
             scale = max(temperature, 1e-2)
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
         job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs)
