@@ -36,7 +36,8 @@ import mlx.core as mx  # noqa: E402
 
 from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
-from .generate import PREFILL_STEP_SIZE, PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
+from .generate import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
 from .policy import Plan  # noqa: E402
 from .sampler import CanvasRun, Draft, RunBatch, new_run, step_batch, step_compacted  # noqa: E402
 from .template import CanvasTemplate  # noqa: E402
@@ -75,6 +76,7 @@ class BatchResponse:
     finish_reason: str | None  # "stop", "length", or None while more follow
     steps: int  # forwards the commit took (denoising steps of the canvas, tokens, draft steps + the verifying pass)
     plan: Plan | None = None  # the plan the commit was made under (auto re-plans)
+    ends_block: bool = True  # False: an autoregressive token inside its block (a canvas's worth, or auto's choice)
 
 
 @dataclass
@@ -194,10 +196,12 @@ class BatchGenerator:
         return len(self._pending) + len(self._diffusion) + len(self._ar.rows) + len(self._verifying)
 
     def insert(self, request: BatchRequest) -> int:
-        job = prepare(self.model, self.tokenizer, list(request.prompt_ids), request.max_tokens, steps=request.steps,
-                      seed=request.seed, temp_min=request.temp_min, temp_max=request.temp_max,
-                      policy=request.policy, template=request.template, temperature=request.temperature)
-        return self.insert_prepared(job, request.cache, request.on_prefilled)
+        sampling = SamplingArgs(request.steps, temp_min=request.temp_min, temp_max=request.temp_max,
+                                temperature=request.temperature)
+        args = GenerationArgs(request.max_tokens, request.seed, policy=request.policy, template=request.template,
+                              sampling=sampling)
+        return self.insert_prepared(prepare(self.model, self.tokenizer, list(request.prompt_ids), args),
+                                    request.cache, request.on_prefilled)
 
     def insert_prepared(self, job: PreparedRequest, cache=None, on_prefilled=None, on_step=None) -> int:
         """Queue a request ``prepare`` made ready (``cache``, ``on_prefilled``: as ``BatchRequest``'s;
@@ -287,10 +291,11 @@ class BatchGenerator:
 
     # -- emitting -------------------------------------------------------------------------------
 
-    def _emit(self, row: _Row, tokens: list[int], forwards: int, stopped: bool, last: bool) -> bool:
+    def _emit(self, row: _Row, tokens: list[int], forwards: int, stopped: bool, last: bool,
+              ends_block: bool = True) -> bool:
         """Hand out ``tokens`` the row committed (stopped: they end with a stop id or the template's
         end; last: nothing follows them), within ``max_tokens``, with their text; returns whether
-        the row is done (it is then out of the engine's lists but for the group, its caller's)."""
+        the row is done (the caller takes it out of its kind's rows)."""
         job = row.job
         room = job.max_tokens - row.emitted
         if job.template is None and len(tokens) >= room:  # a canvas may compute more than was asked for
@@ -300,7 +305,7 @@ class BatchGenerator:
         if finish is not None and row.planner is not None:
             row.planner.observe_answer(row.emitted, job.ids)
         self._out.append(BatchResponse(row.uid, tokens, job.text.add(tokens, final=finish is not None), finish,
-                                       max(forwards, 1), row.plan))
+                                       max(forwards, 1), row.plan, ends_block or finish is not None))
         return finish is not None
 
     # -- diffusion ------------------------------------------------------------------------------
@@ -395,19 +400,17 @@ class BatchGenerator:
                 return
             row.token = mx.array([[token]], dtype=mx.int32)
         else:
-            if row.planner is not None:  # a block as long as the answer is expected still to be
-                expected = math.ceil(row.planner.expected_tokens(row.emitted, job.ids))
-                row.block_size = min(self.model.config.canvas_length, row.remaining, max(AR_BLOCK_MIN, expected))
-                row.block = row.block_size
-            row.token = self._pick(row, row.logits)
+            self._new_block(row)
+            row.token = _pick(row, row.logits)
         self._ar.add(row, row.cache)
         row.cache = None
 
-    def _pick(self, row: _Row, logits: mx.array) -> mx.array:
-        """The row's next token after ``logits`` [1, V], lazily: greedy, or drawn at its temperature."""
-        if row.temperature:
-            return row.job.rng.categorical(drafting.tempered_probs(logits, row.temperature))[:, None]
-        return logits.argmax(-1, keepdims=True).astype(mx.int32)
+    def _new_block(self, row: _Row) -> None:
+        row.block_size = self.model.config.canvas_length
+        if row.planner is not None:  # a block as long as the answer is expected still to be
+            expected = math.ceil(row.planner.expected_tokens(row.emitted, row.job.ids))
+            row.block_size = min(row.block_size, row.remaining, max(AR_BLOCK_MIN, expected))
+        row.block = row.block_size
 
     def _ar_round(self) -> None:
         """A token of every autoregressive row in one forward; the next tokens are queued before the
@@ -419,8 +422,8 @@ class BatchGenerator:
         logits = self.model.next_token_logits(tokens, group.cache)
         # No token is drawn after a row's last one (a row's draws stay those it makes alone); a
         # template row decides on the host.
-        following = [self._pick(row, logits[i : i + 1]) if row.rule is None and 1 not in (row.remaining, row.block)
-                     else None for i, row in enumerate(group.rows)]
+        following = [_pick(row, logits[i : i + 1]) if row.rule is None and not _ends(row) else None
+                     for i, row in enumerate(group.rows)]
         mx.async_eval([f for f in following if f is not None])
         keep, leaving = [], []
         for i, (row, token) in enumerate(zip(group.rows, tokens[:, 0].tolist())):
@@ -428,33 +431,42 @@ class BatchGenerator:
             if state == "on":
                 keep.append(i)
                 row.token = following[i] if row.rule is None else row.token
-            elif state == "switch":
-                leaving.append((row, group.take(i), logits[i : i + 1]))
+            elif state == "switch":  # an auto row's block is done: another block stays in the group
+                self._choose(row)
+                if row.plan.mode == "ar":
+                    row.started = time.perf_counter()
+                    self._new_block(row)
+                    row.token = _pick(row, logits[i : i + 1])
+                    keep.append(i)
+                else:
+                    leaving.append((row, group.take(i), logits[i : i + 1]))
         group.keep(keep)
         for row, cache, row_logits in leaving:
             row.cache, row.logits, row.token, row.block = cache, row_logits, None, None
-            self._choose(row)
             self._enter(row)
 
     def _ar_token(self, row: _Row, token: int) -> str:
         """A free row's token: "on", "done", or "switch" (an auto row's block is done: it chooses again)."""
         row.remaining -= 1
+        row.block -= 1
         stopped = token in row.job.stop_ids
         last = stopped or row.remaining <= 0
-        if row.block is not None:
-            row.block -= 1
-            if last or row.block == 0:
-                row.planner.observe_ar(row.block_size - row.block, time.perf_counter() - row.started, row.job.ids)
-        if self._emit(row, [token], 1, stopped, last):
+        if row.planner is not None and (last or row.block == 0):
+            row.planner.observe_ar(row.block_size - row.block, time.perf_counter() - row.started, row.job.ids)
+        if self._emit(row, [token], 1, stopped, last, row.block == 0):
             return "done"
-        return "switch" if row.block == 0 else "on"
+        if row.block == 0:
+            if row.planner is not None:
+                return "switch"
+            row.block = row.block_size
+        return "on"
 
     def _template_token(self, row: _Row, logits: mx.array) -> str:
         """A template row's next decision after ``logits`` [V] (the output it adds: the token, or a
         closed hole's padding too): "on" or "done"."""
         token = row.rule.step(logits)
         done = token is None or row.rule.done
-        self._emit(row, row.rule.output[row.emitted:], 1, done, done)
+        self._emit(row, row.rule.output[row.emitted:], 1, done, done, False)
         if done:
             return "done"
         row.token = mx.array([[token]], dtype=mx.int32)
@@ -489,8 +501,7 @@ class BatchGenerator:
         for (steps, temperature, _), rows in groups.items():
             length = max(map(_draft_length, rows))
             rounds = drafting.verify_rounds(self.model, [r.cache for r in rows], [r.known for r in rows],
-                                            [r.rule for r in rows], length,
-                                            drafting.DraftSettings(length, steps, temperature),
+                                            [r.rule for r in rows], drafting.DraftSettings(length, steps, temperature),
                                             [r.plan.settings for r in rows], [r.job.rng for r in rows],
                                             [r.leftover for r in rows])
             for row, done in zip(rows, rounds):
@@ -530,25 +541,37 @@ def _wants_logits(row: _Row) -> bool:
     return row.plan.mode != "diffusion" or row.planner is not None
 
 
+def next_token(logits: mx.array, temperature: float, rng) -> mx.array:
+    """The token [1, 1] after ``logits`` [1, V], lazily: greedy, or drawn through ``rng`` at ``temperature``."""
+    if temperature:
+        return rng.categorical(drafting.tempered_probs(logits, temperature))[:, None]
+    return logits.argmax(-1, keepdims=True).astype(mx.int32)
+
+
+def _pick(row: _Row, logits: mx.array) -> mx.array:
+    return next_token(logits, row.temperature, row.job.rng)
+
+
+def _ends(row: _Row) -> bool:
+    """Whether the row's next token is its last (no token is drawn after it) or its auto block's."""
+    return row.remaining == 1 or row.planner is not None and row.block == 1
+
+
 def _draft_length(row: _Row) -> int:
     return max(1, min(row.plan.draft_length, row.rule.room))
 
 
 def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens: int | None = None, *,
-                   seeds: list[int | None] | None = None, policy: str = "reference", steps: int | None = None,
-                   system_prompt: str | None = None, chat_template: bool = True,
-                   prefill_step_size: int = PREFILL_STEP_SIZE) -> list[str]:
+                   seeds: list[int | None] | None = None, **kwargs) -> list[str]:
     """The answers to ``prompts`` generated together; the i-th equals
-    ``generate(model, tokenizer, prompts[i], max_tokens, seed=seeds[i], policy=policy, steps=steps)``."""
-    from .generate import prompt_ids
-
+    ``generate(model, tokenizer, prompts[i], max_tokens, seed=seeds[i], **kwargs)`` (``kwargs``: those
+    of ``stream_generate``)."""
     seeds = list(seeds) if seeds is not None else [None] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
-    generator = BatchGenerator(model, tokenizer, prefill_step_size)
-    uids = [generator.insert(BatchRequest(prompt_ids(tokenizer, p, system_prompt, chat_template), max_tokens, seed,
-                                          policy, steps))
-            for p, seed in zip(prompts, seeds)]
+    args = [GenerationArgs.of(max_tokens=max_tokens, seed=seed, **kwargs) for seed in seeds]
+    generator = BatchGenerator(model, tokenizer, args[0].prefill_step_size if args else PREFILL_STEP_SIZE)
+    uids = [generator.insert_prepared(prepare(model, tokenizer, p, a)) for p, a in zip(prompts, args)]
     texts = {uid: "" for uid in uids}
     with generation_device(model):
         while len(generator):

@@ -366,6 +366,7 @@ def test_sampled_rows_in_a_batch_give_what_they_give_alone(demo, policy):
     """Autoregressive and verified rows sample at their own temperatures (one greedy) through their
     own draws, joining at different steps: each answer is the one ``generate`` gives alone."""
     from mlx_dgemma.generate import prepare, prompt_ids
+    from mlx_dgemma.options import GenerationArgs
 
     model, tokenizer = demo
     temperatures = [1.5, 0.0, 0.7, 1.2, 1.5]
@@ -375,7 +376,8 @@ def test_sampled_rows_in_a_batch_give_what_they_give_alone(demo, policy):
     settings = [dict(seed=i, policy=policy, temperature=t, chat_template=False, **draft)
                 for i, t in enumerate(temperatures)]
     ids = [prompt_ids(tokenizer, p) for p in prompts]
-    texts = _staggered(model, tokenizer, [prepare(model, tokenizer, p, 40, **kw) for p, kw in zip(ids, settings)])
+    texts = _staggered(model, tokenizer, [prepare(model, tokenizer, p, GenerationArgs.of(max_tokens=40, **kw))
+                                          for p, kw in zip(ids, settings)])
     for i, (p, kw) in enumerate(zip(ids, settings)):
         assert texts[i] == generate(model, tokenizer, p, 40, **kw), i
 

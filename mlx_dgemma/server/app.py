@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from .. import validate
 from ..batch import BatchRequest
-from ..generate import PromptError, check_prompt, check_template_fits, generation_config
+from ..generate import PromptError, check_prompt_fits, check_template_fits, generation_config
 from ..images import ImageError, decode_image, image_inputs, open_image_url
 from ..policy import POLICIES
 from ..template import TemplateError, json_template, parse_template
@@ -320,7 +320,7 @@ class Server:
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         config = self.model.config
         try:
-            check_prompt(ids, config)
+            check_prompt_fits(ids, config)
         except PromptError as e:
             over = len(ids) + config.canvas_length > config.max_position_embeddings
             raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
@@ -373,7 +373,7 @@ class Server:
         if max_tokens is None:
             return min(self.max_tokens, (self.context - len(ids)) // canvas * canvas)
         try:
-            check_prompt(ids, self.model.config, max_tokens)
+            check_prompt_fits(ids, self.model.config, max_tokens)
         except PromptError as e:
             raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
         return max_tokens

@@ -1,0 +1,228 @@
+"""The command line of generation (the mlx-dgemma script, ``python -m mlx_dgemma.generate``): its flags
+become one ``options.GenerationArgs``; text appears as each canvas, block or round commits::
+
+    python -m mlx_dgemma.generate --prompt "sort: 42 17 85 23 61" --view
+"""
+
+from __future__ import annotations
+
+from . import fast_blas
+
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+
+from .cli import command_line  # noqa: E402
+from .generate import (  # noqa: E402
+    DEFAULT_PROMPT,
+    DEMO_MODEL,
+    check_step_counts,
+    drafted_json_template,
+    generation_config,
+    statistics,
+    stream_generate,
+)
+from .images import load_image  # noqa: E402
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
+from .policy import POLICIES, Plan  # noqa: E402
+from .template import TemplateError, parse_template  # noqa: E402
+from .validate import (  # noqa: E402
+    at_least,
+    check_entropy_bound,
+    check_request,
+    check_seed,
+    check_temperature,
+    check_text,
+    decode_utf8,
+    option,
+)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
+@click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True,
+              help="Message to the model; '-' reads stdin.")
+@click.option("--system-prompt", help="System message for the chat template.")
+@click.option("--max-tokens", "-m", type=int, callback=option(at_least(1)),
+              help="Most tokens to print (computed in whole canvases) [default: the checkpoint's max_new_tokens].")
+@click.option("--steps", type=int, callback=option(at_least(1)), help="Most denoising steps per canvas.")
+@click.option("--entropy-bound", type=float, callback=option(check_entropy_bound),
+              help="Entropy bound of the sampler's acceptance (nats).")
+@click.option("--temp-min", type=float, callback=option(check_temperature),
+              help="Temperature at the last denoising step.")
+@click.option("--temp-max", type=float, callback=option(check_temperature),
+              help="Temperature at the first denoising step.")
+@click.option("--seed", type=int, callback=option(check_seed),
+              help="Seed of the sampler's random draws (0 to 2**64 - 1).")
+@click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
+@click.option("--verbose", is_flag=True, help="Print statistics after the text.")
+@click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
+@click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
+              help="reference: the generation config; auto: the policy this device runs fastest (measured once, "
+                   "cached; re-chosen as it generates); fast: settled positions no longer computed, trimmed last "
+                   "canvas; ar: autoregressive; verified: the decoder drafts, the encoder verifies (AR's output).")
+@click.option("--draft-length", type=int, callback=option(at_least(1)),
+              help="verified: canvas positions per draft, the known next token included [default: the policy's].")
+@click.option("--draft-steps", type=int, callback=option(at_least(1)),
+              help="verified: denoising steps per draft [default: the policy's].")
+@click.option("--temp", type=float, callback=option(check_temperature),
+              help="ar and verified: sampling temperature [default: 0, greedy].")
+@click.option("--template", "template_file", type=click.Path(dir_okay=False),
+              help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
+                   "(the file's final newline is not part of it).")
+@click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True, callback=option(at_least(1)),
+              help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
+@click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
+              help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
+                   "holes sized by a free draft generated first).")
+@click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
+@click.option("--image", "image_files", multiple=True, metavar="PATH",
+              help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
+@command_line
+def main(**flags):
+    """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
+    if flags["model"] is None and not DEMO_MODEL.is_dir():
+        raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
+    if flags["template_file"] and flags["schema_file"]:
+        raise click.ClickException("give --template or --schema, not both")
+    if flags["system_prompt"] is not None and flags["ignore_chat_template"]:
+        raise click.ClickException("--system-prompt needs the chat template: drop --ignore-chat-template "
+                                   "or put the system text in --prompt")
+    from . import distributed
+
+    group = watchdog = None
+    if distributed.launched():  # under mlx.launch: one model over every rank; rank 0 prints
+        try:
+            group = distributed.init()
+        except distributed.DistributedError as e:
+            raise click.ClickException(str(e)) from None
+        if group.size() > 1:
+            watchdog = distributed.Watchdog(group.rank(), distributed.timeout_seconds())
+            if group.rank() != 0:
+                sys.stdout, flags["view"], flags["verbose"] = open(os.devnull, "w"), False, False
+        else:
+            group = None
+    try:
+        with watchdog.watching() if watchdog else contextlib.nullcontext():
+            responses, canvas_view = _generate_cli(flags, group, watchdog)
+    except ValueError as e:  # bad input: checkpoint, prompt or settings; the message says which
+        raise click.ClickException(str(e)) from None
+    except distributed.DistributedError as e:
+        raise click.ClickException(str(e)) from None
+    except RuntimeError as e:  # a collective whose peer is gone
+        if group is None or (reason := distributed.lost_peer(e)) is None:
+            raise
+        raise click.ClickException(f"rank {group.rank()}: lost the connection to another rank ({reason})") from None
+    if canvas_view:
+        canvas_view.close()
+    else:
+        click.echo()
+    if flags["verbose"]:
+        click.echo(statistics(responses))
+
+
+def _plan_key(plan: Plan) -> tuple:
+    return plan.mode, plan.settings.freeze_after, plan.draft_length, plan.draft_steps
+
+
+def generation_args(flags: dict, images: list | None) -> GenerationArgs:
+    """The flags as the API's options."""
+    sampling = SamplingArgs(flags["steps"], flags["entropy_bound"], flags["temp_min"], flags["temp_max"],
+                            temperature=flags["temp"])
+    return GenerationArgs(flags["max_tokens"], flags["seed"], system_prompt=flags["system_prompt"],
+                          chat_template=not flags["ignore_chat_template"], policy=flags["policy"], images=images,
+                          draft_length=flags["draft_length"], draft_steps=flags["draft_steps"], sampling=sampling,
+                          prefill_step_size=flags["prefill_step_size"])
+
+
+def _read_prompt(flags: dict) -> str:
+    prompt = flags["prompt"]
+    if prompt == "-":
+        stdin = getattr(sys.stdin, "buffer", None)
+        prompt = decode_utf8(stdin.read(), "the prompt on stdin") if stdin else sys.stdin.read()
+    check_text(prompt, "--prompt")
+    if flags["system_prompt"] is not None:
+        check_text(flags["system_prompt"], "--system-prompt")
+    check_request(prompt, flags["max_tokens"] or 1, flags["seed"], flags["system_prompt"])  # before the model loads
+    return prompt
+
+
+def _load(flags: dict, group, watchdog):
+    from . import distributed
+    from .loader import load
+
+    model, adapter_path = flags["model"] or DEMO_MODEL, flags["adapter_path"]
+    if group is None:
+        return load(model, adapter_path=adapter_path)
+    if adapter_path:
+        raise ValueError("adapters are not applied to a sharded model yet; merge them first: python -m mlx_dgemma.fuse")
+    return distributed.sharded_load(model, group, watchdog)
+
+
+def _generate_cli(flags: dict, group, watchdog):
+    """The CLI's work on one rank: the model (or this rank's share of it), the text as it commits."""
+    from dataclasses import replace
+
+    from .view import CanvasView
+
+    prompt = _read_prompt(flags)
+    images = [load_image(path) for path in flags["image_files"]] or None  # bad files fail before the model loads
+    dgemma, tokenizer = _load(flags, group, watchdog)
+    defaults = generation_config(dgemma, tokenizer)
+    check_step_counts(defaults, flags["steps"], flags["draft_steps"], ("--steps", "--draft-steps"))  # before a draft
+    args = generation_args(flags, images)
+    template = _read_template(tokenizer, flags["template_file"], flags["schema_file"],
+                              dgemma.config.max_position_embeddings)
+    if isinstance(template, dict):  # a schema: holes sized by a free draft first
+        draft = replace(args, draft_length=None, draft_steps=None, sampling=replace(args.sampling, temperature=None))
+        template = drafted_json_template(dgemma, tokenizer, prompt, template, **draft.kwargs())
+    canvas_view = CanvasView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
+    args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
+    responses = []
+    for response in stream_generate(dgemma, tokenizer, prompt, **args.kwargs()):
+        if flags["verbose"] and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
+            click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
+        if canvas_view:
+            canvas_view.commit(response.text)
+        else:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+        responses.append(response)
+    return responses, canvas_view
+
+
+def _read_template(tokenizer, template_file: str | None, schema_file: str | None, limit: int):
+    """The --template file's template, or the --schema file's schema (checked); ``limit`` is the
+    model's context, which no template can outgrow."""
+    from .template import json_template
+
+    path = template_file or schema_file
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise TemplateError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise TemplateError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                            "save it as UTF-8") from None
+    if template_file:
+        return parse_template(tokenizer, text.removesuffix("\n"), limit=limit)  # the newline that ends the file
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TemplateError(f"{path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except RecursionError:
+        raise TemplateError(f"{path} is nested too deeply to read; flatten the schema") from None
+    json_template(tokenizer, schema, limit=limit)  # a bad schema fails here, before any generation
+    return schema
+
+
+if __name__ == "__main__":
+    main()
