@@ -36,9 +36,9 @@ import mlx.core as mx  # noqa: E402
 
 from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
-from .generate import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
 from .policy import Plan  # noqa: E402
+from .request import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
 from .sampler import CanvasRun, Draft, RunBatch, new_run, step_batch, step_compacted  # noqa: E402
 from .template import CanvasTemplate  # noqa: E402
 
@@ -77,6 +77,7 @@ class BatchResponse:
     steps: int  # forwards the commit took (denoising steps of the canvas, tokens, draft steps + the verifying pass)
     plan: Plan | None = None  # the plan the commit was made under (auto re-plans)
     ends_block: bool = True  # False: an autoregressive token inside its block (a canvas's worth, or auto's choice)
+    non_pad: int = 0  # non-pad tokens the commit computed, past max_tokens too (the reference's tokens per forward)
 
 
 @dataclass
@@ -297,6 +298,7 @@ class BatchGenerator:
         end; last: nothing follows them), within ``max_tokens``, with their text; returns whether
         the row is done (the caller takes it out of its kind's rows)."""
         job = row.job
+        non_pad = sum(t != job.defaults.pad_token_id for t in tokens)
         room = job.max_tokens - row.emitted
         if job.template is None and len(tokens) >= room:  # a canvas may compute more than was asked for
             stopped, last, tokens = stopped and len(tokens) <= room, True, tokens[:room]
@@ -305,7 +307,7 @@ class BatchGenerator:
         if finish is not None and row.planner is not None:
             row.planner.observe_answer(row.emitted, job.ids)
         self._out.append(BatchResponse(row.uid, tokens, job.text.add(tokens, final=finish is not None), finish,
-                                       max(forwards, 1), row.plan, ends_block or finish is not None))
+                                       max(forwards, 1), row.plan, ends_block or finish is not None, non_pad))
         return finish is not None
 
     # -- diffusion ------------------------------------------------------------------------------

@@ -1,11 +1,10 @@
-"""The Python API, shaped like mlx-lm's: ``generate``, ``stream_generate(model, tokenizer, prompt,
-**kwargs)``, ``infill`` and ``drafted_json_template``. A request is checked and settled once
-(``prepare``, from one ``options.GenerationArgs``), then runs as a batch of one through the engine
-(batch.py), which block-autoregressively encodes the prompt, denoises a canvas, commits and encodes
-it and goes on to the next, as the reference ``generate()`` does (or decodes autoregressively or
-verified, per the plan). The command line is generate_cli.py::
+"""The command line of generation (the mlx-dgemma script): its flags become one
+``options.GenerationArgs``, and text appears as each canvas, block or round commits::
 
     python -m mlx_dgemma.generate --prompt "sort: 42 17 85 23 61" --view
+
+The Python API is api.py (with request.py and the engine, batch.py); its names are importable from
+here too, as ``from mlx_dgemma.generate import stream_generate``.
 """
 
 from __future__ import annotations
@@ -16,422 +15,229 @@ fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import mlx.core as mx  # noqa: E402
+import click  # noqa: E402
 
-from .config import GenerationConfig  # noqa: E402
-from .drafting import DraftSettings  # noqa: E402
-from .images import image_inputs  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
-from .policy import AutoPlanner, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
-from .sampler import Draft, MxRandom, Random  # noqa: E402
-from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps  # noqa: E402
-from .tokenizer import TextStream, Tokenizer  # noqa: E402
-from .validate import PromptError, check_request, check_steps, check_text  # noqa: E402, F401 (PromptError: re-exported)
+from .api import GenerationResponse, drafted_json_template, generate, infill, statistics, stream_generate  # noqa: E402
+from .cli import command_line  # noqa: E402
+from .images import load_image  # noqa: E402
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
+from .policy import POLICIES, Plan  # noqa: E402
+from .request import (  # noqa: E402
+    PreparedRequest,
+    answer_text,
+    check_prompt_fits,
+    check_step_counts,
+    check_template_fits,
+    generation_config,
+    generation_device,
+    prefill,
+    prepare,
+    prompt_ids,
+)
+from .template import TemplateError, parse_template  # noqa: E402
+from .validate import (  # noqa: E402
+    PromptError,
+    at_least,
+    check_entropy_bound,
+    check_request,
+    check_seed,
+    check_temperature,
+    check_text,
+    decode_utf8,
+    option,
+)
+
+__all__ = ["GenerationResponse", "PreparedRequest", "PREFILL_STEP_SIZE", "PromptError", "answer_text",
+           "check_prompt_fits", "check_template_fits", "drafted_json_template", "generate", "generation_device",
+           "infill", "main", "prefill", "prepare", "prompt_ids", "stream_generate"]
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 
 
-def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False,
-            **vision_inputs) -> mx.array | None:
-    """Encode prompt rows ``ids`` [B, T] into ``cache`` ``step_size`` tokens at a time, evaluating
-    after each chunk so that peak memory is one chunk's activations, not the whole prompt's. With
-    ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there).
-    A prompt with images goes in one forward (an image block attends to itself both ways)."""
-    ids = mx.array(ids, dtype=mx.int32)
-    ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
-    T = ids.shape[1]
-    if vision_inputs:
-        step_size = T
-    for start in range(0, T, step_size):
-        chunk = ids[:, start : start + step_size]
-        if logits and start + step_size >= T:
-            out = model.next_token_logits(chunk, cache, **vision_inputs)
-            mx.eval(out, cache.state())
-            return out
-        model.encode(chunk, cache, **vision_inputs)
-        mx.eval(cache.state())
-    return None
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
+@click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True,
+              help="Message to the model; '-' reads stdin.")
+@click.option("--system-prompt", help="System message for the chat template.")
+@click.option("--max-tokens", "-m", type=int, callback=option(at_least(1)),
+              help="Most tokens to print (computed in whole canvases) [default: the checkpoint's max_new_tokens].")
+@click.option("--steps", type=int, callback=option(at_least(1)), help="Most denoising steps per canvas.")
+@click.option("--entropy-bound", type=float, callback=option(check_entropy_bound),
+              help="Entropy bound of the sampler's acceptance (nats).")
+@click.option("--temp-min", type=float, callback=option(check_temperature),
+              help="Temperature at the last denoising step.")
+@click.option("--temp-max", type=float, callback=option(check_temperature),
+              help="Temperature at the first denoising step.")
+@click.option("--seed", type=int, callback=option(check_seed),
+              help="Seed of the sampler's random draws (0 to 2**64 - 1).")
+@click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
+@click.option("--verbose", is_flag=True, help="Print statistics after the text.")
+@click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
+@click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
+              help="reference: the generation config; auto: the policy this device runs fastest (measured once, "
+                   "cached; re-chosen as it generates); fast: settled positions no longer computed, trimmed last "
+                   "canvas; ar: autoregressive; verified: the decoder drafts, the encoder verifies (AR's output).")
+@click.option("--draft-length", type=int, callback=option(at_least(1)),
+              help="verified: canvas positions per draft, the known next token included [default: the policy's].")
+@click.option("--draft-steps", type=int, callback=option(at_least(1)),
+              help="verified: denoising steps per draft [default: the policy's].")
+@click.option("--temp", type=float, callback=option(check_temperature),
+              help="ar and verified: sampling temperature [default: 0, greedy].")
+@click.option("--template", "template_file", type=click.Path(dir_okay=False),
+              help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
+                   "(the file's final newline is not part of it).")
+@click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True, callback=option(at_least(1)),
+              help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
+@click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
+              help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
+                   "holes sized by a free draft generated first).")
+@click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
+@click.option("--image", "image_files", multiple=True, metavar="PATH",
+              help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
+@command_line
+def main(**flags):
+    """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
+    if flags["model"] is None and not DEMO_MODEL.is_dir():
+        raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
+    if flags["template_file"] and flags["schema_file"]:
+        raise click.ClickException("give --template or --schema, not both")
+    if flags["system_prompt"] is not None and flags["ignore_chat_template"]:
+        raise click.ClickException("--system-prompt needs the chat template: drop --ignore-chat-template "
+                                   "or put the system text in --prompt")
+    from . import distributed
 
-
-@contextlib.contextmanager
-def generation_device(model):
-    """On Metal, as mlx-lm does: a stream of its own for generation and the model's memory wired
-    for the duration (elsewhere nothing changes)."""
-    if not mx.metal.is_available():
-        yield
-        return
-    limit = mx.device_info()["max_recommended_working_set_size"]
-    old = mx.set_wired_limit(limit)
+    group = watchdog = None
+    if distributed.launched():  # under mlx.launch: one model over every rank; rank 0 prints
+        try:
+            group = distributed.init()
+        except distributed.DistributedError as e:
+            raise click.ClickException(str(e)) from None
+        if group.size() > 1:
+            watchdog = distributed.Watchdog(group.rank(), distributed.timeout_seconds())
+            if group.rank() != 0:
+                sys.stdout, flags["view"], flags["verbose"] = open(os.devnull, "w"), False, False
+        else:
+            group = None
     try:
-        with mx.stream(mx.new_stream(mx.default_device())):
-            yield
-    finally:
-        mx.synchronize()
-        mx.set_wired_limit(old)
+        with watchdog.watching() if watchdog else contextlib.nullcontext():
+            responses, canvas_view = _generate_cli(flags, group, watchdog)
+    except ValueError as e:  # bad input: checkpoint, prompt or settings; the message says which
+        raise click.ClickException(str(e)) from None
+    except distributed.DistributedError as e:
+        raise click.ClickException(str(e)) from None
+    except RuntimeError as e:  # a collective whose peer is gone
+        if group is None or (reason := distributed.lost_peer(e)) is None:
+            raise
+        raise click.ClickException(f"rank {group.rank()}: lost the connection to another rank ({reason})") from None
+    if canvas_view:
+        canvas_view.close()
+    else:
+        click.echo()
+    if flags["verbose"]:
+        click.echo(statistics(responses))
 
 
-@dataclass
-class GenerationResponse:
-    """One committed canvas."""
-
-    text: str  # the text this canvas adds to the answer
-    tokens: list[int]  # the canvas's committed ids, up to and including a stop id, within max_tokens
-    steps: int  # denoising steps this canvas took
-    tokens_per_forward: float  # non-pad tokens committed so far per denoising forward (whole canvases)
-    prompt_tokens: int
-    prompt_tps: float
-    generation_tokens: int  # committed so far
-    generation_tps: float
-    peak_memory: float  # GB
-    finish_reason: str | None  # "stop" (a stop id), "length" (max tokens), None while more follow
-    drafts: list[Draft] | None = None  # per-step argmax drafts, when asked for
-    plan: Plan | None = None  # how this generation was run (policy's choice and reasons)
+def _plan_key(plan: Plan) -> tuple:
+    return plan.mode, plan.settings.freeze_after, plan.draft_length, plan.draft_steps
 
 
-def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
-    """The checkpoint's generation_config.json (defaults for everything the caller leaves unset)."""
-    return (getattr(model, "generation_config", None) or getattr(tokenizer, "generation_config", None)
-            or GenerationConfig.from_dict({}, model.config))
+def generation_args(flags: dict, images: list | None) -> GenerationArgs:
+    """The flags as the API's options."""
+    sampling = SamplingArgs(flags["steps"], flags["entropy_bound"], flags["temp_min"], flags["temp_max"],
+                            temperature=flags["temp"])
+    return GenerationArgs(flags["max_tokens"], flags["seed"], system_prompt=flags["system_prompt"],
+                          chat_template=not flags["ignore_chat_template"], policy=flags["policy"], images=images,
+                          draft_length=flags["draft_length"], draft_steps=flags["draft_steps"], sampling=sampling,
+                          prefill_step_size=flags["prefill_step_size"])
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str | None = None,
-               chat_template: bool = True, images: int = 0) -> list[int]:
-    """Token ids as given, or text through the chat template (or plain, with ``<bos>``); with
-    ``images``, the user message starts with that many image placeholders."""
-    if not isinstance(prompt, str):
-        return [int(i) for i in prompt]
-    if not chat_template:
-        return tokenizer.encode(prompt)
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-    content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
-    messages.append({"role": "user", "content": content})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def _read_prompt(flags: dict) -> str:
+    prompt = flags["prompt"]
+    if prompt == "-":
+        stdin = getattr(sys.stdin, "buffer", None)
+        prompt = decode_utf8(stdin.read(), "the prompt on stdin") if stdin else sys.stdin.read()
+    check_text(prompt, "--prompt")
+    if flags["system_prompt"] is not None:
+        check_text(flags["system_prompt"], "--system-prompt")
+    check_request(prompt, flags["max_tokens"] or 1, flags["seed"], flags["system_prompt"])  # before the model loads
+    return prompt
 
 
-def check_prompt_fits(ids: list[int], config, max_tokens: int = 1) -> None:
-    """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` takes."""
-    if not ids:
-        raise PromptError("the prompt is empty")
-    if bad := [i for i in ids if not 0 <= i < config.vocab_size]:
-        raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
-    context, canvas = config.max_position_embeddings, config.canvas_length
-    if len(ids) + canvas > context:
-        raise PromptError(f"the prompt is {len(ids)} tokens: with a {canvas}-token canvas after it, "
-                          f"it does not fit the model's context of {context} tokens")
-    canvases = -(-max_tokens // canvas)
-    if len(ids) + canvases * canvas > context:
-        room = (context - len(ids)) // canvas * canvas
-        raise PromptError(f"{max_tokens} max tokens take {canvases} canvases of {canvas} after the {len(ids)}-token "
-                          f"prompt, past the model's context of {context} tokens; ask for at most {room}")
+def _load(flags: dict, group, watchdog):
+    from . import distributed
+    from .loader import load
+
+    model, adapter_path = flags["model"] or DEMO_MODEL, flags["adapter_path"]
+    if group is None:
+        return load(model, adapter_path=adapter_path)
+    if adapter_path:
+        raise ValueError("adapters are not applied to a sharded model yet; merge them first: python -m mlx_dgemma.fuse")
+    return distributed.sharded_load(model, group, watchdog)
 
 
-def check_step_counts(defaults: GenerationConfig, steps, draft_steps, names=("steps", "draft_steps")) -> None:
-    """The caller's denoising and draft steps (None: the plan's) within the checkpoint's ``max_denoising_steps``."""
-    for value, name in zip((steps, draft_steps), names):
-        if value is not None:
-            check_steps(value, defaults.max_denoising_steps, name)
+def _generate_cli(flags: dict, group, watchdog):
+    """The CLI's work on one rank: the model (or this rank's share of it), the text as it commits."""
+    from dataclasses import replace
 
+    from .view import CanvasView
 
-def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
-    """The canvas up to and including its first stop id, and whether there was one."""
-    for i, token in enumerate(canvas):
-        if token in stop_ids:
-            return canvas[: i + 1], True
-    return canvas, False
-
-
-@dataclass
-class PreparedRequest:
-    """One prompt made ready to generate: its ids, plan (with the sampler settings), draws and text decoder."""
-
-    ids: list[int]
-    max_tokens: int
-    defaults: GenerationConfig
-    plan: Plan
-    overrides: dict  # the caller's sampler settings, applied to every plan (auto re-plans)
-    rng: Random
-    stop_ids: set[int]
-    text: TextStream | _TemplateText
-    template: CanvasTemplate | None
-    end_of_turn: int | None
-    vision_inputs: dict  # images as model.encode takes them (empty without images)
-    planner: AutoPlanner | None = None  # the auto policy's, which re-plans at every canvas or round
-    acceptance: object = None  # verified drafting's running estimate (policy.Acceptance)
-    temperature: float = 0.0  # ar and verified sampling (0: greedy)
-
-    def canvas_clamps(self, tokenizer: Tokenizer, config):
-        """The template's (length, Clamp) per canvas, or None without a template."""
-        if self.template is None:
-            return None
-        return canvas_clamps(self.template, tokenizer, config.vocab_size, config.canvas_length, self.end_of_turn,
-                             self.plan.last_canvas_length)
-
-
-def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs) -> PreparedRequest:
-    """Check a request and settle everything about it before any forward (see ``stream_generate``)."""
-    config = model.config
-    defaults = generation_config(model, tokenizer)
-    max_tokens = defaults.max_new_tokens if args.max_tokens is None else args.max_tokens
-    prompt = check_request(prompt, max_tokens, args.seed, args.system_prompt, args.chat_template)
-    template = as_template(tokenizer, args.template, limit=config.max_position_embeddings)
-    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
-    if template is not None:
-        max_tokens = len(template) + template.ends_turn
-    overrides = args.sampling.overrides()  # they replace the plan's, and none is dropped
-    check_step_counts(defaults, overrides.get("steps"), args.draft_steps)
-    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []))
-    ids, vision_inputs = image_inputs(model, ids, args.images) if args.images else (ids, {})
-    check_prompt_fits(ids, config, max_tokens if template is None else 1)
-    temperature = args.sampling.temperature or 0.0
-    planner, acceptance, plan = _plan(model, defaults, args, template, max_tokens, overrides, ids)
-    if temperature and plan.mode == "diffusion":
-        raise ValueError("a temperature applies to autoregressive and verified decoding; "
-                         "diffusion takes --temp-min/--temp-max")
-    if temperature and template is not None:
-        raise ValueError("templates decode greedily; drop the temperature")
-    if plan.mode == "verified":
-        DraftSettings(plan.draft_length, plan.draft_steps, temperature).check(config.canvas_length)
-    rng = MxRandom(args.seed) if args.rng is None else args.rng
-    stop_ids = set(defaults.eos_token_id)
-    if template is not None:
-        check_template_fits(template, len(ids), config)
-    text = answer_text(model, tokenizer, template)
-    return PreparedRequest(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn,
-                           vision_inputs, planner, acceptance, temperature)
-
-
-def _plan(model, defaults: GenerationConfig, args: GenerationArgs, template, max_tokens: int, overrides: dict,
-          ids: list[int]) -> tuple[AutoPlanner | None, object, Plan]:
-    """The request's auto planner (auto without a template: it re-plans at every canvas, block or
-    round), verified drafting's running acceptance estimate, and its first plan."""
-    policy, profile = args.policy, args.profile
-    if profile is None and (policy == "auto" or policy == "verified" and None in (args.draft_length, args.draft_steps)):
-        profile = cached_profile(model)
-    if policy == "auto" and template is None:
-        planner = (AutoPlanner(defaults, model.config.canvas_length, profile, args.expected_steps)
-                   if args.expected_steps else auto_planner(model, defaults, profile))
-        planner.sampling = bool(args.sampling.temperature)  # a temperature is for ar and verified only
-        return planner, None, planner.choose(max_tokens, overrides, prompt=ids)  # from answers to prompts like it
-    acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
-    plan = make_plan(policy, defaults, model.config.canvas_length, max_tokens, profile, args.expected_steps,
-                     draft_length=args.draft_length, draft_steps=args.draft_steps, acceptance=acceptance)
-    return None, acceptance, plan.overridden(overrides)
-
-
-def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None,
-                    **kwargs) -> Iterator[GenerationResponse]:
-    """Yield one ``GenerationResponse`` per committed canvas, block of autoregressive tokens (a
-    canvas's worth, or what auto chose) or verified round.
-
-    ``prompt`` is text (the chat template is applied unless ``chat_template=False``) or token ids.
-    ``kwargs`` are the fields of ``options.GenerationArgs`` and of its ``SamplingArgs``. Unset numbers
-    come from the checkpoint's generation config; ``max_tokens`` is computed in whole canvases, as
-    the reference does, and the text and tokens handed out stop at it. ``rng`` replaces the seeded
-    ``mx.random`` draws; ``settings`` replaces the sampler settings built from the rest.
-    ``drafts=True`` attaches each step's argmax canvas to the responses; ``on_step`` is called with it
-    as soon as the step is done.
-
-    ``policy`` picks how to generate (policy.py): "reference" (the generation config, exactly),
-    "auto" (whichever of the others this device's ``profile`` — measured once and cached when not
-    given — and what the model did so far predict fastest, re-chosen at every canvas or round;
-    ``expected_steps`` per canvas replaces its prior and its memory of earlier generations), "fast" (active-set
-    compaction, no confirming step, a trimmed last canvas), "ar" or "verified" (drafting.py: the
-    decoder drafts ``draft_length`` tokens in ``draft_steps`` steps, the encoder verifies them; one
-    response per round). Explicit sampler numbers override the plan; ``freeze_after`` is the
-    compaction's (sampler.SamplerSettings). ``temperature`` (ar and verified; default 0, greedy)
-    samples the answer at that temperature; verified output has the ar distribution exactly.
-
-    ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
-    ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
-    tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
-    whole with the last response (a hole's value is known only when its canvas commits).
-
-    ``images`` (paths or PIL images; a checkpoint with a vision tower) go with the prompt: a text
-    prompt gets one image placeholder per image before the text; ids or an untemplated prompt must
-    hold them (the image token, ``<|image|>``) themselves.
-
-    ``prompt_cache`` (``model.make_cache()``) may already hold the prompt's first ``offset`` ids, images
-    placed (a server's prompt cache): only the rest is encoded, and the answer is appended to it.
-    """
-    from .batch import BatchGenerator
-
-    args = GenerationArgs.of(max_tokens=max_tokens, **kwargs)
-    if args.prompt_cache is not None and args.images:
-        raise ValueError("give the images or a prompt cache that already holds them, not both")
-    job = prepare(model, tokenizer, prompt, args)
-    engine = BatchGenerator(model, tokenizer, args.prefill_step_size)
-    drafts = [] if args.drafts else None
-    engine.insert_prepared(job, args.prompt_cache, on_step=_step_hook(drafts, args.on_step))
-    with generation_device(model):
-        cached, tic = args.prompt_cache.offset if args.prompt_cache is not None else 0, time.perf_counter()
-        engine.admit()
-        prompt_tps = (len(job.ids) - cached) / (time.perf_counter() - tic)
-        yield from _responses(engine, job, prompt_tps, drafts)
-
-
-def _responses(engine, job: PreparedRequest, prompt_tps: float, drafts: list | None) -> Iterator[GenerationResponse]:
-    """The engine's commits for its one row, autoregressive tokens gathered into their blocks."""
-    tic, forwards, generated, non_pad = time.perf_counter(), 0, 0, 0
-    text, tokens, steps = "", [], 0
-    while len(engine):
-        for r in engine.next():
-            text, tokens, steps = text + r.text, tokens + r.tokens, steps + r.steps
-            if not r.ends_block:
-                continue
-            forwards += steps
-            generated += len(tokens)
-            non_pad += sum(t != job.defaults.pad_token_id for t in tokens)  # the reference's statistic
-            yield GenerationResponse(text, tokens, steps, non_pad / forwards, len(job.ids), prompt_tps, generated,
-                                     generated / (time.perf_counter() - tic), mx.get_peak_memory() / 1e9,
-                                     r.finish_reason, drafts[:] if drafts and r.plan.mode == "diffusion" else None,
-                                     r.plan)
-            text, tokens, steps = "", [], 0
-            if drafts is not None:
-                drafts.clear()
-
-
-def _step_hook(collected: list[Draft] | None, on_step: Callable[[Draft], None] | None):
-    if collected is None:
-        return on_step
-
-    def hook(draft: Draft) -> None:
-        collected.append(draft)
-        if on_step is not None:
-            on_step(draft)
-
-    return hook
-
-
-def generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, *,
-             verbose: bool = False, **kwargs) -> str:
-    """The whole answer as text; ``kwargs`` are those of ``stream_generate``. ``verbose`` prints the
-    text as canvases commit, then the statistics."""
-    text, responses = "", []
-    for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
-        if verbose:
-            print(response.text, end="", flush=True)
-        text += response.text
+    prompt = _read_prompt(flags)
+    images = [load_image(path) for path in flags["image_files"]] or None  # bad files fail before the model loads
+    dgemma, tokenizer = _load(flags, group, watchdog)
+    defaults = generation_config(dgemma, tokenizer)
+    check_step_counts(defaults, flags["steps"], flags["draft_steps"], ("--steps", "--draft-steps"))  # before a draft
+    args = generation_args(flags, images)
+    template = _read_template(tokenizer, flags["template_file"], flags["schema_file"],
+                              dgemma.config.max_position_embeddings)
+    if isinstance(template, dict):  # a schema: holes sized by a free draft first
+        draft = replace(args, draft_length=None, draft_steps=None, sampling=replace(args.sampling, temperature=None))
+        template = drafted_json_template(dgemma, tokenizer, prompt, template, **draft.kwargs())
+    canvas_view = CanvasView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
+    args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
+    responses = []
+    for response in stream_generate(dgemma, tokenizer, prompt, **args.kwargs()):
+        if flags["verbose"] and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
+            click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
+        if canvas_view:
+            canvas_view.commit(response.text)
+        else:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
         responses.append(response)
-    if verbose:
-        print("\n" + statistics(responses))
-    return text
+    return responses, canvas_view
 
 
-def statistics(responses: list[GenerationResponse]) -> str:
-    last = responses[-1]
-    verified = all(r.plan is not None and r.plan.mode == "verified" for r in responses)
-    unit, forwards = ("rounds", "Forwards per round (draft steps + the verifying pass)") if verified else (
-        "canvases", "Denoising steps per canvas")
-    extra = f", {last.generation_tokens / len(responses):.2f} tokens per round" if verified else ""
-    return "\n".join([
-        "=" * 10,
-        f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec",
-        f"Generation: {last.generation_tokens} tokens in {len(responses)} {unit}, "
-        f"{last.generation_tps:.3f} tokens-per-sec",
-        f"{forwards}: {' '.join(str(r.steps) for r in responses)}; "
-        f"{last.tokens_per_forward:.2f} tokens per forward{extra}",
-        f"Finish: {last.finish_reason}",
-        f"Peak memory: {last.peak_memory:.3f} GB",
-    ])
-
-
-def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs) -> str:
-    """The text between ``prefix`` and ``suffix``. The prefix (text as it is, no chat template, or
-    ids) goes to the encoder cache; the suffix is clamped at the end of the canvas, after a hole of at
-    least ``max_fill`` tokens that may take several canvases. ``kwargs`` are those of ``stream_generate``."""
-    from .template import infill_template
-
-    template = infill_template(tokenizer, suffix, max_fill, model.config.canvas_length)
-    kwargs.setdefault("chat_template", False)
-    if isinstance(prefix, str) and not kwargs["chat_template"]:  # an empty or blank prefix is a fine start
-        prefix = tokenizer.encode(check_text(prefix, "the prefix"))
-    responses = list(stream_generate(model, tokenizer, prefix, template=template, **kwargs))
-    answer = responses[-1].text
-    tail = tokenizer.decode(template.tokens[template.holes[0][1].size:])
-    return answer[: len(answer) - len(tail)] if tail and answer.endswith(tail) else answer
-
-
-def drafted_json_template(model, tokenizer: Tokenizer, prompt: str | list[int], schema: dict, **kwargs
-                          ) -> CanvasTemplate:
-    """The JSON template of ``schema`` with its holes sized by a free generation's values (one more
-    generation; ``kwargs`` are those of ``stream_generate``). On the demo tasks: right 98% of the
-    time against 54% with upper-bound holes and 94% free, always valid."""
+def _read_template(tokenizer, template_file: str | None, schema_file: str | None, limit: int):
+    """The --template file's template, or the --schema file's schema (checked); ``limit`` is the
+    model's context, which no template can outgrow."""
     from .template import json_template
 
-    limit = model.config.max_position_embeddings
-    json_template(tokenizer, schema, limit=limit)  # a bad schema fails before any generation
-    free = generate(model, tokenizer, prompt, **kwargs)
+    path = template_file or schema_file
+    if path is None:
+        return None
     try:
-        draft = json.loads(free)
-    except ValueError:
-        draft = None
-    return json_template(tokenizer, schema, draft=draft, limit=limit)
-
-
-def answer_text(model, tokenizer: Tokenizer, template: CanvasTemplate | None = None):
-    """What an answer's committed tokens read as, handed out piece by piece (``.add(ids, final)``):
-    the clean text, or a template's answer (whole with the last piece)."""
-    defaults = generation_config(model, tokenizer)
-    stop_ids = set(defaults.eos_token_id)
-    if template is None:
-        return TextStream(tokenizer, stop_ids)
-    end_of_turn = _end_of_turn(tokenizer, defaults) if template.ends_turn else None
-    return _TemplateText(tokenizer, template, stop_ids, end_of_turn)
-
-
-def _end_of_turn(tokenizer, defaults: GenerationConfig) -> int | None:
-    turn_end = tokenizer.token_id("<turn|>")
-    return turn_end if turn_end is not None else (defaults.eos_token_id[0] if defaults.eos_token_id else None)
-
-
-def check_template_fits(template: CanvasTemplate, prompt_length: int, config) -> None:
-    """A ``TemplateError`` naming the culprit when the template's canvases run past the context."""
-    canvas = config.canvas_length
-    needed = -(-(len(template) + template.ends_turn) // canvas) * canvas
-    context = config.max_position_embeddings
-    if prompt_length + needed <= context:
-        return
-    room = context - prompt_length
-    culprit = next((h for start, h in template.holes if start + h.size > room), None)
-    where = f"the hole at {culprit.where} crosses it" if culprit else "its text alone is too long"
-    raise TemplateError(f"the template takes {needed} canvas positions after the {prompt_length}-token prompt, "
-                        f"more than the {room} the model's context of {context} leaves ({where}); "
-                        f"make the holes smaller")
-
-
-class _TemplateText:
-    """The answer of a template, handed out whole once its last canvas is in."""
-
-    def __init__(self, tokenizer: Tokenizer, template: CanvasTemplate, stop_ids, end_of_turn: int | None):
-        self.tokenizer, self.template, self.stop_ids, self.end = tokenizer, template, stop_ids, end_of_turn
-        self.tokens: list[int] = []
-
-    def add(self, ids, final: bool = False) -> str:
-        self.tokens.extend(int(i) for i in ids)
-        if not final:
-            return ""
-        pad = self.tokenizer.pad_token_id
-        if self.template.render is not None:
-            values = self.template.hole_values(self.tokens, pad, self.end)
-            return json.dumps(self.template.render([self.tokenizer.decode(v) for v in values]))
-        return self.tokenizer.decode_clean(self.template.answer_tokens(self.tokens, pad, self.end), self.stop_ids)
-
-
-def __getattr__(name: str):
-    if name == "main":  # the command line (the mlx-dgemma script names it here)
-        from .generate_cli import main
-
-        return main
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise TemplateError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise TemplateError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                            "save it as UTF-8") from None
+    if template_file:
+        return parse_template(tokenizer, text.removesuffix("\n"), limit=limit)  # the newline that ends the file
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TemplateError(f"{path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except RecursionError:
+        raise TemplateError(f"{path} is nested too deeply to read; flatten the schema") from None
+    json_template(tokenizer, schema, limit=limit)  # a bad schema fails here, before any generation
+    return schema
 
 
 if __name__ == "__main__":
-    from mlx_dgemma.generate_cli import main
-
     main()

@@ -1,7 +1,7 @@
 """A generation's options, written once: ``GenerationArgs`` (what to generate and how) with its
 sampler-settings part ``SamplingArgs`` (as mlx-lm's ``SamplingArguments``). The API's keyword
 arguments (``stream_generate(model, tokenizer, prompt, **kwargs)``), the CLI's flags and the
-server's requests all become one, which ``generate.prepare`` checks and settles before any forward.
+server's requests all become one, which ``request.prepare`` checks and settles before any forward.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class SamplingArgs:
 @dataclass(frozen=True)
 class GenerationArgs:
     """Everything about one generation but the model, the tokenizer and the prompt (see
-    ``generate.stream_generate`` for what each does)."""
+    ``api.stream_generate`` for what each does)."""
 
     max_tokens: int | None = None
     seed: int | None = None

@@ -188,7 +188,7 @@ def test_cli_bad_input_is_a_one_line_error(chat_checkpoint, args, message):
 
 
 def test_cli_without_the_demo_model_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(importlib.import_module("mlx_dgemma.generate_cli"), "DEMO_MODEL", tmp_path / "demo")
+    monkeypatch.setattr(gen, "DEMO_MODEL", tmp_path / "demo")
     result = CliRunner().invoke(main, ["--prompt", PROMPT])
     assert result.exit_code != 0 and result.output.startswith("Error: the bundled demo model is not in")
     assert len(result.output.strip().splitlines()) == 1

@@ -163,7 +163,7 @@ def test_multi_turn_reuses_the_prompt_cache(client, demo):
 
 
 def test_multi_turn_under_auto_reuses_the_prompt_cache(client, demo):
-    """auto runs alone in the engine; its prompts go into the prompt cache too."""
+    """auto rows run in the engine with the others; their prompts go into the prompt cache too."""
     _, tokenizer = demo
     first = [{"role": "user", "content": "add: 12 75"}]
     reply = client.chat.completions.create(model=MODEL_ID, messages=first, seed=1, extra_body={"policy": "auto"})

@@ -26,9 +26,9 @@ from starlette.routing import Route
 
 from .. import validate
 from ..batch import BatchRequest
-from ..generate import PromptError, check_prompt_fits, check_template_fits, generation_config
 from ..images import ImageError, decode_image, image_inputs, open_image_url
 from ..policy import POLICIES
+from ..request import PromptError, check_prompt_fits, check_template_fits, generation_config
 from ..template import TemplateError, json_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision

@@ -24,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..batch import BatchGenerator, BatchRequest, BatchResponse
-from ..generate import PREFILL_STEP_SIZE, generation_config, generation_device, prefill
+from ..options import PREFILL_STEP_SIZE
+from ..request import generation_config, generation_device, prefill
 from ..template import CanvasTemplate
 from ..tokenizer import TextStream
 from .prompt_cache import PromptCache
