@@ -18,7 +18,7 @@ normalised, so the output is distributed exactly as autoregressive sampling at t
 
 What "the next token" is comes from a rule: ``GreedyRule`` and ``SampledRule`` decode freely up to
 a stop id or a token budget; ``TemplateRule`` forces a template's text and decodes its holes (the
-autoregressive template decoding of generate.py runs the same rule one token at a time).
+autoregressive template rows of the engine, batch.py, run the same rule one token at a time).
 """
 
 from __future__ import annotations
@@ -283,15 +283,16 @@ def verify_round(model, cache, known: int, rule, settings: DraftSettings, schedu
                  rng: Random, start: list[int] = ()) -> Round:
     """One round after ``known`` (decided, not in the cache): draft (from ``start``: the previous
     round's leftover), verify, keep, trim."""
-    length = max(1, min(settings.length, rule.room))
-    return verify_rounds(model, [cache], [known], [rule], length, settings, [schedule], [rng], [start])[0]
+    settings = replace(settings, length=max(1, min(settings.length, rule.room)))
+    return verify_rounds(model, [cache], [known], [rule], settings, [schedule], [rng], [start])[0]
 
 
-def verify_rounds(model, caches: list, known: list[int], rules: list, length: int, settings: DraftSettings,
+def verify_rounds(model, caches: list, known: list[int], rules: list, settings: DraftSettings,
                   schedules: list[SamplerSettings], rngs: list[Random], starts: list[list[int]]) -> list[Round]:
     """``verify_round`` for several rows at once (each with its own cache, known token, rule, schedule,
-    random draws and start), drafts of one ``length``: one forward per draft step and one verifying
-    pass for all of them; each row keeps what it keeps."""
+    random draws and start), drafts of one length (``settings.length``): one forward per draft step
+    and one verifying pass for all of them; each row keeps what it keeps."""
+    length = settings.length
     befores = [len(rule.output) for rule in rules]
     q = [None] * len(rules)
     if length == 1:  # nothing to draft: an autoregressive step

@@ -102,7 +102,7 @@ def save_model(model, base_folder: Path, save_path: Path, dequantized: bool = Fa
 
 @command_line
 def main(argv=None) -> None:
-    from .generate import DEMO_MODEL
+    from .demo import DEMO_MODEL
     from .loader import load, resolve
 
     p = argparse.ArgumentParser(description="Fuse fine-tuned adapters into the model.")

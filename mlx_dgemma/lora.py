@@ -399,7 +399,7 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
 
 
 def run(args, log=_print) -> None:
-    from .generate import DEMO_MODEL
+    from .demo import DEMO_MODEL
     from .loader import load
 
     mx.random.seed(args.seed)

@@ -607,7 +607,7 @@ def test_verbose_plan_shows_the_callers_settings():
 def test_generation_past_the_context_is_refused_up_front(demo, monkeypatch):
     model, tokenizer = demo
     calls = []
-    monkeypatch.setattr(gen, "denoise_canvas", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(importlib.import_module("mlx_dgemma.batch"), "new_run", lambda *a, **k: calls.append(1))
     with pytest.raises(PromptError) as info:
         next(stream_generate(model, tokenizer, PROMPT, 1000))
     prompt_tokens = len(gen.prompt_ids(tokenizer, PROMPT))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from convert.random_checkpoint import PRESETS
-from mlx_dgemma import BatchGenerator, batch_generate, generate, load
+from mlx_dgemma import BatchGenerator, batch_generate, generate, load, stream_generate
 from mlx_dgemma.batch import BatchRequest
 from mlx_dgemma.generate import DEMO_MODEL, prefill
 
@@ -221,7 +221,9 @@ def _staggered(model, tokenizer, requests: list, remove_at: int | None = None) -
     step = 0
     while step < len(requests) or len(generator):
         if step < len(requests):
-            uids.append(generator.insert(requests[step]))
+            request = requests[step]
+            uids.append(generator.insert(request) if isinstance(request, BatchRequest)
+                        else generator.insert_prepared(request))
             texts[uids[-1]] = ""
         if step == remove_at:
             gone = uids[-2]
@@ -357,3 +359,78 @@ print(worst)
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout.split()[-1]) <= BOUND
+
+
+@pytest.mark.parametrize("policy", ["ar", "verified"])
+def test_sampled_rows_in_a_batch_give_what_they_give_alone(demo, policy):
+    """Autoregressive and verified rows sample at their own temperatures (one greedy) through their
+    own draws, joining at different steps: each answer is the one ``generate`` gives alone."""
+    from mlx_dgemma.generate import prepare, prompt_ids
+    from mlx_dgemma.options import GenerationArgs
+
+    model, tokenizer = demo
+    temperatures = [1.5, 0.0, 0.7, 1.2, 1.5]
+    prompts = ["add: 417 85", "add: 417 85", "sort: 9 3 77 12", "reverse: planet", "add: 305 96"]
+    # verified: a fixed draft plan (the model's running acceptance estimate would move it)
+    draft = dict(draft_length=6, draft_steps=2) if policy == "verified" else {}
+    settings = [dict(seed=i, policy=policy, temperature=t, chat_template=False, **draft)
+                for i, t in enumerate(temperatures)]
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
+    texts = _staggered(model, tokenizer, [prepare(model, tokenizer, p, GenerationArgs.of(max_tokens=40, **kw))
+                                          for p, kw in zip(ids, settings)])
+    for i, (p, kw) in enumerate(zip(ids, settings)):
+        assert texts[i] == generate(model, tokenizer, p, 40, **kw), i
+
+
+class ScriptedPlanner:
+    """An auto planner whose choice depends only on the row (its prompt and how much it has produced),
+    not on what other rows taught it: then a row's answer in a batch must be its answer alone."""
+
+    SCRIPT = ["verified", "reference", "ar", "fast", "verified", "ar", "reference"]
+
+    def __new__(cls, model):
+        from dataclasses import replace
+
+        from mlx_dgemma.generate import generation_config
+        from mlx_dgemma.policy import AutoPlanner, cached_profile, make_plan
+
+        class Scripted(AutoPlanner):
+            def choose(self, remaining, overrides=None, produced=0, prompt=()):
+                name = cls.SCRIPT[(len(prompt) + produced // 5) % len(cls.SCRIPT)]
+                plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft_length=5, draft_steps=1)
+                self.current = replace(plan, policy="auto").overridden(overrides or {})
+                return self.current
+
+        return Scripted(generation_config(model, None), model.config.canvas_length, cached_profile(model))
+
+
+def test_auto_rows_switch_kinds_in_the_batch_and_give_what_they_give_alone(demo, monkeypatch):
+    """auto rows move between canvases, autoregressive blocks and verified rounds inside the engine,
+    joining at different steps: each answer is the one it gets alone, and their denoising,
+    autoregressive and verifying forwards take several rows at once."""
+    from mlx_dgemma.generate import prompt_ids
+
+    model, tokenizer = demo
+    saved = model.__dict__.get("_auto_planner")
+    model._auto_planner = ScriptedPlanner(model)
+    rows = {"denoise": 0, "next_token_logits": 0, "encode": 0}
+    for name in rows:
+        def counted(ids, *args, _forward=getattr(model, name), _name=name, **kwargs):
+            rows[_name] = max(rows[_name], ids.shape[0])
+            return _forward(ids, *args, **kwargs)
+        monkeypatch.setattr(model, name, counted, raising=False)
+    try:
+        prompts = DEMO_PROMPTS + ["json: name=bob age=7 city=oslo", "sort: 9 3 77 12"]
+        requests = [BatchRequest(prompt_ids(tokenizer, p), 96, seed=i, policy="auto") for i, p in enumerate(prompts)]
+        texts = _staggered(model, tokenizer, requests)
+        assert min(rows.values()) > 1, rows
+        monkeypatch.undo()
+        modes = []
+        for i, r in enumerate(requests):
+            responses = list(stream_generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed,
+                                             policy=r.policy, chat_template=False))
+            assert texts[i] == "".join(x.text for x in responses), i
+            modes += [x.plan.mode for x in responses]
+        assert {"diffusion", "ar", "verified"} <= set(modes)
+    finally:
+        model._auto_planner = saved

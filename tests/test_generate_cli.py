@@ -97,14 +97,15 @@ def test_prompt_must_fit_the_context(chat_checkpoint, tmp_path):
 
 def test_cli_streams_canvas_by_canvas(chat_checkpoint, reference_run, monkeypatch):
     printed_before_canvas = []
-    denoise_canvas = gen.denoise_canvas
+    engine = importlib.import_module("mlx_dgemma.batch")
+    new_run = engine.new_run
 
     def spy(*args, **kwargs):
         # What has reached stdout (flushed, not merely written) when the next canvas starts.
         printed_before_canvas.append(sys.stdout.buffer.getvalue().decode())
-        return denoise_canvas(*args, **kwargs)
+        return new_run(*args, **kwargs)
 
-    monkeypatch.setattr(gen, "denoise_canvas", spy)
+    monkeypatch.setattr(engine, "new_run", spy)
     result = invoke(chat_checkpoint)
     assert result.exit_code == 0, result.output
     texts = [r.text for r in reference_run]

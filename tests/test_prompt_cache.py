@@ -73,9 +73,9 @@ def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
 
 
 @pytest.mark.parametrize("policy", ["ar", "verified"])
-def test_a_row_that_runs_alone_starts_from_its_prefilled_prefix(policy):
-    """A template decoded autoregressively or verified runs alone (stream_generate's prompt_cache):
-    the prefix it brings is used, not encoded again, and the answer is the one without it."""
+def test_a_template_row_starts_from_its_prefilled_prefix(policy):
+    """A template decoded autoregressively or verified, from a prefix it brings: the prefix is used,
+    not encoded again, and the answer is the one without it."""
     model, tokenizer = load(DEMO_MODEL)
     ids = prompt_ids(tokenizer, "json: name=ada age=36 city=rome")
     template = '{"name": "{{fill:6}}", "age": {{fill:3}}}'
@@ -93,9 +93,9 @@ def test_a_row_that_runs_alone_starts_from_its_prefilled_prefix(policy):
     assert text == generate(model, tokenizer, ids, seed=1, policy=policy, template=template, chat_template=False)
 
 
-def test_a_row_that_runs_alone_hands_back_its_prompt_but_the_last_id():
-    """A row that runs alone (auto here) is given its prompt encoded but for its last id, which
-    stream_generate encodes to start the answer; the callback sees exactly that prefix."""
+def test_an_auto_row_hands_back_its_prompt_as_every_row_does():
+    """auto rows run in the engine with the others: the callback sees the whole prompt encoded, the
+    prefix a prompt cache keeps (a second turn's prompt starts with it)."""
     model, tokenizer = load(DEMO_MODEL)
     ids = prompt_ids(tokenizer, "reverse: kayak7")
     handed = []
@@ -103,9 +103,9 @@ def test_a_row_that_runs_alone_hands_back_its_prompt_but_the_last_id():
     engine.insert(BatchRequest(ids, 8, seed=0, policy="auto", on_prefilled=lambda c: handed.append(copy.deepcopy(c))))
     while len(engine):
         engine.next()
-    assert len(handed) == 1 and handed[0].offset == len(ids) - 1
-    step = mx.array([ids[-1:]])
-    want = model.next_token_logits(step, encoded(model, ids[:-1]))
+    assert len(handed) == 1 and handed[0].offset == len(ids)
+    step = mx.array([[5]])
+    want = model.next_token_logits(step, encoded(model, ids))
     assert float(mx.abs(model.next_token_logits(step, handed[0]) - want).max() / mx.abs(want).max()) <= 1e-5
 
 

@@ -3,6 +3,7 @@ server on a free port serving the bundled demo model."""
 
 import base64
 import contextlib
+import copy
 import io
 import json
 import socket
@@ -162,7 +163,7 @@ def test_multi_turn_reuses_the_prompt_cache(client, demo):
 
 
 def test_multi_turn_under_auto_reuses_the_prompt_cache(client, demo):
-    """auto runs alone in the engine; its prompts go into the prompt cache too."""
+    """auto rows run in the engine with the others; their prompts go into the prompt cache too."""
     _, tokenizer = demo
     first = [{"role": "user", "content": "add: 12 75"}]
     reply = client.chat.completions.create(model=MODEL_ID, messages=first, seed=1, extra_body={"policy": "auto"})
@@ -230,6 +231,29 @@ def test_extra_body_policy_and_steps(client, demo):
     assert reply.choices[0].message.content == generate(model, tokenizer, SORT, seed=4, policy="ar")
     reply = chat(client, SORT, seed=4, extra_body={"steps": 2})
     assert reply.choices[0].message.content == generate(model, tokenizer, SORT, seed=4, steps=2)
+
+
+@pytest.mark.parametrize("policy", ["ar", "verified"])
+def test_ar_and_verified_sample_at_the_requests_temperature(client, demo, policy):
+    """``temperature`` reaches autoregressive and verified rows: seeds give different answers, and a
+    seed gives what ``generate`` gives with that seed and temperature."""
+    model, tokenizer = demo
+    prompt = "add: 417 85"
+    served, alone = [], []
+    for seed in range(6):
+        # verified drafts as long as the model's running acceptance estimate says, and every round
+        # moves it: generate starts from the estimate the server's request started from
+        planner = getattr(model, "_auto_planner", None)
+        before = copy.deepcopy(planner.acceptance) if planner else None
+        served.append(chat(client, prompt, seed=seed, temperature=1.5, max_tokens=32, extra_body={"policy": policy})
+                      .choices[0].message.content)
+        if planner:
+            planner.acceptance = before
+        elif hasattr(model, "_auto_planner"):
+            del model._auto_planner
+        alone.append(generate(model, tokenizer, prompt, 32, seed=seed, temperature=1.5, policy=policy))
+    assert len(set(served)) > 1
+    assert served == alone
 
 
 @pytest.mark.parametrize("kwargs, error, param", [

@@ -141,8 +141,8 @@ def test_bad_image_parts_get_openai_errors(client, url, message):
 
 @pytest.mark.parametrize("policy", ["ar", "verified", "fast"])
 def test_a_template_image_prompt_is_answered_with_its_image(client, vision_model, policy):
-    """Templates decoded autoregressively or verified run alone in the engine, from the worker's
-    image-encoded cache: the answer is generate's with the image, not the one without it."""
+    """Templates decoded autoregressively or verified start from the worker's image-encoded cache: the
+    answer is generate's with the image, not the one without it."""
     model, tokenizer = vision_model
     template = "{{fill:8}}"
     expected = generate(model, tokenizer, PROMPT, seed=5, images=[PICTURES[0]], policy=policy, template=template)
@@ -155,8 +155,8 @@ def test_a_template_image_prompt_is_answered_with_its_image(client, vision_model
 
 def test_an_image_prompt_under_auto_is_answered(client, vision_model):
     """auto takes image prompts (it was refused, then answered blind). Its plans depend on what it has
-    learned in this server, so its text is not compared here; that a row running alone starts from
-    the image-encoded cache is what the template test above checks."""
+    learned in this server, so its text is not compared here; that a row starts from the
+    image-encoded cache is what the template test above checks."""
     reply = ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}], extra_body={"policy": "auto"})
     assert reply.usage.prompt_tokens == len(prompt_ids(vision_model[1], PROMPT, images=1)) - 1 + 2 + 63
     assert reply.choices[0].finish_reason in ("stop", "length")

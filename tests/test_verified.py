@@ -14,7 +14,7 @@ from mlx_dgemma import drafting, generate, json_template, load, stream_generate
 from mlx_dgemma.config import GenerationConfig, ModelConfig
 from mlx_dgemma.demo.eval import instances
 from mlx_dgemma.demo.tasks import TASKS, json_schema
-from mlx_dgemma.generate import DEMO_MODEL, autoregressive, prompt_ids
+from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
 from mlx_dgemma.model import DiffusionGemma
 from mlx_dgemma.sampler import MxRandom, SamplerSettings
 
@@ -252,15 +252,20 @@ def exact(tiny):
 
 @pytest.mark.slow
 def test_sampled_ar_has_the_ar_distribution(tiny, exact):
-    """The reference point: AR sampling at a temperature (generate.autoregressive) fits the enumerated
-    distribution."""
+    """The reference point: AR sampling at a temperature (the engine's draws, batch.next_token) fits
+    the enumerated distribution."""
+    from mlx_dgemma.batch import next_token
+
     counts = np.zeros_like(exact, dtype=np.int64)
     rng = MxRandom(5)
     cache = tiny.make_cache()
     first = tiny.next_token_logits(mx.array([PROMPT]), cache)
     for _ in range(DRAWS):
-        blocks = autoregressive(tiny, cache, first, 3, 4, set(), TEMPERATURE, rng)
-        counts[tuple(t for block in blocks for t in block.tokens)] += 1
+        logits, tokens = first, []
+        for _ in range(3):
+            tokens.append(next_token(logits, TEMPERATURE, rng).item())
+            logits = tiny.next_token_logits(mx.array([tokens[-1:]]), cache)
+        counts[tuple(tokens)] += 1
         cache.trim(cache.offset - len(PROMPT))
     assert chi_square_p(counts, exact) > 1e-3
 

@@ -62,7 +62,7 @@ def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], 
     """Scores per policy and task. The policies take turns on each instance, in an order that rotates
     from one instance to the next, so that they share whatever else the machine is doing (on a shared
     host the speed of one run moves by a quarter; side by side, the ratios hold)."""
-    from ..generate import stream_generate
+    from ..api import stream_generate
 
     scores = {policy: {} for policy in policies}
     for task in tasks:
@@ -98,7 +98,7 @@ def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str
     keep the given text (the others)."""
     import json as _json
 
-    from ..generate import drafted_json_template, generate
+    from ..api import drafted_json_template, generate
     from ..template import json_template
 
     rows = []
@@ -197,8 +197,8 @@ def format_side_by_side(scores: dict[str, dict[str, TaskScore]]) -> str:
 @click.option("--draft-steps", type=int, help="verified: draft steps [default: the policy's].")
 @command_line
 def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_length, draft_steps):
-    from ..generate import DEMO_MODEL
     from ..loader import load
+    from . import DEMO_MODEL
 
     model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
     if templates:

@@ -10,7 +10,8 @@ import os
 
 import click
 
-from ..generate import DEMO_MODEL, PREFILL_STEP_SIZE
+from ..demo import DEMO_MODEL
+from ..options import PREFILL_STEP_SIZE
 from .app import MAX_IMAGES, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS
 
 SHUTDOWN_GRACE = 3.0  # seconds requests in flight get to finish after SIGTERM

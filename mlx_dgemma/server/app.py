@@ -27,9 +27,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import validate
 from ..batch import BatchRequest
-from ..generate import PromptError, check_prompt, check_template_fits, generation_config
 from ..images import ImageError, decode_image, image_inputs, open_image_url
 from ..policy import POLICIES
+from ..request import PromptError, check_prompt_fits, check_template_fits, generation_config
 from ..template import TemplateError, infill_template, json_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision
@@ -159,7 +159,9 @@ class Server:
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
         request = BatchRequest(ids, seed=seed, policy=policy, steps=steps)
-        if temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
+        if policy in ("ar", "verified"):  # the answer's sampling temperature (0: greedy)
+            request.temperature = temperature
+        elif temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
             scale = max(temperature, 1e-2)
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
         job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs,
@@ -298,7 +300,7 @@ class Server:
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         config = self.model.config
         try:
-            check_prompt(ids, config)
+            check_prompt_fits(ids, config)
         except PromptError as e:
             over = len(ids) + config.canvas_length > config.max_position_embeddings
             raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
@@ -372,7 +374,7 @@ class Server:
         if max_tokens is None:
             return min(self.max_tokens, (self.context - len(ids)) // canvas * canvas)
         try:
-            check_prompt(ids, self.model.config, max_tokens)
+            check_prompt_fits(ids, self.model.config, max_tokens)
         except PromptError as e:
             raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
         return max_tokens

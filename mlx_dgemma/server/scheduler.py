@@ -1,11 +1,12 @@
 """The worker that owns the model: one thread takes new requests between rounds, inserts them into the
 batched engine (batch.BatchGenerator) with whatever prefix of their prompts the prompt cache holds (the
 engine encodes the rest, the fresh prompts of a round in one forward, and hands back a copy for the
-prompt cache), runs a round for every active row, and routes each row's committed tokens, as text, to
-its request's asyncio queue.
+prompt cache), runs a round for every active row, and routes the text the engine made of each row's
+committed tokens to its request's asyncio queue.
 
-Each request has its own detokenizer, stop strings and text held back (a stop string or a tool call
-may be starting); a request whose client went away is removed from the engine before the next round.
+Each request has its own thought-channel decoder, stop strings and text held back (a stop string or a
+tool call may be starting); a request whose client went away is removed from the engine before the
+next round.
 A JSON answer may take two generations: a free draft, then the schema's template sized by the draft.
 """
 
@@ -24,7 +25,8 @@ import numpy as np
 
 from ..batch import BatchGenerator, BatchRequest, BatchResponse
 from ..errors import PromptError, TemplateError
-from ..generate import PREFILL_STEP_SIZE, answer_text, generation_device, prefill
+from ..options import PREFILL_STEP_SIZE
+from ..request import generation_config, generation_device, prefill
 from ..template import CanvasTemplate
 from ..tokenizer import TextStream
 from .prompt_cache import PromptCache
@@ -81,12 +83,10 @@ class Job:
     events: asyncio.Queue | None = None
     cancelled: bool = False
     # the worker's state
-    answer: object = None
     thought: TextStream | None = None
-    text: str = ""
+    text: str = ""  # the engine's text of the answer so far
     sent: int = 0
-    produced: int = 0  # tokens committed (padding included), against max_tokens
-    completion_tokens: int = 0  # the same without padding
+    completion_tokens: int = 0  # tokens committed, padding not counted
     cached_tokens: int | None = None
 
     def cancel(self) -> None:
@@ -230,10 +230,10 @@ class Scheduler:
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
             drafting = job.redraft is not None
-            job.answer = answer_text(self.model, self.tokenizer, None if drafting else request.template)
             # The thought channel of a free answer or a text template; a JSON one has none.
             free = request.template is None or request.template.render is None
-            job.thought = TextStream(self.tokenizer, job.answer.stop_ids, thought=True) if free and not drafting else None
+            stop_ids = set(generation_config(self.model, self.tokenizer).eos_token_id)
+            job.thought = TextStream(self.tokenizer, stop_ids, thought=True) if free and not drafting else None
             uid = self.engine.insert(replace(request, template=None if drafting else request.template, cache=cache,
                                              on_prefilled=keep))
         except ValueError as e:  # a prompt, template or setting the model cannot take
@@ -250,14 +250,9 @@ class Scheduler:
         job = self._active.get(response.uid)
         if job is None:
             return
-        tokens, finish = response.tokens, response.finish_reason
-        room = job.request.max_tokens - job.produced
-        # Canvases round max_tokens up, an answer does not; a template is as long as it is.
-        if job.request.template is None and len(tokens) >= room and not (finish == "stop" and len(tokens) <= room):
-            tokens, finish = tokens[:room], "length"
-        job.produced += len(tokens)
+        tokens, finish = response.tokens, response.finish_reason  # (the engine cuts them at max_tokens)
         job.completion_tokens += sum(t != self.tokenizer.pad_token_id for t in tokens)
-        job.text += job.answer.add(tokens, final=finish is not None)
+        job.text += response.text
         if finish is not None and job.tail and job.text.endswith(job.tail):
             job.text = job.text[: -len(job.tail)]
         reasoning = job.thought.add(tokens, final=finish is not None) if job.thought else ""
@@ -272,7 +267,7 @@ class Scheduler:
             if job.redraft is not None:  # the free draft is in: generate the answer from it, or keep it
                 job.request.template, job.redraft = job.redraft(job.text), None
                 if job.request.template is not None:
-                    job.text, job.produced = "", 0
+                    job.text = ""
                     self._start(job)
                     return
         if job.redraft is not None:

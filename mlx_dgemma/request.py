@@ -1,0 +1,245 @@
+"""A request made ready: ``prepare`` checks one and settles everything about it before any forward
+(prompt ids, the context, the template, the plan, the draws, the text decoder), from one
+``options.GenerationArgs``; ``prefill`` encodes prompts, ``generation_device`` is where generation runs.
+The engine (batch.py) runs what it returns.
+"""
+
+from __future__ import annotations
+
+from . import fast_blas
+
+fast_blas.load()  # the fast BLAS before mlx.core loads
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+from .config import GenerationConfig  # noqa: E402
+from .drafting import DraftSettings  # noqa: E402
+from .images import image_inputs  # noqa: E402
+from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
+from .policy import AutoPlanner, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
+from .sampler import MxRandom, Random  # noqa: E402
+from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps  # noqa: E402
+from .tokenizer import TextStream, Tokenizer  # noqa: E402
+from .validate import PromptError, check_request, check_steps  # noqa: E402
+
+
+def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False,
+            **vision_inputs) -> mx.array | None:
+    """Encode prompt rows ``ids`` [B, T] into ``cache`` ``step_size`` tokens at a time, evaluating
+    after each chunk so that peak memory is one chunk's activations, not the whole prompt's. With
+    ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there).
+    A prompt with images goes in one forward (an image block attends to itself both ways)."""
+    ids = mx.array(ids, dtype=mx.int32)
+    ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+    T = ids.shape[1]
+    if vision_inputs:
+        step_size = T
+    for start in range(0, T, step_size):
+        chunk = ids[:, start : start + step_size]
+        if logits and start + step_size >= T:
+            out = model.next_token_logits(chunk, cache, **vision_inputs)
+            mx.eval(out, cache.state())
+            return out
+        model.encode(chunk, cache, **vision_inputs)
+        mx.eval(cache.state())
+    return None
+
+
+@contextlib.contextmanager
+def generation_device(model):
+    """On Metal, as mlx-lm does: a stream of its own for generation and the model's memory wired
+    for the duration (elsewhere nothing changes)."""
+    if not mx.metal.is_available():
+        yield
+        return
+    limit = mx.device_info()["max_recommended_working_set_size"]
+    old = mx.set_wired_limit(limit)
+    try:
+        with mx.stream(mx.new_stream(mx.default_device())):
+            yield
+    finally:
+        mx.synchronize()
+        mx.set_wired_limit(old)
+
+
+def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
+    """The checkpoint's generation_config.json (defaults for everything the caller leaves unset)."""
+    return (getattr(model, "generation_config", None) or getattr(tokenizer, "generation_config", None)
+            or GenerationConfig.from_dict({}, model.config))
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str | None = None,
+               chat_template: bool = True, images: int = 0) -> list[int]:
+    """Token ids as given, or text through the chat template (or plain, with ``<bos>``); with
+    ``images``, the user message starts with that many image placeholders."""
+    if not isinstance(prompt, str):
+        return [int(i) for i in prompt]
+    if not chat_template:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
+    messages.append({"role": "user", "content": content})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def check_prompt_fits(ids: list[int], config, max_tokens: int = 1) -> None:
+    """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` takes."""
+    if not ids:
+        raise PromptError("the prompt is empty")
+    if bad := [i for i in ids if not 0 <= i < config.vocab_size]:
+        raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
+    context, canvas = config.max_position_embeddings, config.canvas_length
+    if len(ids) + canvas > context:
+        raise PromptError(f"the prompt is {len(ids)} tokens: with a {canvas}-token canvas after it, "
+                          f"it does not fit the model's context of {context} tokens")
+    canvases = -(-max_tokens // canvas)
+    if len(ids) + canvases * canvas > context:
+        room = (context - len(ids)) // canvas * canvas
+        raise PromptError(f"{max_tokens} max tokens take {canvases} canvases of {canvas} after the {len(ids)}-token "
+                          f"prompt, past the model's context of {context} tokens; ask for at most {room}")
+
+
+def check_step_counts(defaults: GenerationConfig, steps, draft_steps, names=("steps", "draft_steps")) -> None:
+    """The caller's denoising and draft steps (None: the plan's) within the checkpoint's ``max_denoising_steps``."""
+    for value, name in zip((steps, draft_steps), names):
+        if value is not None:
+            check_steps(value, defaults.max_denoising_steps, name)
+
+
+def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
+    """The canvas up to and including its first stop id, and whether there was one."""
+    for i, token in enumerate(canvas):
+        if token in stop_ids:
+            return canvas[: i + 1], True
+    return canvas, False
+
+
+@dataclass
+class PreparedRequest:
+    """One prompt made ready to generate: its ids, plan (with the sampler settings), draws and text decoder."""
+
+    ids: list[int]
+    max_tokens: int
+    defaults: GenerationConfig
+    plan: Plan
+    overrides: dict  # the caller's sampler settings, applied to every plan (auto re-plans)
+    rng: Random
+    stop_ids: set[int]
+    text: TextStream | _TemplateText
+    template: CanvasTemplate | None
+    end_of_turn: int | None
+    vision_inputs: dict  # images as model.encode takes them (empty without images)
+    planner: AutoPlanner | None = None  # the auto policy's, which re-plans at every canvas or round
+    acceptance: object = None  # verified drafting's running estimate (policy.Acceptance)
+    temperature: float = 0.0  # ar and verified sampling (0: greedy)
+
+    def canvas_clamps(self, tokenizer: Tokenizer, config):
+        """The template's (length, Clamp) per canvas, or None without a template."""
+        if self.template is None:
+            return None
+        return canvas_clamps(self.template, tokenizer, config.vocab_size, config.canvas_length, self.end_of_turn,
+                             self.plan.last_canvas_length)
+
+
+def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs) -> PreparedRequest:
+    """Check a request and settle everything about it before any forward (see ``api.stream_generate``)."""
+    config = model.config
+    defaults = generation_config(model, tokenizer)
+    max_tokens = defaults.max_new_tokens if args.max_tokens is None else args.max_tokens
+    prompt = check_request(prompt, max_tokens, args.seed, args.system_prompt, args.chat_template)
+    template = as_template(tokenizer, args.template, limit=config.max_position_embeddings)
+    end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
+    if template is not None:
+        max_tokens = len(template) + template.ends_turn
+    overrides = args.sampling.overrides()  # they replace the plan's, and none is dropped
+    check_step_counts(defaults, overrides.get("steps"), args.draft_steps)
+    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []))
+    ids, vision_inputs = image_inputs(model, ids, args.images) if args.images else (ids, {})
+    check_prompt_fits(ids, config, max_tokens if template is None else 1)
+    temperature = args.sampling.temperature or 0.0
+    planner, acceptance, plan = _plan(model, defaults, args, template, max_tokens, overrides, ids)
+    if temperature and plan.mode == "diffusion":
+        raise ValueError("a temperature applies to autoregressive and verified decoding; "
+                         "diffusion takes --temp-min/--temp-max")
+    if temperature and template is not None:
+        raise ValueError("templates decode greedily; drop the temperature")
+    if plan.mode == "verified":
+        DraftSettings(plan.draft_length, plan.draft_steps, temperature).check(config.canvas_length)
+    rng = MxRandom(args.seed) if args.rng is None else args.rng
+    stop_ids = set(defaults.eos_token_id)
+    if template is not None:
+        check_template_fits(template, len(ids), config)
+    text = answer_text(model, tokenizer, template)
+    return PreparedRequest(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn,
+                           vision_inputs, planner, acceptance, temperature)
+
+
+def _plan(model, defaults: GenerationConfig, args: GenerationArgs, template, max_tokens: int, overrides: dict,
+          ids: list[int]) -> tuple[AutoPlanner | None, object, Plan]:
+    """The request's auto planner (auto without a template: it re-plans at every canvas, block or
+    round), verified drafting's running acceptance estimate, and its first plan."""
+    policy, profile = args.policy, args.profile
+    if profile is None and (policy == "auto" or policy == "verified" and None in (args.draft_length, args.draft_steps)):
+        profile = cached_profile(model)
+    if policy == "auto" and template is None:
+        planner = (AutoPlanner(defaults, model.config.canvas_length, profile, args.expected_steps)
+                   if args.expected_steps else auto_planner(model, defaults, profile))
+        planner.sampling = bool(args.sampling.temperature)  # a temperature is for ar and verified only
+        return planner, None, planner.choose(max_tokens, overrides, prompt=ids)  # from answers to prompts like it
+    acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
+    plan = make_plan(policy, defaults, model.config.canvas_length, max_tokens, profile, args.expected_steps,
+                     draft_length=args.draft_length, draft_steps=args.draft_steps, acceptance=acceptance)
+    return None, acceptance, plan.overridden(overrides)
+
+
+def answer_text(model, tokenizer: Tokenizer, template: CanvasTemplate | None = None):
+    """What an answer's committed tokens read as, handed out piece by piece (``.add(ids, final)``):
+    the clean text, or a template's answer (whole with the last piece)."""
+    defaults = generation_config(model, tokenizer)
+    stop_ids = set(defaults.eos_token_id)
+    if template is None:
+        return TextStream(tokenizer, stop_ids)
+    end_of_turn = _end_of_turn(tokenizer, defaults) if template.ends_turn else None
+    return _TemplateText(tokenizer, template, stop_ids, end_of_turn)
+
+
+def _end_of_turn(tokenizer, defaults: GenerationConfig) -> int | None:
+    turn_end = tokenizer.token_id("<turn|>")
+    return turn_end if turn_end is not None else (defaults.eos_token_id[0] if defaults.eos_token_id else None)
+
+
+def check_template_fits(template: CanvasTemplate, prompt_length: int, config) -> None:
+    """A ``TemplateError`` naming the culprit when the template's canvases run past the context."""
+    canvas = config.canvas_length
+    needed = -(-(len(template) + template.ends_turn) // canvas) * canvas
+    context = config.max_position_embeddings
+    if prompt_length + needed <= context:
+        return
+    room = context - prompt_length
+    culprit = next((h for start, h in template.holes if start + h.size > room), None)
+    where = f"the hole at {culprit.where} crosses it" if culprit else "its text alone is too long"
+    raise TemplateError(f"the template takes {needed} canvas positions after the {prompt_length}-token prompt, "
+                        f"more than the {room} the model's context of {context} leaves ({where}); "
+                        f"make the holes smaller")
+
+
+class _TemplateText:
+    """The answer of a template, handed out whole once its last canvas is in."""
+
+    def __init__(self, tokenizer: Tokenizer, template: CanvasTemplate, stop_ids, end_of_turn: int | None):
+        self.tokenizer, self.template, self.stop_ids, self.end = tokenizer, template, stop_ids, end_of_turn
+        self.tokens: list[int] = []
+
+    def add(self, ids, final: bool = False) -> str:
+        self.tokens.extend(int(i) for i in ids)
+        if not final:
+            return ""
+        pad = self.tokenizer.pad_token_id
+        if self.template.render is not None:
+            values = self.template.hole_values(self.tokens, pad, self.end)
+            return json.dumps(self.template.render([self.tokenizer.decode(v) for v in values]))
+        return self.tokenizer.decode_clean(self.template.answer_tokens(self.tokens, pad, self.end), self.stop_ids)
