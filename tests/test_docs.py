@@ -493,3 +493,17 @@ def test_a_command_that_fails_is_reported(tmp_path):
     root = repo_copy(tmp_path)
     assert run(good, root, quick=True, timeout=120) is None
     assert "exit 1: Error: the prompt is empty" in run(bad, root, quick=True, timeout=120)
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_every_relative_link_names_a_file_of_the_repository(page):
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):  # a web address or an anchor
+            continue
+        if not (page.parent / target.split("#")[0]).exists():
+            broken.append(target)
+    assert broken == [], f"{page.relative_to(ROOT)} links to files that do not exist: {broken}"
