@@ -123,3 +123,33 @@ def test_every_third_party_import_is_declared():
     undeclared = {module: path for module, path in third_party_imports().items()
                   if not declared & {normalized(d) for d in distributions.get(module, [module])}}
     assert undeclared == {}, f"imported but not declared in pyproject.toml: {undeclared}"
+
+
+MAX_PARAMETERS = 8
+# The generation path: the API, the engine, the sampler, drafting, the policy and the server.
+GENERATION_PATH = ("api", "batch", "request", "options", "sampler", "denoise", "drafting", "cache", "policy", "server")
+
+
+def parameter_count(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Named parameters (positional and keyword-only; not self, cls, *args or **kwargs)."""
+    a = function.args
+    return sum(p.arg not in ("self", "cls") for p in a.posonlyargs + a.args + a.kwonlyargs)
+
+
+def is_click_command(function) -> bool:
+    """A command line's entry point: click passes each of its flags as a parameter."""
+    return any(isinstance(d, ast.Call) and ast.unparse(d.func) in ("click.command", "command", "click.group")
+               for d in function.decorator_list)
+
+
+def test_no_function_of_the_generation_path_takes_more_than_eight_parameters():
+    """Options travel as one object (options.GenerationArgs, policy.DraftRequest, server.Limits)."""
+    crowded = []
+    for name, path in module_names().items():
+        if name.split(".")[0] not in GENERATION_PATH:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_click_command(node)
+                    and parameter_count(node) > MAX_PARAMETERS):
+                crowded.append(f"{name}.{node.name} ({parameter_count(node)})")
+    assert not crowded, f"more than {MAX_PARAMETERS} parameters: {crowded}"

@@ -21,7 +21,7 @@ from PIL import Image
 
 from mlx_dgemma import generate, load
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.server import Scheduler, Server, create_app
+from mlx_dgemma.server import Limits, Scheduler, Server, create_app
 
 MODEL_ID = "demo"
 SORT = "sort: 42 17 85 23 61"
@@ -46,7 +46,7 @@ def serving(model, tokenizer, model_id: str = MODEL_ID, **server_options):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = create_app(Server(model, tokenizer, model_id, Scheduler(model, tokenizer, prompt_cache_size=4),
-                            **server_options))
+                            Limits(**server_options)))
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
