@@ -153,3 +153,29 @@ def test_no_function_of_the_generation_path_takes_more_than_eight_parameters():
                     and parameter_count(node) > MAX_PARAMETERS):
                 crowded.append(f"{name}.{node.name} ({parameter_count(node)})")
     assert not crowded, f"more than {MAX_PARAMETERS} parameters: {crowded}"
+
+
+# Public names defined in several modules on purpose: each command-line module's ``main``, each server
+# API module's ``routes`` (server/routes.py gathers them), and ``fast_blas.load``, which every entry
+# point (benchmarks/ too) calls as ``fast_blas.load()`` before mlx.core loads.
+SHARED_NAMES = {"main", "routes", "load"}
+
+
+def defined_names(path: Path) -> set[str]:
+    """Public functions, classes and aliases (``A = B``) defined at the top of a module."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_no_public_name_is_defined_in_two_modules():
+    where: dict[str, list[str]] = {}
+    for name, path in sorted(module_names().items()):
+        for defined in defined_names(path) - SHARED_NAMES:
+            where.setdefault(defined, []).append(name)
+    twice = {n: modules for n, modules in where.items() if len(modules) > 1}
+    assert not twice, f"defined in more than one module (rename one): {twice}"
