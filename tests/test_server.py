@@ -302,8 +302,9 @@ def test_a_refusal_by_the_worker_names_the_field(client, monkeypatch):
     from mlx_dgemma import batch
     from mlx_dgemma.errors import PromptError, TemplateError
 
-    def refusing(model, tokenizer, prompt, max_tokens, template=None, **kwargs):
-        raise TemplateError("the template is refused") if template is not None else PromptError("the prompt is refused")
+    def refusing(model, tokenizer, prompt, args):
+        raise TemplateError("the template is refused") if args.template is not None else PromptError(
+            "the prompt is refused")
 
     monkeypatch.setattr(batch, "prepare", refusing)
     for request, param in [(lambda: chat(client, SORT, extra_body={"template": "{{fill:4}}"}), "template"),
