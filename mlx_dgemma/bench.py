@@ -26,7 +26,7 @@ from .validate import at_least, option, writable_file  # noqa: E402
 STEPS = (2, 4, 8, 16, 32, 48)
 
 
-def run(model, prefix: int = 64, steps_list=STEPS, measured_steps=(4, 8), repeats: int = 2) -> dict:
+def run(model, tokenizer, prefix: int = 64, steps_list=STEPS, measured_steps=(4, 8), repeats: int = 2) -> dict:
     """All bench figures as one JSON-ready dict.
 
     Diffusion tok/s at each steps-per-canvas is 256 / (steps · step time), the step time measured
@@ -55,21 +55,21 @@ def run(model, prefix: int = 64, steps_list=STEPS, measured_steps=(4, 8), repeat
         "crossover_steps": profile.crossover_steps(canvas),
         "sampler_check": check,
         "verify_s_by_length": profile.verify_s_by_length,
-        "verified": verified_figures(model, profile, prefix),
+        "verified": verified_figures(model, tokenizer, profile, prefix),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "predicted": predicted_table(),
     }
 
 
-def verified_figures(model, profile: Profile, prefix: int = 64, tokens: int = 64) -> dict:
+def verified_figures(model, tokenizer, profile: Profile, prefix: int = 64, tokens: int = 64) -> dict:
     """Verified drafting on this device: the draft length and steps the policy picks from the profile
-    at the demo's acceptance (and at half of it), their predicted tok/s, and one measured greedy run of
-    ``tokens`` tokens after a random prompt (tokens per round, per forward, tok/s: a random checkpoint's
-    drafts are rarely kept, a trained model's acceptance is what eval's verified rows show)."""
+    at the demo's acceptance (and at half of it), their predicted tok/s, and one measured greedy run
+    through the engine of up to ``tokens`` tokens after a random prompt (tokens per round, per forward,
+    tok/s: a random checkpoint's drafts are rarely kept, a trained model's acceptance is what eval's
+    verified rows show)."""
     import mlx.core as mx
 
-    from . import drafting
-    from .sampler import MxRandom, SamplerSettings
+    from .api import stream_generate
 
     canvas = model.config.canvas_length
     out = {}
@@ -78,24 +78,19 @@ def verified_figures(model, profile: Profile, prefix: int = 64, tokens: int = 64
         out[key] = {"draft_length": length, "draft_steps": steps, "predicted_tok_s": tok_s,
                     "tokens_per_round": acceptance.tokens_per_round(steps, length)}
     length, steps = out["demo_acceptance"]["draft_length"], out["demo_acceptance"]["draft_steps"]
-    ids = mx.random.randint(3, model.config.vocab_size, (1, prefix), key=mx.random.key(4))
-    schedule = SamplerSettings()
+    ids = mx.random.randint(3, model.config.vocab_size, (prefix,), key=mx.random.key(4)).tolist()
 
     def run_once():
-        cache = model.make_cache()
-        first = model.next_token_logits(ids, cache)
-        mx.eval(first)
-        start = time.perf_counter()
-        rounds = list(drafting.verified(model, cache, first, drafting.GreedyRule(set(), tokens),
-                                        drafting.DraftSettings(length, steps), schedule, MxRandom(0)))
-        return rounds, time.perf_counter() - start
+        return list(stream_generate(model, tokenizer, ids, tokens, policy="verified", draft_length=length,
+                                    draft_steps=steps, seed=0))
 
     run_once()  # warm-up
-    rounds, seconds = run_once()
-    out["measured"] = {"draft_length": length, "draft_steps": steps, "tokens": tokens,
-                       "tokens_per_round": tokens / len(rounds),
-                       "tokens_per_forward": tokens / sum(r[2] for r in rounds),
-                       "tok_s": tokens / seconds}
+    rounds = run_once()
+    made = rounds[-1].generation_tokens
+    out["measured"] = {"draft_length": length, "draft_steps": steps, "tokens": made,
+                       "tokens_per_round": made / len(rounds),
+                       "tokens_per_forward": made / sum(r.steps for r in rounds),
+                       "tok_s": rounds[-1].generation_tps}
     return out
 
 
@@ -305,7 +300,7 @@ def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
     from .loader import load
 
     try:
-        model, _ = load(model_path)
+        model, tokenizer = load(model_path)
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
     prefixes = list(prefix)
@@ -316,7 +311,7 @@ def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
         if json_path:
             json_path.write_text(json.dumps(parts, indent=2))
         return
-    report = run(model, prefix=prefixes[0], repeats=repeats)
+    report = run(model, tokenizer, prefix=prefixes[0], repeats=repeats)
     click.echo(format_report(report))
     if len(prefixes) > 1:
         report.update(prefix_sweep(model, prefixes, repeats))

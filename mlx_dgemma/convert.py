@@ -18,17 +18,12 @@ fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 import copy  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
-import uuid  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Callable, Iterator  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import click  # noqa: E402
 import mlx.core as mx  # noqa: E402
@@ -36,6 +31,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from .cli import command_line  # noqa: E402
 from .config import ConfigError, ModelConfig  # noqa: E402
+from .convert_output import MARKER, ConversionStopped, check_apart, check_destination, staging_folder  # noqa: E402
 from .convert_report import format_size, format_table, measure_against, measure_recipe, reference_logits  # noqa: E402
 from .errors import ConversionError  # noqa: E402
 from .loader import (  # noqa: E402
@@ -51,6 +47,7 @@ from .loader import (  # noqa: E402
     weight_files,
 )
 from .model import DiffusionGemma  # noqa: E402
+from .quantize import BITS, GROUP_SIZES, MODE_DEFAULTS, RECIPES, Quantization, QuantParams  # noqa: E402
 from .safetensors_io import (  # noqa: E402
     ShardWriter,
     TensorInfo,
@@ -63,120 +60,9 @@ from .safetensors_io import (  # noqa: E402
 )
 
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit
-MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}  # (group size, bits)
-BITS = (2, 3, 4, 5, 6, 8)  # the affine widths mx.quantize packs (mlx-lm's set)
-GROUP_SIZES = (32, 64, 128)
 DTYPES = ("bfloat16", "float16", "float32")
 _COPIED = [p for p in HUB_PATTERNS if p != "*.safetensors"]  # tokenizer, chat template, generation config
 _REWRITTEN = {"config.json", WEIGHTS_INDEX}
-MARKER = ".mlx_dgemma_conversion.json"  # written last into every output: its files, so --force replaces only those
-_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-class ConversionStopped(BaseException):
-    """SIGTERM or SIGHUP during a conversion (raised like KeyboardInterrupt, after which the partial
-    output is removed)."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"conversion stopped by {signal.Signals(signum).name}; the partial output was removed")
-
-
-@dataclass(frozen=True)
-class QuantParams:
-    group_size: int
-    bits: int
-    mode: str = "affine"
-
-
-# What mlx-vlm's DiffusionGemma quant_predicate gives the modules most sensitive to rounding.
-SENSITIVE_PARAMS = QuantParams(group_size=64, bits=8)
-
-
-def is_sensitive(path: str) -> bool:
-    """Embeddings (also the output head), attention, router and dense MLP, by mlx-vlm's rule."""
-    return (
-        path.endswith(("embed_tokens", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-        or ".self_attn." in path
-        or "router" in path
-    )
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Which parameters each module gets: the sensitive ones ``sensitive`` (None: the same as the
-    others), the others ``bits`` (None: the requested --q-bits)."""
-
-    name: str
-    sensitive: QuantParams | None
-    bits: int | None
-    summary: str
-
-
-RECIPES = {r.name: r for r in (
-    Recipe("mixed", SENSITIVE_PARAMS, None, "embeddings, attention, router and dense MLP at 8 bits, group 64; "
-                                            "the experts and the self-conditioning MLP at --q-bits"),
-    Recipe("uniform", None, None, "every module at --q-bits"),
-    # Named for the Mac whose GPU working set (about three quarters of its memory) holds the released
-    # model's weights, a 256-position canvas and a few thousand tokens of context: docs/quantization.md.
-    Recipe("mixed-16gb", SENSITIVE_PARAMS, 2, "mixed with the experts at 2 bits"),
-    Recipe("mixed-24gb", SENSITIVE_PARAMS, 4, "mixed with the experts at 4 bits"),
-    Recipe("mixed-32gb", SENSITIVE_PARAMS, 6, "mixed with the experts at 6 bits"),
-)}
-
-
-@dataclass(frozen=True)
-class Quantization:
-    """The requested parameters and a recipe (``RECIPES``): ``uniform`` quantizes every module with
-    them; the ``mixed`` ones keep the sensitive modules at 8 bits, group 64, and use them for the
-    experts and the self-conditioning MLP only."""
-
-    default: QuantParams
-    recipe: str = "mixed"
-
-    @classmethod
-    def from_flags(cls, bits: int | None = None, group_size: int | None = None, mode: str | None = None,
-                   recipe: str | None = None) -> "Quantization":
-        mode = mode or "affine"
-        if mode not in MODE_DEFAULTS:
-            raise ConversionError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODE_DEFAULTS)}")
-        recipe = recipe or "mixed"
-        if recipe not in RECIPES:
-            raise ConversionError(f"unknown quantization recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
-        fixed = RECIPES[recipe].bits
-        if fixed is not None and bits not in (None, fixed):
-            raise ConversionError(f"--quant-predicate {recipe} quantizes the experts at {fixed} bits; drop --q-bits "
-                                  f"{bits} or use --quant-predicate mixed")
-        if fixed is not None and mode != "affine":
-            raise ConversionError(f"--quant-predicate {recipe} is affine; drop --q-mode {mode}")
-        if bits is not None and bits not in BITS:
-            raise ConversionError(f"--q-bits {bits} is not a width MLX quantizes to; choose one of "
-                                  f"{', '.join(map(str, BITS))}")
-        if group_size is not None and group_size not in GROUP_SIZES:
-            raise ConversionError(f"--q-group-size {group_size} is not supported; choose one of "
-                                  f"{', '.join(map(str, GROUP_SIZES))}")
-        mode_group, mode_bits = MODE_DEFAULTS[mode]
-        params = QuantParams(group_size or mode_group, bits or fixed or mode_bits, mode)
-        if mode != "affine" and (params.group_size, params.bits) != (mode_group, mode_bits):
-            raise ConversionError(f"--q-mode {mode} needs --q-group-size {mode_group} and --q-bits {mode_bits}")
-        return cls(params, recipe)
-
-    def params_for(self, path: str) -> QuantParams:
-        sensitive = RECIPES[self.recipe].sensitive
-        if sensitive is not None and is_sensitive(path):
-            return sensitive
-        return self.default
-
-    def config(self, paths: list[str]) -> dict:
-        """mlx-lm's ``quantization`` entry: the defaults, plus an override for each module that differs."""
-        entry: dict = asdict(self.default)
-        for path in sorted(paths):
-            if (params := self.params_for(path)) != self.default:
-                entry[path] = asdict(params)
-        return entry
-
-    def describe(self) -> str:
-        return f"{self.recipe} {self.default.bits}-bit {self.default.mode} g{self.default.group_size}"
 
 
 @dataclass
@@ -430,139 +316,6 @@ def copy_side_files(src: Path, folder: Path) -> None:
         for path in src.glob(pattern):
             if path.is_file() and path.name not in _REWRITTEN and path.name != MARKER:
                 shutil.copy2(path, folder / path.name)
-
-
-def write_marker(folder: Path) -> None:
-    """The list of the files this conversion wrote, written last: what ``--force`` may replace."""
-    files = sorted(p.name for p in folder.iterdir())
-    (folder / MARKER).write_text(json.dumps({"written_by": "mlx_dgemma.convert", "files": files}, indent=1))
-
-
-def foreign_files(dst: Path) -> list[str]:
-    """The entries of ``dst`` a conversion did not write (all of them where it has no valid marker)."""
-    entries = sorted(p.name for p in dst.iterdir())
-    try:
-        marker = json.loads((dst / MARKER).read_text())
-        files = marker["files"] if marker.get("written_by") == "mlx_dgemma.convert" else []
-        ours = {MARKER, *files} if isinstance(files, list) and all(isinstance(f, str) for f in files) else set()
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        ours = set()
-    return [name for name in entries if name not in ours or not (dst / name).is_file() or (dst / name).is_symlink()]
-
-
-def check_destination(dst: Path, force: bool, flag: str = "--mlx-path") -> None:
-    """Refuse a destination whose replacement could lose anything: a file or link, a folder holding
-    files a conversion did not write (even with ``force``), or an earlier conversion without ``force``."""
-    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
-        raise ConversionError(f"{dst} exists and is not a plain folder (a file or a link); choose another {flag}")
-    if not dst.exists():
-        return
-    if foreign := foreign_files(dst):
-        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise ConversionError(f"{dst} holds files a conversion did not write ({foreign[0]}{more}); "
-                              f"choose another {flag} (--force replaces only an earlier conversion)")
-    if not force:
-        raise ConversionError(f"{dst} already exists; pass --force to replace it")
-
-
-def check_apart(src: Path, dst: Path, flag: str = "--mlx-path") -> None:
-    """The destination may neither be, hold, nor lie inside the source (replacing it would delete it)."""
-    source, target = src.resolve(), dst.resolve()
-    if target == source:
-        raise ConversionError(f"{dst} is the source checkpoint; choose another {flag}")
-    if source.is_relative_to(target):
-        raise ConversionError(f"{dst} contains the source checkpoint {src}; choose an {flag} outside it")
-    if target.is_relative_to(source):
-        raise ConversionError(f"{dst} is inside the source checkpoint {src}; choose an {flag} outside it")
-
-
-@contextmanager
-def _stop_signals_raise() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise ConversionStopped (once; a second is ignored while cleaning up), so a
-    killed conversion removes its partial output. Signals reach only the main thread's handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        for s in _STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
-        raise ConversionStopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def _staging_prefix(dst: Path) -> str:
-    return f".{dst.name}."
-
-
-def sweep_stale_staging(dst: Path) -> list[Path]:
-    """Remove the temporary folders of earlier conversions to ``dst`` whose process is gone (killed
-    by SIGKILL or a power cut, say); a live process's folder is left alone. Returns what was removed."""
-    removed = []
-    prefix = _staging_prefix(dst)
-    for path in dst.parent.iterdir() if dst.parent.is_dir() else []:
-        name = path.name
-        if not (name.startswith(prefix) and name.endswith(".converting") and path.is_dir()):
-            continue
-        pid = name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
-
-
-@contextmanager
-def staging_folder(dst: Path, force: bool, flag: str = "--mlx-path") -> Iterator[Path]:
-    """A temporary sibling of ``dst`` (named with this process's id) that replaces it when the block
-    succeeds and vanishes when it fails, is interrupted, or gets SIGTERM/SIGHUP."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale_staging(dst)
-    tmp = None
-    with _stop_signals_raise():
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}.", suffix=".converting",
-                                        dir=dst.parent))
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the result should not be
-            yield tmp
-            write_marker(tmp)
-            _replace(tmp, dst, force, flag)
-        except BaseException:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-
-def _replace(new: Path, dst: Path, force: bool, flag: str) -> None:
-    if not dst.exists() and not dst.is_symlink():
-        new.rename(dst)
-        return
-    check_destination(dst, force, flag)  # again: the destination may have changed during the conversion
-    old = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.old")
-    dst.rename(old)
-    try:
-        new.rename(dst)
-    except BaseException:
-        old.rename(dst)
-        raise
-    shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def convert(

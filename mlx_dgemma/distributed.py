@@ -205,7 +205,7 @@ def _agree_on_checkpoint(group: mx.distributed.Group, tensors: list[tuple[str, T
                                "(different tensors); give every machine the same files")
 
 
-def load_model(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | None = None) -> DiffusionGemma:
+def load_shard(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | None = None) -> DiffusionGemma:
     """This rank's part of the checkpoint in ``folder``: its experts (their rows of stacked tensors,
     or their per-expert tensors) and every other weight whole; checked as strictly as ``loader``."""
     config = read_config(folder)
@@ -253,7 +253,7 @@ def sharded_load(path_or_repo: str | os.PathLike, group: mx.distributed.Group | 
 
     group = group or init()
     folder = resolve(path_or_repo)
-    model = load_model(folder, group, watchdog)
+    model = load_shard(folder, group, watchdog)
     try:
         model.generation_config = GenerationConfig.from_folder(folder, model.config)
     except ConfigError as e:

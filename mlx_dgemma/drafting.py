@@ -23,7 +23,6 @@ autoregressive template rows of the engine, batch.py, run the same rule one toke
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -279,19 +278,12 @@ class Round:
     leftover: list[int]  # the draft's tokens after the first rejected one (a start for the next draft)
 
 
-def verify_round(model, cache, known: int, rule, settings: DraftSettings, schedule: SamplerSettings,
-                 rng: Random, start: list[int] = ()) -> Round:
-    """One round after ``known`` (decided, not in the cache): draft (from ``start``: the previous
-    round's leftover), verify, keep, trim."""
-    settings = replace(settings, length=max(1, min(settings.length, rule.room)))
-    return verify_rounds(model, [cache], [known], [rule], settings, [schedule], [rng], [start])[0]
-
-
 def verify_rounds(model, caches: list, known: list[int], rules: list, settings: DraftSettings,
                   schedules: list[SamplerSettings], rngs: list[Random], starts: list[list[int]]) -> list[Round]:
-    """``verify_round`` for several rows at once (each with its own cache, known token, rule, schedule,
-    random draws and start), drafts of one length (``settings.length``): one forward per draft step
-    and one verifying pass for all of them; each row keeps what it keeps."""
+    """One round for each row after its ``known`` token (decided, not in its cache): draft (from its
+    start: the previous round's leftover), verify, keep, trim. Each row has its own cache, known token,
+    rule, schedule, random draws and start; the drafts have one length (``settings.length``): one
+    forward per draft step and one verifying pass for all of them; each row keeps what it keeps."""
     length = settings.length
     befores = [len(rule.output) for rule in rules]
     q = [None] * len(rules)
@@ -316,21 +308,3 @@ def verify_rounds(model, caches: list, known: list[int], rules: list, settings: 
         cache.trim(length - 1 - kept)
         rounds.append(Round(rule.output[before:], next_known, length, kept, forwards, tokens[kept + 2:]))
     return rounds
-
-
-def verified(model, cache, first_logits: mx.array, rule, settings: DraftSettings, schedule: SamplerSettings,
-             rng: Random) -> Iterator[tuple[list[int], bool, int, int]]:
-    """Rounds of verified drafting after the prompt in ``cache`` and its next-token ``first_logits``
-    [1, V]: yields (tokens this round adds to ``rule.output``, done, forwards, draft tokens kept, draft
-    length)."""
-    settings.check(model.config.canvas_length)
-    _, known = rule.follow(first_logits.reshape(1, -1), [])
-    if known is None:
-        yield rule.output, True, 0, 0, 0
-        return
-    first, leftover = rule.output[:], []
-    while known is not None:
-        step = verify_round(model, cache, known, rule, settings, schedule, rng, leftover)
-        known, leftover = step.known, step.leftover
-        yield first + step.tokens, known is None, step.forwards, step.kept, step.length
-        first = []

@@ -23,14 +23,8 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 from .cli import check_writable_folder, command_line  # noqa: E402
-from .convert import (  # noqa: E402
-    MAX_SHARD_BYTES,
-    check_apart,
-    check_destination,
-    copy_side_files,
-    split_into_shards,
-    staging_folder,
-)
+from .convert import MAX_SHARD_BYTES, copy_side_files, split_into_shards  # noqa: E402
+from .convert_output import check_apart, check_destination, staging_folder  # noqa: E402
 from .model import ExpertLinear, QuantizedExpertLinear  # noqa: E402
 from .safetensors_io import ShardWriter, TensorSpec, shard_names, write_index  # noqa: E402
 

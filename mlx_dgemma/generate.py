@@ -199,7 +199,7 @@ def _generate_cli(flags: dict, group, watchdog):
     args = generation_args(flags, images)
     template = _read_template(tokenizer, flags["template_file"], flags["schema_file"],
                               dgemma.config.max_position_embeddings)
-    if isinstance(template, dict):  # a schema: holes sized by a free draft first
+    if flags["schema_file"]:  # a schema: holes sized by a free draft first
         draft = replace(args, draft_length=None, draft_steps=None, sampling=replace(args.sampling, temperature=None))
         template = drafted_json_template(dgemma, tokenizer, prompt, template, **draft.kwargs())
     canvas_view = TerminalView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
@@ -218,10 +218,8 @@ def _generate_cli(flags: dict, group, watchdog):
 
 
 def _read_template(tokenizer, template_file: str | None, schema_file: str | None, limit: int):
-    """The --template file's template, or the --schema file's schema (checked); ``limit`` is the
-    model's context, which no template can outgrow."""
-    from .template import json_template
-
+    """The --template file's template, or the --schema file's schema (``drafted_json_template`` checks
+    it before its draft); ``limit`` is the model's context, which no template can outgrow."""
     path = template_file or schema_file
     if path is None:
         return None
@@ -235,13 +233,11 @@ def _read_template(tokenizer, template_file: str | None, schema_file: str | None
     if template_file:
         return parse_template(tokenizer, text.removesuffix("\n"), limit=limit)  # the newline that ends the file
     try:
-        schema = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise TemplateError(f"{path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except RecursionError:
         raise TemplateError(f"{path} is nested too deeply to read; flatten the schema") from None
-    json_template(tokenizer, schema, limit=limit)  # a bad schema fails here, before any generation
-    return schema
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def _yaml_loader():
     return Loader
 
 
-def read_config(path: str) -> dict:
+def read_options_file(path: str) -> dict:
     """The options of a YAML config file, a mapping of CONFIG_DEFAULTS' keys."""
     import yaml
 
@@ -156,7 +156,7 @@ def resolve_args(argv=None) -> argparse.Namespace:
     """Flags over the YAML config over mlx-lm's defaults, each checked (``check_options``);
     ``lora_parameters`` of the config fill in the defaults they do not give."""
     args = build_parser().parse_args(argv)
-    config = read_config(args.config) if args.config else {}
+    config = read_options_file(args.config) if args.config else {}
     sources = {}
     for key, default in CONFIG_DEFAULTS.items():
         if getattr(args, key, None) is not None:
@@ -265,7 +265,7 @@ def check_options(args: argparse.Namespace, sources: dict[str, str]) -> None:
             raise FineTuneError(str(e)) from None
 
 
-def evaluate(model, examples, batch_size: int, num_batches: int, seed: int,
+def evaluate_loss(model, examples, batch_size: int, num_batches: int, seed: int,
              objective: train.ObjectiveConfig) -> tuple[float, float, float]:
     """Mean total, decoder and encoder loss over ``num_batches`` (-1: all), under noise drawn from
     ``seed`` each time, so that evaluations during a run are comparable."""
@@ -353,7 +353,7 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
     for it in range(1, args.iters + 1):
         if valid_set and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
             start = time.perf_counter()
-            val = evaluate(model, valid_set, args.batch_size, args.val_batches, args.seed + 2, objective)
+            val = evaluate_loss(model, valid_set, args.batch_size, args.val_batches, args.seed + 2, objective)
             log(f"Iter {it}: Val loss {val[0]:.3f} (decoder {val[1]:.3f}, encoder {val[2]:.3f}), "
                 f"Val took {time.perf_counter() - start:.1f}s")
             if evaluated and not hinted and (hint := stalled_hint(evaluated, val[0])):
@@ -398,7 +398,7 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
     log(f"Saved final weights to {adapter_path / ADAPTERS}.")
 
 
-def run(args, log=_print) -> None:
+def fine_tune(args, log=_print) -> None:
     from .demo import DEMO_MODEL
     from .loader import load
 
@@ -446,14 +446,14 @@ def run(args, log=_print) -> None:
         load_adapters(model, args.adapter_path)
     if args.test:
         model.eval()
-        loss, decoder, encoder = evaluate(model, data["test"], args.batch_size, args.test_batches, args.seed + 3,
+        loss, decoder, encoder = evaluate_loss(model, data["test"], args.batch_size, args.test_batches, args.seed + 3,
                                           objective)
         log(f"Test loss {loss:.3f} (decoder {decoder:.3f}, encoder {encoder:.3f}).")
 
 
 @command_line
 def main(argv=None) -> None:
-    run(resolve_args(argv))
+    fine_tune(resolve_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ import mlx.core as mx
 from .config import GenerationConfig, ModelConfig
 from .convert_report import format_size
 from .distributed import STACKED_EXPERTS, expert_range
-from .errors import CheckpointError, ConfigError, MemoryCheckError
+from .errors import CheckpointError, ConfigError, ConversionError, MemoryCheckError
 from .loader import VISION_KEY, ExpertSlice, map_key, read_config, resolve, weight_files
+from .quantize import GROUP_SIZES, Quantization
 from .safetensors_io import TensorInfo, read_header
 
 DEVICE_MEMORY_ENV = "MLX_DGEMMA_DEVICE_MEMORY"
@@ -191,11 +192,11 @@ def recipe_weight_sizes(folder: Path, config: ModelConfig, tensors: dict[str, Te
     base = ModelConfig.from_dict(raw)
     sizes = []
     for name in MEMORY_RECIPES:
-        for group_size in convert.GROUP_SIZES[1::-1]:  # 64, then 32 where 64 does not divide a dimension
-            quantization = convert.Quantization.from_flags(group_size=group_size, recipe=name)
+        for group_size in GROUP_SIZES[1::-1]:  # 64, then 32 where 64 does not divide a dimension
+            quantization = Quantization.from_flags(group_size=group_size, recipe=name)
             try:
                 plan = convert.plan_tensors(folder, raw, base, tensors, quantization, None)
-            except convert.ConversionError:
+            except ConversionError:
                 continue
             specs = {s.name: s for _, group in convert.output_specs(plan) for s in group}
             infos = {n: TensorInfo(Path(), s.dtype, s.shape, 0, s.nbytes) for n, s in specs.items()}

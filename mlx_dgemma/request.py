@@ -20,7 +20,7 @@ from .config import GenerationConfig  # noqa: E402
 from .drafting import DraftSettings  # noqa: E402
 from .images import image_inputs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
-from .policy import AutoPlanner, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
+from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
 from .sampler import MxRandom, Random  # noqa: E402
 from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps  # noqa: E402
 from .tokenizer import TextStream, Tokenizer  # noqa: E402
@@ -192,7 +192,7 @@ def _plan(model, defaults: GenerationConfig, args: GenerationArgs, template, max
         return planner, None, planner.choose(max_tokens, overrides, prompt=ids)  # from answers to prompts like it
     acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
     plan = make_plan(policy, defaults, model.config.canvas_length, max_tokens, profile, args.expected_steps,
-                     draft_length=args.draft_length, draft_steps=args.draft_steps, acceptance=acceptance)
+                     DraftRequest(args.draft_length, args.draft_steps, acceptance))
     return None, acceptance, plan.overridden(overrides)
 
 

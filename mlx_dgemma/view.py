@@ -95,5 +95,3 @@ class TerminalView:
             self.stream.write("\n")
         self.stream.flush()
 
-
-CanvasView = TerminalView  # the name generate.py still imports (cache.CanvasView is the K/V view)

@@ -30,7 +30,7 @@ def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
                             eps).astype(x.dtype)
 
 
-class RMSNorm(nn.Module):
+class Float32RMSNorm(nn.Module):
     def __init__(self, dims: int, eps: float):
         super().__init__()
         self.weight = mx.ones((dims,))
@@ -85,8 +85,8 @@ class VisionAttention(nn.Module):
         self.k_proj = ClippableLinear(cfg.hidden_size, self.n_kv_heads * d, clipped)
         self.v_proj = ClippableLinear(cfg.hidden_size, self.n_kv_heads * d, clipped)
         self.o_proj = ClippableLinear(self.n_heads * d, cfg.hidden_size, clipped)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm = Float32RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = Float32RMSNorm(d, cfg.rms_norm_eps)
         self.eps, self.theta = cfg.rms_norm_eps, cfg.rope_theta
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
@@ -120,7 +120,7 @@ class VisionLayer(nn.Module):
         self.mlp = VisionMLP(cfg)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
-            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+            setattr(self, name, Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions))

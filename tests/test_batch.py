@@ -392,12 +392,12 @@ class ScriptedPlanner:
         from dataclasses import replace
 
         from mlx_dgemma.generate import generation_config
-        from mlx_dgemma.policy import AutoPlanner, cached_profile, make_plan
+        from mlx_dgemma.policy import AutoPlanner, DraftRequest, cached_profile, make_plan
 
         class Scripted(AutoPlanner):
             def choose(self, remaining, overrides=None, produced=0, prompt=()):
                 name = cls.SCRIPT[(len(prompt) + produced // 5) % len(cls.SCRIPT)]
-                plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft_length=5, draft_steps=1)
+                plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft=DraftRequest(5, 1))
                 self.current = replace(plan, policy="auto").overridden(overrides or {})
                 return self.current
 

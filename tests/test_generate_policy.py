@@ -153,7 +153,7 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern):
     from dataclasses import replace
 
     from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import AutoPlanner, make_plan
+    from mlx_dgemma.policy import AutoPlanner, DraftRequest, make_plan
 
     class Scripted(AutoPlanner):
         def __init__(self, modes, *args):
@@ -162,7 +162,7 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern):
 
         def choose(self, remaining, overrides=None, produced=0, prompt=()):
             name = next(self.modes, "ar")
-            plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft_length=5, draft_steps=1)
+            plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft=DraftRequest(5, 1))
             self.current = replace(plan, policy="auto").overridden(overrides or {})
             return self.current
 

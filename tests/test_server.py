@@ -21,7 +21,7 @@ from PIL import Image
 
 from mlx_dgemma import generate, load
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.server import Scheduler, Server, create_app
+from mlx_dgemma.server import Limits, Scheduler, Server, create_app
 
 MODEL_ID = "demo"
 SORT = "sort: 42 17 85 23 61"
@@ -46,7 +46,7 @@ def serving(model, tokenizer, model_id: str = MODEL_ID, **server_options):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = create_app(Server(model, tokenizer, model_id, Scheduler(model, tokenizer, prompt_cache_size=4),
-                            **server_options))
+                            Limits(**server_options)))
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
@@ -302,8 +302,9 @@ def test_a_refusal_by_the_worker_names_the_field(client, monkeypatch):
     from mlx_dgemma import batch
     from mlx_dgemma.errors import PromptError, TemplateError
 
-    def refusing(model, tokenizer, prompt, max_tokens, template=None, **kwargs):
-        raise TemplateError("the template is refused") if template is not None else PromptError("the prompt is refused")
+    def refusing(model, tokenizer, prompt, args):
+        raise TemplateError("the template is refused") if args.template is not None else PromptError(
+            "the prompt is refused")
 
     monkeypatch.setattr(batch, "prepare", refusing)
     for request, param in [(lambda: chat(client, SORT, extra_body={"template": "{{fill:4}}"}), "template"),

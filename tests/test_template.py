@@ -213,6 +213,24 @@ def test_cli_template_and_schema_files(tmp_path):
     assert result.exit_code == 1 and "is not JSON" in result.output and len(result.output.strip().splitlines()) == 1
 
 
+def test_cli_schema_builds_its_template_twice(tmp_path, monkeypatch):
+    """--schema: one template to check the schema before the free draft, one sized by the draft; a bad
+    schema fails before any generation."""
+    from mlx_dgemma import api, json_schema
+
+    built, real = [], json_schema.json_template
+    monkeypatch.setattr(json_schema, "json_template", lambda *a, **k: built.append("draft" in k) or real(*a, **k))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    result = CliRunner().invoke(main, ["--prompt", "json: name=ada", "--schema", str(schema), "--seed", "0"])
+    assert result.exit_code == 0, result.output
+    assert built == [False, True]  # the check, then the drafted template
+    monkeypatch.setattr(api, "generate", lambda *a, **k: pytest.fail("a bad schema reached the draft"))
+    schema.write_text("[1, 2]")
+    result = CliRunner().invoke(main, ["--prompt", "x", "--schema", str(schema)])
+    assert result.exit_code == 1 and "a JSON schema is an object" in result.output, result.output
+
+
 def test_a_draft_sizes_the_schema_holes(demo):
     _, tokenizer = demo
     sizes = lambda template: {h.where: h.size for _, h in template.holes}  # noqa: E731

@@ -441,7 +441,7 @@ def test_a_validation_loss_that_does_not_move_gets_one_hint(tmp_path):
 
     def logged(learning_rate) -> list[str]:
         lines = []
-        lora.run(resolve_args(["--train", "--data", str(data), "--iters", "4", "--batch-size", "2", "--num-layers", "1",
+        lora.fine_tune(resolve_args(["--train", "--data", str(data), "--iters", "4", "--batch-size", "2", "--num-layers", "1",
                                "--steps-per-eval", "1", "--learning-rate", str(learning_rate),
                                "--adapter-path", str(tmp_path / f"a{learning_rate}")]), log=lines.append)
         return lines

@@ -3,6 +3,7 @@ output token for token, sampled output has the autoregressive distribution; the 
 relies on is exact."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -122,15 +123,25 @@ def test_a_stop_id_inside_a_draft_ends_it(demo):
 
 
 def run_verified(model, prompt, rule, length, steps, seed=0, cache=None, first=None):
-    """drafting.verified from a fresh cache holding ``prompt`` (or the given one and its logits); a
-    sampling rule's random source draws the drafts too."""
+    """Rounds of drafting.verify_rounds for one row, from a fresh cache holding ``prompt`` (or the given
+    one and its logits): yields (tokens the round adds, done, forwards, draft tokens kept, draft length);
+    a sampling rule's random source draws the drafts too."""
     if cache is None:
         cache = model.make_cache()
         first = model.next_token_logits(mx.array([prompt]), cache)
     schedule = SamplerSettings.from_generation_config(model.generation_config)
     temperature, rng = getattr(rule, "temperature", 0.0), getattr(rule, "rng", None) or MxRandom(seed)
-    return drafting.verified(model, cache, first, rule, drafting.DraftSettings(length, steps, temperature), schedule,
-                             rng)
+    settings = drafting.DraftSettings(length, steps, temperature)
+    _, known = rule.follow(first.reshape(1, -1), [])
+    if known is None:
+        yield rule.output, True, 0, 0, 0
+    tokens, leftover = rule.output[:], []
+    while known is not None:
+        round_settings = replace(settings, length=max(1, min(length, rule.room)))
+        done = drafting.verify_rounds(model, [cache], [known], [rule], round_settings, [schedule], [rng], [leftover])[0]
+        known, leftover = done.known, done.leftover
+        yield tokens + done.tokens, known is None, done.forwards, done.kept, done.length
+        tokens = []
 
 
 @pytest.mark.parametrize("task", TASKS)

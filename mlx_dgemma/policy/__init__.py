@@ -5,7 +5,7 @@ re-chooses as it generates). The names the rest of the package imports are re-ex
 
 from .acceptance import Acceptance, best_draft
 from .auto import EXPLORE_EVERY, EXPLORE_WITHIN, AutoPlanner, auto_planner, make_plan
-from .plan import POLICIES, Plan
+from .plan import POLICIES, DraftRequest, Plan
 from .profile import CANVAS_LENGTHS, Profile, cached_profile, measure, profile_cache_path, time_canvas
 from .roofline import (
     KNOWN_DEVICES,
@@ -20,7 +20,7 @@ from .roofline import (
 
 __all__ = [
     "CANVAS_LENGTHS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "KNOWN_DEVICES", "POLICIES", "RELEASED", "Acceptance",
-    "AutoPlanner", "Cost", "Plan", "Profile", "auto_planner", "best_draft", "cached_profile", "forward_cost",
+    "AutoPlanner", "Cost", "DraftRequest", "Plan", "Profile", "auto_planner", "best_draft", "cached_profile", "forward_cost",
     "make_plan", "measure", "parameter_count", "predict", "predicted_seconds", "predicted_table",
     "profile_cache_path", "time_canvas",
 ]

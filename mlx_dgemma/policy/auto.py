@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from ..config import GenerationConfig
 from .acceptance import Acceptance, best_draft
-from .plan import Plan, fixed_plan, verified_plan
+from .plan import DraftRequest, Plan, fixed_plan, verified_plan
 from .profile import Profile
 
 # Share of canvas positions the fast policy computes per step (active-set compaction): 74 of 144 on
@@ -114,7 +114,7 @@ class AutoPlanner:
         self.chosen = best, predicted[best][0] / self.pace[best].value(prompt)
         plan = fixed_plan(best, self.gen, self.canvas, self.profile)
         if best == "verified":
-            plan = verified_plan(plan, self.canvas, self.profile, None, None, self.acceptance)
+            plan = verified_plan(plan, self.canvas, self.profile, DraftRequest(acceptance=self.acceptance))
         reasons = [f"{self.profile.device} ({self.profile.source}), predicted tok/s:"]
         reasons += [f"{name}: {tok_s:.1f} ({why})" for name, (tok_s, why) in
                     sorted(predicted.items(), key=lambda item: -item[1][0])]
@@ -213,18 +213,17 @@ def make_plan(
     max_tokens: int,
     profile: Profile | None = None,
     expected_steps: float | None = None,
-    draft_length: int | None = None,
-    draft_steps: int | None = None,
-    acceptance: Acceptance | None = None,
+    draft: DraftRequest = DraftRequest(),
 ) -> Plan:
     """Turn a policy name, the generation config, the request and the device profile into a plan.
-    ``acceptance`` is verified drafting's running estimate (the model's, see ``auto_planner``).
+    ``draft``: what a verified request asks of its drafts (its acceptance estimate is the model's, see
+    ``auto_planner``).
 
     ``expected_steps`` is how many steps a canvas typically takes with this model (the stop rule
     usually fires well before the limit); without it the step limit is assumed.
     """
     if policy != "auto":
-        return fixed_plan(policy, gen, canvas, profile, draft_length, draft_steps, acceptance)
+        return fixed_plan(policy, gen, canvas, profile, draft)
     if profile is None:
         reference = replace(fixed_plan("reference", gen, canvas), policy="auto")
         return replace(reference, trim_last_canvas=True, reasons=reference.reasons + ["no device profile: diffusion"])

@@ -58,6 +58,16 @@ class Plan:
         return min(canvas, -(-remaining // multiple) * multiple)
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a verified request asks of its drafts: a length and steps (None: the profile's best), and
+    ``acceptance``, verified drafting's running estimate, to choose them by."""
+
+    length: int | None = None
+    steps: int | None = None
+    acceptance: Acceptance | None = None
+
+
 FREEZE_AFTER = 1  # the fast policy's active-set compaction: benchmarks/demo_speed.py measures the choice
 
 
@@ -66,13 +76,10 @@ def fixed_plan(
     gen: GenerationConfig,
     canvas: int,
     profile: Profile | None = None,
-    draft_length: int | None = None,
-    draft_steps: int | None = None,
-    acceptance: Acceptance | None = None,
+    draft: DraftRequest = DraftRequest(),
 ) -> Plan:
     """The plan of a policy that does not re-plan as it goes (reference, fast, ar, verified), from the
-    generation config and, for verified drafting, the device profile and ``acceptance``, its running
-    estimate. Any policy's plan, auto's included, is ``auto.make_plan``'s."""
+    generation config and, for verified drafting, the device profile and ``draft``. Any policy's plan, auto's included, is ``auto.make_plan``'s."""
     reference = Plan(policy, "diffusion", SamplerSettings.from_generation_config(gen), reasons=[
         f"the checkpoint's generation config: {gen.max_denoising_steps} steps, bound {gen.entropy_bound:g}, "
         f"t {gen.t_min:g}–{gen.t_max:g}, whole canvases"])
@@ -81,7 +88,7 @@ def fixed_plan(
     if policy == "ar":
         return replace(reference, mode="ar", reasons=["autoregressive decoding requested (the encoder as a causal LM)"])
     if policy == "verified":
-        return verified_plan(reference, canvas, profile, draft_length, draft_steps, acceptance)
+        return verified_plan(reference, canvas, profile, draft)
     if policy == "fast":
         return replace(
             reference, settings=replace(reference.settings, freeze_after=FREEZE_AFTER, stability_threshold=0),
@@ -95,9 +102,9 @@ def fixed_plan(
     raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
-def verified_plan(reference: Plan, canvas: int, profile: Profile | None, length: int | None, steps: int | None,
-                  acceptance: Acceptance | None = None) -> Plan:
-    """Verified drafting with the given draft length and steps, the rest chosen for ``profile``."""
+def verified_plan(reference: Plan, canvas: int, profile: Profile | None, draft: DraftRequest) -> Plan:
+    """Verified drafting with the draft length and steps ``draft`` gives, the rest chosen for ``profile``."""
+    length, steps = draft.length, draft.steps
     reasons = ["verified drafting: the decoder drafts, the encoder verifies and encodes the draft in one "
                "forward; the output is autoregressive decoding's"]
     if length is None or steps is None:
@@ -105,7 +112,7 @@ def verified_plan(reference: Plan, canvas: int, profile: Profile | None, length:
             best_length, best_steps = min(canvas, 32), 2
             reasons.append(f"no device profile: drafts of {best_length} in {best_steps} steps")
         else:
-            acceptance = acceptance or Acceptance()
+            acceptance = draft.acceptance or Acceptance()
             best_length, best_steps, tok_s = best_draft(profile, acceptance, canvas, length, steps)
             reasons.append(f"{profile.device} ({profile.source}): {best_length} positions in {best_steps} step(s) "
                            f"predicted fastest, {acceptance.tokens_per_round(best_steps, best_length):.1f} tokens "

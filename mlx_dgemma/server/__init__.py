@@ -3,8 +3,8 @@ HTTP side that reads and checks every request, api.py what an API is, openai_api
 responses.py / anthropic.py the APIs' translations, routes.py all their routes on one app, scheduler.py
 the worker that owns the model and drives the batched engine, prompt_cache.py the multi-turn prefix cache)."""
 
-from .app import Server
+from .app import Limits, Server
 from .routes import create_app
 from .scheduler import Scheduler
 
-__all__ = ["Server", "Scheduler", "create_app"]
+__all__ = ["Limits", "Server", "Scheduler", "create_app"]

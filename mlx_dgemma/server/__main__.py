@@ -50,7 +50,7 @@ def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, ma
 
     from ..loader import load
     from ..memory import check_memory
-    from .app import Server
+    from .app import Limits, Server
     from .routes import create_app
     from .scheduler import Scheduler
 
@@ -61,9 +61,8 @@ def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, ma
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     scheduler = Scheduler(dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size)
-    server = Server(dgemma, tokenizer, model or "mlx-dgemma-demo", scheduler, max_tokens=max_tokens,
-                    max_request_bytes=max_request_bytes, max_images=max_images, max_image_pixels=max_image_pixels,
-                    image_dir=allowed_image_dir)
+    limits = Limits(max_tokens, max_request_bytes, max_images, max_image_pixels, allowed_image_dir)
+    server = Server(dgemma, tokenizer, model or "mlx-dgemma-demo", scheduler, limits)
 
     class Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):

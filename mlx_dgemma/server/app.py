@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.requests import Request
@@ -51,20 +52,27 @@ UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "bes
 JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64}}}
 
 
-class Server:
-    """The endpoints. ``image_dir``: the folder whose regular files an ``image_url`` path may name
-    (None: local paths are refused; data URLs always work)."""
+@dataclass(frozen=True)
+class Limits:
+    """What the server accepts of a request."""
 
-    def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, max_tokens: int | None = None,
-                 max_request_bytes: int = MAX_REQUEST_BYTES, max_images: int = MAX_IMAGES,
-                 max_image_pixels: int = MAX_REQUEST_PIXELS, image_dir: str | Path | None = None):
+    max_tokens: int | None = None  # a request's default and largest max_tokens (None: the checkpoint's max_new_tokens)
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    max_images: int = MAX_IMAGES
+    max_image_pixels: int = MAX_REQUEST_PIXELS  # a request's images together
+    image_dir: str | Path | None = None  # whose regular files an image_url path may name (None: data URLs only)
+
+
+class Server:
+    """The endpoints, for requests within ``limits``."""
+
+    def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, limits: Limits = Limits()):
         from PIL.Image import DecompressionBombWarning
 
         self.model, self.tokenizer, self.model_id, self.scheduler = model, tokenizer, model_id, scheduler
         self.defaults = generation_config(model, tokenizer)
-        self.max_tokens = max_tokens or self.defaults.max_new_tokens
-        self.max_request_bytes = max_request_bytes
-        self.max_images, self.max_image_pixels, self.image_dir = max_images, max_image_pixels, image_dir
+        self.limits = limits
+        self.max_tokens = limits.max_tokens or self.defaults.max_new_tokens
         self.context = model.config.max_position_embeddings
         # No token is longer than the vocabulary's longest: text longer than that many per position
         # cannot fit the context, and is refused before it is rendered or tokenized.
@@ -108,7 +116,7 @@ class Server:
     # -- reading a request -------------------------------------------------------------------------
 
     async def read_body(self, request: Request) -> dict:
-        limit = self.max_request_bytes
+        limit = self.limits.max_request_bytes
         too_big = BadRequest(f"the request body is over the server's limit of {limit} bytes",
                              code="request_too_large", status=413)
         length = request.headers.get("content-length")
@@ -220,9 +228,9 @@ class Server:
             images += pictures
         # (the images are out of the text by now: their data URLs are no text for the template)
         self._check_length(sum(map(len, _strings([plain, tools]))), "the messages and tools together", "messages")
-        if (pixels := sum(image.width * image.height for image in images)) > self.max_image_pixels:
+        if (pixels := sum(image.width * image.height for image in images)) > self.limits.max_image_pixels:
             raise BadRequest(f"the request's images are {pixels} pixels together, more than the "
-                             f"{self.max_image_pixels} accepted; scale them down", param="messages")
+                             f"{self.limits.max_image_pixels} accepted; scale them down", param="messages")
         extra = {"tools": tools} if tools else {}
         try:
             ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, **extra)
@@ -258,8 +266,8 @@ class Server:
         if not has_vision(self.model):
             raise BadRequest(f"messages[{index}] has an image, but this model takes text only (no vision tower)",
                              param="messages")
-        if (count := earlier_images + sum(p.get("type") == "image_url" for p in content)) > self.max_images:
-            raise BadRequest(f"the request has {count} or more images, more than the {self.max_images} accepted",
+        if (count := earlier_images + sum(p.get("type") == "image_url" for p in content)) > self.limits.max_images:
+            raise BadRequest(f"the request has {count} or more images, more than the {self.limits.max_images} accepted",
                              param="messages")
         parts, images = [], []
         for part in content:
@@ -272,7 +280,7 @@ class Server:
                 raise BadRequest(f'messages[{index}]: an image_url part must be {{"type": "image_url", '
                                  f'"image_url": {{"url": "data:image/png;base64,..."}}}}', param="messages")
             try:
-                images.append(open_image_url(url, self.image_dir))
+                images.append(open_image_url(url, self.limits.image_dir))
             except ImageError as e:
                 raise BadRequest(f"messages[{index}]: {e}", param="messages") from None
             parts.append({"type": "image"})
