@@ -208,9 +208,8 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def ar_answer(model, prompt: mx.array, tokens: int) -> str:
-    cache = model.make_cache()
-    logits, prefill_s = timed(lambda: prefill(model, prompt, cache, logits=True))
+def ar_answer(model, cache, logits: mx.array, tokens: int) -> str:
+    """``tokens`` greedy tokens after the prompt in ``cache``, which is then trimmed back to it."""
     token = logits.argmax(-1, keepdims=True)
 
     def decode():
@@ -219,28 +218,26 @@ def ar_answer(model, prompt: mx.array, tokens: int) -> str:
             token = model.next_token_logits(token, cache).argmax(-1, keepdims=True)
             mx.eval(token)
 
-    _, decode_s = timed(decode)
-    n = prompt.shape[1]
-    return (f"AR answer        prefill {n} tokens {prefill_s:.2f} s ({n / prefill_s:.1f} tok/s); "
-            f"{tokens} tokens {decode_s / tokens * 1e3:.1f} ms per token ({tokens / decode_s:.2f} tok/s)")
+    _, seconds = timed(decode)
+    cache.trim(tokens)
+    return f"AR answer        {tokens} tokens: {seconds / tokens * 1e3:.1f} ms per token ({tokens / seconds:.2f} tok/s)"
 
 
-def verified_round(model, prompt: mx.array, length: int, steps: int) -> tuple[str, float]:
-    cache = model.make_cache()
-    logits = prefill(model, prompt, cache, logits=True)
-    known = int(logits.argmax(-1).item())
+def verified_round(model, cache, logits: mx.array, length: int, steps: int) -> str:
+    """One verified-drafting round after the prompt in ``cache`` (trimmed back to it afterwards)."""
+    before = cache.offset
     rule = drafting.GreedyRule(set(), model.config.canvas_length)
     settings = drafting.DraftSettings(length, steps)
+    known = int(logits.argmax(-1).item())
     result, seconds = timed(lambda: drafting.verify_round(model, cache, known, rule, settings, SamplerSettings(),
                                                           MxRandom(0)))
+    cache.trim(cache.offset - before)
     return (f"verified round   draft of {length} in {steps} step(s) + verifying pass: {seconds:.2f} s "
-            f"({result.forwards} forwards, {seconds / result.forwards * 1e3:.0f} ms each), kept {result.kept}"), seconds
+            f"({result.forwards} forwards, {seconds / result.forwards * 1e3:.0f} ms each), kept {result.kept}")
 
 
-def diffusion_canvas(model, prompt: mx.array, steps: int, canvas: int) -> str:
-    cache = model.make_cache()
-    prefill(model, prompt, cache)
-    seconds = policy.time_canvas(model, cache, steps, canvas)
+def diffusion_canvas(model, cache, steps: int, canvas: int) -> str:
+    seconds = policy.time_canvas(model, cache, steps, canvas)  # the cache is only read
     return (f"diffusion canvas {canvas} positions, {steps} steps: {seconds:.2f} s "
             f"({seconds / steps * 1e3:.0f} ms per step, {canvas / seconds:.2f} tok/s)")
 
@@ -380,11 +377,15 @@ _RUN_OPTIONS = ("prompt", "ar_tokens", "steps", "canvas", "draft_length", "draft
 
 
 def run_policies(model, args: argparse.Namespace) -> None:
+    """One prefill of a random prompt, then each policy after it (the cache trimmed back between them)."""
     prompt = mx.random.randint(3, model.config.vocab_size, (1, args.prompt), key=mx.random.key(7))
     mx.reset_peak_memory()
-    runs = [lambda: ar_answer(model, prompt, args.ar_tokens),
-            lambda: verified_round(model, prompt, args.draft_length, args.draft_steps)[0],
-            lambda: diffusion_canvas(model, prompt, args.steps, args.canvas)]
+    cache = model.make_cache()
+    logits, seconds = timed(lambda: prefill(model, prompt, cache, logits=True))
+    print(f"prefill          {args.prompt} tokens: {seconds:.2f} s ({args.prompt / seconds:.1f} tok/s)", flush=True)
+    runs = [lambda: ar_answer(model, cache, logits, args.ar_tokens),
+            lambda: verified_round(model, cache, logits, args.draft_length, args.draft_steps),
+            lambda: diffusion_canvas(model, cache, args.steps, args.canvas)]
     for run in runs:
         if args.warmup:
             run()

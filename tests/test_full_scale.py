@@ -78,7 +78,7 @@ def test_full_scale_at_two_layers(tmp_path):
     run = subprocess.run([sys.executable, "benchmarks/full_scale.py", "--layers", "2", "--work-dir", str(tmp_path),
                           *QUICK], cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert run.returncode == 0, run.stderr[-2000:]
-    for stage in ("source written", "converted", "loaded", "AR answer", "verified round", "diffusion canvas",
+    for stage in ("source written", "converted", "loaded", "prefill", "AR answer", "verified round", "diffusion canvas",
                   "peak", "load and runs"):
         assert f"\n{stage}" in run.stdout, stage
     assert list(tmp_path.iterdir()) == []
