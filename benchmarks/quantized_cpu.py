@@ -3,6 +3,7 @@ quantized kernels, side by side at the released text shapes.
 
     python benchmarks/quantized_cpu.py [--bits 4] [--positions 256] [--mlx-rows 512]
     python benchmarks/quantized_cpu.py --forward [--layers 1]      # also a whole denoise, seam only
+    python benchmarks/quantized_cpu.py --only expert               # some products only
 
 Every quantized product of one ``--positions``-position denoising forward of
 google/diffusiongemma-26B-A4B-it under the ``mixed`` recipe (attention, router, dense MLP and the
@@ -119,8 +120,8 @@ def time_product(p: Product, mlx_rows: int, key: int) -> tuple[float, float, flo
     return seam_s, bf16_s * scale, f32_s * scale, relative(shared), relative(bf16)
 
 
-def compare_products(bits: int, positions: int, mlx_rows: int) -> None:
-    products = forward_products(bits, positions)
+def compare_products(bits: int, positions: int, mlx_rows: int, only: str | None = None) -> None:
+    products = [p for p in forward_products(bits, positions) if only is None or only in p.name]
     print(f"released shapes, mixed recipe (experts and self-conditioning at {bits} bits, the rest at "
           f"{SENSITIVE_BITS}), group {GROUP}, {positions} positions, bfloat16 activations; BLAS: {fast_blas.describe()}")
     print(f"{'product':<28}{'count':>6}{'seam ms':>10}{'MLX ms':>12}{'ratio':>8}{'MLX f32 ms':>12}{'ratio':>8}"
@@ -177,10 +178,11 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=kernels.NUMPY_DEQUANTIZED_BITS + (3, 5, 6))
     parser.add_argument("--positions", type=int, default=256)
     parser.add_argument("--mlx-rows", type=int, default=512, help="output rows MLX's kernel is timed on")
+    parser.add_argument("--only", help="only the products whose name holds this (their totals are partial)")
     parser.add_argument("--forward", action="store_true", help="also time a whole denoise through the seam")
     parser.add_argument("--layers", type=int, default=1, help="layers of that denoise")
     args = parser.parse_args()
-    compare_products(args.bits, args.positions, args.mlx_rows)
+    compare_products(args.bits, args.positions, args.mlx_rows, args.only)
     if args.forward:
         seam_forward(args.layers, args.bits, args.positions)
 
