@@ -55,3 +55,32 @@ def test_quantized_experts_match_gather_qmm():
         module.kernels = kernels.CPU
     got = experts(x, idx, weights)  # one dequantized BLAS product per expert
     assert mx.abs(got - expected).max().item() <= TOLERANCE * mx.abs(expected).max().item()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16])
+def test_numpy_dequantize_matches_mlx(bits, scale_dtype, monkeypatch):
+    """The byte-table unpacking (several tiles, rows split over the cores) gives MLX's dequantized weights,
+    also with the bfloat16 scales and biases a conversion writes."""
+    monkeypatch.setattr(kernels, "DEQUANTIZED_TILE_ELEMENTS", 3 * 256)
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_ELEMENTS", 0)
+    w, scales, biases = mx.quantize(mx.random.normal((40, 256), key=mx.random.key(bits)), 64, bits)
+    scales, biases = scales.astype(scale_dtype), biases.astype(scale_dtype)
+    # (in float32: MLX's own output with bfloat16 scales is rounded to bfloat16)
+    expected = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=64, bits=bits)
+    with kernels._dequantized(w, scales, biases, 64, bits, "affine") as got:
+        assert mx.abs(got - expected).max().item() <= 1e-6 * mx.abs(expected).max().item()
+
+
+def test_dequantized_chunks_reuse_one_buffer(monkeypatch):
+    """Every chunk of a product is written into the same scratch buffer, each product evaluated before
+    the next chunk overwrites it: the result still matches MLX's over many chunks."""
+    monkeypatch.setattr(kernels, "DEQUANTIZED_CHUNK_ELEMENTS", 16 * 256)
+    q = mx.quantize(mx.random.normal((160, 256), key=mx.random.key(3)), 64, 4)
+    x = mx.random.normal((5, 256), key=mx.random.key(4))
+    got = kernels.CPU.quantized_matmul(x, *q, True, 64, 4, "affine")
+    first = kernels._scratch.buffer
+    kernels.CPU.quantized_matmul(x, *q, True, 64, 4, "affine")
+    assert kernels._scratch.buffer is first
+    expected = mx.quantized_matmul(x, *q, transpose=True, group_size=64, bits=4)
+    assert mx.abs(got - expected).max().item() <= TOLERANCE * mx.abs(expected).max().item()
