@@ -53,7 +53,7 @@ def median_time(fn, repeats: int) -> float:
 def measure(model_path: Path, prefix: int, repeats: int) -> None:
     group = distributed.init()
     sharded = group.size() > 1
-    model = distributed.load_model(model_path, group) if sharded else loader.load_model(model_path)
+    model = distributed.load_shard(model_path, group) if sharded else loader.load_model(model_path)
     cfg = model.config
     weight_mb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e6
     active_mb = mx.get_active_memory() / 1e6

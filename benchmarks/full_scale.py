@@ -48,9 +48,9 @@ from convert.synthetic_checkpoint import _ONES, hf_config, hf_tensors  # noqa: E
 from mlx_dgemma import drafting, policy  # noqa: E402
 from mlx_dgemma.config import FULL, ModelConfig  # noqa: E402
 from mlx_dgemma.convert import Quantization  # noqa: E402
-from mlx_dgemma.generate import prefill  # noqa: E402
 from mlx_dgemma.loader import load_model  # noqa: E402
 from mlx_dgemma.model import DiffusionGemma  # noqa: E402
+from mlx_dgemma.request import prefill  # noqa: E402
 from mlx_dgemma.sampler import MxRandom, SamplerSettings  # noqa: E402
 
 GB = 1e9
@@ -229,8 +229,9 @@ def verified_round(model, cache, logits: mx.array, length: int, steps: int) -> s
     rule = drafting.GreedyRule(set(), model.config.canvas_length)
     settings = drafting.DraftSettings(length, steps)
     known = int(logits.argmax(-1).item())
-    result, seconds = timed(lambda: drafting.verify_round(model, cache, known, rule, settings, SamplerSettings(),
-                                                          MxRandom(0)))
+    rounds, seconds = timed(lambda: drafting.verify_rounds(model, [cache], [known], [rule], settings,
+                                                           [SamplerSettings()], [MxRandom(0)], [[]]))
+    result = rounds[0]
     cache.trim(cache.offset - before)
     return (f"verified round   draft of {length} in {steps} step(s) + verifying pass: {seconds:.2f} s "
             f"({result.forwards} forwards, {seconds / result.forwards * 1e3:.0f} ms each), kept {result.kept}")
