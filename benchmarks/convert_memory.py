@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from convert.synthetic_checkpoint import layers_for, scaled_sizes, write_checkpoint  # noqa: E402
+from checkpoint_tools.synthetic_checkpoint import layers_for, scaled_sizes, write_checkpoint  # noqa: E402
 from mlx_dgemma.safetensors_io import read_header  # noqa: E402
 
 TIME = Path("/usr/bin/time")

@@ -8,7 +8,7 @@ Measured, one process and then two ranks over the ring backend on loopback (same
 prints per rank the model's weight bytes and MLX active memory after loading, the time of one
 denoising forward (a canvas after a prefix) and of one AR token, and the time of the all_sums that
 forward makes (one per MoE layer, [tokens · top_k, hidden] in the activation dtype) timed alone, as
-a fraction of the forward. CK: ``python -m convert.random_checkpoint CK --preset many-experts``
+a fraction of the forward. CK: ``python -m checkpoint_tools.random_checkpoint CK --preset many-experts``
 (experts 85% of the weights), or any checkpoint.
 
 Predicted, for the released model on N Macs over Thunderbolt 5 (the roofline of policy/roofline.py: every

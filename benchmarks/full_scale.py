@@ -4,7 +4,7 @@ text config, converted, loaded and run with each policy, timed stage by stage.
     python benchmarks/full_scale.py [--layers 30] [--bits 4] [--recipe mixed] [--work-dir DIR]
     python benchmarks/full_scale.py --in-memory [--recipe none] [--sweep --predict-device H200]
 
-By default it writes the bf16 source (``convert.synthetic_checkpoint.write_checkpoint``), converts it
+By default it writes the bf16 source (``checkpoint_tools.synthetic_checkpoint.write_checkpoint``), converts it
 with ``python -m mlx_dgemma.convert`` (``--recipe none``: unquantized), loads the conversion and runs
 an autoregressive answer, one verified-drafting round and one diffusion canvas at ``--steps`` steps
 (the stop rule cannot fire). It prints each stage's time and peak RSS (writing and converting run as
@@ -42,9 +42,9 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # convert/ and mlx_dgemma/ of this checkout, also in the child processes
+sys.path.insert(0, str(ROOT))  # checkpoint_tools/ and mlx_dgemma/ of this checkout, also in the child processes
 
-from convert.synthetic_checkpoint import _ONES, hf_config, hf_tensors  # noqa: E402
+from checkpoint_tools.synthetic_checkpoint import ONES, hf_config, hf_tensors  # noqa: E402
 from mlx_dgemma import drafting, policy  # noqa: E402
 from mlx_dgemma.config import FULL, ModelConfig  # noqa: E402
 from mlx_dgemma.convert import Quantization  # noqa: E402
@@ -123,7 +123,7 @@ def folder_gb(folder: Path) -> float:
 
 
 def write_source(folder: Path, sizes: dict, dtype: str) -> Stage:
-    code = ("import json, sys; from pathlib import Path; from convert.synthetic_checkpoint import write_checkpoint; "
+    code = ("import json, sys; from pathlib import Path; from checkpoint_tools.synthetic_checkpoint import write_checkpoint; "
             "write_checkpoint(Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])")
     stage = run_child("source written", [sys.executable, "-c", code, str(folder), json.dumps(sizes), dtype])
     stage.detail = f"{folder_gb(folder):.2f} GB {dtype} on disk"
@@ -174,7 +174,7 @@ def random_model(sizes: dict, recipe: str, bits: int, dtype: str, seed: int = 0)
         for name in unit:
             key, sub = mx.random.split(key)
             shape = shapes[name]
-            if name.endswith(_ONES):
+            if name.endswith(ONES):
                 weight = 0.5 + mx.random.uniform(shape=shape, key=sub)
             else:
                 weight = 0.02 * mx.random.normal(shape, key=sub)

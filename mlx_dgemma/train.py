@@ -1,6 +1,6 @@
 """DiffusionGemma's training objective in MLX: a differentiable forward over a whole batch and the loss.
 
-The published objective, as the reference trains it (``convert/train_demo.py``):
+The published objective, as the reference trains it (``checkpoint_tools/train_demo.py``):
 
 * Layout: ``<bos> prompt`` (left-padded to the batch's longest prompt, P tokens), then the answer
   plus its end-of-turn token padded with ``<pad>`` to K canvases of C tokens; the answer starts on

@@ -18,7 +18,7 @@ import mlx.core as mx  # noqa: E402
 if os.environ.get("DGEMMA_TEST_DEVICE", "cpu") == "gpu":
     mx.set_default_device(mx.gpu)
 
-from convert import random_checkpoint  # noqa: E402
+from checkpoint_tools import random_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from convert.random_checkpoint import PRESETS
+from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import load
 
 from .reference import load_reference

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from convert.random_checkpoint import PRESETS
+from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import BatchGenerator, batch_generate, generate, load, stream_generate
 from mlx_dgemma.batch import BatchRequest
 from mlx_dgemma.generate import DEMO_MODEL, prefill

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from convert import random_checkpoint
+from checkpoint_tools import random_checkpoint
 from mlx_dgemma import load
 from mlx_dgemma.sampler import MxRandom, SamplerSettings, denoise_canvas
 

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from mlx.utils import tree_flatten, tree_map
 from safetensors.numpy import load_file
 
-from convert import random_checkpoint
-from convert.synthetic_checkpoint import RELEASED, scaled_sizes, write_checkpoint, write_header_only
+from checkpoint_tools import random_checkpoint
+from checkpoint_tools.synthetic_checkpoint import RELEASED, scaled_sizes, write_checkpoint, write_header_only
 from mlx_dgemma import convert as convert_module
 from mlx_dgemma import load
 from mlx_dgemma.convert import (

@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from convert.random_checkpoint import PRESETS
+from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import kernels, load, stream_generate
 
 

@@ -201,7 +201,7 @@ def many_experts(checkpoints, tmp_path_factory):
 
 
 def many_experts_config() -> dict:
-    from convert.random_checkpoint import PRESETS
+    from checkpoint_tools.random_checkpoint import PRESETS
 
     return PRESETS["many-experts"]
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import full_scale  # noqa: E402
 
-from convert.synthetic_checkpoint import scaled_sizes, write_checkpoint  # noqa: E402
+from checkpoint_tools.synthetic_checkpoint import scaled_sizes, write_checkpoint  # noqa: E402
 from mlx_dgemma.convert import convert  # noqa: E402
 from mlx_dgemma.loader import load_model  # noqa: E402
 from mlx_dgemma.policy import RELEASED  # noqa: E402

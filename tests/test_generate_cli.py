@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from convert.random_checkpoint import PRESETS
+from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma.generate import PromptError, main, prompt_ids
 from mlx_dgemma.sampler import Draft

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
-from convert.synthetic_checkpoint import RELEASED, write_header_only
+from checkpoint_tools.synthetic_checkpoint import RELEASED, write_header_only
 from mlx_dgemma import distributed, load
 from mlx_dgemma import loader as loader_module
 from mlx_dgemma.convert import Quantization, converted_size, plan_conversion

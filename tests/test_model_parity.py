@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from convert.random_checkpoint import PRESETS, write_global_head_spelling
+from checkpoint_tools.random_checkpoint import PRESETS, write_global_head_spelling
 from mlx_dgemma import load
 from mlx_dgemma.config import ModelConfig
 
@@ -15,7 +15,7 @@ from .reference import ReferenceSession, load_reference
 
 FP32_BOUND = 1e-4
 # bf16, on checkpoints where rounding cannot flip a discrete choice (every expert used, soft
-# attention: the "all-experts" preset built "tame", see convert/random_checkpoint.py): over seeds 0–4
+# attention: the "all-experts" preset built "tame", see checkpoint_tools/random_checkpoint.py): over seeds 0–4
 # we measured max|Δ|/max|ref| of 0.011–0.019 against the fp32 reference, while the reference's own
 # bf16 run is 0.010–0.017 off it. The bound leaves 2.5x headroom. (On plain random MoE checkpoints
 # near-tied top-k choices flip under bf16 in the reference too, and logits move by 10–50%.)

@@ -19,7 +19,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
-from convert import random_checkpoint
+from checkpoint_tools import random_checkpoint
 from mlx_dgemma import load, stream_generate
 from mlx_dgemma.sampler import MxRandom, SamplerSettings, StopRule, accept_mask, tempered_distribution
 

@@ -5,7 +5,7 @@ import pytest
 import sentencepiece as spm
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from convert import train_demo
+from checkpoint_tools import train_demo
 from mlx_dgemma import load, stream_generate
 from mlx_dgemma.config import ModelConfig
 from mlx_dgemma.tokenizer import BUILTIN_CHAT_TEMPLATE, TextStream, TokenizerError, load_tokenizer

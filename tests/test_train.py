@@ -14,7 +14,7 @@ import pytest
 import torch
 from mlx.utils import tree_flatten
 
-from convert import train_demo
+from checkpoint_tools import train_demo
 from mlx_dgemma import train
 from mlx_dgemma.data import DataError, load_dataset, load_split, make_example
 from mlx_dgemma.fuse import fuse_adapters, save_model

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from convert.random_checkpoint import PRESETS
+from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import drafting, generate, json_template, load, stream_generate
 from mlx_dgemma.config import GenerationConfig, ModelConfig
 from mlx_dgemma.demo.eval import instances

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from PIL import Image
 from transformers import AutoImageProcessor, Gemma4ImageProcessorPil, Gemma4Processor
 
-from convert.random_checkpoint import PRESETS
+from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma import images as images_module
 from mlx_dgemma.convert import convert
@@ -39,7 +39,7 @@ from .tokenizer_files import train_sentencepiece, write_sentencepiece, write_tok
 FP32_BOUND = 1e-4
 SIZES = PRESETS["vision"]
 V, C = SIZES["vocab_size"], SIZES["canvas_length"]
-IMAGE, BOI, EOI = V - 3, V - 2, V - 1  # as convert/random_checkpoint.py numbers them
+IMAGE, BOI, EOI = V - 3, V - 2, V - 1  # as checkpoint_tools/random_checkpoint.py numbers them
 
 
 def rel_err(ours, ref) -> float:

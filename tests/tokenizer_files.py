@@ -1,5 +1,5 @@
 """Tokenizer files for test checkpoints, in the demo model's format: the character-level sentencepiece
-model that convert/train_demo.py trains (``tokenizer.model`` + ``tokenizer_config.json`` with its chat
+model that checkpoint_tools/train_demo.py trains (``tokenizer.model`` + ``tokenizer_config.json`` with its chat
 template), and the same vocabulary as a ``tokenizer.json`` for the ``tokenizers`` backend."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from convert import train_demo
+from checkpoint_tools import train_demo
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] + train_demo.CHAT_TOKENS
 

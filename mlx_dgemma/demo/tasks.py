@@ -1,6 +1,6 @@
 """Synthetic tasks with checkable answers, for the bundled demo model.
 
-Pure Python (no torch, no mlx): used by the training script (``convert/train_demo.py``) and by the
+Pure Python (no torch, no mlx): used by the training script (``checkpoint_tools/train_demo.py``) and by the
 evaluation commands.  Four tasks, each a prompt and the one right answer::
 
     sort: 7 3 9 1                 -> 1 3 7 9                        (3-10 numbers in 0-99)

@@ -4,7 +4,7 @@ Sizes are chosen so that no two dimensions coincide (no matrix is square by acci
 layer scalar, norm weight and router scale is set to a distinct non-1 value before saving, so a
 port that swaps encoder/decoder scalars, transposes a weight or drops a norm weight cannot match.
 
-    python -m convert.random_checkpoint OUT_DIR [--preset NAME] [--dtype bfloat16]
+    python -m checkpoint_tools.random_checkpoint OUT_DIR [--preset NAME] [--dtype bfloat16]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Evaluate the bundled demo checkpoint with the *reference* (transformers) DiffusionGemma.
 
-    python convert/eval_demo_reference.py --model mlx_dgemma/demo --n 50
+    python checkpoint_tools/eval_demo_reference.py --model mlx_dgemma/demo --n 50
 
 Loads the checkpoint with ``DiffusionGemmaForBlockDiffusion.from_pretrained``, runs the reference
 ``generate()`` with the checkpoint's own generation_config (the default settings) on N fresh

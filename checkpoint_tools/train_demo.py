@@ -1,6 +1,6 @@
 """Train the bundled demo model: a small DiffusionGemma that solves four checkable tasks.
 
-    python convert/train_demo.py --seed 0 --threads 2 --out mlx_dgemma/demo
+    python checkpoint_tools/train_demo.py --seed 0 --threads 2 --out mlx_dgemma/demo
 
 The model is the reference PyTorch ``DiffusionGemmaForBlockDiffusion`` from transformers (5.24.0),
 so the checkpoint is by construction a real DiffusionGemma that the reference loads with

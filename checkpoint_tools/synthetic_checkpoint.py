@@ -3,8 +3,8 @@ a time (no transformers, never the whole model in memory): inputs for converter 
 benchmarks. The sizes are a preset of ``random_checkpoint`` made wider; the size in bytes comes from
 the number of layers, so every tensor keeps its size whatever the checkpoint's total.
 
-    python -m convert.synthetic_checkpoint OUT --gigabytes 2.5 [--dtype bfloat16]
-    python -m convert.synthetic_checkpoint OUT --released --header-only   # the released shapes, no data
+    python -m checkpoint_tools.synthetic_checkpoint OUT --gigabytes 2.5 [--dtype bfloat16]
+    python -m checkpoint_tools.synthetic_checkpoint OUT --released --header-only   # the released shapes, no data
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from convert.random_checkpoint import PRESETS
+from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma.config import FULL, SLIDING, ModelConfig
 from mlx_dgemma.model import DiffusionGemma
 from mlx_dgemma.safetensors_io import ShardWriter, TensorSpec, write_index
@@ -31,7 +31,7 @@ RELEASED = dict(
     num_global_key_value_heads=2, num_experts=128, top_k_experts=8, sliding_window=1024, canvas_length=256,
 )
 _WIDTHS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "global_head_dim")
-_ONES = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "scale", "layer_scalar")
+ONES = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "scale", "layer_scalar")
 
 
 def scaled_sizes(layers: int, width: int = 8, preset: str = "pattern") -> dict:
@@ -91,7 +91,7 @@ def write_checkpoint(out: Path, sizes: dict, dtype: str = "bfloat16", seed: int 
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         with ShardWriter(out / name, shard, metadata={"format": "pt"}) as writer:
             for spec in shard:
-                if spec.name.endswith(_ONES):
+                if spec.name.endswith(ONES):
                     value = 0.5 + rng.random(spec.shape, dtype=np.float32)
                 else:
                     value = 0.02 * rng.standard_normal(spec.shape, dtype=np.float32)
