@@ -36,10 +36,11 @@ import mlx.core as mx  # noqa: E402
 
 from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
+from .denoise import new_run, step_batch, step_compacted  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
 from .policy import Plan  # noqa: E402
 from .request import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
-from .sampler import CanvasRun, Draft, RunBatch, new_run, step_batch, step_compacted  # noqa: E402
+from .sampler import CanvasRun, Draft, RunBatch  # noqa: E402
 from .template import CanvasTemplate  # noqa: E402
 
 AR_BLOCK_MIN = 4  # tokens an auto row decodes autoregressively before it chooses again

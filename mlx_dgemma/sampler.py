@@ -465,16 +465,3 @@ def _commit(result: CanvasResult, clamp: Clamp | None) -> CanvasResult:
     if clamp is not None and clamp.finish is not None:
         result.tokens = clamp.finish(result.tokens, result.probs)
     return result
-
-
-# The loop that calls the model is denoise.py's; its names stay importable from here for the modules
-# that still import them from sampler, until those import them from denoise.
-MOVED_TO_DENOISE = ("new_run", "denoise_runs", "step_batch", "step_compacted", "denoise_canvas")
-
-
-def __getattr__(name: str):
-    if name in MOVED_TO_DENOISE:
-        from . import denoise
-
-        return getattr(denoise, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ positions end as padding, which the output drops. After the template the rest of
 clamped to the end-of-turn token and padding, the way every answer ends in training, and generation
 stops there. A hole takes no stop id, except the end of turn where that is the text that follows it.
 
-json_schema.py builds a template from a JSON schema (``json_template``; importable from here too).
+json_schema.py builds a template from a JSON schema (``json_template``).
 """
 
 from __future__ import annotations
@@ -325,15 +325,3 @@ def _snap_choices(holes: list[tuple[int, Hole]], pad: int):
         return mx.array(out)
 
     return finish
-
-
-# json_schema.py imports this module, so its names are re-exported lazily for callers that import them from here.
-MOVED_TO_JSON_SCHEMA = {"json_template", "check_required"}
-
-
-def __getattr__(name: str):
-    if name in MOVED_TO_JSON_SCHEMA:
-        from . import json_schema
-
-        return getattr(json_schema, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

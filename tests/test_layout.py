@@ -13,13 +13,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_dgemma"
 MAX_LINES = 600
-# Modules still over MAX_LINES, each to be split by role; an entry goes once its module is under.
-OVER_MAX_LINES: set[str] = set()
-# sampler re-exports the denoise loop (lazily, in its module __getattr__) for the modules that still
-# import it from sampler (generate.py, batch.py); the edge goes once they import it from denoise.
-# template re-exports json_template and check_required (lazily, in its module __getattr__) for the
-# modules that still import them from template (generate.py, server/app.py, demo/eval.py).
-REEXPORTS = {("sampler", "denoise"), ("template", "json_schema")}
 
 
 def module_names() -> dict[str, Path]:
@@ -56,7 +49,7 @@ def test_no_import_cycle_and_no_private_name_across_modules():
     graph, borrowed = {}, []
     for name, path in modules.items():
         targets, private = imports_of(name, path, set(modules))
-        graph[name] = {t for t in targets if t in modules and (name, t) not in REEXPORTS}
+        graph[name] = {t for t in targets if t in modules}
         borrowed += [f"{name} imports {p}" for p in private]
     assert not borrowed, borrowed
 
@@ -67,25 +60,10 @@ def test_no_import_cycle_and_no_private_name_across_modules():
     assert not cycles, f"modules on an import cycle: {sorted(cycles)}"
 
 
-def test_a_reexport_is_imported_lazily():
-    """A module re-exporting another that imports it back does so only inside a function, so either
-    may be imported first."""
-    modules = module_names()
-    for importer, imported in REEXPORTS:
-        tree = ast.parse(modules[importer].read_text())
-        top_level = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
-        top_level |= {a.name for node in tree.body if isinstance(node, ast.ImportFrom) and not node.module
-                      for a in node.names}
-        assert imported not in top_level, f"{importer} imports {imported} at module level"
-
-
 def test_no_module_over_the_line_limit():
     lines = {name: len(path.read_text().splitlines()) for name, path in module_names().items()}
-    over = {name for name, n in lines.items() if n > MAX_LINES}
-    assert over <= OVER_MAX_LINES, f"over {MAX_LINES} lines: {sorted(over - OVER_MAX_LINES)}"
-    # The allow-list only shrinks: a module that is under the limit again leaves it.
-    assert OVER_MAX_LINES <= over, f"now under {MAX_LINES} lines, take them off OVER_MAX_LINES: " \
-                                   f"{sorted(OVER_MAX_LINES - over)}"
+    over = {name: n for name, n in lines.items() if n > MAX_LINES}
+    assert not over, f"over {MAX_LINES} lines, split them by role: {over}"
 
 
 def third_party_imports() -> dict[str, str]:

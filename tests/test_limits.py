@@ -7,8 +7,9 @@ from click.testing import CliRunner
 
 from mlx_dgemma import generate, load
 from mlx_dgemma.batch import BatchGenerator, BatchRequest
+from mlx_dgemma.denoise import new_run
 from mlx_dgemma.generate import DEMO_MODEL, main
-from mlx_dgemma.sampler import MxRandom, SamplerSettings, new_run
+from mlx_dgemma.sampler import MxRandom, SamplerSettings
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "model.safetensors").exists(), reason="no bundled demo model")
 

@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_dgemma import generate, infill, json_template, load, parse_template, stream_generate
+from mlx_dgemma.denoise import denoise_canvas
 from mlx_dgemma.generate import DEMO_MODEL, main
-from mlx_dgemma.sampler import Clamp, MxRandom, SamplerSettings, denoise_canvas
+from mlx_dgemma.sampler import Clamp, MxRandom, SamplerSettings
 from mlx_dgemma.template import FREE, TemplateError, canvas_clamps, infill_template
 
 jsonschema = pytest.importorskip("jsonschema")

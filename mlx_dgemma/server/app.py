@@ -29,9 +29,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .. import validate
 from ..batch import BatchRequest
 from ..images import ImageError, decode_image, image_inputs, open_image_url
+from ..json_schema import json_template
 from ..policy import POLICIES
 from ..request import PromptError, check_prompt_fits, check_template_fits, generation_config
-from ..template import TemplateError, infill_template, json_template, parse_template
+from ..template import TemplateError, infill_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
