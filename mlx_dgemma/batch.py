@@ -160,7 +160,10 @@ class _Group:
     cache: object = None
 
     def add(self, row: _Row, cache) -> None:
-        self.cache = cache if self.cache is None else _extended(self.cache, cache)
+        if self.cache is None:
+            self.cache = cache
+        else:
+            self.cache.extend(cache)
         self.rows.append(row)
 
     def take(self, i: int):
@@ -173,11 +176,6 @@ class _Group:
             self.cache = None
         elif len(keep) < self.cache.batch_size:
             self.cache.filter(keep)
-
-
-def _extended(cache, other):
-    cache.extend(other)
-    return cache
 
 
 class BatchGenerator:
