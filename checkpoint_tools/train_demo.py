@@ -194,6 +194,11 @@ def answer_from_ids(tok: Tok, new_ids, stop_ids) -> str:
 # model
 
 
+# The demo's context: training prompts are short, but RoPE takes any position, and chat UIs send long
+# prompts of their own (Open WebUI's title and follow-up requests reach 1,000-1,600 demo tokens).
+CONTEXT = 8192
+
+
 def build_config(args, vocab_size: int):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig, Gemma4VisionConfig
 
@@ -206,7 +211,7 @@ def build_config(args, vocab_size: int):
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
         global_head_dim=args.global_head_dim, num_global_key_value_heads=args.global_kv_heads,
         layer_types=layer_types, sliding_window=args.sliding_window, num_experts=args.experts,
-        top_k_experts=args.top_k, max_position_embeddings=1024, use_bidirectional_attention="vision",
+        top_k_experts=args.top_k, max_position_embeddings=CONTEXT, use_bidirectional_attention="vision",
         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
     )
     text.final_logit_softcapping = 30.0

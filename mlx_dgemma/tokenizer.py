@@ -170,6 +170,12 @@ class Tokenizer:
                                     bos_token=self._special_text(self.bos_token_id), **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes a request's tools into the prompt (the demo's never does:
+        tools sent to it are text the model does not see)."""
+        return chat_template_renders_tools(self.chat_template)
+
     def clean(self, ids, stop_ids=None) -> list[int]:
         """What a reader should see: ids before the first stop id, without padding or ``<bos>`` and
         without ``<|channel>…<channel|>`` spans (an unclosed one hides everything after it)."""
@@ -244,6 +250,18 @@ class TextStream:
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **context) -> str:
     """Render a Hugging Face chat template the way transformers does (sandboxed jinja2, trimmed blocks)."""
     return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+
+
+@functools.lru_cache(maxsize=8)
+def chat_template_renders_tools(template: str) -> bool:
+    """Whether ``template`` renders a conversation differently when it is given a tool."""
+    messages = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "probe", "description": "a tool",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        return render_chat_template(template, messages, tools=[tool]) != render_chat_template(template, messages)
+    except Exception:  # a template that cannot take this conversation or these tools: none rendered here
+        return False
 
 
 @functools.lru_cache(maxsize=8)

@@ -2,7 +2,7 @@
 
 One test (or a few) per cause: each asserts the exit status or the exception, a one-line message
 that names the problem, and that nothing was deleted or left behind. Generation runs on the bundled
-demo model (a tokenizer, a chat template, 32-token canvases, a context of 1024); conversion on the
+demo model (a tokenizer, a chat template, 32-token canvases, a context of 8192); conversion on the
 small random reference checkpoint, copied next to unrelated files that must survive.
 """
 
@@ -356,7 +356,8 @@ def test_huge_holes_are_refused_before_they_are_built(demo, build, message):
 def test_a_huge_hole_from_the_command_line(demo, tmp_path):
     template = tmp_path / "t.txt"
     template.write_text("{{fill:1000000000000}}")
-    one_line_error(run_generate("--template", str(template)), "runs past the model's context of 1024 positions")
+    context = demo[0].config.max_position_embeddings
+    one_line_error(run_generate("--template", str(template)), f"runs past the model's context of {context} positions")
 
 
 @pytest.mark.parametrize("schema, message", [
@@ -608,15 +609,17 @@ def test_generation_past_the_context_is_refused_up_front(demo, monkeypatch):
     model, tokenizer = demo
     calls = []
     monkeypatch.setattr(importlib.import_module("mlx_dgemma.batch"), "new_run", lambda *a, **k: calls.append(1))
+    context = model.config.max_position_embeddings
+    too_many = context  # with the prompt, past the context
     with pytest.raises(PromptError) as info:
-        next(stream_generate(model, tokenizer, PROMPT, 1000))
+        next(stream_generate(model, tokenizer, PROMPT, too_many))
     prompt_tokens = len(gen.prompt_ids(tokenizer, PROMPT))
-    room = (1024 - prompt_tokens) // 32 * 32
-    one_line(info.value, f"1000 max tokens take 32 canvases of 32 after the {prompt_tokens}-token prompt",
-             f"past the model's context of 1024 tokens; ask for at most {room}")
-    one_line_error(run_generate("--prompt", PROMPT, "--max-tokens", "1000"), f"ask for at most {room}")
+    room = (context - prompt_tokens) // 32 * 32
+    one_line(info.value, f"{too_many} max tokens take {context // 32} canvases of 32 after the {prompt_tokens}-token "
+             f"prompt", f"past the model's context of {context} tokens; ask for at most {room}")
+    one_line_error(run_generate("--prompt", PROMPT, "--max-tokens", str(too_many)), f"ask for at most {room}")
     with pytest.raises(PromptError):
-        next(stream_generate(model, tokenizer, PROMPT, 1000, policy="ar"))
+        next(stream_generate(model, tokenizer, PROMPT, too_many, policy="ar"))
     assert calls == []
 
 

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import io
 import json
+import shutil
 import socket
 import threading
 import time
@@ -32,11 +33,23 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "required": ["city", "days"], "properties": {
         "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
 MAX_BODY = 64 * 1024
+CONTEXT = json.loads((DEMO_MODEL / "config.json").read_text())["text_config"]["max_position_embeddings"]
 
 
 @pytest.fixture(scope="module")
 def demo():
     return load(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """The demo with a context of 1024 (the same weights): a prompt that fills it encodes in a second."""
+    folder = tmp_path_factory.mktemp("demo-1024") / "demo"
+    shutil.copytree(DEMO_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 1024
+    (folder / "config.json").write_text(json.dumps(config))
+    return load(folder)
 
 
 @contextlib.contextmanager
@@ -264,7 +277,7 @@ def test_ar_and_verified_sample_at_the_requests_temperature(client, demo, policy
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"code": {"type": "string", "pattern": "[a-z]+"}}}}}},
      openai.BadRequestError, "response_format"),
-    ({"messages": [{"role": "user", "content": "sort: 1 2 " * 120}]}, openai.BadRequestError, "messages"),
+    ({"messages": [{"role": "user", "content": "sort: 1 2 " * (CONTEXT // 8)}]}, openai.BadRequestError, "messages"),
 ])
 def test_bad_requests_get_openai_errors(client, kwargs, error, param):
     request = {"model": MODEL_ID, "messages": [{"role": "user", "content": SORT}], **kwargs}

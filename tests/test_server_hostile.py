@@ -26,7 +26,7 @@ from PIL import Image
 
 from mlx_dgemma.server.__main__ import main
 
-from .test_server import MODEL_ID, SORT, chat, demo, health, raw_post, serving  # noqa: F401 (demo: a fixture)
+from .test_server import CONTEXT, MODEL_ID, SORT, chat, demo, health, raw_post, serving, short_context  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG = 7990  # a 7990x7990 PNG: 64 MB of pixels in 62 KB of file
@@ -185,8 +185,8 @@ def nested_arrays(depth: int) -> dict:
     return schema
 
 
-PAST_CONTEXT = "takes the template past the model's context of 1024 positions"
-TOO_LONG = "characters: more than the model's context of 1024 tokens can hold (at most 16384)"  # (not tokenized)
+PAST_CONTEXT = f"takes the template past the model's context of {CONTEXT} positions"
+TOO_LONG = f"characters: more than the model's context of {CONTEXT} tokens can hold (at most "  # (not tokenized)
 
 
 @pytest.mark.parametrize("body, path, param, message", [
@@ -278,14 +278,15 @@ def test_bad_server_flags_exit_before_loading(flags, message):
 
 # -- 8, 9. max_tokens and the context -----------------------------------------------------------------
 
-def test_default_max_tokens_is_cut_to_whole_canvases(server, demo):  # noqa: F811
-    model, tokenizer = demo
+def test_default_max_tokens_is_cut_to_whole_canvases(short_context):  # noqa: F811
+    model, tokenizer = short_context
     ids = [tokenizer.bos_token_id] + tokenizer.encode("sort: 3 1 2 ", add_special_tokens=False) * 100
     ids = ids[:980]  # 44 positions left of the 1024-token context: one 32-token canvas fits
-    status, reply, _ = post(server, {"model": MODEL_ID, "prompt": ids}, "/v1/completions")
-    assert status == 200, reply
-    assert 0 < reply["usage"]["completion_tokens"] <= 32
-    status, error, _ = post(server, {"model": MODEL_ID, "prompt": ids, "max_tokens": 40}, "/v1/completions")
+    with serving(model, tokenizer) as server:
+        status, reply, _ = post(server, {"model": MODEL_ID, "prompt": ids}, "/v1/completions")
+        assert status == 200, reply
+        assert 0 < reply["usage"]["completion_tokens"] <= 32
+        status, error, _ = post(server, {"model": MODEL_ID, "prompt": ids, "max_tokens": 40}, "/v1/completions")
     assert status == 400 and error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
     assert error["message"].endswith("ask for at most 32")
 

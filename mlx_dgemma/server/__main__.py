@@ -6,6 +6,7 @@ then end with a 503 ("shutting down") and the process exits. A second signal exi
 
 from __future__ import annotations
 
+import logging
 import os
 
 import click
@@ -40,7 +41,9 @@ POSITIVE = click.IntRange(min=1)
 @click.option("--shutdown-grace", default=SHUTDOWN_GRACE, show_default=True, type=click.FloatRange(min=0),
               help="Seconds requests in flight get to finish after SIGTERM before they end with a 503.")
 @click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              help="Log level: info logs each request uvicorn answers and each refusal with its reason, debug each "
+                   "request's body in outline as it arrives.")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
                                                           "answer's KV cache need more memory than the device can give.")
 def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,
@@ -50,6 +53,7 @@ def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, ma
 
     from ..loader import load
     from ..memory import check_memory
+    from . import request_log
     from .app import Limits, Server
     from .routes import create_app
     from .scheduler import Scheduler
@@ -76,6 +80,11 @@ def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, ma
             asyncio.get_running_loop().call_later(shutdown_grace, scheduler.close)  # in-flight requests: 503
             await super().shutdown(sockets)
 
+    # The server's own log (request_log.py) beside uvicorn's: refusals at info, every request at debug.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    request_log.log.addHandler(handler)
+    request_log.log.setLevel(log_level.upper())
     Uvicorn(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level)).run()
     # MLX 0.32 can abort at interpreter exit once a thread that ran attention on the CPU has ended:
     # everything is answered and closed by now, so the process ends here.

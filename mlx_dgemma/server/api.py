@@ -70,6 +70,9 @@ class Api:
     stream_type = "text/event-stream"
     names: dict[str, str] = {}  # chat and completions fields this API calls otherwise
     max_stop = MAX_STOP_STRINGS  # stop strings a request may give
+    # Whether max_tokens is a cap, cut to what the context leaves (Ollama's num_predict), or a promise
+    # that a request the context cannot keep breaks with a 400 (OpenAI's and Anthropic's max_tokens).
+    caps_max_tokens = False
 
     def __init__(self, server):  # the Server it answers for
         self.server = server

@@ -14,6 +14,7 @@ The worker's events come back as one JSON reply or as server-sent events, a chun
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import secrets
 import time
@@ -35,6 +36,7 @@ from ..request import PromptError, check_prompt_fits, check_template_fits, gener
 from ..template import TemplateError, infill_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision
+from . import request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
 from .scheduler import Event, Job, Scheduler
 
@@ -84,6 +86,7 @@ class Server:
         # here they are refused with the request's one-line error instead.
         warnings.filterwarnings("error", category=DecompressionBombWarning)
         self.created = int(time.time())
+        self._numbers = itertools.count(1)  # the requests' numbers in the log
 
     # -- endpoints ----------------------------------------------------------------------------------
 
@@ -96,8 +99,10 @@ class Server:
 
     async def respond(self, request: Request, api: Api) -> Response:
         """Read, translate and check ``request``'s body, run it, and answer in ``api``'s shape."""
+        number = next(self._numbers)
         try:
             body = await self.read_body(request)
+            request_log.arrived(number, request.url.path, body)
             prepared = await asyncio.get_running_loop().run_in_executor(self._preparing, self._prepare, api, body)
             if prepared is None:
                 return api.empty()
@@ -108,11 +113,14 @@ class Server:
                                          headers={"Cache-Control": "no-cache"})
             return JSONResponse(api.reply(await self._whole(job, events, reply, request), reply))
         except BadRequest as e:
-            return api.error_reply(api.renamed(e))
+            e = api.renamed(e)
+            request_log.refused(number, request.url.path, e.status, str(e))
+            return api.error_reply(e)
 
     def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
         translated = api.translate(body)
-        return None if translated is None else self._job(*translated, max_stop=api.max_stop)
+        return None if translated is None else self._job(*translated, max_stop=api.max_stop,
+                                                               cap_max_tokens=api.caps_max_tokens)
 
     # -- reading a request -------------------------------------------------------------------------
 
@@ -136,7 +144,8 @@ class Server:
             raise BadRequest("the request body must be a JSON object")
         return data
 
-    def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS) -> tuple[Job, Reply]:
+    def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS,
+             cap_max_tokens: bool = False) -> tuple[Job, Reply]:
         _check_text(body)
         _check_supported(body, chat)
         model = body.get("model")
@@ -177,9 +186,9 @@ class Server:
                   prompt_param="messages" if chat else "prompt")
         if suffix is None:
             self._layout(job, body, forced)
-            request.max_tokens = self._fit(ids, max_tokens, max_key)
+            request.max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens)
         else:
-            self._infill(job, body, suffix, max_tokens)
+            self._infill(job, body, suffix, max_tokens, cap_max_tokens)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       forced["function"]["name"] if forced else None,
                       id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
@@ -227,16 +236,22 @@ class Server:
             content, pictures = self._content(message.get("content"), i, len(images))
             plain.append({**message, "content": content})
             images += pictures
-        # (the images are out of the text by now: their data URLs are no text for the template)
-        self._check_length(sum(map(len, _strings([plain, tools]))), "the messages and tools together", "messages")
+        # Only text the template renders counts: the images are out of it by now (their data URLs are no
+        # text for the template), and so are tools where the template writes none (the demo's; clients
+        # such as Open WebUI send dozens with every chat).
+        tools = tools if tools and self.tokenizer.renders_tools else None
+        self._check_length(sum(map(len, _strings([plain, tools]))),
+                           "the text of the messages and tools" if tools else "the text of the messages", "messages")
         if (pixels := sum(image.width * image.height for image in images)) > self.limits.max_image_pixels:
             raise BadRequest(f"the request's images are {pixels} pixels together, more than the "
                              f"{self.limits.max_image_pixels} accepted; scale them down", param="messages")
         extra = {"tools": tools} if tools else {}
         try:
-            ids = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, **extra)
+            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, **extra)
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
+        self._check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         vision_inputs = {}
         if images:
             if (placed := ids.count(self.model.config.image_token_id)) != len(images):
@@ -356,18 +371,22 @@ class Server:
             except TemplateError as e:
                 raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
 
-    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None) -> None:
-        """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default what the
-        context leaves next to the suffix, at most the server's default), then the suffix clamped at the
-        end of its last canvas; the worker takes the suffix off the answer (``Job.tail``)."""
+    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None, cap: bool = False) -> None:
+        """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default, or with
+        ``cap`` when ``max_tokens`` is more, what the context leaves next to the suffix, the default at
+        most the server's), then the suffix clamped at the end of its last canvas; the worker takes the
+        suffix off the answer (``Job.tail``)."""
         if body.get("template") is not None or (_get(body, "response_format", dict, None) or {}).get(
                 "type", "text") != "text":
             raise BadRequest("give one of suffix, template and response_format", param="suffix")
         self._check_length(len(suffix), "the suffix", "suffix")
         ids, canvas = job.request.prompt_ids, self.model.config.canvas_length
+        room = max(1, (self.context - len(ids)) // canvas * canvas
+                   - len(self.tokenizer.encode(suffix, add_special_tokens=False)))
         if max_tokens is None:
-            room = (self.context - len(ids)) // canvas * canvas
-            max_tokens = max(1, min(self.max_tokens, room - len(self.tokenizer.encode(suffix, add_special_tokens=False))))
+            max_tokens = min(self.max_tokens, room)
+        elif cap:
+            max_tokens = min(max_tokens, room)
         template = infill_template(self.tokenizer, suffix, max_tokens, canvas)
         try:
             check_template_fits(template, len(ids), self.model.config)
@@ -376,12 +395,15 @@ class Server:
         job.request.template, job.request.max_tokens = template, len(template)
         job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
 
-    def _fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+    def _fit(self, ids: list[int], max_tokens: int | None, param: str, cap: bool = False) -> int:
         """``max_tokens``, or the server's default cut to the whole canvases the prompt leaves room for
-        (``_check_ids`` made sure one fits)."""
+        (``_check_ids`` made sure one fits); with ``cap``, ``max_tokens`` is cut to them too."""
         canvas = self.model.config.canvas_length
+        room = (self.context - len(ids)) // canvas * canvas
         if max_tokens is None:
-            return min(self.max_tokens, (self.context - len(ids)) // canvas * canvas)
+            return min(self.max_tokens, room)
+        if cap:
+            return min(max_tokens, room)
         try:
             check_prompt_fits(ids, self.model.config, max_tokens)
         except PromptError as e:

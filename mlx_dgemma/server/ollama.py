@@ -24,6 +24,7 @@ class Ollama(Api):
 
     stream_type = "application/x-ndjson"
     max_stop = MANY_STOP_STRINGS
+    caps_max_tokens = True  # num_predict: at most that many tokens, as many as the context holds
     # Ollama's options carry the sampler settings, and here the server's own (policy, steps, template).
     names = {"max_tokens": "options.num_predict", "response_format": "format",
              **{key: f"options.{key}" for key in ("temperature", "seed", "stop", "policy", "steps", "template")}}
@@ -179,7 +180,7 @@ class Models:
         self.info = {"general.architecture": "gemma4", "general.parameter_count": parameters,
                      "gemma4.context_length": server.context}
         tokenizer = server.tokenizer
-        self.capabilities = ["completion", "insert", "tools"]
+        self.capabilities = ["completion", "insert"] + ["tools"] * tokenizer.renders_tools  # as the template does
         if has_vision(server.model) and tokenizer.has_vocabulary:
             with_image = tokenizer.apply_chat_template(
                 [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], tokenize=True)
