@@ -16,6 +16,7 @@
 #   CHROMIUM         the browser [chromium on the PATH; Debian: apt-get install chromium]
 #   PYTHON           the Python that has mlx-dgemma [python]
 #   SERVER_PORT, WEBUI_PORT   [8181, 3131]
+#   REPEAT=N         N more two-message chats, each message timed from Enter to the server [0]
 #   KEEP=1           leave the server and Open WebUI running for a look by hand (the ollama connection's)
 set -euo pipefail
 
@@ -91,7 +92,7 @@ for connection in $CONNECTIONS; do
   fi
   "$VENV/bin/python" "$HERE/open_webui/browser.py" --connection "$connection" --webui "http://127.0.0.1:$WEBUI_PORT" \
       --server "http://127.0.0.1:$SERVER_PORT" --server-log "$SERVER_LOG" --shots "$SHOTS" --chromium "$CHROMIUM" \
-    || failed=1
+      --repeat "${REPEAT:-0}" || failed=1
   if [[ ${KEEP:-} == 1 ]]; then
     echo "Open WebUI: http://127.0.0.1:$WEBUI_PORT, the server: http://127.0.0.1:$SERVER_PORT; Ctrl-C stops both"
     wait "$webui"

@@ -190,7 +190,8 @@ def _numpy_softmax_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.arr
     view = _host(scores).reshape(B, Hkv, group, T, K)
     # The mask as an additive bias at its own size, broadcast in place over the heads.
     bias = None if mask is None else np.where(_host(mask), np.float32(0), np.float32(-np.inf))[:, :, None]
-    _in_parallel(lambda a, b: _softmax_in_place(view[..., a:b, :], None if bias is None else bias[..., a:b, :]),
+    per_query = bias is not None and bias.shape[-2] != 1  # (a mask of one row for every query is shared whole)
+    _in_parallel(lambda a, b: _softmax_in_place(view[..., a:b, :], bias[..., a:b, :] if per_query else bias),
                  T, view.size)
     out = scores.astype(v.dtype) @ v
     return out.reshape(B, H, T, v.shape[-1])

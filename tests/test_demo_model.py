@@ -45,3 +45,16 @@ def test_the_reference_gives_the_same_answers_with_the_same_draws(prompt):
     _, tokenizer = load(DEMO_MODEL)
     tokens, _, responses = assert_replay_matches(DEMO_MODEL, 64, prompt_ids(tokenizer, prompt))
     assert responses[-1].finish_reason == "stop"  # the demo answers and stops
+
+
+def test_history_puts_answered_turns_before_the_prompt():
+    import random
+
+    from mlx_dgemma.demo.eval import with_history
+
+    _, tokenizer = load(DEMO_MODEL)
+    alone = prompt_ids(tokenizer, "reverse: planet")
+    ids = with_history(tokenizer, "reverse: planet", 300, random.Random(0))
+    assert len(ids) >= 300 and ids[:1] == alone[:1] and ids[-(len(alone) - 1):] == alone[1:]
+    text = tokenizer.decode(ids)
+    assert text.count("<|turn>user") == text.count("<|turn>model") >= 2

@@ -63,6 +63,21 @@ def test_cpu_attention_matches_mlx(keys, numpy_always):
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
+@pytest.mark.parametrize("queries", [9, 1])
+def test_cpu_attention_split_over_the_cores_takes_one_mask_row_for_every_query(queries, numpy_always, monkeypatch):
+    """A canvas view's mask is one row of keys for all the canvas's queries, [B, 1, 1, K]: split among
+    the cores by query, each part still sees it (it gave an empty mask past the first part and a
+    broadcast error once several long prompts were batched)."""
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_ELEMENTS", 0)
+    q = mx.random.normal((3, 4, queries, 16), key=mx.random.key(0))
+    k = mx.random.normal((3, 1, 700, 16), key=mx.random.key(1))
+    v = mx.random.normal((3, 1, 700, 16), key=mx.random.key(2))
+    mask = (mx.random.uniform(shape=(3, 1, 1, 700), key=mx.random.key(3)) < 0.7) | (mx.arange(700) == 0)
+    want = np.array(kernels.MLX.attention(q, k, v, mask))
+    got = np.array(kernels.CPU.attention(q, k, v, mask))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
 def test_cpu_kernels_give_mlx_gradients(numpy_always):
     """Training runs through the CPU kernels: their gradients are MLX's own."""
     q = mx.random.normal((2, 4, 5, 16), key=mx.random.key(0))

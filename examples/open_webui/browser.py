@@ -19,7 +19,9 @@ import re
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
@@ -36,7 +38,7 @@ KNOBS = [("Temperature", 0.3, "temperature"), ("top_k", 3, "top_k"), ("top_p", 0
 TASKS = {"title": "Generate a concise title", "follow-ups": "Predict 3-5 useful messages", "tags": "Generate 1-3 broad tags"}
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-LOGGED = re.compile(r"^(\S+ \S+) (DEBUG|INFO) mlx_dgemma\.server: #(\d+) (\S+) (.*)$")
+LOGGED = re.compile(r"^(\S+ \S+) (DEBUG|INFO|ERROR) mlx_dgemma\.server: #(\d+) (\S+) (.*)$")
 ACCESS = re.compile(r'"(GET|POST|PUT|DELETE|HEAD|OPTIONS) (\S+) HTTP/[\d.]+" (\d{3})')
 
 
@@ -63,12 +65,12 @@ class ServerLog:
         return found
 
     def refusals(self) -> list[str]:
-        return [line for line in self.lines() if (m := LOGGED.match(line)) and m.group(2) == "INFO"]
+        return [line for line in self.lines() if (m := LOGGED.match(line)) and m.group(2) != "DEBUG"]
 
     def client_errors(self) -> list[str]:
-        """uvicorn's lines of every 4xx answered."""
+        """uvicorn's lines of every 4xx (and 5xx) answered."""
         return [f"{m.group(1)} {m.group(2)} {m.group(3)}" for line in self.lines()
-                if (m := ACCESS.search(line)) and m.group(3).startswith("4")]
+                if (m := ACCESS.search(line)) and m.group(3)[0] in "45"]
 
 
 def logged(text: str) -> str:
@@ -150,6 +152,7 @@ class Run:
         page.locator("#chat-input").click()
         page.keyboard.type(text)
         started = time.monotonic()
+        self.sent_at = time.time()
         page.keyboard.press("Enter")
         page.locator("#response-content-container").nth(answers).wait_for(timeout=timeout * 1000)
         if not wait:
@@ -166,11 +169,12 @@ class Run:
     def answer(page) -> str:
         return page.locator("#response-content-container").last.inner_text().strip()
 
-    def regenerate(self, page) -> str:
+    def regenerate(self, page, answers: int) -> str:
+        """The answer to the last message tried again, the chat's ``answers``-th to it (its "n/n" shows)."""
         index = page.locator("#response-content-container").count() - 1
         page.get_by_role("button", name="Regenerate").last.click()
         page.get_by_role("button", name="Try Again").click()
-        page.wait_for_timeout(500)
+        page.get_by_text(f"{answers}/{answers}", exact=True).wait_for(timeout=120_000)
         self.finished(page, index)
         return self.answer(page)
 
@@ -206,10 +210,21 @@ class Run:
             path, body = "/v1/chat/completions", {"model": MODEL, "messages": messages, **settings}
         request = urllib.request.Request(self.args.server + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as r:
-            reply = json.load(r)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                reply = json.load(r)
+        except urllib.error.HTTPError as e:  # a setting the server refuses
+            return f"(refused: {e.code} {e.read().decode(errors='replace')[:200]})"
         return (reply["message"]["content"] if self.connection == "ollama"
                 else reply["choices"][0]["message"]["content"]).strip()
+
+    def reached(self, text: str, sent_at: float) -> float | None:
+        """Seconds from ``sent_at`` (the Enter key) to the server's log of the chat request ending with ``text``."""
+        for r in self.chat_requests(text):
+            at = datetime.strptime(r["time"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if at >= sent_at - 1:  # (the log's clock is this machine's, in milliseconds)
+                return at - sent_at
+        return None
 
     def chat_requests(self, text: str) -> list[dict]:
         """The chat requests (not Open WebUI's background tasks) whose last message is ``text``."""
@@ -235,13 +250,15 @@ class Run:
                 self.conversation(page)
                 self.stop(page)
                 self.knobs(page)
+                if self.args.repeat:
+                    self.stall_check(page, self.args.repeat)
             except Exception as e:  # a page that never showed what a step waited for
                 self.shot(page, "error")
                 self.step("the run", False, f"{type(e).__name__}: {str(e).splitlines()[0]}")
             context.close()
         errors = self.log.client_errors()
         refusals = self.log.refusals()
-        self.step("no 4xx in the server's log", not errors and not refusals,
+        self.step("no 4xx (or 5xx) in the server's log", not errors and not refusals,
                   "none" if not errors and not refusals else "; ".join(errors + refusals)[:2000])
         return all(ok for _, ok, _ in self.results)
 
@@ -250,15 +267,18 @@ class Run:
         self.shot(page, "start")
         started = time.monotonic()
         text, took = self.send(page, FIRST)
+        delay = self.reached(FIRST, self.sent_at)
         self.shot(page, "first-answer")
-        self.step("the first message answers", text == FIRST_ANSWER, f"{FIRST!r} -> {text!r} in {took:.1f} s")
+        self.step("the first message answers", text == FIRST_ANSWER,
+                  f"{FIRST!r} -> {text!r} in {took:.1f} s (at the server {delay:.2f} s after Enter)")
 
         text, took = self.send(page, SECOND)
+        delay = self.reached(SECOND, self.sent_at)
         sent = self.chat_requests(SECOND)
         history = [[(m.get("role"), m.get("content")) for m in r["body"]["messages"]] for r in sent]
         carried = any(h[:2] == [("user", logged(FIRST)), ("assistant", logged(FIRST_ANSWER))] for h in history)
         self.step("the second message carries the history", carried and bool(text),
-                  f"{SECOND!r} -> {text!r} in {took:.1f} s; the server got {history[-1] if history else 'nothing'} "
+                  f"{SECOND!r} -> {text!r} in {took:.1f} s (at the server {delay:.2f} s after Enter); the server got {history[-1] if history else 'nothing'} "
                   f"(the demo knows single prompts: with history it answers nonsense)")
 
         title = self.event(page, "chat:title", started, 120)
@@ -276,6 +296,21 @@ class Run:
             self.step(f"{task} generated", bool(sent) and len(answered) == len(sent)
                       and (task != "title" or title is not None) and (task != "follow-ups" or follow_ups is not None),
                       f"{len(sent)} requests, {len(answered)} answered{shown}")
+
+    def stall_check(self, page, times: int) -> None:
+        """``times`` more two-message chats, each second message sent as soon as the first is answered
+        (while Open WebUI's title, follow-up and tag requests run): how long each took to reach the server."""
+        delays = []
+        for i in range(times):
+            self.new_chat(page)
+            first, second = f"reverse: stall{i}", f"reverse: again{i}"  # (each chat's own texts)
+            for text in (first, second):
+                _, took = self.send(page, text)
+                delays.append((self.reached(text, self.sent_at), took))
+        late = [d for d in delays if d[0] is None or d[0] > 10]
+        self.step(f"every message of {times} more chats reaches the server at once", not late,
+                  "at the server after " + ", ".join("never" if d is None else f"{d:.2f}" for d, _ in delays)
+                  + " s; answered after " + ", ".join(f"{t:.1f}" for _, t in delays) + " s")
 
     def stop(self, page) -> None:
         self.new_chat(page)
@@ -312,9 +347,9 @@ class Run:
         text, _ = self.send(page, LONG)
         plain = self.direct(messages, base)
         self.step("seed honoured", text == plain, f"seed {SEED}: the page shows {text!r}, the server answers {plain!r}")
-        for name, value, key in KNOBS:
+        for answers, (name, value, key) in enumerate(KNOBS, start=2):
             self.control(page, name, value)
-            shown = self.regenerate(page)
+            shown = self.regenerate(page, answers)
             self.shot(page, f"{key}-{value}")
             expected = self.direct(messages, {**base, key: value})
             carried = [option(r["body"], key) for r in self.chat_requests(LONG)]
@@ -332,6 +367,8 @@ def main() -> None:
     parser.add_argument("--server-log", required=True, help="the server's log (written with --log-level debug)")
     parser.add_argument("--shots", required=True, help="folder for the screenshots")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--repeat", type=int, default=0,
+                        help="this many more two-message chats, timed from Enter to the server (the stall check)")
     sys.exit(0 if Run(parser.parse_args()).run() else 1)
 
 

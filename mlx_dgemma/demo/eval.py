@@ -3,13 +3,16 @@
     python -m mlx_dgemma.demo.eval [--model PATH] [-n 50] [--policy reference --policy fast] [--seed 0]
     python -m mlx_dgemma.demo.eval -n 30 --seed 11 --policy ar --policy verified [--draft-length 32 --draft-steps 2]
     python -m mlx_dgemma.demo.eval --templates [-n 50]
+    python -m mlx_dgemma.demo.eval --history 300 [-n 50]
 
 Instances come from the evaluation half of the task space (tasks.py), never the training set.
 ``--templates`` compares free generation with canvas templates on the same instances: sort, reverse
 and add answers with their first and last items given and the middle a hole (exactly as long as the
 missing text, and 3 tokens longer), json answers from a schema of the prompt's keys (the output must
 parse and validate), and the same with holes sized by a free generation's values
-(``json_template(..., draft=)``: two generations).
+(``json_template(..., draft=)``: two generations). ``--history N`` puts earlier turns (other
+instances, answered right) before each prompt until the conversation is N tokens, as a chat UI sends
+it (the demo was trained on single prompts).
 """
 
 from __future__ import annotations
@@ -57,8 +60,18 @@ def evaluate(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "refere
     return evaluate_policies(model, tokenizer, n, seed, [policy], tasks, {policy: generate_kwargs})[policy]
 
 
+def with_history(tokenizer, prompt: str, tokens: int, rng: random.Random) -> list[int]:
+    """``prompt`` as the last turn of a chat whose earlier turns (other instances and their right
+    answers) make it at least ``tokens`` long, through the chat template."""
+    messages = []
+    while len(tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}], tokenize=True)) < tokens:
+        earlier, answer = make_instance(rng.choice(TASKS), rng, split="eval")
+        messages += [{"role": "user", "content": earlier}, {"role": "assistant", "content": answer}]
+    return tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}], tokenize=True)
+
+
 def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], tasks=TASKS,
-                      generate_kwargs: dict[str, dict] | None = None) -> dict[str, dict[str, TaskScore]]:
+                      generate_kwargs: dict[str, dict] | None = None, history: int = 0) -> dict[str, dict[str, TaskScore]]:
     """Scores per policy and task. The policies take turns on each instance, in an order that rotates
     from one instance to the next, so that they share whatever else the machine is doing (on a shared
     host the speed of one run moves by a quarter; side by side, the ratios hold)."""
@@ -68,11 +81,13 @@ def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], 
     for task in tasks:
         for policy in policies:
             scores[policy][task] = TaskScore()
+        rng = random.Random(f"history-{task}-{seed}")
         for i, (prompt, _) in enumerate(instances(task, n, seed)):
+            asked = with_history(tokenizer, prompt, history, rng) if history else prompt
             for policy in policies[i % len(policies):] + policies[: i % len(policies)]:
                 score = scores[policy][task]
                 start = time.perf_counter()
-                responses = list(stream_generate(model, tokenizer, prompt, seed=seed * 100003 + i, policy=policy,
+                responses = list(stream_generate(model, tokenizer, asked, seed=seed * 100003 + i, policy=policy,
                                                  **(generate_kwargs or {}).get(policy, {})))
                 score.seconds += time.perf_counter() - start
                 text = "".join(r.text for r in responses)
@@ -195,11 +210,15 @@ def format_side_by_side(scores: dict[str, dict[str, TaskScore]]) -> str:
 @click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
 @click.option("--draft-length", type=int, help="verified: draft length [default: the policy's].")
 @click.option("--draft-steps", type=int, help="verified: draft steps [default: the policy's].")
+@click.option("--history", default=0, show_default=True, callback=option(at_least(0)),
+              help="Earlier turns before each prompt, until the conversation is this many tokens.")
 @command_line
-def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_length, draft_steps):
+def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_length, draft_steps, history):
     from ..loader import load
     from . import DEMO_MODEL
 
+    if templates and history:
+        raise click.UsageError("--history applies to free generation; leave out --templates")
     model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
     if templates:
         for policy in policies:
@@ -210,7 +229,7 @@ def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_le
                 click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
         return
     drafts = {"verified": {"draft_length": draft_length, "draft_steps": draft_steps}}
-    scores = evaluate_policies(model, tokenizer, n, seed, list(policies), tasks or TASKS, drafts)
+    scores = evaluate_policies(model, tokenizer, n, seed, list(policies), tasks or TASKS, drafts, history)
     for policy in policies:
         click.echo(format_scores(policy, scores[policy]))
     if len(policies) > 1:

@@ -1,6 +1,7 @@
 """The server's log of requests: at debug level each request as it arrives, its body in outline (long
-text cut, long lists counted), and at info level each refusal with its reason, numbered alike, so
-that what a client such as Open WebUI sends, and when, can be read off the log."""
+text cut, long lists counted), and each refusal with its reason at info level (a failure of the
+server's own at error level), numbered alike, so that what a client such as Open WebUI sends, and
+when, can be read off the log."""
 
 from __future__ import annotations
 
@@ -36,4 +37,8 @@ def arrived(number: int, path: str, body: dict) -> None:
 
 
 def refused(number: int, path: str, status: int, message: str) -> None:
-    log.info("#%d %s refused with %d: %s", number, path, status, message)
+    """A 4xx (info) or a 5xx, the server's own failure (error)."""
+    if status < 500:
+        log.info("#%d %s refused with %d: %s", number, path, status, message)
+    else:
+        log.error("#%d %s failed with %d: %s", number, path, status, message)
