@@ -67,7 +67,7 @@ def load_split(path: Path, tokenizer: Tokenizer, canvas_length: int, max_length:
     """Every line of one ``.jsonl`` file as an example; the first bad line is a ``DataError``."""
     examples = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     for number, line in enumerate(lines, 1):

@@ -60,7 +60,7 @@ def one_line_error(result, *needles: str, status: int = 1) -> str:
     assert result.exit_code == status, (result.exit_code, result.output)
     text = result.stderr.strip() if result.stderr.strip() else result.output.strip()
     assert "Traceback" not in result.output
-    assert len(text.splitlines()) == 1 and text.startswith("Error: "), text
+    assert len(text.strip().split("\n")) == 1 and text.startswith("Error: "), text
     for needle in needles:
         assert needle in text, text
     return text
@@ -179,7 +179,7 @@ def test_a_signal_during_conversion_removes_the_partial_output(models, signum):
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signum
-    last = stderr.replace("\r", "\n").strip().splitlines()[-1]  # after tqdm's progress bar
+    last = stderr.replace("\r", "\n").strip().split("\n")[-1]  # after tqdm's progress bar
     assert last == f"Error: conversion stopped by {signal.Signals(signum).name}; the partial output was removed"
     assert "Traceback" not in stderr
     assert snapshot(models.parent) == before
@@ -422,7 +422,7 @@ def test_an_unwritable_profile_cache_is_said_not_fatal(demo, tmp_path, fake_meas
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert cached_profile(demo[0], root=blocker / "profiles") == PROFILE
-    err = capsys.readouterr().err.strip().splitlines()
+    err = capsys.readouterr().err.strip().split("\n")
     assert err[-1].startswith(f"cannot cache the device profile in {blocker / 'profiles'}")
     assert "measured again next time" in err[-1] and blocker.read_text() == ""
 
@@ -441,7 +441,7 @@ def test_a_damaged_profile_cache_is_measured_again(demo, tmp_path, fake_measure,
     path = policy.profile_cache_path(demo[0], tmp_path)
     path.write_text(content)
     assert cached_profile(demo[0], root=tmp_path) == PROFILE and len(fake_measure) == 1
-    warning = capsys.readouterr().err.splitlines()[0]
+    warning = capsys.readouterr().err.split("\n")[0]
     assert warning.startswith(f"ignoring the damaged device profile {path} (")
     assert Profile.from_json(json.loads(path.read_text())) == PROFILE  # replaced by a whole one
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
@@ -482,7 +482,7 @@ def test_a_prompt_on_stdin_that_is_not_utf8():
     done = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "-"], input=b"sort: \xff 1",
                           capture_output=True, env=ENV, cwd=ROOT)
     assert done.returncode == 1
-    assert done.stderr.decode().strip().splitlines() == [
+    assert done.stderr.decode().strip().split("\n") == [
         "Error: the prompt on stdin is not valid UTF-8 (byte 0xff at offset 6); re-encode it as UTF-8"]
 
 
@@ -490,7 +490,7 @@ def test_a_prompt_argument_that_is_not_utf8():
     done = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", b"--prompt", b"sort: \xfe 1"],
                           capture_output=True, env=ENV, cwd=ROOT)
     assert done.returncode == 1
-    assert done.stderr.decode().strip().splitlines() == [
+    assert done.stderr.decode().strip().split("\n") == [
         "Error: --prompt is not valid UTF-8 (a bad byte at character 6); re-encode it as UTF-8"]
 
 
@@ -594,11 +594,11 @@ def test_verbose_plan_shows_the_callers_settings():
     result = run_generate("--verbose", "--steps", "3", "--entropy-bound", "0.5", "--temp-min", "0.1",
                           "--temp-max", "0.3", "--prompt", PROMPT)
     assert result.exit_code == 0, result.output
-    head = result.stderr.splitlines()[0]
+    head = result.stderr.split("\n")[0]
     assert head == "plan (reference): diffusion, ≤3 steps/canvas, entropy bound 0.5, t 0.1–0.3, full canvases"
     assert "set by the caller: steps 3, entropy bound 0.5, t min 0.1, t max 0.3" in result.stderr
     plain = run_generate("--verbose", "--prompt", PROMPT)
-    assert plain.stderr.splitlines()[0].startswith("plan (reference): diffusion, ≤24 steps/canvas, entropy bound 0.1")
+    assert plain.stderr.split("\n")[0].startswith("plan (reference): diffusion, ≤24 steps/canvas, entropy bound 0.1")
     assert "set by the caller" not in plain.stderr
 
 

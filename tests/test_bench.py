@@ -50,4 +50,4 @@ def test_bench_json_and_plot(checkpoints, tmp_path):
 def test_bench_bad_model_is_one_line(tmp_path):
     result = CliRunner().invoke(main, ["--model", str(tmp_path / "missing")])
     assert result.exit_code != 0 and "not a folder" in result.output
-    assert len(result.output.strip().splitlines()) == 1
+    assert len(result.output.strip().split("\n")) == 1

@@ -34,7 +34,7 @@ def cli(module, *args, **kwargs):
 
 def one_line(result, *needles, status=1) -> str:
     assert result.returncode == status, (result.returncode, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    lines = result.stderr.strip().split("\n")
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
@@ -150,7 +150,7 @@ def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_nothing(data, tmp_
         lora.main(["--train", "--data", str(data), "--iters", "1", "--batch-size", "2", "--num-layers", "1",
                    "--adapter-path", str(folder)])
     assert info.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    err = capsys.readouterr().err.strip().split("\n")
     assert len(err) == 1 and err[0].startswith("Error: cannot write") and "No space left" in err[0], err
     assert list(folder.iterdir()) == []
 
@@ -170,7 +170,7 @@ def interrupted(command, wait_for: str) -> str:
         seen += char
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=60)
-    *progress, last = stderr.replace("\r", "\n").strip().splitlines() or [""]
+    *progress, last = stderr.replace("\r", "\n").strip().split("\n") or [""]
     assert process.returncode == 130 and last == "Error: interrupted", (process.returncode, stderr)
     assert all("%|" in line for line in progress), stderr  # nothing but a progress bar before it
     return seen + stdout
@@ -252,7 +252,7 @@ def test_a_closed_pipe_is_one_line():
     process.stdout.close()
     stderr = process.stderr.read()
     assert process.wait(timeout=60) == 1
-    assert stderr.strip().splitlines() == ["Error: cannot write the output to stdout (Broken pipe)"], stderr
+    assert stderr.strip().split("\n") == ["Error: cannot write the output to stdout (Broken pipe)"], stderr
 
 
 def test_an_os_error_of_a_commands_own_file_is_one_line(capsys):

@@ -301,7 +301,7 @@ def test_sizes_command_prints_every_recipe_without_reading_a_weight(src, monkeyp
     monkeypatch.setattr(convert_module, "read_tensor", lambda info: pytest.fail("a weight was read"))
     result = CliRunner().invoke(sizes_command, ["--hf-path", str(src)])
     assert result.exit_code == 0, result.output
-    rows = {line[:32].strip(): int(line.split()[-1]) for line in result.stdout.strip().splitlines()[1:]}
+    rows = {line[:32].strip(): int(line.split()[-1]) for line in result.stdout.strip().split("\n")[1:]}
     assert len(rows) == 1 + 2 * len(BITS) + 3
     source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     assert abs(rows["unquantized"] - source_bytes) < 1e-3 * source_bytes  # the same tensors, another header
@@ -327,7 +327,7 @@ def test_report_lists_every_recipe(src, tmp_path):
     result = CliRunner().invoke(report_command, ["--hf-path", str(src), "--work-dir", str(tmp_path), "-n", "0",
                                                  "--q-bits", "4", "--q-bits", "8"])
     assert result.exit_code == 0, result.output
-    rows = result.stdout.strip().splitlines()[2:]
+    rows = result.stdout.strip().split("\n")[2:]
     assert [r.split("  ")[0] for r in rows] == [
         "unquantized (config dtype)", "mixed 4-bit affine g64", "mixed 8-bit affine g64",
         "uniform 4-bit affine g64", "uniform 8-bit affine g64", "mixed-16gb 2-bit affine g64",
@@ -346,7 +346,7 @@ def test_report_measures_the_demo_tasks(tmp_path):
                                                  "--quant-predicate", "mixed-16gb", "--q-group-size", "32",
                                                  "-n", str(n), "--seed", "5"])
     assert result.exit_code == 0, result.output
-    header, _, *rows = result.stdout.strip().splitlines()
+    header, _, *rows = result.stdout.strip().split("\n")
     assert header.split()[-5:] == ["diff", "acc", "steps", "AR", "acc"]
     assert [r.split("  ")[0] for r in rows] == ["unquantized (config dtype)", "mixed-16gb 2-bit affine g32"]
     model, tokenizer = load(DEMO_MODEL)
@@ -390,7 +390,7 @@ def broken(src, tmp_path):
 def cli_error(args: list[str], dst: Path) -> str:
     result = CliRunner().invoke(convert_command, args + ["--mlx-path", str(dst)])
     assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
+    lines = result.stderr.strip().split("\n")
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
     assert leftovers(dst.parent) == []
     return lines[0]
@@ -477,7 +477,7 @@ def test_command_line_exit_status(src, tmp_path):
     command = [sys.executable, "-m", "mlx_dgemma.convert", "--hf-path", str(src), "--mlx-path", str(dst), "-q"]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == [f"Error: {dst} already exists; pass --force to replace it"]
+    assert done.stderr.strip().split("\n") == [f"Error: {dst} already exists; pass --force to replace it"]
 
 
 def test_missing_source_is_a_checkpoint_error(tmp_path):

@@ -147,7 +147,7 @@ def test_batch_engine_templates_and_schemas_on_two_ranks():
                sys.executable, str(ROOT / "tests" / "sharded_check.py"), str(DEMO)]
     run = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert run.returncode == 0 and run.stdout.strip(), run.stderr
-    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    seen = json.loads(run.stdout.strip().split("\n")[-1])
     assert seen["ranks"] == 2 and seen["experts"] == [0, 4]  # the demo's 8 experts, rank 0's half
     whole, sharded = seen["whole"], seen["sharded"]
     assert sharded["no_seed"]  # rank 0's seed on both ranks, or they would have parted ways

@@ -20,7 +20,7 @@ def run(name: str, *args: str) -> str:
 def test_chat_carries_the_conversation():
     out = run("chat.py")
     assert out.count("you> ") == 3 and out.count("model> ") == 3
-    assert "17 23 42 61 85" in out.splitlines()[1]  # the first turn's answer
+    assert "17 23 42 61 85" in out.split("\n")[1]  # the first turn's answer
 
 
 def test_background_generation_streams_cancels_and_reports_errors():
@@ -32,7 +32,7 @@ def test_background_generation_streams_cancels_and_reports_errors():
 
 
 def test_json_schema_output_parses():
-    lines = [line for line in run("json_schema.py").splitlines() if ":" in line]
+    lines = [line for line in run("json_schema.py").split("\n") if ":" in line]
     assert len(lines) == 2 and all("'name'" in line and "'age'" in line for line in lines)
 
 
@@ -42,7 +42,7 @@ def test_infill_fills_between_prefix_and_suffix():
 
 
 def test_batch_answers_every_prompt():
-    lines = run("batch.py").splitlines()
+    lines = run("batch.py").strip().split("\n")
     assert len(lines) == 4 and all(" -> " in line for line in lines)
 
 
@@ -52,7 +52,7 @@ def test_every_example_is_covered(name):
 
 
 def test_openai_client_talks_to_a_server_it_starts():
-    lines = run("openai_client.py").splitlines()
+    lines = run("openai_client.py").strip().split("\n")
     assert lines[0].startswith("chat: ") and lines[1].startswith("streamed: ")
     assert lines[2].startswith("json_schema: {") and "'name'" in lines[2] and "'age'" in lines[2]
 
@@ -60,4 +60,4 @@ def test_openai_client_talks_to_a_server_it_starts():
 @pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is needed")
 def test_two_machines_on_loopback_write_the_single_process_text():
     out = run("two_machines.py")
-    assert out.splitlines()[-1] == "the same text"
+    assert out.strip().split("\n")[-1] == "the same text"

@@ -61,5 +61,5 @@ def test_cli_steps_past_the_bound(flag, tmp_path):
         result = CliRunner().invoke(main, ["--prompt", "sort: 3 1", "--policy", "verified", "--draft-length", "8",
                                            flag, "1000000000", *extra])
         assert result.exit_code == 1
-        assert result.output.strip().splitlines() == [
+        assert result.output.strip().split("\n") == [
             f"Error: {flag} must be an integer from 1 to 24 (the checkpoint's max_denoising_steps), got 1000000000"]

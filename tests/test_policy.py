@@ -98,6 +98,6 @@ def test_callers_settings_replace_the_plans_and_are_named():
     plan = fast.overridden({"steps": 5, "freeze_after": 0, "t_max": GEN.t_max})
     assert (plan.settings.steps, plan.settings.freeze_after, plan.settings.stability_threshold) == (5, 0, 0)
     assert plan.reasons[-1] == "set by the caller: steps 5, freeze after 0"
-    assert "frozen" not in plan.explain().splitlines()[0]
+    assert "frozen" not in plan.explain().split("\n")[0]
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         fast.overridden({"steps": 0})

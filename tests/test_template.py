@@ -211,7 +211,7 @@ def test_cli_template_and_schema_files(tmp_path):
     assert result.output.strip() == "Error: unclosed hole at line 1, column 3: write {{fill}} or {{fill:N}}"
     schema.write_text("{not json")
     result = runner.invoke(main, ["--prompt", "x", "--schema", str(schema)])
-    assert result.exit_code == 1 and "is not JSON" in result.output and len(result.output.strip().splitlines()) == 1
+    assert result.exit_code == 1 and "is not JSON" in result.output and len(result.output.strip().split("\n")) == 1
 
 
 def test_cli_schema_builds_its_template_twice(tmp_path, monkeypatch):

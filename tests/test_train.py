@@ -476,7 +476,7 @@ def test_cli_trainable_tokens_train_only_their_rows(tmp_path):
     refused = lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--trainable-tokens", "",
                        "--adapter-path", tmp_path / "none")
     assert refused.returncode == 1
-    assert refused.stderr.strip().splitlines() == [
+    assert refused.stderr.strip().split("\n") == [
         "Error: --trainable-tokens '' encodes to no token; give the text of the tokens whose embeddings to train"]
     assert not (tmp_path / "none").exists()
 
@@ -486,6 +486,6 @@ def test_cli_bad_data_is_one_line(tmp_path):
     write(tmp_path / "valid.jsonl", [chat("a", "b")])
     result = lora_cli("--train", "--data", tmp_path, "--iters", 1, "--adapter-path", tmp_path / "adapters")
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
+    assert result.stderr.strip().split("\n") == [
         f"Error: {tmp_path / 'train.jsonl'}:2: not valid JSON (Expecting ',' delimiter at column 6)"]
     assert not (tmp_path / "adapters").exists()

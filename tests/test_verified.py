@@ -311,7 +311,7 @@ def test_cli_verified_prints_the_ar_answer_and_refuses_a_temperature_for_diffusi
     assert ar.output.strip() in verified.output and "tokens per round" in verified.output
     bad = CliRunner().invoke(main, prompt + ["--temp", "0.5"])
     assert bad.exit_code != 0 and "diffusion takes --temp-min/--temp-max" in bad.output
-    assert len(bad.output.strip().splitlines()) == 1
+    assert len(bad.output.strip().split("\n")) == 1
 
 
 def test_the_verified_policy_learns_its_acceptance(demo):
