@@ -37,6 +37,7 @@ import mlx.core as mx  # noqa: E402
 from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
 from .denoise import new_run, step_batch, step_compacted  # noqa: E402
+from .grammar import GrammarRule  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
 from .policy import Plan  # noqa: E402
 from .request import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
@@ -392,9 +393,8 @@ class BatchGenerator:
 
     def _enter_ar(self, row: _Row) -> None:
         job = row.job
-        if job.template is not None:  # literal tokens forced, holes decoded greedily in their class
-            row.rule = drafting.TemplateRule(job.template, self.tokenizer, self.model.config.vocab_size,
-                                             job.end_of_turn)
+        if job.template is not None or job.grammar is not None:  # the rule decides each token on the host
+            row.rule = self._layout_rule(row)
             token = row.rule.step(row.logits)
             if token is None or row.rule.done:  # nothing to feed: the template is whole
                 self._emit(row, row.rule.output, 0, True, True)
@@ -405,6 +405,14 @@ class BatchGenerator:
             row.token = _pick(row, row.logits)
         self._ar.add(row, row.cache)
         row.cache = None
+
+    def _layout_rule(self, row: _Row):
+        """A template row's rule (literal tokens forced, holes decoded greedily in their class) or a
+        grammar row's (each token among those the grammar allows, greedy or sampled)."""
+        job, vocab = row.job, self.model.config.vocab_size
+        if job.grammar is not None:
+            return GrammarRule(job.grammar, vocab, row.remaining, row.temperature, job.rng)
+        return drafting.TemplateRule(job.template, self.tokenizer, vocab, job.end_of_turn)
 
     def _new_block(self, row: _Row) -> None:
         row.block_size = self.model.config.canvas_length
@@ -467,8 +475,8 @@ class BatchGenerator:
         closed hole's padding too): "on" or "done"."""
         token = row.rule.step(logits)
         done = token is None or row.rule.done
-        self._emit(row, row.rule.output[row.emitted:], 1, done, done, False)
-        if done:
+        stopped = done and self._stopped(row, row.rule.output)
+        if self._emit(row, row.rule.output[row.emitted:], 1, stopped, done, False) or done:
             return "done"
         row.token = mx.array([[token]], dtype=mx.int32)
         return "on"
@@ -478,8 +486,7 @@ class BatchGenerator:
     def _enter_verified(self, row: _Row) -> None:
         """Decide the next token from the logits after the cache (it goes out with the first round)."""
         job = row.job
-        row.rule = (drafting.TemplateRule(job.template, self.tokenizer, self.model.config.vocab_size, job.end_of_turn)
-                    if job.template is not None
+        row.rule = (self._layout_rule(row) if job.template is not None or job.grammar is not None
                     else drafting.SampledRule(job.stop_ids, row.remaining, row.temperature, job.rng) if row.temperature
                     else drafting.GreedyRule(job.stop_ids, row.remaining))
         _, row.known = row.rule.follow(row.logits, [])

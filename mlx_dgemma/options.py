@@ -49,6 +49,7 @@ class GenerationArgs:
     profile: object = None  # policy.Profile
     expected_steps: float | None = None
     template: object = None  # text with {{fill:N}} holes or a template.CanvasTemplate
+    schema: object = None  # a JSON schema the answer validates against ({}: any JSON value); see grammar.py
     images: list | None = None
     draft_length: int | None = None
     draft_steps: int | None = None

@@ -12,12 +12,13 @@ fast_blas.load()  # the fast BLAS before mlx.core loads
 
 import contextlib  # noqa: E402
 import json  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
 from .config import GenerationConfig  # noqa: E402
 from .drafting import DraftSettings  # noqa: E402
+from .grammar import Grammar, GrammarRule, schema_grammar  # noqa: E402
 from .images import image_inputs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
@@ -136,6 +137,7 @@ class PreparedRequest:
     planner: AutoPlanner | None = None  # the auto policy's, which re-plans at every canvas or round
     acceptance: object = None  # verified drafting's running estimate (policy.Acceptance)
     temperature: float = 0.0  # ar and verified sampling (0: greedy)
+    grammar: Grammar | None = None  # a schema the canvas template does not take: ar and verified rows follow it
 
     def canvas_clamps(self, tokenizer: Tokenizer, config):
         """The template's (length, Clamp) per canvas, or None without a template."""
@@ -151,7 +153,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     defaults = generation_config(model, tokenizer)
     max_tokens = defaults.max_new_tokens if args.max_tokens is None else args.max_tokens
     prompt = check_request(prompt, max_tokens, args.seed, args.system_prompt, args.chat_template)
-    template = as_template(tokenizer, args.template, limit=config.max_position_embeddings)
+    template, grammar = _layout(model, tokenizer, args, defaults)
     end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     if template is not None:
         max_tokens = len(template) + template.ends_turn
@@ -161,12 +163,14 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     ids, vision_inputs = image_inputs(model, ids, args.images) if args.images else (ids, {})
     check_prompt_fits(ids, config, max_tokens if template is None else 1)
     temperature = args.sampling.temperature or 0.0
-    planner, acceptance, plan = _plan(model, defaults, args, template, max_tokens, overrides, ids)
+    planner, acceptance, plan = _plan(model, defaults, args, template or grammar, max_tokens, overrides, ids)
     if temperature and plan.mode == "diffusion":
         raise ValueError("a temperature applies to autoregressive and verified decoding; "
                          "diffusion takes --temp-min/--temp-max")
     if temperature and template is not None:
         raise ValueError("templates decode greedily; drop the temperature")
+    if grammar is not None:
+        check_closing_fits(grammar, config.vocab_size, max_tokens)
     if plan.mode == "verified":
         DraftSettings(plan.draft_length, plan.draft_steps, temperature).check(config.canvas_length)
     rng = MxRandom(args.seed) if args.rng is None else args.rng
@@ -175,17 +179,54 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
         check_template_fits(template, len(ids), config)
     text = answer_text(model, tokenizer, template)
     return PreparedRequest(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn,
-                           vision_inputs, planner, acceptance, temperature)
+                           vision_inputs, planner, acceptance, temperature, grammar)
 
 
-def _plan(model, defaults: GenerationConfig, args: GenerationArgs, template, max_tokens: int, overrides: dict,
+def _layout(model, tokenizer: Tokenizer, args: GenerationArgs, defaults: GenerationConfig
+            ) -> tuple[CanvasTemplate | None, Grammar | None]:
+    """The answer's canvas template, or its schema's grammar. A diffusion policy (reference, fast,
+    auto) lays a schema out as a canvas template where the template expresses it and fits the
+    ``max_tokens`` asked for; every other schema, and every schema under ar and verified, is
+    followed token by token by its grammar."""
+    limit = model.config.max_position_embeddings
+    if args.schema is None:
+        return as_template(tokenizer, args.template, limit=limit), None
+    if args.template is not None:
+        raise TemplateError("give a template or a schema, not both")
+    if args.policy in ("reference", "fast", "auto") and isinstance(args.schema, dict):
+        from .json_schema import json_template
+
+        try:
+            template = json_template(tokenizer, args.schema, limit=limit)
+        except TemplateError:
+            template = None  # a schema the canvas cannot lay out: its grammar
+        if template is not None and (args.max_tokens is None or len(template) + 1 <= args.max_tokens):
+            return template, None
+    stops = [_end_of_turn(tokenizer, defaults)] + [i for i in defaults.eos_token_id
+                                                   if i != _end_of_turn(tokenizer, defaults)]
+    return None, schema_grammar(tokenizer, args.schema, model.config.vocab_size, [i for i in stops if i is not None])
+
+
+def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
+    """A ``TemplateError`` when even the schema's closing path (grammar.py) takes more than ``max_tokens``."""
+    path = GrammarRule(grammar, vocab, max_tokens).path
+    if path is not None and len(path) > max_tokens:
+        raise TemplateError(f"the schema's shortest answer takes {len(path)} tokens, more than max_tokens "
+                            f"{max_tokens}; raise max_tokens")
+
+
+def _plan(model, defaults: GenerationConfig, args: GenerationArgs, layout, max_tokens: int, overrides: dict,
           ids: list[int]) -> tuple[AutoPlanner | None, object, Plan]:
-    """The request's auto planner (auto without a template: it re-plans at every canvas, block or
-    round), verified drafting's running acceptance estimate, and its first plan."""
+    """The request's auto planner (auto without a template or grammar: it re-plans at every canvas,
+    block or round), verified drafting's running acceptance estimate, and its first plan. Under a
+    grammar a diffusion policy drafts and verifies (verified drafting): the grammar decides each
+    token as the encoder verifies it."""
     policy, profile = args.policy, args.profile
+    if isinstance(layout, Grammar) and policy != "ar":
+        policy = "verified"
     if profile is None and (policy == "auto" or policy == "verified" and None in (args.draft_length, args.draft_steps)):
         profile = cached_profile(model)
-    if policy == "auto" and template is None:
+    if policy == "auto" and layout is None:
         planner = (AutoPlanner(defaults, model.config.canvas_length, profile, args.expected_steps)
                    if args.expected_steps else auto_planner(model, defaults, profile))
         planner.sampling = bool(args.sampling.temperature)  # a temperature is for ar and verified only
@@ -193,6 +234,9 @@ def _plan(model, defaults: GenerationConfig, args: GenerationArgs, template, max
     acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
     plan = make_plan(policy, defaults, model.config.canvas_length, max_tokens, profile, args.expected_steps,
                      DraftRequest(args.draft_length, args.draft_steps, acceptance))
+    if policy != args.policy:
+        plan = replace(plan, policy=args.policy, reasons=[f"{args.policy} with a schema the canvas template does not "
+                                                          "take: verified drafting under its grammar"] + plan.reasons)
     return None, acceptance, plan.overridden(overrides)
 
 

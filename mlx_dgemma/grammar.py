@@ -1,0 +1,295 @@
+"""Structured answers by grammar: a JSON schema, or any JSON value, compiled by llguidance (the grammar
+engine vLLM, SGLang and llama.cpp ship) into a matcher that says, token by token, which tokens may
+come next. ``GrammarRule`` decodes with it, greedy or sampled, one token at a time (the engine's
+autoregressive rows) or verifying a draft (drafting.verify_rounds): at each position the encoder's
+logits are masked to the tokens the grammar allows before the token is chosen, so verified output
+under a grammar is the autoregressive constrained output, token for token when greedy and in
+distribution when sampled. Tokens the grammar forces (a key, a bracket) go into drafts as known tokens.
+
+``max_tokens`` bounds a structured answer as any other, and the answer still ends valid: the rule
+keeps in hand a way to finish (the closing path: forced tokens, closing quotes and brackets, the
+shortest values) and takes it once the model's own next token would leave too little room for it.
+A budget shorter than the schema's closing path from the start is refused before any forward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+
+from .errors import TemplateError
+
+# Compact JSON, laid out as the templates lay it out ({"a": 1, "b": [2, 3]}): no free whitespace a
+# small model could loop in, and the separators the model saw in training.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CLOSING_CAP = 512  # tokens a closing path may take before it counts as endless
+MAX_SCHEMA_CHARS = 1 << 20  # a schema's JSON text (llguidance's own limits bound the grammar it builds)
+ANY_JSON: dict = {}  # the schema every JSON value validates against
+JSON_OBJECT = {"type": "object"}  # OpenAI's json_object: any object
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar (llguidance's serialized form) for one tokenizer; ``schema`` is what it came from."""
+
+    text: str
+    schema: object
+    tokenizer: llguidance.LLTokenizer
+
+    def matcher(self) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.tokenizer, self.text, log_level=0)
+
+
+def grammar_tokenizer(tokenizer, vocab: int, stop_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of ``tokenizer`` over the model's ``vocab`` ids, ending a grammar with the
+    first of ``stop_ids`` (cached on the tokenizer: building one reads the whole vocabulary)."""
+    key = (vocab, tuple(stop_ids))
+    cached = getattr(tokenizer, "_grammar_tokenizer", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    backend = getattr(tokenizer, "_backend", None)
+    if backend is None:
+        raise TemplateError("this checkpoint has no tokenizer files, so a schema cannot be enforced; "
+                            "add tokenizer.json or tokenizer.model")
+    if hasattr(backend, "_tok"):  # tokenizer.json: llguidance reads the tokenizers library's own format
+        built = llguidance.LLTokenizer(backend._tok.to_str(), n_vocab=vocab, eos_token=list(stop_ids))
+    else:
+        built = llguidance.LLTokenizer(_SentencePieceVocabulary(backend._sp, vocab, stop_ids[0]), n_vocab=vocab,
+                                       eos_token=list(stop_ids))
+    tokenizer._grammar_tokenizer = (key, built)
+    return built
+
+
+class _SentencePieceVocabulary:
+    """A sentencepiece model as llguidance's ``TokenizerWrapper`` reads one: each id's bytes (``▁`` a
+    space, ``<0xNN>`` its byte, a special token 0xFF and its name) and an encoder."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, sp, vocab: int, eos: int):
+        self._sp = sp
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.tokens, self.special_token_ids = [], []
+        for i in range(vocab):
+            piece = sp.id_to_piece(i) if i < sp.get_piece_size() else ""
+            if i < sp.get_piece_size() and sp.is_byte(i):
+                self.tokens.append(bytes([int(piece[3:5], 16)]))
+            elif i < sp.get_piece_size() and (sp.is_control(i) or sp.is_unknown(i)
+                                               or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2)):
+                self.tokens.append(b"\xff" + piece.encode())
+                self.special_token_ids.append(i)
+            else:
+                self.tokens.append(piece.replace("▁", " ").encode())
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return self._sp.encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+
+def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: str = "schema") -> Grammar:
+    """The grammar of the JSON values ``schema`` validates, or a ``TemplateError`` saying what in the
+    schema cannot be enforced. Keywords that only annotate (title, description, examples, vendor
+    keys) are ignored, as JSON Schema says."""
+    if not isinstance(schema, (dict, bool)):
+        raise TemplateError(f"a JSON schema is an object, got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise TemplateError(f"the {where} is not JSON ({e})") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise TemplateError(f"the {where} is {len(text)} characters of JSON, more than {MAX_SCHEMA_CHARS}; shorten it")
+    llt = grammar_tokenizer(tokenizer, vocab, stop_ids)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    except ValueError as e:
+        raise TemplateError(f"the {where} cannot be read: {_one_line(e)}") from None
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llt)
+    if failed:
+        raise TemplateError(f"the {where} cannot be enforced: {_one_line(messages[0])}")
+    return Grammar(grammar, schema, llt)
+
+
+def _one_line(message) -> str:
+    text = " ".join(str(message).split())
+    return text if len(text) <= 300 else text[:300] + "…"
+
+
+def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> np.ndarray:
+    """The [vocab] boolean mask of the tokens ``matcher`` allows next."""
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    return np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
+
+
+def masked_probs(logits: np.ndarray, allowed: np.ndarray, temperature: float) -> np.ndarray:
+    """softmax(logits / temperature) over the ``allowed`` tokens only (float64: the mass left after a
+    mask may be tiny)."""
+    scores = np.where(allowed, logits.astype(np.float64) / temperature, -np.inf)
+    scores -= scores.max()
+    probs = np.exp(scores)
+    return probs / probs.sum()
+
+
+def closing_scores(grammar: Grammar, vocab: int) -> np.ndarray:
+    """[vocab] preference of each token on a closing path: closing brackets and quotes up, a zero (a
+    number's shortest value, after which JSON allows no digit), opening brackets down (they start
+    more), separators a little down (an object's required keys need them, an array's ] beats them)."""
+    cached = _CLOSING_SCORES.get(id(grammar.tokenizer))
+    if cached is not None and cached[0] is grammar.tokenizer:
+        return cached[1]
+    weights = {ord("}"): 3.0, ord("]"): 3.0, ord('"'): 2.0, ord("0"): 1.0, ord("{"): -3.0, ord("["): -3.0,
+               ord(","): -1.0}
+    scores = np.full(vocab, -10.0)
+    for i in range(vocab):
+        if not grammar.tokenizer.is_special_token(i) and (text := grammar.tokenizer.decode_bytes([i])):
+            scores[i] = sum(weights.get(b, -0.1) for b in text)
+    _CLOSING_SCORES[id(grammar.tokenizer)] = (grammar.tokenizer, scores)
+    return scores
+
+
+_CLOSING_SCORES: dict[int, tuple] = {}
+
+
+def closing_path(matcher: llguidance.LLMatcher, scores: np.ndarray, eos: int,
+                 cap: int = CLOSING_CAP) -> list[int] | None:
+    """The tokens that take ``matcher`` (unchanged: a copy walks) to the grammar's end: forced ones,
+    the end as soon as it is allowed, else of the allowed tokens ``scores`` likes best the one after
+    which the fewest tokens are allowed (``_narrowest``). None when
+    the walk takes more than ``cap`` tokens."""
+    walker, path = matcher.deep_copy(), []
+    while not walker.is_stopped():
+        if len(path) >= cap:
+            return None
+        forced = walker.compute_ff_tokens()
+        if forced:
+            token = forced[0]
+        else:
+            allowed = allowed_tokens(walker, len(scores))
+            token = eos if allowed[eos] else _narrowest(walker, np.where(allowed, scores, -np.inf))
+        if not walker.consume_token(token):
+            return None
+        path.append(token)
+    return path
+
+
+def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, candidates: int = 6) -> int:
+    """Of the ``candidates`` best-scored tokens and the allowed punctuation (a comma that ends a
+    number), the one whose score is highest and after which ``matcher`` allows the fewest (in bits:
+    a quote that closes a string beats a bracket inside it)."""
+    best, best_key = -1, None
+    allowed_punctuation = np.nonzero((scores > -np.inf) & (np.abs(scores) >= 1) & (np.abs(scores) <= 3))[0]
+    ranked = np.argsort(-scores, kind="stable")[:candidates]
+    for token in dict.fromkeys([*ranked.tolist(), *allowed_punctuation[:candidates].tolist()]):
+        if scores[token] == -np.inf:
+            continue
+        after = matcher.deep_copy()
+        after.consume_token(int(token))
+        allowed = 0 if after.is_stopped() else int(allowed_tokens(after, len(scores)).sum())
+        key = np.log2(allowed + 1) - scores[token]
+        if best_key is None or key < best_key:
+            best, best_key = int(token), key
+    return best
+
+
+CLOSING_SLACK = 64  # tokens of room past twice the closing path at which the path is walked afresh each token
+CLOSING_REFRESH = 8  # tokens after which a stale closing path is walked afresh anyway
+
+
+class GrammarRule:
+    """Decoding under a grammar up to its end or ``max_tokens`` (the drafting.GreedyRule interface, and
+    ``step`` for one token at a time): greedy, or sampled at ``temperature`` through ``rng``. The
+    model's token is taken while the closing path after it fits the room left; otherwise the
+    closing path's next token is (so an answer that fits its budget at the start always ends valid)."""
+
+    def __init__(self, grammar: Grammar, vocab: int, max_tokens: int, temperature: float = 0.0, rng=None):
+        self.matcher = grammar.matcher()
+        if self.matcher.is_error():
+            raise TemplateError(f"the schema cannot be enforced: {_one_line(self.matcher.get_error())}")
+        self.vocab, self.max_tokens = vocab, max_tokens
+        self.temperature, self.rng = temperature, rng
+        self.eos = grammar.tokenizer.eos_token
+        self.scores = closing_scores(grammar, vocab)
+        self.path = closing_path(self.matcher, self.scores, self.eos)  # None: no end within CLOSING_CAP
+        self.path_age = 0  # tokens since the path was walked
+        self.output: list[int] = []
+        self.done = False
+
+    @property
+    def room(self) -> int:
+        return self.max_tokens - len(self.output)
+
+    def known(self, n: int) -> list[int]:
+        """The tokens the grammar forces next (a key, a bracket), at most ``n``."""
+        return [] if self.done else self.matcher.compute_ff_tokens()[:n]
+
+    def _emit(self, token: int) -> None:
+        self.output.append(token)
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        self.done = self.matcher.is_stopped() or len(self.output) >= self.max_tokens
+
+    def _guarded(self, token: int) -> int:
+        """``token``, or the closing path's next one where taking ``token`` would leave no room to close."""
+        if self.path is None:
+            return token
+        if self.path and token == self.path[0]:
+            self.path, self.path_age = self.path[1:], self.path_age + 1
+            return token
+        room_after = self.room - 1
+        if room_after > 2 * len(self.path) + CLOSING_SLACK and self.path_age < CLOSING_REFRESH:
+            self.path_age += 1  # room to spare: the path is walked again later
+            return token
+        after = self.matcher.deep_copy()
+        path = closing_path(after, self.scores, self.eos) if after.consume_token(token) else None
+        if path is not None and len(path) <= room_after:
+            self.path, self.path_age = path, 0
+            return token
+        token, self.path = self.path[0], self.path[1:]
+        return token
+
+    def _choose(self, logits: np.ndarray) -> int:
+        allowed = allowed_tokens(self.matcher, self.vocab)
+        if not self.temperature:
+            return int(np.where(allowed, logits, -np.inf).argmax())
+        probs = masked_probs(logits, allowed, self.temperature)
+        return int(self.rng.categorical(mx.array(probs[None], dtype=mx.float32))[0].item())
+
+    def step(self, logits: mx.array) -> int | None:
+        """The next token after ``logits`` [V] (None: the grammar is done)."""
+        if self.done:
+            return None
+        token = self._guarded(self._choose(np.array(logits.reshape(-1).astype(mx.float32))))
+        self._emit(token)
+        return token
+
+    def follow(self, logits: mx.array, proposed: list[int], q: mx.array | None = None) -> tuple[int, int | None]:
+        """As ``GreedyRule.follow``, each row's logits masked by the grammar after the tokens kept so
+        far. Sampled, a proposal drawn from ``q`` is kept with probability min(1, p/q) and a rejection
+        draws from max(0, p − q) normalised, p the masked target: the output is distributed as
+        constrained autoregressive sampling."""
+        rows = np.array(logits.astype(mx.float32))
+        qs = None if q is None else np.array(q.astype(mx.float32))
+        for j in range(rows.shape[0]):
+            if self.done:
+                return j, None
+            proposal = proposed[j] if j < len(proposed) else None
+            token = self._guarded(self._decide(rows[j], proposal, None if qs is None or proposal is None else qs[j]))
+            self._emit(token)
+            if self.done:
+                return j + (token == proposal), None
+            if token != proposal:
+                return j, token
+        raise AssertionError("more proposals than rows")
+
+    def _decide(self, logits: np.ndarray, proposal: int | None, q: np.ndarray | None) -> int:
+        if not self.temperature or q is None:
+            return self._choose(logits)
+        p = masked_probs(logits, allowed_tokens(self.matcher, self.vocab), self.temperature)
+        keep = min(1.0, p[proposal] / max(float(q[proposal]), 1e-30))
+        if self.rng.categorical(mx.array([[1 - keep, keep]], dtype=mx.float32))[0].item():
+            return proposal
+        residual = np.maximum(p - q, 0.0)
+        draw = residual / residual.sum() if residual.sum() > 1e-12 else p
+        return int(self.rng.categorical(mx.array(draw[None], dtype=mx.float32))[0].item())
