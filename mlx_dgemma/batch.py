@@ -60,6 +60,7 @@ class BatchRequest:
     temp_max: float | None = None
     template: CanvasTemplate | None = None
     temperature: float | None = None  # ar and verified sampling (0 or None: greedy)
+    schema: object = None  # a JSON schema the answer follows (GenerationArgs.schema)
     # One row (model.make_cache()) already holding prompt_ids[:cache.offset], a prefix kept by a
     # server's prompt cache: only the rest of the prompt is encoded.
     cache: object = None
@@ -200,7 +201,7 @@ class BatchGenerator:
         sampling = SamplingArgs(request.steps, temp_min=request.temp_min, temp_max=request.temp_max,
                                 temperature=request.temperature)
         args = GenerationArgs(request.max_tokens, request.seed, policy=request.policy, template=request.template,
-                              sampling=sampling)
+                              schema=request.schema, sampling=sampling)
         return self.insert_prepared(prepare(self.model, self.tokenizer, list(request.prompt_ids), args),
                                     request.cache, request.on_prefilled)
 
@@ -541,6 +542,10 @@ class BatchGenerator:
             self._enter(row)
 
     def _stopped(self, row: _Row, tokens: list[int]) -> bool:
+        """Whether the row's answer ended by itself: a template's layout is whole, a grammar reached
+        its end, or the last token is a stop id."""
+        if row.job.grammar is not None and row.rule is not None and row.rule.finished:
+            return True
         return row.job.template is not None or bool(tokens) and tokens[-1] in row.job.stop_ids
 
 

@@ -38,6 +38,7 @@ from .request import (  # noqa: E402
     prefill,
     prepare,
     prompt_ids,
+    schema_template,
 )
 from .template import TemplateError, parse_template  # noqa: E402
 from .validate import (  # noqa: E402
@@ -197,11 +198,16 @@ def _generate_cli(flags: dict, group, watchdog):
     defaults = generation_config(dgemma, tokenizer)
     check_step_counts(defaults, flags["steps"], flags["draft_steps"], ("--steps", "--draft-steps"))  # before a draft
     args = generation_args(flags, images)
-    template = _read_template(tokenizer, flags["template_file"], flags["schema_file"],
-                              dgemma.config.max_position_embeddings)
-    if flags["schema_file"]:  # a schema: holes sized by a free draft first
-        draft = replace(args, draft_length=None, draft_steps=None, sampling=replace(args.sampling, temperature=None))
-        template = drafted_json_template(dgemma, tokenizer, prompt, template, **draft.kwargs())
+    limit = dgemma.config.max_position_embeddings
+    template = _read_template(tokenizer, flags["template_file"], flags["schema_file"], limit)
+    if flags["schema_file"]:  # a schema: its canvas template, holes sized by a free draft first, or its grammar
+        schema, template = template, None
+        if schema_template(tokenizer, schema, args.policy, limit, flags["max_tokens"]) is None:
+            args = replace(args, schema=schema)
+        else:
+            draft = replace(args, draft_length=None, draft_steps=None, sampling=replace(args.sampling, temperature=None))
+            options = {k: v for k, v in draft.kwargs().items() if k != "schema"}
+            template = drafted_json_template(dgemma, tokenizer, prompt, schema, **options)
     canvas_view = TerminalView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
     args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
     responses = []

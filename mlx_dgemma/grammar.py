@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import TemplateError
+from .json_schema import MAX_CHOICES
 
 # Compact JSON, laid out as the templates lay it out ({"a": 1, "b": [2, 3]}): no free whitespace a
 # small model could loop in, and the separators the model saw in training.
@@ -101,6 +102,7 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
         raise TemplateError(f"the {where} is not JSON ({e})") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise TemplateError(f"the {where} is {len(text)} characters of JSON, more than {MAX_SCHEMA_CHARS}; shorten it")
+    _check_enums(schema)
     llt = grammar_tokenizer(tokenizer, vocab, stop_ids)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
@@ -110,6 +112,22 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
     if failed:
         raise TemplateError(f"the {where} cannot be enforced: {_one_line(messages[0])}")
     return Grammar(grammar, schema, llt)
+
+
+def _check_enums(schema) -> None:
+    """Refuse an enum of more than ``MAX_CHOICES`` values before compiling it (a grammar of 100,000
+    choices takes seconds to build)."""
+    stack = [(schema, "$")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            values = node.get("enum")
+            if isinstance(values, list) and len(values) > MAX_CHOICES:
+                raise TemplateError(f"enum at {path} has {len(values)} values, more than the {MAX_CHOICES} a schema "
+                                    "takes; use a pattern or fewer values")
+            stack.extend((v, f"{path}.{k}") for k, v in node.items() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node) if isinstance(v, (dict, list)))
 
 
 def _one_line(message) -> str:
@@ -219,6 +237,11 @@ class GrammarRule:
     @property
     def room(self) -> int:
         return self.max_tokens - len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the grammar reached its end (its answer is whole)."""
+        return self.matcher.is_stopped()
 
     def known(self, n: int) -> list[int]:
         """The tokens the grammar forces next (a key, a bracket), at most ``n``."""

@@ -184,27 +184,43 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
 
 def _layout(model, tokenizer: Tokenizer, args: GenerationArgs, defaults: GenerationConfig
             ) -> tuple[CanvasTemplate | None, Grammar | None]:
-    """The answer's canvas template, or its schema's grammar. A diffusion policy (reference, fast,
-    auto) lays a schema out as a canvas template where the template expresses it and fits the
-    ``max_tokens`` asked for; every other schema, and every schema under ar and verified, is
-    followed token by token by its grammar."""
+    """The answer's canvas template, or its schema's grammar (``schema_template`` says which)."""
     limit = model.config.max_position_embeddings
     if args.schema is None:
         return as_template(tokenizer, args.template, limit=limit), None
     if args.template is not None:
         raise TemplateError("give a template or a schema, not both")
-    if args.policy in ("reference", "fast", "auto") and isinstance(args.schema, dict):
-        from .json_schema import json_template
+    template = schema_template(tokenizer, args.schema, args.policy, limit, args.max_tokens)
+    if template is not None:
+        return template, None
+    return None, schema_grammar(tokenizer, args.schema, model.config.vocab_size, grammar_stop_ids(tokenizer, defaults))
 
-        try:
-            template = json_template(tokenizer, args.schema, limit=limit)
-        except TemplateError:
-            template = None  # a schema the canvas cannot lay out: its grammar
-        if template is not None and (args.max_tokens is None or len(template) + 1 <= args.max_tokens):
-            return template, None
-    stops = [_end_of_turn(tokenizer, defaults)] + [i for i in defaults.eos_token_id
-                                                   if i != _end_of_turn(tokenizer, defaults)]
-    return None, schema_grammar(tokenizer, args.schema, model.config.vocab_size, [i for i in stops if i is not None])
+
+DIFFUSION_POLICIES = ("reference", "fast", "auto")  # those that lay a schema out as a canvas template where they can
+
+
+def schema_template(tokenizer, schema, policy: str, limit: int, max_tokens: int | None = None
+                    ) -> CanvasTemplate | None:
+    """The canvas template of ``schema`` where a diffusion policy (reference, fast, auto) lays it out
+    as one: the template expresses the schema (json_schema.py) and fits ``max_tokens``. None where the
+    answer follows the schema's grammar instead: every other schema, and every schema under ar and
+    verified (grammar.py)."""
+    from .json_schema import json_template
+
+    if policy not in DIFFUSION_POLICIES or not isinstance(schema, dict):
+        return None
+    try:
+        template = json_template(tokenizer, schema, limit=limit)
+    except TemplateError:
+        return None
+    return template if max_tokens is None or len(template) + 1 <= max_tokens else None
+
+
+def grammar_stop_ids(tokenizer, defaults: GenerationConfig) -> list[int]:
+    """The ids that end a grammar's answer: the end of turn first (what the model writes after an
+    answer), then the checkpoint's other stop ids."""
+    end = _end_of_turn(tokenizer, defaults)
+    return ([end] if end is not None else []) + [i for i in defaults.eos_token_id if i != end]
 
 
 def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:

@@ -150,12 +150,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     return "".join(content), calls
 
 
-def forced_call_template(tokenizer, tool: dict, limit: int | None = None) -> CanvasTemplate:
-    """A canvas template of one call of ``tool`` (an OpenAI tool: ``{"type": "function", "function":
-    {"name", "parameters"}}``): the call's frame and the keys of its parameter schema clamped, the
-    values holes (``limit``, the model's context, bounds them as in ``json_template``). Its ``render``
-    gives the arguments. The arguments are laid out as JSON (the template module's), which
-    ``parse_tool_calls`` reads as well as Gemma's own syntax."""
+def check_tool(tool: dict) -> None:
+    """A ``TemplateError`` unless ``tool`` is an OpenAI tool with a usable name and a schema (or none)."""
     function = tool.get("function") if isinstance(tool, dict) else None
     parameters = function.get("parameters") if isinstance(function, dict) else None
     if not isinstance(function, dict) or not isinstance(parameters, (dict, type(None))):
@@ -163,12 +159,24 @@ def forced_call_template(tokenizer, tool: dict, limit: int | None = None) -> Can
     name = function.get("name")
     if not isinstance(name, str) or not _KEY.fullmatch(name):
         raise TemplateError(f"tool name {name!r} must be letters, digits, '_', '.' or '-'")
+
+
+def forced_call_template(tokenizer, tool: dict, limit: int | None = None, draft: Any = None) -> CanvasTemplate:
+    """A canvas template of one call of ``tool`` (an OpenAI tool: ``{"type": "function", "function":
+    {"name", "parameters"}}``): the call's frame and the keys of its parameter schema clamped, the
+    values holes (``limit``, the model's context, bounds them as in ``json_template``; ``draft``, the
+    arguments of a free draft, sizes them). Its ``render`` gives the arguments. The arguments are
+    laid out as JSON (the template module's), which ``parse_tool_calls`` reads as well as Gemma's own syntax."""
+    check_tool(tool)
+    name, parameters = tool["function"]["name"], tool["function"].get("parameters")
     parameters = parameters or {"type": "object", "properties": {}}
     if parameters.get("type") == "object" and not parameters.get("properties"):
         check_required(parameters)
         arguments = CanvasTemplate(tokenizer.encode("{}", add_special_tokens=False), [], render=lambda values: {})
-    else:
+    elif draft is None:
         arguments = json_template(tokenizer, parameters, limit=limit)
+    else:
+        arguments = json_template(tokenizer, parameters, draft=draft, limit=limit)
     head = tokenizer.encode(f"{CALL_OPEN}call:{name}", add_special_tokens=False)
     tail = tokenizer.encode(CALL_CLOSE, add_special_tokens=False)
     holes = [(start + len(head), hole) for start, hole in arguments.holes]

@@ -14,7 +14,6 @@ import pytest
 from mlx_dgemma import generate, json_template, load
 from mlx_dgemma.demo.tasks import json_schema
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.server.app import JSON_OBJECT_FALLBACK
 from mlx_dgemma.template import FREE, canvas_clamps
 from mlx_dgemma.tool_calls import forced_call_template
 
@@ -39,7 +38,6 @@ USED = {
     "test_template": SCHEMA,
     "example": _example_schema(),
     "server-person": PERSON,
-    "server-json-object": JSON_OBJECT_FALLBACK,
     "hole-values": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}},
     "fractions": {"type": "object", "properties": {"p": {"type": "number", "minimum": 0.2, "maximum": 0.8}}},
     "integer": {"type": "integer"},

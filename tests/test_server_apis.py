@@ -112,7 +112,7 @@ def test_ollama_format_schema_and_json(ollama_client):
     for text in ("json: name=bo age=7", "sort: 5 3 9"):
         jsonschema.validate(json.loads(ollama_chat(ollama_client, text, seed=2, format=PERSON).message.content),
                             PERSON)
-        assert isinstance(json.loads(ollama_chat(ollama_client, text, seed=2, format="json").message.content), dict)
+        json.loads(ollama_chat(ollama_client, text, seed=2, format="json").message.content)  # any JSON value
 
 
 def test_ollama_takes_an_editors_stop_strings(ollama_client):
@@ -137,7 +137,7 @@ def test_ollama_errors(ollama_client):
         ({"options": {"num_predict": 0}}, 400, "options.num_predict must be at least 1, got 0"),
         ({"options": {"temperature": 5}}, 400, "options.temperature must be between 0 and 2, got 5"),
         ({"options": {"stop": ["x"] * 17}}, 400, "options.stop must be a non-empty string or a list of at most 16"),
-        ({"format": {"type": "string", "pattern": "[a-z]+"}}, 400, "'pattern'"),
+        ({"format": {"type": "string", "not": {"pattern": "[a-z]+"}}}, 400, '"not"'),
         ({"messages": user("sort: 1 2 " * (CONTEXT // 8))}, 400, "does not fit the model's context"),
     ]:
         with pytest.raises(ollama.ResponseError) as caught:
@@ -206,8 +206,8 @@ def test_responses_errors(openai_client):
     for kwargs, error, param, message in [
         ({"model": "gpt-4o"}, openai.NotFoundError, "model", "does not exist"),
         ({"max_output_tokens": 0}, openai.BadRequestError, "max_output_tokens", "max_output_tokens must be at least 1"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "a"}}}},
-         openai.BadRequestError, "text.format", "'pattern'"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "not": {"const": "a"}}}}},
+         openai.BadRequestError, "text.format", '"not"'),
         ({"previous_response_id": "resp_1"}, openai.BadRequestError, "previous_response_id", "stores no responses"),
         ({"tools": [{"type": "web_search"}]}, openai.BadRequestError, "tools", "each tool must be"),
         ({"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "input_file"}]}]},

@@ -214,9 +214,9 @@ def test_cli_template_and_schema_files(tmp_path):
     assert result.exit_code == 1 and "is not JSON" in result.output and len(result.output.strip().split("\n")) == 1
 
 
-def test_cli_schema_builds_its_template_twice(tmp_path, monkeypatch):
-    """--schema: one template to check the schema before the free draft, one sized by the draft; a bad
-    schema fails before any generation."""
+def test_cli_schema_checks_its_template_before_the_draft(tmp_path, monkeypatch):
+    """--schema: the template that says the canvas takes the schema, drafted_json_template's check,
+    then the one sized by the draft; a bad schema fails before any generation."""
     from mlx_dgemma import api, json_schema
 
     built, real = [], json_schema.json_template
@@ -225,7 +225,7 @@ def test_cli_schema_builds_its_template_twice(tmp_path, monkeypatch):
     schema.write_text(json.dumps(SCHEMA))
     result = CliRunner().invoke(main, ["--prompt", "json: name=ada", "--schema", str(schema), "--seed", "0"])
     assert result.exit_code == 0, result.output
-    assert built == [False, True]  # the check, then the drafted template
+    assert built == [False, False, True]  # the checks, then the drafted template
     monkeypatch.setattr(api, "generate", lambda *a, **k: pytest.fail("a bad schema reached the draft"))
     schema.write_text("[1, 2]")
     result = CliRunner().invoke(main, ["--prompt", "x", "--schema", str(schema)])

@@ -29,12 +29,21 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import validate
 from ..batch import BatchRequest
+from ..grammar import JSON_OBJECT, Grammar, schema_grammar
 from ..images import ImageError, decode_image, image_inputs, open_image_url
 from ..json_schema import json_template
 from ..policy import POLICIES
-from ..request import PromptError, check_prompt_fits, check_template_fits, generation_config
+from ..request import (
+    PromptError,
+    check_closing_fits,
+    check_prompt_fits,
+    check_template_fits,
+    generation_config,
+    grammar_stop_ids,
+    schema_template,
+)
 from ..template import TemplateError, infill_template, parse_template
-from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
+from ..tool_calls import CALL_OPEN, check_tool, forced_call_template, parse_tool_calls
 from ..vision import has_vision
 from . import request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
@@ -51,8 +60,6 @@ UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "bes
                "presence_penalty": 0, "frequency_penalty": 0, "top_p": 1, "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "reasoning_effort": None, "web_search_options": None}
-# A json_object reply whose free draft is not a JSON object: the draft's answer under one key.
-JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64}}}
 
 
 @dataclass(frozen=True)
@@ -185,8 +192,15 @@ class Server:
         job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs,
                   prompt_param="messages" if chat else "prompt")
         if suffix is None:
-            self._layout(job, body, forced)
-            request.max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens)
+            grammar = self._layout(job, body, forced, max_tokens)
+            request.max_tokens = self._fit(request.prompt_ids, max_tokens, max_key, cap_max_tokens)
+            if grammar is not None or request.template is not None or job.redraft is not None:
+                job.stop = []  # stop strings are for free text: they never cut a structured answer
+            if grammar is not None:
+                try:
+                    check_closing_fits(grammar, self.model.config.vocab_size, request.max_tokens)
+                except TemplateError as e:
+                    raise BadRequest(str(e), param=max_key) from None
         else:
             self._infill(job, body, suffix, max_tokens, cap_max_tokens)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
@@ -330,46 +344,73 @@ class Server:
             raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
         return ids
 
-    def _layout(self, job: Job, body: dict, forced: dict | None) -> None:
-        """The job's template or draft-then-template, from ``template``, ``response_format`` or a forced call."""
+    def _layout(self, job: Job, body: dict, forced: dict | None, max_tokens: int | None) -> Grammar | None:
+        """The job's template, draft-then-template or schema, from ``template``, ``response_format`` or a
+        forced call; returns the schema's grammar where the answer follows one (its closing path is
+        checked against max_tokens once that is settled)."""
         text = _get(body, "template", str, None)
         response_format = _get(body, "response_format", dict, None) or {"type": "text"}
         kind = response_format.get("type")
         if sum(x is not None for x in (text, forced, None if kind == "text" else kind)) > 1:
             raise BadRequest("give one of template, response_format and a forced tool call", param="response_format")
-        tokenizer, limit = self.tokenizer, self.context  # a template past the context is refused as it is built
+        if kind not in ("text", "json_object", "json_schema"):
+            raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                             param="response_format")
         param = "template" if text is not None else "tools" if forced is not None else "response_format"
         job.template_param = param
-        largest = None
         try:
             if text is not None:
                 self._check_length(len(text), "the template", "template")
-                largest = job.request.template = parse_template(tokenizer, text, limit)
+                job.request.template = self._fits(job, parse_template(self.tokenizer, text, self.context), param)
             elif forced is not None:
-                largest = job.request.template = forced_call_template(tokenizer, forced, limit)
+                check_tool(forced)
+                schema = forced["function"].get("parameters") or {"type": "object", "properties": {}}
+                self._check_length(sum(map(len, _strings(schema))), "the tool's parameters", "tools")
+                return self._structured(job, schema, max_tokens, forced)
             elif kind == "json_schema":
                 spec = response_format.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
-                if not isinstance(schema, dict):
+                if not isinstance(schema, (dict, bool)):
                     raise BadRequest("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
                                      "\"schema\": {...}}}", param="response_format")
                 self._check_length(sum(map(len, _strings(schema))), "the schema's text", "response_format")
-                # A schema the templates cannot express fails here; a draft sizes the holes at most this long.
-                largest = json_template(tokenizer, schema, limit=limit)
-                job.redraft = lambda draft: json_template(tokenizer, schema, draft=_json_or_none(draft), limit=limit)
+                return self._structured(job, schema, max_tokens)
             elif kind == "json_object":
-                job.redraft = lambda draft: (None if isinstance(_json_or_none(draft), dict)
-                                             else json_template(tokenizer, JSON_OBJECT_FALLBACK, limit=limit))
-            elif kind != "text":
-                raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                                 param="response_format")
+                return self._structured(job, JSON_OBJECT, max_tokens)
         except TemplateError as e:
             raise BadRequest(str(e), param=param) from None
+        return None
+
+    def _structured(self, job: Job, schema, max_tokens: int | None, forced: dict | None = None) -> Grammar | None:
+        """A JSON answer of ``schema`` (a forced call's arguments): under a diffusion policy the canvas
+        template, holes sized by a free draft, where the template expresses the schema and fits
+        ``max_tokens``; otherwise the schema's grammar (a forced call's head goes at the end of the
+        prompt, so the model writes the arguments after it)."""
+        tokenizer, limit = self.tokenizer, self.context
+        largest = schema_template(tokenizer, schema, job.request.policy, limit, max_tokens)
         if largest is not None:
-            try:
-                check_template_fits(largest, len(job.request.prompt_ids), self.model.config)
-            except TemplateError as e:
-                raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
+            if forced is not None:
+                largest = forced_call_template(tokenizer, forced, limit)
+                job.redraft = lambda draft: forced_call_template(tokenizer, forced, limit, _arguments_or_none(draft))
+            else:
+                job.redraft = lambda draft: json_template(tokenizer, schema, draft=_json_or_none(draft), limit=limit)
+            self._fits(job, largest, job.template_param)
+            return None
+        grammar = schema_grammar(tokenizer, schema, self.model.config.vocab_size, grammar_stop_ids(
+            tokenizer, self.defaults))
+        job.request.schema = schema
+        if forced is not None:
+            job.request.prompt_ids = job.request.prompt_ids + tokenizer.encode(
+                f"{CALL_OPEN}call:{forced['function']['name']}", add_special_tokens=False)
+        return grammar
+
+    def _fits(self, job: Job, template, param: str):
+        """``template``, when its canvases (the largest a draft may size it to) fit after the prompt."""
+        try:
+            check_template_fits(template, len(job.request.prompt_ids), self.model.config)
+        except TemplateError as e:
+            raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
+        return template
 
     def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None, cap: bool = False) -> None:
         """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default, or with
@@ -536,6 +577,15 @@ def _check_text(body: dict) -> None:
                 name = key if key.isascii() else None
                 raise BadRequest(f"{name or 'a key'} holds text that is not valid Unicode (a lone surrogate such "
                                  "as \\ud800); send UTF-8 text", param=name) from None
+
+
+def _arguments_or_none(text: str):
+    """A free draft's arguments for a forced call: its first tool call's, or its JSON object."""
+    try:
+        _, calls = parse_tool_calls(text)
+    except ValueError:
+        calls = []
+    return calls[0].arguments if calls else _json_or_none(text)
 
 
 def _json_or_none(text: str):

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..grammar import ANY_JSON
 from ..vision import has_vision
 from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
 from .app import Server
@@ -146,8 +147,8 @@ def model_name(server: Server, name):
 def _response_format(value) -> dict | None:
     if value in (None, ""):
         return None
-    if value == "json":
-        return {"type": "json_object"}
+    if value == "json":  # any JSON value
+        return {"type": "json_schema", "json_schema": {"name": "json", "schema": ANY_JSON}}
     if isinstance(value, dict):
         return {"type": "json_schema", "json_schema": {"name": "format", "schema": value}}
     raise BadRequest(f'format must be "json" or a JSON schema, got {json.dumps(value)[:40]}', param="format")
