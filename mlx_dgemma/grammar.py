@@ -15,6 +15,7 @@ A budget shorter than the schema's closing path from the start is refused before
 from __future__ import annotations
 
 import json
+import string
 from dataclasses import dataclass
 
 import llguidance
@@ -22,13 +23,14 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import TemplateError
-from .json_schema import MAX_CHOICES
+from .schema_rewrite import rewrite
 
 # Compact JSON, laid out as the templates lay it out ({"a": 1, "b": [2, 3]}): no free whitespace a
 # small model could loop in, and the separators the model saw in training.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CLOSING_CAP = 512  # tokens a closing path may take before it counts as endless
-MAX_SCHEMA_CHARS = 1 << 20  # a schema's JSON text (llguidance's own limits bound the grammar it builds)
+MAX_SCHEMA_CHARS = 1 << 20
+MAX_CHOICES = 10_000  # values of one enum (llguidance builds 100,000 in seconds)  # a schema's JSON text (llguidance's own limits bound the grammar it builds)
 ANY_JSON: dict = {}  # the schema every JSON value validates against
 JSON_OBJECT = {"type": "object"}  # OpenAI's json_object: any object
 
@@ -91,13 +93,13 @@ class _SentencePieceVocabulary:
 
 
 def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: str = "schema") -> Grammar:
-    """The grammar of the JSON values ``schema`` validates, or a ``TemplateError`` saying what in the
-    schema cannot be enforced. Keywords that only annotate (title, description, examples, vendor
-    keys) are ignored, as JSON Schema says."""
+    """The grammar of the JSON values ``schema`` validates (rewritten first: schema_rewrite.py), or a
+    ``TemplateError`` saying what in the schema cannot be enforced. Keywords that only annotate
+    (title, description, examples, vendor keys) are ignored, as JSON Schema says."""
     if not isinstance(schema, (dict, bool)):
         raise TemplateError(f"a JSON schema is an object, got {type(schema).__name__}")
     try:
-        text = json.dumps(schema, allow_nan=False)
+        text = json.dumps(rewrite(schema), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise TemplateError(f"the {where} is not JSON ({e})") from None
     if len(text) > MAX_SCHEMA_CHARS:
@@ -115,8 +117,7 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
 
 
 def _check_enums(schema) -> None:
-    """Refuse an enum of more than ``MAX_CHOICES`` values before compiling it (a grammar of 100,000
-    choices takes seconds to build)."""
+    """Refuse an enum of more than ``MAX_CHOICES`` values before compiling it."""
     stack = [(schema, "$")]
     while stack:
         node, path = stack.pop()
@@ -150,33 +151,46 @@ def masked_probs(logits: np.ndarray, allowed: np.ndarray, temperature: float) ->
     return probs / probs.sum()
 
 
-def closing_scores(grammar: Grammar, vocab: int) -> np.ndarray:
-    """[vocab] preference of each token on a closing path: closing brackets and quotes up, a zero (a
-    number's shortest value, after which JSON allows no digit), opening brackets down (they start
-    more), separators a little down (an object's required keys need them, an array's ] beats them)."""
-    cached = _CLOSING_SCORES.get(id(grammar.tokenizer))
-    if cached is not None and cached[0] is grammar.tokenizer:
+@dataclass(frozen=True)
+class ClosingTable:
+    """Per token of a vocabulary, what a closing path goes by: ``scores`` (closing brackets and quotes
+    up, a zero, a number's shortest value after which JSON allows no digit, up; opening brackets
+    down, they start more; separators a little down: an object's required keys need them, an
+    array's ] beats them) and ``marks``, the ids of single ASCII punctuation characters."""
+
+    scores: np.ndarray
+    marks: np.ndarray
+
+
+_CLOSING_TABLES: dict[int, tuple] = {}
+
+
+def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
+    """The ``ClosingTable`` of ``grammar``'s tokenizer (built once per tokenizer)."""
+    cached = _CLOSING_TABLES.get(id(grammar.tokenizer))
+    if cached is not None and cached[0] is grammar.tokenizer and len(cached[1].scores) == vocab:
         return cached[1]
     weights = {ord("}"): 3.0, ord("]"): 3.0, ord('"'): 2.0, ord("0"): 1.0, ord("{"): -3.0, ord("["): -3.0,
                ord(","): -1.0}
-    scores = np.full(vocab, -10.0)
+    scores, marks = np.full(vocab, -10.0), []
     for i in range(vocab):
-        if not grammar.tokenizer.is_special_token(i) and (text := grammar.tokenizer.decode_bytes([i])):
-            scores[i] = sum(weights.get(b, -0.1) for b in text)
-    _CLOSING_SCORES[id(grammar.tokenizer)] = (grammar.tokenizer, scores)
-    return scores
+        if grammar.tokenizer.is_special_token(i) or not (text := grammar.tokenizer.decode_bytes([i])):
+            continue
+        scores[i] = sum(weights.get(b, -0.1) for b in text)
+        if len(text) == 1 and chr(text[0]) in string.punctuation:
+            marks.append(i)
+    table = ClosingTable(scores, np.array(marks, dtype=np.int64))
+    _CLOSING_TABLES[id(grammar.tokenizer)] = (grammar.tokenizer, table)
+    return table
 
 
-_CLOSING_SCORES: dict[int, tuple] = {}
-
-
-def closing_path(matcher: llguidance.LLMatcher, scores: np.ndarray, eos: int,
+def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int,
                  cap: int = CLOSING_CAP) -> list[int] | None:
     """The tokens that take ``matcher`` (unchanged: a copy walks) to the grammar's end: forced ones,
-    the end as soon as it is allowed, else of the allowed tokens ``scores`` likes best the one after
-    which the fewest tokens are allowed (``_narrowest``). None when
+    the end as soon as it is allowed, else ``_narrowest``'s pick, each token the walk has taken
+    scoring a point less each time (a walk that repeats itself tries the other ways out). None when
     the walk takes more than ``cap`` tokens."""
-    walker, path = matcher.deep_copy(), []
+    walker, path, used = matcher.deep_copy(), [], np.zeros(len(table.scores))
     while not walker.is_stopped():
         if len(path) >= cap:
             return None
@@ -184,28 +198,34 @@ def closing_path(matcher: llguidance.LLMatcher, scores: np.ndarray, eos: int,
         if forced:
             token = forced[0]
         else:
-            allowed = allowed_tokens(walker, len(scores))
-            token = eos if allowed[eos] else _narrowest(walker, np.where(allowed, scores, -np.inf))
+            allowed = allowed_tokens(walker, len(table.scores))
+            token = eos if allowed[eos] else _narrowest(walker, np.where(allowed, table.scores - used, -np.inf),
+                                                        table)
         if not walker.consume_token(token):
             return None
         path.append(token)
+        used[token] += 1
     return path
 
 
-def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, candidates: int = 6) -> int:
-    """Of the ``candidates`` best-scored tokens and the allowed punctuation (a comma that ends a
-    number), the one whose score is highest and after which ``matcher`` allows the fewest (in bits:
-    a quote that closes a string beats a bracket inside it)."""
+def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, candidates: int = 6) -> int:
+    """Of the ``candidates`` best-scored tokens and the allowed punctuation marks (a comma that ends
+    a number, the @ of an email), the one whose score is highest, after which a string can end, and
+    after which ``matcher`` allows the fewest (in bits: a quote that closes a string beats a bracket
+    inside it)."""
     best, best_key = -1, None
-    allowed_punctuation = np.nonzero((scores > -np.inf) & (np.abs(scores) >= 1) & (np.abs(scores) <= 3))[0]
     ranked = np.argsort(-scores, kind="stable")[:candidates]
-    for token in dict.fromkeys([*ranked.tolist(), *allowed_punctuation[:candidates].tolist()]):
+    quotes = table.scores == 2  # a lone quote: a string's end
+    for token in dict.fromkeys([*ranked.tolist(), *table.marks[scores[table.marks] > -np.inf].tolist()]):
         if scores[token] == -np.inf:
             continue
         after = matcher.deep_copy()
         after.consume_token(int(token))
-        allowed = 0 if after.is_stopped() else int(allowed_tokens(after, len(scores)).sum())
-        key = np.log2(allowed + 1) - scores[token]
+        if after.is_stopped():
+            return int(token)
+        allowed = allowed_tokens(after, len(scores))
+        closes = bool((allowed & quotes).any())  # the string can end next
+        key = np.log2(allowed.sum() + 1) - scores[token] - 2 * closes
         if best_key is None or key < best_key:
             best, best_key = int(token), key
     return best
@@ -228,8 +248,8 @@ class GrammarRule:
         self.vocab, self.max_tokens = vocab, max_tokens
         self.temperature, self.rng = temperature, rng
         self.eos = grammar.tokenizer.eos_token
-        self.scores = closing_scores(grammar, vocab)
-        self.path = closing_path(self.matcher, self.scores, self.eos)  # None: no end within CLOSING_CAP
+        self.table = closing_table(grammar, vocab)
+        self.path = closing_path(self.matcher, self.table, self.eos)  # None: no end within CLOSING_CAP
         self.path_age = 0  # tokens since the path was walked
         self.output: list[int] = []
         self.done = False
@@ -265,7 +285,7 @@ class GrammarRule:
             self.path_age += 1  # room to spare: the path is walked again later
             return token
         after = self.matcher.deep_copy()
-        path = closing_path(after, self.scores, self.eos) if after.consume_token(token) else None
+        path = closing_path(after, self.table, self.eos) if after.consume_token(token) else None
         if path is not None and len(path) <= room_after:
             self.path, self.path_age = path, 0
             return token

@@ -1,0 +1,179 @@
+"""Schemas as people write them, answered by their grammar (grammar.py): every answer validates, formats
+checked, whatever the model writes (the demo, or random logits: what a worse model could write), within
+any max_tokens the closing path fits; verified drafting under a grammar is constrained AR token for
+token; everyday pydantic models under every policy."""
+
+import datetime
+import enum
+import json
+import uuid
+from typing import Optional, Union
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pydantic
+import pytest
+
+from mlx_dgemma import batch_generate, generate, load, stream_generate
+from mlx_dgemma.errors import TemplateError
+from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma.grammar import ANY_JSON, GrammarRule, schema_grammar
+from mlx_dgemma.request import generation_config, grammar_stop_ids
+
+POLICIES = ["reference", "fast", "ar", "verified", "auto"]
+# Schemas the canvas template cannot lay out, one feature each (and annotations it ignores).
+SCHEMAS = {
+    "refs": {"$defs": {"node": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["v", "kids"]}}, "$ref": "#/$defs/node"},
+    "definitions": {"definitions": {"n": {"type": "integer", "minimum": 3}}, "type": "object",
+                    "properties": {"x": {"$ref": "#/definitions/n"}}, "required": ["x"]},
+    "unbounded": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}},
+                                                   "note": {"type": "string"}}, "required": ["tags", "note"]},
+    "nullable": {"type": "object", "properties": {"a": {"type": ["integer", "null"]}, "b": {"anyOf": [
+        {"type": "string", "maxLength": 3}, {"type": "null"}]}}, "required": ["a", "b"]},
+    "combinators": {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+                              {"properties": {"b": {"oneOf": [{"type": "boolean"}, {"type": "integer"}]}},
+                               "required": ["b"]}]},
+    "formats": {"type": "object", "required": ["date", "time", "date-time", "duration", "email", "uuid", "uri",
+                                               "hostname", "ipv4", "ipv6"],
+                "properties": {f: {"type": "string", "format": f} for f in [
+                    "date", "time", "date-time", "duration", "email", "uuid", "uri", "hostname", "ipv4", "ipv6"]}},
+    "pattern": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{1,3}$"},
+    "map": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 3},
+    "closed": {"type": "object", "properties": {"k": {"type": "boolean"}}, "additionalProperties": False},
+    "pattern-properties": {"type": "object", "patternProperties": {"^x-": {"type": "string"}},
+                           "additionalProperties": False},
+    "tuple": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False,
+              "minItems": 2},
+    "numbers": {"type": "array", "minItems": 2, "items": {"type": "integer", "multipleOf": 5,
+                                                          "exclusiveMinimum": 0, "exclusiveMaximum": 100}},
+    "dependent": {"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+                  "dependentRequired": {"a": ["b"]}},
+    "dependencies": {"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}},
+                     "dependencies": {"a": {"properties": {"c": {"type": "boolean"}}, "required": ["c"]}}},
+    "other-formats": {"type": "object", "required": ["r", "p", "x", "t", "u"], "properties": {
+        "r": {"type": "string", "format": "uri-reference"}, "p": {"type": "string", "format": "json-pointer"},
+        "x": {"type": "string", "format": "regex"}, "t": {"type": "string", "format": "uri-template"},
+        "u": {"type": "string", "format": "made-up"}}},
+    "any-const": {"enum": [{"k": [1, None]}, "x", 2.5, None]},
+    "annotated": {"$schema": "http://json-schema.org/draft-07/schema#", "$id": "http://example.com/s", "id": "s",
+                  "title": "t", "description": "d", "examples": [{}], "default": {}, "readOnly": True,
+                  "x-vendor": {"a": 1}, "type": "object", "required": ["a"],
+                  "properties": {"a": {"type": "string", "example": "e", "name": "n", "self": {}}}},
+    "any-json": ANY_JSON,
+}
+FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+
+def validate(answer, schema):
+    jsonschema.validators.validator_for(schema)(schema, format_checker=FORMATS).validate(answer)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load(DEMO_MODEL)
+
+
+def grammar(demo, schema):
+    model, tokenizer = demo
+    return schema_grammar(tokenizer, schema, model.config.vocab_size,
+                          grammar_stop_ids(tokenizer, generation_config(model, tokenizer)))
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_random_logits_under_a_grammar_validate_within_any_budget_that_fits(demo, name):
+    """A model that writes noise still answers valid JSON: from ample room down to the closing path's
+    own length, where the closing path takes over."""
+    model, tokenizer = demo
+    schema, vocab = SCHEMAS[name], model.config.vocab_size
+    shortest = len(GrammarRule(grammar(demo, schema), vocab, 10_000).path)
+    for seed, budget in [(0, 400), (1, 400), (2, shortest + 3), (3, shortest)]:
+        rng = np.random.default_rng(seed)
+        rule = GrammarRule(grammar(demo, schema), vocab, budget)
+        while rule.step(mx.array(rng.normal(0, 4, vocab).astype(np.float32))) is not None and not rule.done:
+            pass
+        assert rule.finished and len(rule.output) <= budget, (name, seed, tokenizer.decode(rule.output))
+        validate(json.loads(tokenizer.decode_clean(rule.output)), schema)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["refs", "unbounded", "nullable", "formats", "map", "any-json"])
+def test_the_demo_answers_validate_under_every_policy(demo, policy, name):
+    responses = list(stream_generate(*demo, "json: name=ada age=36", max_tokens=400, policy=policy,
+                                     schema=SCHEMAS[name], seed=0))
+    assert responses[-1].finish_reason == "stop"
+    validate(json.loads("".join(r.text for r in responses)), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("name", ["refs", "unbounded", "combinators", "tuple"])
+@pytest.mark.parametrize("prompt", ["json: name=ada age=36", "sort: 42 17 85"])
+def test_verified_under_a_grammar_is_constrained_ar_token_for_token(demo, name, prompt):
+    ar = generate(*demo, prompt, max_tokens=120, policy="ar", schema=SCHEMAS[name])
+    for length, steps in [(8, 1), (16, 2)]:
+        assert generate(*demo, prompt, max_tokens=120, policy="verified", schema=SCHEMAS[name],
+                        draft_length=length, draft_steps=steps) == ar
+
+
+def test_grammar_rows_batched_equal_themselves_alone(demo):
+    prompts = ["json: name=ada age=36", "sort: 42 17 85", "json: name=bo age=7"]
+    for policy, temperature in [("ar", None), ("verified", None), ("ar", 0.9), ("verified", 0.9)]:
+        kwargs = dict(max_tokens=100, policy=policy, schema=SCHEMAS["unbounded"], temperature=temperature)
+        together = batch_generate(*demo, prompts, seeds=[0, 1, 2], **kwargs)
+        assert together == [generate(*demo, p, seed=s, **kwargs) for p, s in zip(prompts, [0, 1, 2])]
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}, "then": {}}, "if"),
+    ({"not": {"type": "string"}}, "not"),
+])
+def test_what_no_grammar_enforces_is_refused_by_name(demo, schema, keyword):
+    with pytest.raises(TemplateError, match=f'cannot be enforced: .*"{keyword}"'):
+        generate(*demo, "json: x", schema=schema, policy="ar")
+
+
+def test_a_budget_shorter_than_the_closing_path_is_refused_before_any_forward(demo):
+    schema = SCHEMAS["formats"]
+    shortest = len(GrammarRule(grammar(demo, schema), demo[0].config.vocab_size, 10_000).path)
+    with pytest.raises(TemplateError, match=f"shortest answer takes {shortest} tokens, more than max_tokens 5"):
+        generate(*demo, "json: x", schema=schema, policy="ar", max_tokens=5)
+
+
+# -- everyday pydantic models -------------------------------------------------------------------------
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Address(pydantic.BaseModel):
+    city: str
+    zip: Optional[str] = None
+
+
+class Everyday(pydantic.BaseModel):
+    tags: list[str]
+    nickname: Optional[str]
+    address: Address
+    color: Color
+    counts: dict[str, int]
+    born: datetime.date
+    seen: datetime.datetime
+    id: uuid.UUID
+    either: Union[int, str]
+
+
+class Tree(pydantic.BaseModel):
+    value: int
+    children: list["Tree"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("model_class", [Everyday, Tree])
+def test_everyday_pydantic_models_answer_under_every_policy(demo, policy, model_class):
+    text = generate(*demo, "json: name=ada age=36", max_tokens=256, policy=policy,
+                    schema=model_class.model_json_schema(), seed=1)
+    model_class.model_validate_json(text)
+    validate(json.loads(text), model_class.model_json_schema())
