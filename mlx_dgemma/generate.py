@@ -76,6 +76,8 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 @click.option("--seed", type=int, callback=option(check_seed),
               help="Seed of the sampler's random draws (0 to 2**64 - 1).")
 @click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
+@click.option("--think", is_flag=True, help="Thinking on (the chat template's switch): the thought goes to stderr "
+                                            "as it comes, the answer to stdout.")
 @click.option("--verbose", is_flag=True, help="Print statistics after the text.")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
 @click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
@@ -108,6 +110,9 @@ def main(**flags):
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
     if flags["template_file"] and flags["schema_file"]:
         raise click.ClickException("give --template or --schema, not both")
+    if flags["think"] and flags["schema_file"]:
+        raise click.ClickException("a schema lays the answer out from its first token and leaves no room for a "
+                                   "thought; drop --think or --schema")
     if flags["system_prompt"] is not None and flags["ignore_chat_template"]:
         raise click.ClickException("--system-prompt needs the chat template: drop --ignore-chat-template "
                                    "or put the system text in --prompt")
@@ -153,7 +158,8 @@ def generation_args(flags: dict, images: list | None) -> GenerationArgs:
     sampling = SamplingArgs(flags["steps"], flags["entropy_bound"], flags["temp_min"], flags["temp_max"],
                             temperature=flags["temp"])
     return GenerationArgs(flags["max_tokens"], flags["seed"], system_prompt=flags["system_prompt"],
-                          chat_template=not flags["ignore_chat_template"], policy=flags["policy"], images=images,
+                          chat_template=not flags["ignore_chat_template"], think=flags["think"],
+                          policy=flags["policy"], images=images,
                           draft_length=flags["draft_length"], draft_steps=flags["draft_steps"], sampling=sampling,
                           prefill_step_size=flags["prefill_step_size"])
 
@@ -211,6 +217,9 @@ def _generate_cli(flags: dict, group, watchdog):
         if canvas_view:
             canvas_view.commit(response.text)
         else:
+            if response.thought:
+                sys.stderr.write(response.thought)
+                sys.stderr.flush()
             sys.stdout.write(response.text)
             sys.stdout.flush()
         responses.append(response)
