@@ -36,7 +36,7 @@ from ..request import PromptError, check_prompt_fits, check_template_fits, gener
 from ..template import TemplateError, infill_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision
-from . import request_log
+from . import reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
 from .scheduler import Event, Job, Scheduler
 
@@ -50,7 +50,7 @@ PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds 
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
                "presence_penalty": 0, "frequency_penalty": 0, "top_p": 1, "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
-               "reasoning_effort": None, "web_search_options": None}
+               "web_search_options": None}
 # A json_object reply whose free draft is not a JSON object: the draft's answer under one key.
 JSON_OBJECT_FALLBACK = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64}}}
 
@@ -174,7 +174,10 @@ class Server:
 
         tools, forced = self._tools(body) if chat else ([], None)
         suffix = None if chat else _get(body, "suffix", str, None) or None
-        ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
+        # A JSON answer (a schema, json_object, a forced call) starts at once: no thought before it.
+        think = reasoning.thinks(body, chat, self.tokenizer.renders_thinking) and forced is None and (
+            _get(body, "response_format", dict, None) or {}).get("type", "text") == "text"
+        ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None, think) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
         request = BatchRequest(ids, seed=seed, policy=policy, steps=steps)
         if policy in ("ar", "verified"):  # the answer's sampling temperature (0: greedy)
@@ -183,7 +186,7 @@ class Server:
             scale = max(temperature, 1e-2)
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
         job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs,
-                  prompt_param="messages" if chat else "prompt")
+                  prompt_param="messages" if chat else "prompt", think=think)
         if suffix is None:
             self._layout(job, body, forced)
             request.max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens)
@@ -224,8 +227,9 @@ class Server:
                              f"got {json.dumps(choice)}", param="tool_choice")
         return tools, named[0]
 
-    def _chat_prompt(self, body: dict, tools: list[dict] | None) -> tuple[list[int], dict]:
-        """The messages' ids through the chat template, and their images as ``model.encode`` takes them."""
+    def _chat_prompt(self, body: dict, tools: list[dict] | None, think: bool = False) -> tuple[list[int], dict]:
+        """The messages' ids through the chat template (``think``: with its thinking switch on), and their
+        images as ``model.encode`` takes them."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", param="messages")
@@ -245,7 +249,7 @@ class Server:
         if (pixels := sum(image.width * image.height for image in images)) > self.limits.max_image_pixels:
             raise BadRequest(f"the request's images are {pixels} pixels together, more than the "
                              f"{self.limits.max_image_pixels} accepted; scale them down", param="messages")
-        extra = {"tools": tools} if tools else {}
+        extra = ({"tools": tools} if tools else {}) | ({"enable_thinking": True} if think else {})
         try:
             text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, **extra)
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
@@ -448,12 +452,15 @@ class Server:
             job.cancel()
 
     async def text_pieces(self, events: AsyncIterator[Event], reply: Reply):
-        """A stream's answer as its text pieces, then its ``Answer`` (tool calls parsed out of the text
-        held back to the end, which its last piece was), or the ``RequestFailed`` that ended it."""
+        """A stream's answer as its text pieces (the thought's as ``Thought`` pieces, before the text of
+        the same event), then its ``Answer`` (tool calls parsed out of the text held back to the end,
+        which its last piece was), or the ``RequestFailed`` that ended it."""
         async for event in events:
             if event.error is not None:
                 yield event.error
                 return
+            if event.reasoning:
+                yield Thought(event.reasoning)
             if event.finish_reason is None:
                 if event.content:
                     yield event.content
@@ -470,6 +477,10 @@ class Server:
             yield event
             if event.error is not None or event.finish_reason is not None:
                 return
+
+
+class Thought(str):
+    """A piece of a stream's thought (``Server.text_pieces``)."""
 
 
 async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.25) -> Event | None:
