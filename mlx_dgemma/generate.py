@@ -210,7 +210,7 @@ def _generate_cli(flags: dict, group, watchdog):
         template = drafted_json_template(dgemma, tokenizer, prompt, template, **draft.kwargs())
     canvas_view = TerminalView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
     args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
-    responses = []
+    responses, thinking = [], False  # thinking: a thought is on stderr, its line not yet ended
     for response in stream_generate(dgemma, tokenizer, prompt, **args.kwargs()):
         if flags["verbose"] and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
             click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
@@ -219,7 +219,11 @@ def _generate_cli(flags: dict, group, watchdog):
         else:
             if response.thought:
                 sys.stderr.write(response.thought)
-                sys.stderr.flush()
+                thinking = True
+            if thinking and (response.text or response.finish_reason):  # the answer starts on a line of its own
+                sys.stderr.write("\n")
+                thinking = False
+            sys.stderr.flush()
             sys.stdout.write(response.text)
             sys.stdout.flush()
         responses.append(response)
