@@ -111,6 +111,16 @@ def test_the_thought_streams_apart_from_the_answer(demo):
 
 # -- the API and the CLI -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("policy", ["reference", "fast", "ar", "verified", "auto"])
+def test_every_policy_hands_out_the_thought_apart(demo, policy):
+    model, tokenizer = demo
+    on = list(stream_generate(model, tokenizer, SORT, seed=0, think=True, template=TEMPLATE, policy=policy))
+    assert "".join(r.thought for r in on) == THOUGHT
+    assert "".join(r.text for r in on).startswith("sorted:")
+    free = list(stream_generate(model, tokenizer, SORT, seed=0, max_tokens=16, think=True, policy=policy))
+    assert "<|channel>" not in "".join(r.text for r in free) and "thought" not in "".join(r.text for r in free)
+
+
 def test_stream_generate_hands_out_the_thought_apart(demo):
     model, tokenizer = demo
     on = list(stream_generate(model, tokenizer, SORT, seed=0, think=True, template=TEMPLATE))
@@ -173,6 +183,13 @@ def test_chat_reasoning_effort(openai_client, demo):
         assert "reasoning_content" not in message.model_extra and message.content == expected_answer(demo, False)
     chunks = list(chat(openai_client, stream=True, reasoning_effort="none"))
     assert not any(c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("policy", ["ar", "verified"])
+def test_chat_reasoning_under_a_policy_is_the_apis(openai_client, demo, policy):
+    message = chat(openai_client, reasoning_effort="low", extra_body={"policy": policy}).choices[0].message
+    assert message.model_extra["reasoning_content"] == THOUGHT
+    assert message.content == generate(*demo, SORT, seed=0, think=True, template=TEMPLATE, policy=policy)
 
 
 def test_responses_reasoning_items(openai_client, demo):
