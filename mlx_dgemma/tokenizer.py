@@ -210,6 +210,18 @@ class Tokenizer:
     def decode_clean(self, ids, stop_ids=None) -> str:
         return self.decode(self.clean(ids, stop_ids))
 
+    def thought_tokens(self, ids, stop_ids=None) -> int:
+        """How many of the ids before the first stop id are thought: what ``clean`` hides of them but
+        padding and ``<bos>`` (the ``<|channel>…<channel|>`` spans, their markers included)."""
+        stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        hidden = {self.pad_token_id, self.bos_token_id}
+        shown = 0
+        for token in (int(i) for i in ids):
+            if token in stops:
+                break
+            shown += token not in hidden
+        return shown - len(self.clean(ids, stops))
+
     def decode_thought(self, ids, stop_ids=None) -> str:
         """The text ``clean`` hides: the inside of each ``<|channel>name\n…<channel|>`` span before the
         first stop id, without the channel's name line (an unclosed span counts up to the end)."""

@@ -107,6 +107,8 @@ def test_the_thought_streams_apart_from_the_answer(demo):
     pieces = [(answer.add(ids[i:i + 3]), thought.add(ids[i:i + 3])) for i in range(0, len(ids), 3)]
     assert "".join(a for a, _ in pieces) == "1 3 7 9" and "".join(t for _, t in pieces) == THOUGHT
     assert pieces[0] == ("", "")  # "<|channel>thought\n" is the channel's name, no part of the thought
+    # thought tokens: the channel, markers included, up to the stop id; padding is none of them
+    assert tokenizer.thought_tokens([0] + ids, stop) == ids.index(tokenizer.token_id("<channel|>")) + 1
 
 
 # -- the API and the CLI -------------------------------------------------------------------------------
@@ -169,9 +171,16 @@ def chat(client, **kwargs):
                                           extra_body={"template": TEMPLATE, **kwargs.pop("extra_body", {})}, **kwargs)
 
 
+def thought_tokens(demo):
+    return len(demo[1].encode("<|channel>thought\n" + THOUGHT + "<channel|>", add_special_tokens=False))
+
+
 def test_chat_reasoning_effort(openai_client, demo):
-    message = chat(openai_client, reasoning_effort="low").choices[0].message
+    reply = chat(openai_client, reasoning_effort="low")
+    message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] == THOUGHT and message.content == expected_answer(demo)
+    assert reply.usage.completion_tokens_details.reasoning_tokens == thought_tokens(demo)
+    assert reply.usage.completion_tokens > thought_tokens(demo)
     chunks = list(chat(openai_client, reasoning_effort="high", stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == THOUGHT
@@ -179,8 +188,10 @@ def test_chat_reasoning_effort(openai_client, demo):
     same = chat(openai_client, extra_body={"reasoning": {"effort": "medium"}}).choices[0].message
     assert same.model_extra["reasoning_content"] == THOUGHT
     for off in [{}, {"reasoning_effort": "none"}, {"reasoning_effort": "minimal"}]:
-        message = chat(openai_client, **off).choices[0].message
+        reply = chat(openai_client, **off)
+        message = reply.choices[0].message
         assert "reasoning_content" not in message.model_extra and message.content == expected_answer(demo, False)
+        assert reply.usage.completion_tokens_details.reasoning_tokens == 0
     chunks = list(chat(openai_client, stream=True, reasoning_effort="none"))
     assert not any(c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks if c.choices)
 
@@ -200,6 +211,7 @@ def test_responses_reasoning_items(openai_client, demo):
     whole = respond(reasoning={"effort": "low"})
     assert [item.type for item in whole.output] == ["reasoning", "message"]
     assert [c.text for c in whole.output[0].content] == [THOUGHT] and whole.output_text == expected_answer(demo)
+    assert whole.usage.output_tokens_details.reasoning_tokens == thought_tokens(demo)
     events = list(respond(reasoning={"effort": "low"}, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",

@@ -129,7 +129,7 @@ class Responses(Api):
         if answer is not None:
             u = answer.usage
             usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                     "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
                      "total_tokens": u.prompt_tokens + u.completion_tokens}
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "status": "in_progress" if answer is None else "incomplete" if cut else "completed",

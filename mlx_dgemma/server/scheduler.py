@@ -49,6 +49,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0  # of the completion tokens, the thought's (with thinking on)
 
 
 @dataclass
@@ -279,7 +280,9 @@ class Scheduler:
         job.sent = max(job.sent, end)
         if finish is not None:
             self.finished += 1
-            event.usage = Usage(len(job.request.prompt_ids), job.completion_tokens, job.cached_tokens or 0)
+            thought = job.thought
+            event.usage = Usage(len(job.request.prompt_ids), job.completion_tokens, job.cached_tokens or 0,
+                                self.tokenizer.thought_tokens(thought.tokens, thought.stop_ids) if thought else 0)
         self._send(job, event)
 
     def _send(self, job: Job, event: Event) -> None:
