@@ -211,13 +211,14 @@ def _generate_cli(flags: dict, group, watchdog):
     canvas_view = TerminalView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
     args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
     responses, thinking = [], False  # thinking: a thought is on stderr, its line not yet ended
+    thoughts = group is None or group.rank() == 0  # (rank 0 prints; the others' stdout is /dev/null)
     for response in stream_generate(dgemma, tokenizer, prompt, **args.kwargs()):
         if flags["verbose"] and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
             click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
         if canvas_view:
             canvas_view.commit(response.text)
         else:
-            if response.thought:
+            if response.thought and thoughts:
                 sys.stderr.write(response.thought)
                 thinking = True
             if thinking and (response.text or response.finish_reason):  # the answer starts on a line of its own
