@@ -306,3 +306,18 @@ def test_reasoning_that_cannot_be_had_is_refused(server, openai_client, demo):
         assert caught.value.body["param"] == "reasoning_effort" and "no thinking switch" in caught.value.body["message"]
         assert chat(plain, reasoning_effort="none").choices[0].message.content
         assert "thinking" not in ollama.Client(host=url, timeout=60).show(MODEL_ID).capabilities
+
+
+def test_a_template_thinking_by_default_is_off_unless_asked(demo):
+    """A template whose switch is on when enable_thinking is not given (Qwen 3's way) gets it either
+    way: thinking is off unless asked for, in the API and on the server alike."""
+    model, tokenizer = demo
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = train_demo.CHAT_TEMPLATE.replace(
+        "enable_thinking is defined and enable_thinking", "enable_thinking is not defined or enable_thinking")
+    off, on = prompt_ids(tokenizer, SORT), prompt_ids(tokenizer, SORT, think=True)
+    assert off == prompt_ids(demo[1], SORT) and on == prompt_ids(demo[1], SORT, think=True)
+    with serving(model, tokenizer) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert chat(client).usage.prompt_tokens == len(off)
+        assert chat(client, reasoning_effort="low").usage.prompt_tokens == len(on)

@@ -249,9 +249,9 @@ class Server:
         if (pixels := sum(image.width * image.height for image in images)) > self.limits.max_image_pixels:
             raise BadRequest(f"the request's images are {pixels} pixels together, more than the "
                              f"{self.limits.max_image_pixels} accepted; scale them down", param="messages")
-        extra = ({"tools": tools} if tools else {}) | ({"enable_thinking": True} if think else {})
-        try:
-            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, **extra)
+        extra = {"tools": tools} if tools else {}
+        try:  # (enable_thinking given either way: a template whose default is on is off unless asked)
+            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, enable_thinking=think, **extra)
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         self._check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
