@@ -100,15 +100,22 @@ tasks = _load_tasks()
 PAD, EOS, BOS, UNK, MASK = 0, 1, 2, 3, 4
 CHAT_TOKENS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_response>"]
 
+# The generation prompt ends with an empty thought channel: the demo answers without thinking. It
+# keeps Gemma 4's thinking switch (enable_thinking: "<|think|>" opens the system turn, the model's turn
+# is left open for a thought), which the demo was never trained on.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{%- set thinking = enable_thinking is defined and enable_thinking -%}"
+    "{%- if thinking and messages[0]['role'] != 'system' -%}{{ '<|turn>system\n<|think|>\n<turn|>\n' }}{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
     "{{ '<|turn>' + role + '\n' }}"
+    "{%- if thinking and loop.first and role == 'system' -%}{{ '<|think|>\n' }}{%- endif -%}"
     "{%- if role == 'model' -%}{{ '<|channel>thought\n<channel|>' }}{%- endif -%}"
     "{{ message['content'] | trim }}{{ '<turn|>\n' }}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<|turn>model\n' }}"
+    "{%- if not thinking -%}{{ '<|channel>thought\n<channel|>' }}{%- endif -%}{%- endif -%}"
 )
 
 

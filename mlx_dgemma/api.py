@@ -46,6 +46,7 @@ class GenerationResponse:
     finish_reason: str | None  # "stop" (a stop id), "length" (max tokens), None while more follow
     drafts: list[Draft] | None = None  # per-step argmax drafts, when asked for
     plan: Plan | None = None  # how this generation was run (policy's choice and reasons)
+    thought: str = ""  # the text this canvas adds to the thought (with think=True; never part of text)
 
 
 def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None,
@@ -76,6 +77,12 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_to
     tokens are clamped, the answer ends with it, and ``max_tokens`` is ignored; the text arrives
     whole with the last response (a hole's value is known only when its canvas commits).
 
+    ``think`` switches thinking on: the chat template's own switch (Gemma 4's ``enable_thinking``)
+    renders the prompt, and each response's ``thought`` is what the answer's thought channel
+    (``<|channel>thought`` … ``<channel|>``) adds, never part of ``text``; without it no thought is
+    handed out. Token ids or an untemplated prompt are taken as given. A text template is the whole
+    answer: its thought is what its own thought channel holds; a JSON one has none and is refused with it.
+
     ``images`` (paths or PIL images; a checkpoint with a vision tower) go with the prompt: a text
     prompt gets one image placeholder per image before the text; ids or an untemplated prompt must
     hold them (the image token, ``<|image|>``) themselves.
@@ -100,10 +107,12 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_to
 def _responses(engine, job: PreparedRequest, prompt_tps: float, drafts: list | None) -> Iterator[GenerationResponse]:
     """The engine's commits for its one row, autoregressive tokens gathered into their blocks."""
     tic, forwards, generated, non_pad = time.perf_counter(), 0, 0, 0
-    text, tokens, steps = "", [], 0
+    text, thought, tokens, steps = "", "", [], 0
     while len(engine):
         for r in engine.next():
             text, tokens, steps = text + r.text, tokens + r.tokens, steps + r.steps
+            if job.thought is not None:
+                thought += job.thought.add(r.tokens, final=r.finish_reason is not None)
             non_pad += r.non_pad
             if not r.ends_block:
                 continue
@@ -112,8 +121,8 @@ def _responses(engine, job: PreparedRequest, prompt_tps: float, drafts: list | N
             yield GenerationResponse(text, tokens, steps, non_pad / forwards, len(job.ids), prompt_tps, generated,
                                      generated / (time.perf_counter() - tic), mx.get_peak_memory() / 1e9,
                                      r.finish_reason, drafts[:] if drafts and r.plan.mode == "diffusion" else None,
-                                     r.plan)
-            text, tokens, steps = "", [], 0
+                                     r.plan, thought)
+            text, thought, tokens, steps = "", "", [], 0
             if drafts is not None:
                 drafts.clear()
 

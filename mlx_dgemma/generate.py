@@ -77,6 +77,8 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 @click.option("--seed", type=int, callback=option(check_seed),
               help="Seed of the sampler's random draws (0 to 2**64 - 1).")
 @click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
+@click.option("--think", is_flag=True, help="Thinking on (the chat template's switch): the thought goes to stderr "
+                                            "as it comes, the answer to stdout.")
 @click.option("--verbose", is_flag=True, help="Print statistics after the text.")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
 @click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
@@ -109,6 +111,9 @@ def main(**flags):
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
     if flags["template_file"] and flags["schema_file"]:
         raise click.ClickException("give --template or --schema, not both")
+    if flags["think"] and flags["schema_file"]:
+        raise click.ClickException("a schema lays the answer out from its first token and leaves no room for a "
+                                   "thought; drop --think or --schema")
     if flags["system_prompt"] is not None and flags["ignore_chat_template"]:
         raise click.ClickException("--system-prompt needs the chat template: drop --ignore-chat-template "
                                    "or put the system text in --prompt")
@@ -154,7 +159,8 @@ def generation_args(flags: dict, images: list | None) -> GenerationArgs:
     sampling = SamplingArgs(flags["steps"], flags["entropy_bound"], flags["temp_min"], flags["temp_max"],
                             temperature=flags["temp"])
     return GenerationArgs(flags["max_tokens"], flags["seed"], system_prompt=flags["system_prompt"],
-                          chat_template=not flags["ignore_chat_template"], policy=flags["policy"], images=images,
+                          chat_template=not flags["ignore_chat_template"], think=flags["think"],
+                          policy=flags["policy"], images=images,
                           draft_length=flags["draft_length"], draft_steps=flags["draft_steps"], sampling=sampling,
                           prefill_step_size=flags["prefill_step_size"])
 
@@ -210,13 +216,21 @@ def _generate_cli(flags: dict, group, watchdog):
             template = drafted_json_template(dgemma, tokenizer, prompt, schema, **options)
     canvas_view = TerminalView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
     args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
-    responses = []
+    responses, thinking = [], False  # thinking: a thought is on stderr, its line not yet ended
+    thoughts = group is None or group.rank() == 0  # (rank 0 prints; the others' stdout is /dev/null)
     for response in stream_generate(dgemma, tokenizer, prompt, **args.kwargs()):
         if flags["verbose"] and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
             click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
         if canvas_view:
             canvas_view.commit(response.text)
         else:
+            if response.thought and thoughts:
+                sys.stderr.write(response.thought)
+                thinking = True
+            if thinking and (response.text or response.finish_reason):  # the answer starts on a line of its own
+                sys.stderr.write("\n")
+                thinking = False
+            sys.stderr.flush()
             sys.stdout.write(response.text)
             sys.stdout.flush()
         responses.append(response)

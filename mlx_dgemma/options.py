@@ -45,6 +45,7 @@ class GenerationArgs:
     rng: object = None  # a sampler.Random in place of the seeded draws
     system_prompt: str | None = None
     chat_template: bool = True
+    think: bool = False  # thinking on: the chat template's switch, and the thought handed out apart
     policy: str = "reference"
     profile: object = None  # policy.Profile
     expected_steps: float | None = None

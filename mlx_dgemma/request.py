@@ -74,17 +74,21 @@ def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str | None = None,
-               chat_template: bool = True, images: int = 0) -> list[int]:
+               chat_template: bool = True, images: int = 0, think: bool = False) -> list[int]:
     """Token ids as given, or text through the chat template (or plain, with ``<bos>``); with
-    ``images``, the user message starts with that many image placeholders."""
+    ``images``, the user message starts with that many image placeholders; ``think`` is the
+    template's thinking switch (``enable_thinking``)."""
     if not isinstance(prompt, str):
         return [int(i) for i in prompt]
     if not chat_template:
         return tokenizer.encode(prompt)
+    if think and not tokenizer.renders_thinking:
+        raise PromptError("this checkpoint's chat template has no thinking switch (enable_thinking); "
+                          "drop think, or pass a prompt that opens the thought as token ids")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
     content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
     messages.append({"role": "user", "content": content})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=think)
 
 
 def check_prompt_fits(ids: list[int], config, max_tokens: int = 1) -> None:
@@ -138,6 +142,7 @@ class PreparedRequest:
     acceptance: object = None  # verified drafting's running estimate (policy.Acceptance)
     temperature: float = 0.0  # ar and verified sampling (0: greedy)
     grammar: Grammar | None = None  # a schema the canvas template does not take: ar and verified rows follow it
+    thought: TextStream | None = None  # with think: the thought channel's text, handed out as it grows
 
     def canvas_clamps(self, tokenizer: Tokenizer, config):
         """The template's (length, Clamp) per canvas, or None without a template."""
@@ -159,7 +164,10 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
         max_tokens = len(template) + template.ends_turn
     overrides = args.sampling.overrides()  # they replace the plan's, and none is dropped
     check_step_counts(defaults, overrides.get("steps"), args.draft_steps)
-    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []))
+    if args.think and (grammar is not None or template is not None and template.render is not None):
+        raise ValueError("a JSON answer is laid out from its first token and leaves no room for a "
+                         "thought; drop think or the schema")
+    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []), args.think)
     ids, vision_inputs = image_inputs(model, ids, args.images) if args.images else (ids, {})
     check_prompt_fits(ids, config, max_tokens if template is None else 1)
     temperature = args.sampling.temperature or 0.0
@@ -178,8 +186,9 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     if template is not None:
         check_template_fits(template, len(ids), config)
     text = answer_text(model, tokenizer, template)
+    thought = TextStream(tokenizer, stop_ids, thought=True) if args.think else None
     return PreparedRequest(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn,
-                           vision_inputs, planner, acceptance, temperature, grammar)
+                           vision_inputs, planner, acceptance, temperature, grammar, thought)
 
 
 def _layout(model, tokenizer: Tokenizer, args: GenerationArgs, defaults: GenerationConfig

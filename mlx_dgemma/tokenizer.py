@@ -19,15 +19,21 @@ from .errors import TokenizerError
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 IMAGE_PLACEHOLDER = "<|image|>"  # what chat templates write for an image part
+THINK = "<|think|>"  # what Gemma 4's template writes into the system turn to switch thinking on
 
-# Gemma 4's chat format, used when the checkpoint ships no template. With the generation prompt
-# comes an empty thought channel: the model answers without thinking. Content is text, or a list of
+# Gemma 4's chat format, used when the checkpoint ships no template. Content is text, or a list of
 # parts where an image part is the image placeholder, written inline as Gemma 4's template does.
+# Thinking is Gemma 4's switch: ``enable_thinking`` opens the system turn with ``<|think|>`` (a system
+# turn of its own when the conversation has none) and leaves the model's turn open for its thought;
+# without it the generation prompt ends with an empty thought channel, and the model answers at once.
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{%- set thinking = enable_thinking is defined and enable_thinking -%}"
+    "{%- if thinking and messages[0]['role'] != 'system' -%}{{ '<|turn>system\n" + THINK + "\n<turn|>\n' }}{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<|turn>' + role + '\n' }}"
+    "{%- if thinking and loop.first and role == 'system' -%}{{ '" + THINK + "\n' }}{%- endif -%}"
     "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
     "{%- else -%}{%- for item in message['content'] -%}"
     "{%- if item['type'] == 'image' -%}{{ '" + IMAGE_PLACEHOLDER + "' }}"
@@ -35,7 +41,8 @@ BUILTIN_CHAT_TEMPLATE = (
     "{%- endfor -%}{%- endif -%}"
     "{{ '<turn|>\n' }}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<|turn>model\n' }}"
+    "{%- if not thinking -%}{{ '<|channel>thought\n<channel|>' }}{%- endif -%}{%- endif -%}"
 )
 
 
@@ -171,6 +178,11 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @property
+    def renders_thinking(self) -> bool:
+        """Whether the chat template has Gemma 4's thinking switch (renders ``enable_thinking``)."""
+        return chat_template_renders_thinking(self.chat_template)
+
+    @property
     def renders_tools(self) -> bool:
         """Whether the chat template writes a request's tools into the prompt (the demo's never does:
         tools sent to it are text the model does not see)."""
@@ -197,6 +209,18 @@ class Tokenizer:
 
     def decode_clean(self, ids, stop_ids=None) -> str:
         return self.decode(self.clean(ids, stop_ids))
+
+    def thought_tokens(self, ids, stop_ids=None) -> int:
+        """How many of the ids before the first stop id are thought: what ``clean`` hides of them but
+        padding and ``<bos>`` (the ``<|channel>…<channel|>`` spans, their markers included)."""
+        stops = set(self.stop_ids if stop_ids is None else stop_ids)
+        hidden = {self.pad_token_id, self.bos_token_id}
+        shown = 0
+        for token in (int(i) for i in ids):
+            if token in stops:
+                break
+            shown += token not in hidden
+        return shown - len(self.clean(ids, stops))
 
     def decode_thought(self, ids, stop_ids=None) -> str:
         """The text ``clean`` hides: the inside of each ``<|channel>name\n…<channel|>`` span before the
@@ -261,6 +285,17 @@ def chat_template_renders_tools(template: str) -> bool:
     try:
         return render_chat_template(template, messages, tools=[tool]) != render_chat_template(template, messages)
     except Exception:  # a template that cannot take this conversation or these tools: none rendered here
+        return False
+
+
+@functools.lru_cache(maxsize=8)
+def chat_template_renders_thinking(template: str) -> bool:
+    """Whether ``template`` renders a conversation differently with ``enable_thinking``."""
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        return render_chat_template(template, messages, enable_thinking=True) != render_chat_template(
+            template, messages, enable_thinking=False)
+    except Exception:  # a template that cannot take this conversation: no switch seen
         return False
 
 

@@ -230,14 +230,6 @@ def test_tool_call_in_the_answer_is_parsed(client):
     assert call.function.name == "get_weather" and arguments["days"] == 3 and isinstance(arguments["city"], str)
 
 
-def test_thought_channel_is_reasoning_content(client):
-    template = "<|channel>thought\n{{fill:6}}<channel|>{{fill:8}}"
-    reply = chat(client, SORT, seed=0, extra_body={"template": template})
-    message = reply.choices[0].message
-    assert message.model_extra["reasoning_content"]
-    assert "<|channel>" not in message.content and "thought" not in message.content
-
-
 def test_extra_body_policy_and_steps(client, demo):
     model, tokenizer = demo
     reply = chat(client, SORT, seed=4, extra_body={"policy": "ar"})

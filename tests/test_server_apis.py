@@ -72,7 +72,8 @@ def test_ollama_lists_and_shows_the_model(ollama_client, demo):
     (model,) = ollama_client.list().models
     assert model.model == MODEL_ID and model.size > 0 and model.details.format == "safetensors"
     shown = ollama_client.show(f"{MODEL_ID}:latest")
-    assert set(shown.capabilities) == {"completion", "insert"}  # the demo's template writes no tools or images
+    # The demo's template writes no tools or images, and has Gemma 4's thinking switch.
+    assert set(shown.capabilities) == {"completion", "insert", "thinking"}
     assert shown.modelinfo["gemma4.context_length"] == demo[0].config.max_position_embeddings
     assert ollama_client._client.get("/api/version").json()["version"]
     with pytest.raises(ollama.ResponseError) as caught:

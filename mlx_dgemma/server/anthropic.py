@@ -5,6 +5,7 @@ errors are ``{"type": "error", "error": {"type": ..., "message": ...}}``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 
@@ -12,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
-from .app import Server
+from .app import Server, Thought
 from .scheduler import RequestFailed
 
 PASSED = ("model", "max_tokens", "temperature", "top_p", "seed", "policy", "steps", "template")
@@ -22,7 +23,7 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 
 class Anthropic(Api):
-    names = {"stop": "stop_sequences"}
+    names = {"stop": "stop_sequences", "reasoning_effort": "thinking"}
     max_stop = MANY_STOP_STRINGS
 
     def __init__(self, server: Server):
@@ -49,32 +50,45 @@ class Anthropic(Api):
         return given({**{k: body[k] for k in PASSED if k in body}, "messages": messages,
                       "stop": body.get("stop_sequences"), "stream": body.get("stream"),
                       "tools": [_tool(t) for t in tools or []] or None,
-                      "tool_choice": _tool_choice(body.get("tool_choice"))}), True
+                      "tool_choice": _tool_choice(body.get("tool_choice")),
+                      "reasoning_effort": _effort(body.get("thinking"), body.get("max_tokens"))}), True
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
-        blocks = ([{"type": "text", "text": answer.content}] if answer.content or not answer.calls else []) + \
+        blocks = ([_thinking(answer.reasoning)] if answer.reasoning else []) + \
+            ([{"type": "text", "text": answer.content}] if answer.content or not answer.calls else []) + \
             [_tool_use(name, arguments) for name, arguments in answer.calls]
         return {**self._message(blocks, answer), "usage": _usage(answer)}
 
     async def stream(self, events, reply: Reply):
         start = self._message([], None)
         yield _sse("message_start", message={**start, "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}})
-        text = None  # the text block's, once it is open
+        index, kind, thought = 0, None, ""  # the open block's index and kind ("thinking" or "text")
         async for piece in self.server.text_pieces(events, reply):
             if isinstance(piece, RequestFailed):
                 yield _sse("error", error={"type": _error_type(piece.status), "message": str(piece)})
                 return
-            if text is None and (isinstance(piece, str) or not piece.calls):
-                yield _sse("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                text = ""
-            if isinstance(piece, str):
-                text += piece
-                yield _sse("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+            wanted = "thinking" if isinstance(piece, Thought) else (
+                "text" if isinstance(piece, str) or not piece.calls or kind == "text" else None)
+            if kind is not None and kind != wanted:
+                if kind == "thinking":
+                    yield _sse("content_block_delta", index=index, delta={"type": "signature_delta",
+                                                                          "signature": _signature(thought)})
+                yield _sse("content_block_stop", index=index)
+                kind, index = None, index + 1
+            if kind is None and wanted is not None:
+                yield _sse("content_block_start", index=index, content_block=_thinking("", "") if
+                           wanted == "thinking" else {"type": "text", "text": ""})
+                kind, thought = wanted, ""
+            if isinstance(piece, Thought):
+                thought += piece
+                yield _sse("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": piece})
                 continue
-            index = 0
-            if text is not None:
-                yield _sse("content_block_stop", index=0)
-                index = 1
+            if isinstance(piece, str):
+                yield _sse("content_block_delta", index=index, delta={"type": "text_delta", "text": piece})
+                continue
+            if kind is not None:
+                yield _sse("content_block_stop", index=index)
+                index += 1
             for name, arguments in piece.calls:
                 block = _tool_use(name, arguments)
                 yield _sse("content_block_start", index=index, content_block={**block, "input": {}})
@@ -107,6 +121,40 @@ def _usage(answer: Answer) -> dict:
     usage = answer.usage
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
             "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _effort(thinking, max_tokens) -> str | None:
+    """Anthropic's ``thinking`` as the chat body's reasoning effort; its budget is checked by Anthropic's
+    rules (at least 1024, less than max_tokens), and the thought is bounded by max_tokens alone."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "disabled":
+        return "none"
+    if kind == "adaptive":
+        return "medium"
+    if kind != "enabled":
+        raise BadRequest('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
+                         '{"type": "disabled"}', param="reasoning_effort")
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+        raise BadRequest(f"thinking.budget_tokens must be an integer of at least 1024, got "
+                         f"{json.dumps(budget)[:40]}", param="reasoning_effort")
+    if isinstance(max_tokens, int) and budget >= max_tokens:
+        raise BadRequest(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+                         param="reasoning_effort")
+    return "high"
+
+
+def _thinking(thought: str, signature: str | None = None) -> dict:
+    return {"type": "thinking", "thinking": thought,
+            "signature": _signature(thought) if signature is None else signature}
+
+
+def _signature(thought: str) -> str:
+    """A thinking block's signature: a digest of its text (the model's earlier thoughts are not read again,
+    so a client's round trip of it checks nothing)."""
+    return hashlib.sha256(thought.encode()).hexdigest()
 
 
 def _tool_use(name: str, arguments: str) -> dict:

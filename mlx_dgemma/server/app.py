@@ -29,9 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import validate
 from ..batch import BatchRequest
-from ..grammar import JSON_OBJECT, Grammar, schema_grammar
 from ..images import ImageError, decode_image, image_inputs, open_image_url
-from ..json_schema import json_template
 from ..policy import POLICIES
 from ..request import (
     PromptError,
@@ -39,14 +37,13 @@ from ..request import (
     check_prompt_fits,
     check_template_fits,
     generation_config,
-    grammar_stop_ids,
-    schema_template,
 )
-from ..template import TemplateError, infill_template, parse_template
-from ..tool_calls import CALL_OPEN, check_tool, forced_call_template, parse_tool_calls
+from ..template import TemplateError, infill_template
+from ..tool_calls import CALL_OPEN, parse_tool_calls
 from ..vision import has_vision
-from . import request_log
+from . import reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
+from .layout import answer_layout, strings, typed
 from .scheduler import Event, Job, Scheduler
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
@@ -59,7 +56,7 @@ PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds 
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
                "presence_penalty": 0, "frequency_penalty": 0, "top_p": 1, "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
-               "reasoning_effort": None, "web_search_options": None}
+               "web_search_options": None}
 
 
 @dataclass(frozen=True)
@@ -159,20 +156,20 @@ class Server:
         if model not in (None, self.model_id, "default_model"):
             raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
                              f"'{self.model_id}'", param="model", code="model_not_found", status=404)
-        stream = _get(body, "stream", bool, False)
-        stream_options = _get(body, "stream_options", dict, None) or {}
+        stream = typed(body, "stream", bool, False)
+        stream_options = typed(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _get(body, max_key, int, None)
+        max_tokens = typed(body, max_key, int, None)
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
-        temperature = _get(body, "temperature", (int, float), None)
+        temperature = typed(body, "temperature", (int, float), None)
         if temperature is not None and not 0 <= temperature <= 2:
             raise BadRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
-        stop = _get(body, "stop", (str, list), None) or []
+        stop = typed(body, "stop", (str, list), None) or []
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(f"stop must be a non-empty string or a list of at most {max_stop}", param="stop")
-        policy = _get(body, "policy", str, "reference")
+        policy = typed(body, "policy", str, "reference")
         if policy not in POLICIES:
             raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
         steps, seed = body.get("steps"), body.get("seed")
@@ -180,8 +177,11 @@ class Server:
         _check(validate.check_seed, seed, "seed")
 
         tools, forced = self._tools(body) if chat else ([], None)
-        suffix = None if chat else _get(body, "suffix", str, None) or None
-        ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
+        suffix = None if chat else typed(body, "suffix", str, None) or None
+        # A JSON answer (a schema, json_object, a forced call) starts at once: no thought before it.
+        think = reasoning.thinks(body, chat, self.tokenizer.renders_thinking) and forced is None and (
+            typed(body, "response_format", dict, None) or {}).get("type", "text") == "text"
+        ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None, think) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
         request = BatchRequest(ids, seed=seed, policy=policy, steps=steps)
         if policy in ("ar", "verified"):  # the answer's sampling temperature (0: greedy)
@@ -190,9 +190,9 @@ class Server:
             scale = max(temperature, 1e-2)
             request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
         job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs,
-                  prompt_param="messages" if chat else "prompt")
+                  prompt_param="messages" if chat else "prompt", think=think)
         if suffix is None:
-            grammar = self._layout(job, body, forced, max_tokens)
+            grammar = answer_layout(self, job, body, forced, max_tokens)
             request.max_tokens = self._fit(request.prompt_ids, max_tokens, max_key, cap_max_tokens)
             if grammar is not None or request.template is not None or job.redraft is not None:
                 job.stop = []  # stop strings are for free text: they never cut a structured answer
@@ -210,7 +210,7 @@ class Server:
 
     def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
         """The request's tools (none with tool_choice "none") and the one a forced call is to."""
-        tools = _get(body, "tools", list, None) or []
+        tools = typed(body, "tools", list, None) or []
         for tool in tools:
             function = tool.get("function") if isinstance(tool, dict) else None
             if not (isinstance(function, dict) and tool.get("type") == "function"
@@ -238,8 +238,9 @@ class Server:
                              f"got {json.dumps(choice)}", param="tool_choice")
         return tools, named[0]
 
-    def _chat_prompt(self, body: dict, tools: list[dict] | None) -> tuple[list[int], dict]:
-        """The messages' ids through the chat template, and their images as ``model.encode`` takes them."""
+    def _chat_prompt(self, body: dict, tools: list[dict] | None, think: bool = False) -> tuple[list[int], dict]:
+        """The messages' ids through the chat template (``think``: with its thinking switch on), and their
+        images as ``model.encode`` takes them."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", param="messages")
@@ -254,14 +255,14 @@ class Server:
         # text for the template), and so are tools where the template writes none (the demo's; clients
         # such as Open WebUI send dozens with every chat).
         tools = tools if tools and self.tokenizer.renders_tools else None
-        self._check_length(sum(map(len, _strings([plain, tools]))),
+        self._check_length(sum(map(len, strings([plain, tools]))),
                            "the text of the messages and tools" if tools else "the text of the messages", "messages")
         if (pixels := sum(image.width * image.height for image in images)) > self.limits.max_image_pixels:
             raise BadRequest(f"the request's images are {pixels} pixels together, more than the "
                              f"{self.limits.max_image_pixels} accepted; scale them down", param="messages")
         extra = {"tools": tools} if tools else {}
-        try:
-            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, **extra)
+        try:  # (enable_thinking given either way: a template whose default is on is off unless asked)
+            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, enable_thinking=think, **extra)
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         self._check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
@@ -344,80 +345,12 @@ class Server:
             raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
         return ids
 
-    def _layout(self, job: Job, body: dict, forced: dict | None, max_tokens: int | None) -> Grammar | None:
-        """The job's template, draft-then-template or schema, from ``template``, ``response_format`` or a
-        forced call; returns the schema's grammar where the answer follows one (its closing path is
-        checked against max_tokens once that is settled)."""
-        text = _get(body, "template", str, None)
-        response_format = _get(body, "response_format", dict, None) or {"type": "text"}
-        kind = response_format.get("type")
-        if sum(x is not None for x in (text, forced, None if kind == "text" else kind)) > 1:
-            raise BadRequest("give one of template, response_format and a forced tool call", param="response_format")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                             param="response_format")
-        param = "template" if text is not None else "tools" if forced is not None else "response_format"
-        job.template_param = param
-        try:
-            if text is not None:
-                self._check_length(len(text), "the template", "template")
-                job.request.template = self._fits(job, parse_template(self.tokenizer, text, self.context), param)
-            elif forced is not None:
-                check_tool(forced)
-                schema = forced["function"].get("parameters") or {"type": "object", "properties": {}}
-                self._check_length(sum(map(len, _strings(schema))), "the tool's parameters", "tools")
-                return self._structured(job, schema, max_tokens, forced)
-            elif kind == "json_schema":
-                spec = response_format.get("json_schema")
-                schema = spec.get("schema") if isinstance(spec, dict) else None
-                if not isinstance(schema, (dict, bool)):
-                    raise BadRequest("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
-                                     "\"schema\": {...}}}", param="response_format")
-                self._check_length(sum(map(len, _strings(schema))), "the schema's text", "response_format")
-                return self._structured(job, schema, max_tokens)
-            elif kind == "json_object":
-                return self._structured(job, JSON_OBJECT, max_tokens)
-        except TemplateError as e:
-            raise BadRequest(str(e), param=param) from None
-        return None
-
-    def _structured(self, job: Job, schema, max_tokens: int | None, forced: dict | None = None) -> Grammar | None:
-        """A JSON answer of ``schema`` (a forced call's arguments): under a diffusion policy the canvas
-        template, holes sized by a free draft, where the template expresses the schema and fits
-        ``max_tokens``; otherwise the schema's grammar (a forced call's head goes at the end of the
-        prompt, so the model writes the arguments after it)."""
-        tokenizer, limit = self.tokenizer, self.context
-        largest = schema_template(tokenizer, schema, job.request.policy, limit, max_tokens)
-        if largest is not None:
-            if forced is not None:
-                largest = forced_call_template(tokenizer, forced, limit)
-                job.redraft = lambda draft: forced_call_template(tokenizer, forced, limit, _arguments_or_none(draft))
-            else:
-                job.redraft = lambda draft: json_template(tokenizer, schema, draft=_json_or_none(draft), limit=limit)
-            self._fits(job, largest, job.template_param)
-            return None
-        grammar = schema_grammar(tokenizer, schema, self.model.config.vocab_size, grammar_stop_ids(
-            tokenizer, self.defaults))
-        job.request.schema = schema
-        if forced is not None:
-            job.request.prompt_ids = job.request.prompt_ids + tokenizer.encode(
-                f"{CALL_OPEN}call:{forced['function']['name']}", add_special_tokens=False)
-        return grammar
-
-    def _fits(self, job: Job, template, param: str):
-        """``template``, when its canvases (the largest a draft may size it to) fit after the prompt."""
-        try:
-            check_template_fits(template, len(job.request.prompt_ids), self.model.config)
-        except TemplateError as e:
-            raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
-        return template
-
     def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None, cap: bool = False) -> None:
         """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default, or with
         ``cap`` when ``max_tokens`` is more, what the context leaves next to the suffix, the default at
         most the server's), then the suffix clamped at the end of its last canvas; the worker takes the
         suffix off the answer (``Job.tail``)."""
-        if body.get("template") is not None or (_get(body, "response_format", dict, None) or {}).get(
+        if body.get("template") is not None or (typed(body, "response_format", dict, None) or {}).get(
                 "type", "text") != "text":
             raise BadRequest("give one of suffix, template and response_format", param="suffix")
         self._check_length(len(suffix), "the suffix", "suffix")
@@ -489,12 +422,15 @@ class Server:
             job.cancel()
 
     async def text_pieces(self, events: AsyncIterator[Event], reply: Reply):
-        """A stream's answer as its text pieces, then its ``Answer`` (tool calls parsed out of the text
-        held back to the end, which its last piece was), or the ``RequestFailed`` that ended it."""
+        """A stream's answer as its text pieces (the thought's as ``Thought`` pieces, before the text of
+        the same event), then its ``Answer`` (tool calls parsed out of the text held back to the end,
+        which its last piece was), or the ``RequestFailed`` that ended it."""
         async for event in events:
             if event.error is not None:
                 yield event.error
                 return
+            if event.reasoning:
+                yield Thought(event.reasoning)
             if event.finish_reason is None:
                 if event.content:
                     yield event.content
@@ -513,6 +449,10 @@ class Server:
                 return
 
 
+class Thought(str):
+    """A piece of a stream's thought (``Server.text_pieces``)."""
+
+
 async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.25) -> Event | None:
     """The request's next event, or None once its client has gone away (looked at while waiting:
     a template's answer sends nothing until its last canvas)."""
@@ -522,17 +462,6 @@ async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.2
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 return None
-
-
-def _get(body: dict, key: str, kind, default):
-    value = body.get(key)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # JSON true is no number
-        names = " or ".join(k.__name__ for k in kinds)
-        raise BadRequest(f"{key} must be of type {names}, got {json.dumps(value)[:40]}", param=key)
-    return value
 
 
 def _check(check, value, *args) -> None:
@@ -554,42 +483,13 @@ def _check_supported(body: dict, chat: bool) -> None:
             raise BadRequest(f"{key} is not supported by this server; {leave}", param=key)
 
 
-def _strings(value):
-    """Every string in a JSON value, keys included (looked at without recursion: a body may nest deep)."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            yield item
-        elif isinstance(item, dict):
-            stack += [*item.keys(), *item.values()]
-        elif isinstance(item, list):
-            stack += item
-
-
 def _check_text(body: dict) -> None:
     """Text that UTF-8 cannot encode (lone surrogates, as JSON's "\\ud800" makes) is refused by its field."""
     for key, value in body.items():
-        for text in _strings([key, value]):
+        for text in strings([key, value]):
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 name = key if key.isascii() else None
                 raise BadRequest(f"{name or 'a key'} holds text that is not valid Unicode (a lone surrogate such "
                                  "as \\ud800); send UTF-8 text", param=name) from None
-
-
-def _arguments_or_none(text: str):
-    """A free draft's arguments for a forced call: its first tool call's, or its JSON object."""
-    try:
-        _, calls = parse_tool_calls(text)
-    except ValueError:
-        calls = []
-    return calls[0].arguments if calls else _json_or_none(text)
-
-
-def _json_or_none(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None

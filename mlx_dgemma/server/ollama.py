@@ -27,7 +27,7 @@ class Ollama(Api):
     max_stop = MANY_STOP_STRINGS
     caps_max_tokens = True  # num_predict: at most that many tokens, as many as the context holds
     # Ollama's options carry the sampler settings, and here the server's own (policy, steps, template).
-    names = {"max_tokens": "options.num_predict", "response_format": "format",
+    names = {"max_tokens": "options.num_predict", "response_format": "format", "reasoning_effort": "think",
              **{key: f"options.{key}" for key in ("temperature", "seed", "stop", "policy", "steps", "template")}}
 
     def __init__(self, server: Server, chat: bool):
@@ -46,6 +46,7 @@ class Ollama(Api):
                   # (-1: no limit, -2: fill the context; both the server's default)
                   "max_tokens": None if isinstance(predict, int) and predict < 0 else predict,
                   "response_format": _response_format(body.get("format")),
+                  "reasoning_effort": _effort(body.get("think")),
                   **{key: options.get(key) for key in ("policy", "steps", "template")}}
         if self.chat:
             messages = body.get("messages")
@@ -144,6 +145,16 @@ def model_name(server: Server, name):
     return server.model_id if name == f"{server.model_id}:latest" else name
 
 
+def _effort(think) -> str | None:
+    """Ollama's ``think`` (true, false, or a level) as the chat body's reasoning effort."""
+    if think is None or think in ("low", "medium", "high"):
+        return think
+    if isinstance(think, bool):
+        return "medium" if think else "none"
+    raise BadRequest(f'think must be true, false, "low", "medium" or "high", got {json.dumps(think)[:40]}',
+                     param="reasoning_effort")
+
+
 def _response_format(value) -> dict | None:
     if value in (None, ""):
         return None
@@ -181,7 +192,8 @@ class Models:
         self.info = {"general.architecture": "gemma4", "general.parameter_count": parameters,
                      "gemma4.context_length": server.context}
         tokenizer = server.tokenizer
-        self.capabilities = ["completion", "insert"] + ["tools"] * tokenizer.renders_tools  # as the template does
+        self.capabilities = (["completion", "insert"] + ["tools"] * tokenizer.renders_tools  # as the template does
+                             + ["thinking"] * tokenizer.renders_thinking)
         if has_vision(server.model) and tokenizer.has_vocabulary:
             with_image = tokenizer.apply_chat_template(
                 [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], tokenize=True)

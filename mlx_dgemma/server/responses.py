@@ -13,7 +13,7 @@ import time
 from starlette.routing import Route
 
 from .api import Answer, Api, BadRequest, Reply, error_body, given
-from .app import Server
+from .app import Server, Thought
 from .scheduler import RequestFailed
 
 PASSED = ("model", "temperature", "top_p", "top_logprobs", "parallel_tool_calls", "seed", "policy", "steps",
@@ -28,6 +28,7 @@ class Responses(Api):
         super().__init__(server)
         self.id, self.created = f"resp_{secrets.token_hex(12)}", int(time.time())
         self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.reasoning_id = f"rs_{secrets.token_hex(12)}"
         self.body: dict = {}
 
     def translate(self, body: dict) -> tuple[dict, bool]:
@@ -66,7 +67,8 @@ class Responses(Api):
                       "reasoning_effort": reasoning.get("effort") if isinstance(reasoning, dict) else reasoning}), True
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
-        items = ([self._text_item(answer.content)] if answer.content or not answer.calls else []) + \
+        items = ([self._reasoning_item(answer.reasoning)] if answer.reasoning else []) + \
+            ([self._text_item(answer.content)] if answer.content or not answer.calls else []) + \
             [_call_item(name, arguments) for name, arguments in answer.calls]
         return self._response(answer, items)
 
@@ -78,27 +80,34 @@ class Responses(Api):
 
         yield sse("response.created", response=self._response(None, []))
         yield sse("response.in_progress", response=self._response(None, []))
-        text, items = None, []  # text: the message's, once its item is open
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        items: list[dict] = []
+        kind, text, where = None, "", {}  # the item being streamed ("reasoning" or "message") and its text
         async for piece in self.server.text_pieces(events, reply):
             if isinstance(piece, RequestFailed):
                 yield sse("error", **{k: v for k, v in error_body(str(piece), piece.status)["error"].items()
                                       if k != "type"})
                 return
-            if text is None and (isinstance(piece, str) or not piece.calls):
-                yield sse("response.output_item.added", output_index=0,
-                          item={**self._text_item(""), "status": "in_progress", "content": []})
-                yield sse("response.content_part.added", **where, part=_output_text(""))
-                text = ""
+            wanted = "reasoning" if isinstance(piece, Thought) else (
+                "message" if isinstance(piece, str) or not piece.calls or kind == "message" else None)
+            if kind is not None and kind != wanted:
+                items.append(self._item(kind, text))
+                for event, data in _closing(kind, text, where, items[-1]):
+                    yield sse(event, **data)
+                kind = None
+            if kind is None and wanted is not None:
+                kind, text = wanted, ""
+                where = {"item_id": self._item(kind, "")["id"], "output_index": len(items), "content_index": 0}
+                yield sse("response.output_item.added", output_index=len(items),
+                          item={**self._item(kind, ""), "status": "in_progress", "content": []})
+                yield sse("response.content_part.added", **where, part=_part_of(kind, ""))
             if isinstance(piece, str):
                 text += piece
-                yield sse("response.output_text.delta", **where, delta=piece, logprobs=[])
+                yield sse(f"response.{_PARTS[kind]}.delta", **where, delta=piece, **_logprobs(kind))
                 continue
-            if text is not None:
-                yield sse("response.output_text.done", **where, text=text, logprobs=[])
-                yield sse("response.content_part.done", **where, part=_output_text(text))
-                items.append(self._text_item(text))
-                yield sse("response.output_item.done", output_index=0, item=items[-1])
+            if kind is not None:  # the message, whose last piece came before the answer
+                items.append(self._item(kind, text))
+                for event, data in _closing(kind, text, where, items[-1]):
+                    yield sse(event, **data)
             for name, arguments in piece.calls:
                 item, index = _call_item(name, arguments), len(items)
                 yield sse("response.output_item.added", output_index=index,
@@ -120,7 +129,7 @@ class Responses(Api):
         if answer is not None:
             u = answer.usage
             usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                     "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
                      "total_tokens": u.prompt_tokens + u.completion_tokens}
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "status": "in_progress" if answer is None else "incomplete" if cut else "completed",
@@ -135,6 +144,35 @@ class Responses(Api):
     def _text_item(self, text: str) -> dict:
         return {"type": "message", "id": self.message_id, "status": "completed", "role": "assistant",
                 "content": [_output_text(text)]}
+
+    def _reasoning_item(self, text: str) -> dict:
+        return {"type": "reasoning", "id": self.reasoning_id, "status": "completed", "summary": [],
+                "content": [_reasoning_text(text)]}
+
+    def _item(self, kind: str, text: str) -> dict:
+        return self._reasoning_item(text) if kind == "reasoning" else self._text_item(text)
+
+
+_PARTS = {"reasoning": "reasoning_text", "message": "output_text"}  # each item's part, as its events name it
+
+
+def _part_of(kind: str, text: str) -> dict:
+    return _reasoning_text(text) if kind == "reasoning" else _output_text(text)
+
+
+def _logprobs(kind: str) -> dict:
+    return {"logprobs": []} if kind == "message" else {}
+
+
+def _closing(kind: str, text: str, where: dict, item: dict):
+    """The events that end a streamed item: its text done, its part done, the item done."""
+    yield f"response.{_PARTS[kind]}.done", {**where, "text": text, **_logprobs(kind)}
+    yield "response.content_part.done", {**where, "part": _part_of(kind, text)}
+    yield "response.output_item.done", {"output_index": where["output_index"], "item": item}
+
+
+def _reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _output_text(text: str) -> dict:

@@ -49,6 +49,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0  # of the completion tokens, the thought's (with thinking on)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Job:
     # The request fields a refusal by the worker names: the prompt's (messages or prompt) and the template's.
     prompt_param: str | None = None
     template_param: str | None = None
+    think: bool = False  # the thought channel is handed out (apart from the answer)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: bool = False
@@ -230,10 +232,11 @@ class Scheduler:
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
             drafting = job.redraft is not None
-            # The thought channel of a free answer or a text template; a JSON one has none.
+            # With thinking on, the thought channel of a free answer or a text template; a JSON one has none.
             free = request.template is None or request.template.render is None
             stop_ids = set(generation_config(self.model, self.tokenizer).eos_token_id)
-            job.thought = TextStream(self.tokenizer, stop_ids, thought=True) if free and not drafting else None
+            thought = job.think and free and not drafting
+            job.thought = TextStream(self.tokenizer, stop_ids, thought=True) if thought else None
             uid = self.engine.insert(replace(request, template=None if drafting else request.template, cache=cache,
                                              on_prefilled=keep))
         except ValueError as e:  # a prompt, template or setting the model cannot take
@@ -277,7 +280,9 @@ class Scheduler:
         job.sent = max(job.sent, end)
         if finish is not None:
             self.finished += 1
-            event.usage = Usage(len(job.request.prompt_ids), job.completion_tokens, job.cached_tokens or 0)
+            thought = job.thought
+            event.usage = Usage(len(job.request.prompt_ids), job.completion_tokens, job.cached_tokens or 0,
+                                self.tokenizer.thought_tokens(thought.tokens, thought.stop_ids) if thought else 0)
         self._send(job, event)
 
     def _send(self, job: Job, event: Event) -> None:
