@@ -1,8 +1,8 @@
 """The answer's layout a request asks for: a text ``template``, a JSON schema (``response_format``,
 Ollama's ``format``) or a forced tool call. Under a diffusion policy a schema the canvas template
 expresses (and that fits ``max_tokens``) is a canvas template whose holes a free draft sizes
-(``Job.redraft``); every other schema is followed by its grammar (grammar.py), a forced call's head
-written at the end of the prompt so that the model writes the arguments after it.
+(``Job.redraft``); every other schema is followed by its grammar (grammar.py). A forced call is the
+JSON of its tool's parameters, drafted and laid out exactly as that schema's ``response_format``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ..grammar import JSON_OBJECT, Grammar, schema_grammar
 from ..json_schema import json_template
 from ..request import check_template_fits, grammar_stop_ids, schema_template
 from ..template import TemplateError, parse_template
-from ..tool_calls import CALL_OPEN, check_tool, forced_call_template, parse_tool_calls
+from ..tool_calls import check_tool, parse_tool_calls
 from .api import BadRequest
 from .scheduler import Job
 
@@ -40,7 +40,7 @@ def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens:
             check_tool(forced)
             schema = forced["function"].get("parameters") or {"type": "object", "properties": {}}
             server._check_length(sum(map(len, strings(schema))), "the tool's parameters", "tools")
-            return _structured(server, job, schema, max_tokens, forced)
+            return _structured(server, job, schema, max_tokens)
         elif kind == "json_schema":
             spec = response_format.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -55,28 +55,22 @@ def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens:
         raise BadRequest(str(e), param=param) from None
     return None
 
-def _structured(server, job: Job, schema, max_tokens: int | None, forced: dict | None = None) -> Grammar | None:
+def _structured(server, job: Job, schema, max_tokens: int | None) -> Grammar | None:
     """A JSON answer of ``schema`` (a forced call's arguments): under a diffusion policy the canvas
     template, holes sized by a free draft, where the template expresses the schema and fits
-    ``max_tokens``; otherwise the schema's grammar (a forced call's head goes at the end of the
-    prompt, so the model writes the arguments after it)."""
+    ``max_tokens``; otherwise the schema's grammar. A forced call is answered as ``response_format``
+    with its parameters is (the reply wraps the arguments in the call)."""
     tokenizer, limit = server.tokenizer, server.context
     largest = schema_template(tokenizer, schema, job.request.policy, limit, max_tokens)
     if largest is not None:
-        if forced is not None:
-            largest = forced_call_template(tokenizer, forced, limit)
-            job.redraft = lambda draft: forced_call_template(tokenizer, forced, limit, _arguments_or_none(draft))
-        else:
-            job.redraft = lambda draft: json_template(tokenizer, schema, draft=_json_or_none(draft), limit=limit)
+        job.redraft = lambda draft: json_template(tokenizer, schema, draft=_arguments_or_none(draft), limit=limit)
         _fits(server, job, largest, job.template_param)
         return None
     grammar = schema_grammar(tokenizer, schema, server.model.config.vocab_size, grammar_stop_ids(
         tokenizer, server.defaults))
     job.request.schema = schema
-    if forced is not None:
-        job.request.prompt_ids = job.request.prompt_ids + tokenizer.encode(
-            f"{CALL_OPEN}call:{forced['function']['name']}", add_special_tokens=False)
     return grammar
+
 
 def _fits(server, job: Job, template, param: str):
     """``template``, when its canvases (the largest a draft may size it to) fit after the prompt."""

@@ -1,0 +1,134 @@
+"""Structured output as clients ask for it, against the demo server: pydantic models through openai's
+``.parse`` and ollama's ``format``, schemas no canvas template takes, ``json_object``; stop strings and
+``max_tokens`` with a schema or a forced tool in every API, streamed and not: valid JSON or a 400 naming
+the field; a forced call's arguments drafted as ``response_format``'s are."""
+
+import json
+
+import anthropic
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from .test_schema_grammar import Everyday, Tree
+from .test_server import MODEL_ID, PERSON, serving
+
+POLICIES = ["reference", "ar", "verified"]
+PERSON_TOOL = {"type": "function", "function": {"name": "person", "parameters": {**PERSON, "required": ["name"]}}}
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from mlx_dgemma import load
+    from mlx_dgemma.generate import DEMO_MODEL
+
+    return load(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(demo):
+    with serving(*demo) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("model_class", [Everyday, Tree])
+def test_openai_parse_answers_everyday_pydantic_models(openai_client, policy, model_class):
+    completion = openai_client.chat.completions.parse(
+        model=MODEL_ID, messages=user("json: name=ada age=36"), response_format=model_class, max_tokens=300,
+        seed=1, extra_body={"policy": policy})
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, model_class)
+
+
+def test_ollama_format_takes_a_pydantic_models_schema(server):
+    client = ollama.Client(host=server, timeout=120)
+    for model_class in (Everyday, Tree):
+        reply = client.chat(model=MODEL_ID, messages=user("json: name=ada age=36"), format=model_class.model_json_schema(),
+                            options={"seed": 0, "num_predict": 300})
+        model_class.model_validate_json(reply.message.content)
+
+
+def test_json_object_is_any_object_under_every_policy(openai_client):
+    for policy in POLICIES:
+        reply = openai_client.chat.completions.create(
+            model=MODEL_ID, messages=user("sort: 5 3 9"), response_format={"type": "json_object"}, max_tokens=120,
+            seed=2, extra_body={"policy": policy})
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_stop_strings_never_cut_a_structured_answer(openai_client, policy, stream):
+    kwargs = dict(model=MODEL_ID, messages=user("json: name=ada age=36"), seed=2, stop=["}", '"'], max_tokens=64,
+                  response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+                  extra_body={"policy": policy})
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(
+            stream=True, **kwargs) if c.choices)
+    else:
+        text = openai_client.chat.completions.create(**kwargs).choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_anthropic_forced_tool_with_stop_sequences_streamed_and_not(server):
+    client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=120)
+    kwargs = dict(model=MODEL_ID, messages=user("json: name=ada age=36"), max_tokens=64, stop_sequences=['"', "}"],
+                  tools=[{"name": "person", "input_schema": PERSON}], tool_choice={"type": "tool", "name": "person"},
+                  extra_body={"seed": 2})
+    (block,) = client.messages.create(**kwargs).content
+    assert block.type == "tool_use"
+    jsonschema.validate(block.input, PERSON)
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].type == "tool_use" and final.content[0].input == block.input
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_max_tokens_below_a_schemas_shortest_answer_is_a_400_naming_it(openai_client, server, policy):
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(model=MODEL_ID, messages=user("json: name=ada"), max_tokens=1,
+                                              tools=[PERSON_TOOL], tool_choice="required",
+                                              extra_body={"policy": policy})
+    assert caught.value.body["param"] == "max_tokens" and "raise max_tokens" in caught.value.body["message"]
+    client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(model=MODEL_ID, messages=user("json: name=ada"), max_tokens=1,
+                               tools=[{"name": "person", "input_schema": PERSON}],
+                               tool_choice={"type": "tool", "name": "person"}, extra_body={"policy": policy})
+    assert "max_tokens" in str(refused.value)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_max_tokens_that_fits_still_ends_valid(openai_client, policy):
+    """From the shortest answer the server names up: each answer a valid tree within its budget."""
+    kwargs = dict(model=MODEL_ID, messages=user("json: name=ada age=36"), seed=0, extra_body={"policy": policy},
+                  response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": Tree.model_json_schema()}})
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(max_tokens=1, **kwargs)
+    shortest = int(caught.value.body["message"].split("takes ")[1].split(" tokens")[0])
+    for max_tokens in (shortest, shortest + 7, 3 * shortest):
+        reply = openai_client.chat.completions.create(max_tokens=max_tokens, **kwargs)
+        Tree.model_validate_json(reply.choices[0].message.content)
+        assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens <= max_tokens
+
+
+def test_a_forced_call_is_drafted_as_response_format_is(openai_client):
+    """Under a diffusion policy both go by the canvas template, holes sized by a free draft: the same values."""
+    kwargs = dict(model=MODEL_ID, messages=user("json: name=ada age=36"), seed=2, max_tokens=64)
+    formatted = json.loads(openai_client.chat.completions.create(
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON_TOOL["function"][
+            "parameters"]}}, **kwargs).choices[0].message.content)
+    called = openai_client.chat.completions.create(tools=[PERSON_TOOL], tool_choice="required", **kwargs)
+    arguments = json.loads(called.choices[0].message.tool_calls[0].function.arguments)
+    assert arguments == formatted and arguments["name"] == "ada"
