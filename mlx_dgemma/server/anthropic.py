@@ -102,10 +102,10 @@ class Anthropic(Api):
                 "stop_sequence": answer.stop_sequence if answer is not None else None}
 
     def error_reply(self, e: BadRequest) -> Response:
-        return error_response(str(e), e.status)
+        return anthropic_error(str(e), e.status)
 
 
-def error_response(message: str, status: int) -> Response:
+def anthropic_error(message: str, status: int) -> Response:
     """Anthropic's error shape."""
     return JSONResponse({"type": "error", "error": {"type": _error_type(status), "message": message}}, status)
 

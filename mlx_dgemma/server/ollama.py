@@ -139,7 +139,7 @@ class Ollama(Api):
         return out
 
     def error_reply(self, e: BadRequest) -> Response:
-        return error_response(str(e), e.status)
+        return ollama_error(str(e), e.status)
 
     def empty(self) -> Response:
         """What Ollama answers a request with nothing to generate: the model is loaded."""
@@ -148,7 +148,7 @@ class Ollama(Api):
                              "done": True, "done_reason": "load"})
 
 
-def error_response(message: str, status: int) -> Response:
+def ollama_error(message: str, status: int) -> Response:
     """Ollama's error shape."""
     return JSONResponse({"error": message}, status)
 
@@ -247,10 +247,10 @@ class Models:
         try:
             body = await self.server.read_body(request)
         except BadRequest as e:
-            return error_response(str(e), e.status)
+            return ollama_error(str(e), e.status)
         name = body.get("model", body.get("name"))
         if model_name(self.server, name) != self.server.model_id:
-            return error_response(f"model {json.dumps(name)[:80]} not found; this server serves '{self.name}'", 404)
+            return ollama_error(f"model {json.dumps(name)[:80]} not found; this server serves '{self.name}'", 404)
         return JSONResponse({"modelfile": "", "parameters": "", "template": "", "details": self.details,
                              "model_info": self.info, "capabilities": self.capabilities,
                              "modified_at": self.modified})

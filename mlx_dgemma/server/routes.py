@@ -30,9 +30,9 @@ def create_app(server: Server) -> Starlette:
         message = (f"{path} does not take {request.method}; send {allowed}" if allowed
                    else f"no route {request.method} {path}")
         if path.startswith("/api/"):
-            return ollama.error_response(message, status)
+            return ollama.ollama_error(message, status)
         if path.startswith("/v1/messages"):
-            return anthropic.error_response(message, status)
+            return anthropic.anthropic_error(message, status)
         return error_response(message, status)
 
     return Starlette(routes=[
