@@ -229,6 +229,15 @@ def test_agents_tool_call(server, kind):
         assert isinstance(result.final_output, str)
 
 
+def test_agents_take_an_answer_padded_to_the_limit(server):
+    # The demo under greedy AR ends this answer and pads up to max_tokens: a whole answer, not a cut one
+    # (an incomplete response would end the run with ModelBehaviorError).
+    settings = ModelSettings(max_tokens=32, extra_body={"seed": 0, "policy": "ar"})
+    result = Runner.run_sync(agent(server, OpenAIResponsesModel, model_settings=settings),
+                             "What is the capital of France?")
+    assert result.final_output and result.context_wrapper.usage.output_tokens < 32
+
+
 # -- instructor -----------------------------------------------------------------------------------------
 
 def patched(server, mode=instructor.Mode.TOOLS):
