@@ -288,13 +288,24 @@ def test_pydantic_ai_structured(server, model, prompt, expected):
     check_structured(called.run_sync(prompt).output, model, None)
 
 
-def test_pydantic_ai_tool_call(server):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_pydantic_ai_tool_call(server, streamed):
     calls = []
     # A tool forced on the first step only (per-step settings), then the model answers.
     assistant = PydanticAgent(pydantic_model(server), tools=[weather(calls)], model_settings=lambda ctx: {
         "seed": 0, "max_tokens": 32, "tool_choice": ["get_weather"] if ctx.run_step == 1 else "auto"})
-    result = assistant.run_sync("weather in oslo")
+
+    async def run_streamed():
+        async with assistant.run_stream("weather in oslo") as run:
+            text = "".join([piece async for piece in run.stream_text(delta=True)])
+            return text, run.all_messages()
+
+    if streamed:
+        output, messages = asyncio.run(run_streamed())
+    else:
+        result = assistant.run_sync("weather in oslo")
+        output, messages = result.output, result.all_messages()
     check_calls(calls)
-    assert isinstance(result.output, str)
-    kinds = [part.part_kind for message in result.all_messages() for part in message.parts]
-    assert kinds.count("tool-call") == kinds.count("tool-return") == 1
+    assert isinstance(output, str)
+    kinds = [part.part_kind for message in messages for part in message.parts]
+    assert kinds == ["user-prompt", "tool-call", "tool-return", "text"]
