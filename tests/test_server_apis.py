@@ -5,6 +5,10 @@ serving the bundled demo model; images on a random checkpoint with a vision towe
 import base64
 import io
 import json
+import re
+import shutil
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -12,8 +16,10 @@ import jsonschema
 import ollama
 import openai
 import pytest
+from mlx.utils import tree_flatten
 
-from mlx_dgemma import generate, infill
+from mlx_dgemma import generate, infill, stream_generate
+from mlx_dgemma.server.ollama import digest
 
 from .test_server import CONTEXT, MAX_BODY, MODEL_ID, PERSON, SORT, WEATHER, health, raw_post, serving
 from .test_server_images import PROMPT, vision_model  # noqa: F401 (a fixture)
@@ -65,12 +71,41 @@ def user(text):
 
 def ollama_chat(client, text=SORT, seed=3, **kwargs):
     options = {"seed": seed, "num_predict": 64, **kwargs.pop("options", {})}
-    return client.chat(model=MODEL_ID, messages=user(text), options=options, **kwargs)
+    return client.chat(**{"model": MODEL_ID, "messages": user(text), "options": options, **kwargs})
+
+
+def test_the_digest_is_the_checkpoints(demo, tmp_path):
+    """Stable across loads of one checkpoint; another config, or other weights of the same shapes (a
+    fine-tune), another digest."""
+    from mlx_dgemma import load
+    from mlx_dgemma.generate import DEMO_MODEL
+
+    model = demo[0]
+    assert digest(load(DEMO_MODEL)[0]) == digest(model)
+    folder = shutil.copytree(DEMO_MODEL, tmp_path / "demo")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 1024
+    (folder / "config.json").write_text(json.dumps(config))
+    assert digest(load(folder)[0]) != digest(model)
+    tuned = load(DEMO_MODEL)[0]
+    name, weight = max(tree_flatten(tuned.parameters()), key=lambda item: item[1].size)
+    tuned.load_weights([(name, weight + 0.01)], strict=False)
+    assert digest(tuned) != digest(model)
 
 
 def test_ollama_lists_and_shows_the_model(ollama_client, demo):
     (model,) = ollama_client.list().models
-    assert model.model == MODEL_ID and model.size > 0 and model.details.format == "safetensors"
+    assert model.model == f"{MODEL_ID}:latest" and model.size > 0 and model.details.format == "safetensors"
+    assert re.fullmatch("[0-9a-f]{64}", model.digest) and model.digest == digest(demo[0])
+    (loaded,) = ollama_client.ps().models  # the model in memory, for as long as the server runs
+    assert (loaded.model, loaded.digest, loaded.size) == (model.model, model.digest, model.size)
+    assert loaded.context_length == CONTEXT and loaded.expires_at.year > 2100
+    for name in (f"{MODEL_ID}:latest", MODEL_ID):  # Ollama's name:tag, and the name alone
+        reply = ollama_chat(ollama_client, model=name)
+        assert reply.message.content == ANSWER and reply.model == name
+    with pytest.raises(ollama.ResponseError) as caught:
+        ollama_chat(ollama_client, model=f"{MODEL_ID}:7b")
+    assert caught.value.status_code == 404
     shown = ollama_client.show(f"{MODEL_ID}:latest")
     # The demo's template writes no tools or images, and has Gemma 4's thinking switch.
     assert set(shown.capabilities) == {"completion", "insert", "thinking"}
@@ -130,6 +165,12 @@ def test_ollama_tool_call(ollama_client):
         (call,) = [call for c in chunks for call in c.message.tool_calls or []]
         assert call.function.name == "get_weather" and call.function.arguments["days"] == 3
         assert isinstance(call.function.arguments["city"], str)
+    # Each call has an id (the ollama client's model leaves it out; Ollama's API has it).
+    raw = ollama_client._client.post("/api/chat", json={
+        "model": MODEL_ID, "messages": user("weather in oslo"), "tools": [WEATHER], "stream": False,
+        "options": {"seed": 0, "template": CALL}}).json()
+    (call,) = raw["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"]["index"] == 0
 
 
 def test_ollama_errors(ollama_client):
@@ -303,6 +344,78 @@ def test_messages_errors(anthropic_client):
         assert body["type"] == "error" and message_part in body["error"]["message"], body
         assert body["error"]["type"] == ("not_found_error" if error is anthropic.NotFoundError
                                          else "invalid_request_error")
+
+
+def test_messages_count_tokens(anthropic_client, demo):
+    _, tokenizer = demo
+    system, history = "be brief", user(SORT) + [{"role": "assistant", "content": ANSWER}] + user("reverse: kayak")
+    counted = anthropic_client.messages.count_tokens(model=MODEL_ID, system=system, messages=history)
+    prompt = tokenizer.apply_chat_template([{"role": "system", "content": system}] + history, tokenize=True)
+    assert counted.input_tokens == len(prompt)
+    answered = message(anthropic_client, system=system, messages=history)
+    assert answered.usage.input_tokens + answered.usage.cache_read_input_tokens == counted.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        anthropic_client.messages.count_tokens(model="claude-sonnet-4", messages=user(SORT))
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_client.messages.count_tokens(model=MODEL_ID, messages=[])
+    assert caught.value.body["error"]["message"] == "messages must be a non-empty list"
+
+
+def test_messages_stream_usage_first_agrees_with_last(anthropic_client):
+    for _ in range(2):  # the second time the prompt cache holds all but the prompt's last token
+        with anthropic_client.messages.stream(model=MODEL_ID, messages=user(SORT), max_tokens=64,
+                                              extra_body={"seed": 3}) as stream:
+            events = list(stream)
+        first = next(e for e in events if e.type == "message_start").message.usage
+        last = next(e for e in events if e.type == "message_delta").usage
+        assert (first.input_tokens, first.cache_read_input_tokens) == (last.input_tokens, last.cache_read_input_tokens)
+        assert first.output_tokens == 0 < last.output_tokens
+    assert last.cache_read_input_tokens > 0
+
+
+def test_an_answer_padded_to_the_limit_is_whole_in_every_api(demo, ollama_client, openai_client, anthropic_client):
+    """Greedy AR on the demo writes this answer, then padding up to max_tokens: the engine's
+    finish is "length" (max_tokens tokens), but the answer is whole, and the APIs count no padding."""
+    model, tokenizer = demo
+    text, limit, options = "What is the capital of France?", 32, {"policy": "ar", "seed": 0}
+    responses = list(stream_generate(model, tokenizer, text, limit, **options))
+    tokens = [t for r in responses for t in r.tokens]
+    assert responses[-1].finish_reason == "length" and len(tokens) == limit and tokens[-1] == tokenizer.pad_token_id
+    answer_tokens = sum(t != tokenizer.pad_token_id for t in tokens)
+    answer = "".join(r.text for r in responses)
+    chat = openai_client.chat.completions.create(model=MODEL_ID, messages=user(text), max_tokens=limit,
+                                                 extra_body=options)
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (answer, "stop")
+    assert chat.usage.completion_tokens == answer_tokens < limit
+    response = respond(openai_client, text, max_output_tokens=limit, extra_body=options)
+    assert (response.output_text, response.status, response.usage.output_tokens) == (answer, "completed",
+                                                                                      answer_tokens)
+    reply = message(anthropic_client, text, max_tokens=limit, extra_body=options)
+    assert (reply.stop_reason, reply.usage.output_tokens) == ("end_turn", answer_tokens)
+    ollama = ollama_chat(ollama_client, text, options={"num_predict": limit, **options})
+    assert (ollama.done_reason, ollama.eval_count) == ("stop", answer_tokens)
+    # Cut by the limit, it is "length", and all max_tokens tokens are counted.
+    cut = openai_client.chat.completions.create(model=MODEL_ID, messages=user(text), max_tokens=3, extra_body=options)
+    assert (cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("length", 3)
+
+
+def test_unknown_routes_answer_in_their_apis_error_shape(server):
+    def get(path):
+        try:
+            with urllib.request.urlopen(server + path, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    assert get("/api/pull") == (404, {"error": "no route GET /api/pull"})
+    assert get("/api/chat") == (405, {"error": "/api/chat does not take GET; send POST"})
+    assert get("/v1/messages/batches") == (404, {"type": "error", "error": {
+        "type": "not_found_error", "message": "no route GET /v1/messages/batches"}})
+    assert get("/v1/messages") == (405, {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "/v1/messages does not take GET; send POST"}})
+    status, body = get("/v1/embeddings")
+    assert status == 404 and body["error"]["message"] == "no route GET /v1/embeddings"
 
 
 @pytest.mark.parametrize("path, shape", [

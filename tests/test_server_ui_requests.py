@@ -145,7 +145,9 @@ def test_the_log_outlines_each_request_and_gives_each_refusal_its_reason(demo_se
     assert path == "/api/chat" and json.loads(body)["tools"] == "(36 items)"
     assert json.loads(body)["messages"] == user(SORT) and json.loads(body)["options"] == {"seed": 3}
     second = arrived[1].split(" ")[0]
-    assert f"{second} /api/chat refused with 400: options.temperature must be between 0 and 2, got 5" in lines
+    # The field behind the refusal, as the client named it.
+    assert (f"{second} /api/chat refused with 400 (options.temperature): options.temperature must be between 0 "
+            "and 2, got 5") in lines
     assert int(second[1:]) == int(number[1:]) + 1
 
 

@@ -42,8 +42,8 @@ POSITIVE = click.IntRange(min=1)
               help="Seconds requests in flight get to finish after SIGTERM before they end with a 503.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-              help="Log level: info logs each request uvicorn answers and each refusal with its reason, debug each "
-                   "request's body in outline as it arrives.")
+              help="Log level: info logs each request uvicorn answers and each refusal with its reason and the "
+                   "field behind it, debug each request's body in outline as it arrives.")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
                                                           "answer's KV cache need more memory than the device can give.")
 def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,

@@ -1,20 +1,22 @@
 """Anthropic's Messages API on the shared request model: ``POST /v1/messages`` (``system``, ``messages``
 with text, image, ``tool_use`` and ``tool_result`` blocks, ``max_tokens``, ``stop_sequences``, ``tools``)
 becomes a chat body; the answer is a message, or its events (``message_start`` … ``message_stop``);
-errors are ``{"type": "error", "error": {"type": ..., "message": ...}}``."""
+errors are ``{"type": "error", "error": {"type": ..., "message": ...}}``. ``POST /v1/messages/count_tokens``
+counts the prompt tokens of the same body."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import secrets
+from dataclasses import replace
 
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
 from .app import Server, Thought
-from .scheduler import RequestFailed
+from .scheduler import RequestFailed, Usage
 
 PASSED = ("model", "max_tokens", "temperature", "top_p", "seed", "policy", "steps", "template")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -57,13 +59,17 @@ class Anthropic(Api):
         blocks = ([_thinking(answer.reasoning)] if answer.reasoning else []) + \
             ([{"type": "text", "text": answer.content}] if answer.content or not answer.calls else []) + \
             [_tool_use(name, arguments) for name, arguments in answer.calls]
-        return {**self._message(blocks, answer), "usage": _usage(answer)}
+        return {**self._message(blocks, answer), "usage": _usage(answer.usage)}
 
     async def stream(self, events, reply: Reply):
-        start = self._message([], None)
-        yield _sse("message_start", message={**start, "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}})
+        # message_start waits for the worker's first event: its usage splits the prompt into the tokens
+        # read from the prompt cache and the rest, as the last one does.
+        first = await anext(aiter(events), None)
+        usage = first.usage if first is not None and first.usage is not None else Usage(reply.prompt_tokens, 0, 0)
+        start = {**self._message([], None), "usage": _usage(replace(usage, completion_tokens=0))}
+        yield _sse("message_start", message=start)
         index, kind, thought = 0, None, ""  # the open block's index and kind ("thinking" or "text")
-        async for piece in self.server.text_pieces(events, reply):
+        async for piece in self.server.text_pieces(_after(first, events), reply):
             if isinstance(piece, RequestFailed):
                 yield _sse("error", error={"type": _error_type(piece.status), "message": str(piece)})
                 return
@@ -98,7 +104,7 @@ class Anthropic(Api):
                 index += 1
             final = self._message([], piece)
             yield _sse("message_delta", delta={"stop_reason": final["stop_reason"],
-                                               "stop_sequence": final["stop_sequence"]}, usage=_usage(piece))
+                                               "stop_sequence": final["stop_sequence"]}, usage=_usage(piece.usage))
             yield _sse("message_stop")
 
     def _message(self, content: list[dict], answer: Answer | None) -> dict:
@@ -110,15 +116,27 @@ class Anthropic(Api):
                 "stop_sequence": answer.stop_sequence if answer is not None else None}
 
     def error_reply(self, e: BadRequest) -> Response:
-        return JSONResponse({"type": "error", "error": {"type": _error_type(e.status), "message": str(e)}}, e.status)
+        return anthropic_error(str(e), e.status)
+
+
+def anthropic_error(message: str, status: int) -> Response:
+    """Anthropic's error shape."""
+    return JSONResponse({"type": "error", "error": {"type": _error_type(status), "message": message}}, status)
 
 
 def _error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
-def _usage(answer: Answer) -> dict:
-    usage = answer.usage
+async def _after(first, events):
+    """``first``, then the rest of ``events``."""
+    if first is not None:
+        yield first
+    async for event in events:
+        yield event
+
+
+def _usage(usage: Usage) -> dict:
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
             "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
 
@@ -232,4 +250,8 @@ def routes(server: Server) -> list[Route]:
     async def messages(request):
         return await server.respond(request, Anthropic(server))
 
-    return [Route("/v1/messages", messages, methods=["POST"])]
+    async def count_tokens(request):
+        return await server.count_tokens(request, Anthropic(server))
+
+    return [Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]

@@ -117,9 +117,36 @@ class Server:
                                          headers={"Cache-Control": "no-cache"})
             return JSONResponse(api.reply(await self._whole(job, events, reply, request), reply))
         except BadRequest as e:
-            e = api.renamed(e)
-            request_log.refused(number, request.url.path, e.status, str(e))
-            return api.error_reply(e)
+            return self._refused(number, request, api, e)
+
+    async def count_tokens(self, request: Request, api: Api) -> Response:
+        """The prompt tokens ``request``'s body would be answered from (its messages and tools through
+        the chat template), as ``{"input_tokens": n}``; errors in ``api``'s shape."""
+        number = next(self._numbers)
+        try:
+            body = await self.read_body(request)
+            request_log.arrived(number, request.url.path, body)
+            count = await asyncio.get_running_loop().run_in_executor(self._preparing, self._count, api, body)
+            return JSONResponse({"input_tokens": count})
+        except BadRequest as e:
+            return self._refused(number, request, api, e)
+
+    def _refused(self, number: int, request: Request, api: Api, e: BadRequest) -> Response:
+        e = api.renamed(e)
+        request_log.refused(number, request.url.path, e.status, str(e), e.param)
+        return api.error_reply(e)
+
+    def _count(self, api: Api, body: dict) -> int:
+        body, _ = api.translate(body)
+        _check_text(body)
+        self._check_model(body.get("model"))
+        tools, forced = self._tools(body)
+        return len(self._chat_prompt(body, tools if tools and not forced else None)[0])
+
+    def _check_model(self, model) -> None:
+        if model not in (None, self.model_id, "default_model"):
+            raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
+                             f"'{self.model_id}'", param="model", code="model_not_found", status=404)
 
     def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
         translated = api.translate(body)
@@ -152,10 +179,7 @@ class Server:
              cap_max_tokens: bool = False) -> tuple[Job, Reply]:
         _check_text(body)
         _check_supported(body, chat)
-        model = body.get("model")
-        if model not in (None, self.model_id, "default_model"):
-            raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
-                             f"'{self.model_id}'", param="model", code="model_not_found", status=404)
+        self._check_model(body.get("model"))
         stream = typed(body, "stream", bool, False)
         stream_options = typed(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"

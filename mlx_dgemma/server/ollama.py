@@ -1,11 +1,16 @@
 """Ollama's API on the shared request model: ``/api/chat`` and ``/api/generate`` become the chat or
 completions body app.py reads, their answers NDJSON lines (streamed by default) or one object, and
-errors ``{"error": "..."}``. ``/api/tags``, ``/api/show`` and ``/api/version`` describe the model."""
+errors ``{"error": "..."}``. ``/api/tags``, ``/api/ps``, ``/api/show`` and ``/api/version`` describe the
+model, by Ollama's ``name:tag`` (``demo:latest``, also answered as ``demo``) and a digest of the
+checkpoint (clients such as llm-ollama cache what they learn of a model by it)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import secrets
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 
 from starlette.requests import Request
@@ -18,6 +23,8 @@ from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
 from .app import Server
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these endpoints follow
+DIGEST_SAMPLES = 64  # values of each weight the digest reads (evenly spaced): a fine-tune changes them
+NEVER = "2318-01-01T00:00:00Z"  # /api/ps's expires_at: the server keeps its model loaded (Ollama's keep_alive -1)
 
 
 class Ollama(Api):
@@ -34,12 +41,14 @@ class Ollama(Api):
         super().__init__(server)
         self.chat = chat
         self.started = time.monotonic_ns()
+        self.name = None  # the model's name as the request gave it (Ollama answers with it)
 
     def translate(self, body: dict) -> tuple[dict, bool] | None:
         options = body.get("options") or {}
         if not isinstance(options, dict):
             raise BadRequest("options must be an object such as {\"temperature\": 0.7, \"seed\": 1}", param="options")
         predict = options.get("num_predict")
+        self.name = body.get("model") if model_name(self.server, body.get("model")) == self.server.model_id else None
         shared = {"model": model_name(self.server, body.get("model")),
                   "stream": True if body.get("stream") is None else body["stream"],
                   "temperature": options.get("temperature"), "seed": options.get("seed"), "stop": options.get("stop"),
@@ -109,14 +118,15 @@ class Ollama(Api):
     def _line(self, answer: Answer, done: bool) -> dict:
         """One NDJSON line (or the whole reply): the answer's text, thinking and tool calls, and once
         ``done`` why it ended and the counts."""
-        out = {"model": self.server.model_id, "created_at": _now()}
+        out = {"model": self.name or tagged(self.server.model_id), "created_at": _now()}
         if self.chat:
             message = {"role": "assistant", "content": answer.content}
             if answer.reasoning:
                 message["thinking"] = answer.reasoning
             if answer.calls:
-                message["tool_calls"] = [{"function": {"name": name, "arguments": json.loads(arguments)}}
-                                         for name, arguments in answer.calls]
+                message["tool_calls"] = [{"id": f"call_{secrets.token_hex(12)}", "function": {
+                    "index": index, "name": name, "arguments": json.loads(arguments)}}
+                    for index, (name, arguments) in enumerate(answer.calls)]
             out["message"] = message
         else:
             out["response"] = answer.content
@@ -131,18 +141,49 @@ class Ollama(Api):
         return out
 
     def error_reply(self, e: BadRequest) -> Response:
-        return JSONResponse({"error": str(e)}, e.status)
+        return ollama_error(str(e), e.status)
 
     def empty(self) -> Response:
         """What Ollama answers a request with nothing to generate: the model is loaded."""
         text = {"message": {"role": "assistant", "content": ""}} if self.chat else {"response": ""}
-        return JSONResponse({"model": self.server.model_id, "created_at": _now(), **text, "done": True,
-                             "done_reason": "load"})
+        return JSONResponse({"model": self.name or tagged(self.server.model_id), "created_at": _now(), **text,
+                             "done": True, "done_reason": "load"})
+
+
+def ollama_error(message: str, status: int) -> Response:
+    """Ollama's error shape."""
+    return JSONResponse({"error": message}, status)
+
+
+def tagged(model_id: str) -> str:
+    """``model_id`` as Ollama names models, ``name:tag`` (``:latest`` unless it has a tag)."""
+    return model_id if ":" in model_id.rpartition("/")[2] else f"{model_id}:latest"
 
 
 def model_name(server: Server, name):
-    """The server's model id for Ollama's ``name:latest`` of it (any other name is left to the shared check)."""
-    return server.model_id if name == f"{server.model_id}:latest" else name
+    """The server's model id for its Ollama name (``demo:latest`` for ``demo``); any other name is left
+    to the shared check."""
+    return server.model_id if name == tagged(server.model_id) else name
+
+
+def digest(model) -> str:
+    """A digest of the checkpoint ``model`` holds, stable across loads, which another checkpoint does not
+    share: a hash of its config and of each weight's name, shape, dtype and values at evenly spaced
+    places (read from memory; the weights themselves are not hashed, which takes minutes on the
+    released model)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    sha = hashlib.sha256(json.dumps(asdict(model.config), sort_keys=True, default=str).encode())
+    for name, weight in tree_flatten(model.parameters()):
+        flat = weight.reshape(-1)
+        step = max(1, flat.size // DIGEST_SAMPLES)
+        sample = flat[::step][:DIGEST_SAMPLES]
+        if sample.dtype == mx.bfloat16:  # (numpy has no bfloat16: the same bits as 16-bit integers)
+            sample = sample.view(mx.uint16)
+        sha.update(f"{name} {weight.shape} {weight.dtype}".encode() + np.asarray(sample).tobytes())
+    return sha.hexdigest()
 
 
 def _effort(think) -> str | None:
@@ -177,6 +218,7 @@ class Models:
     """The model as Ollama's ``/api/tags`` and ``/api/show`` describe it."""
 
     def __init__(self, server: Server):
+        import mlx.core as mx
         from mlx.utils import tree_flatten
 
         self.server = server
@@ -200,21 +242,28 @@ class Models:
             if config.image_token_id in with_image:  # the chat template takes images
                 self.capabilities.append("vision")
         self.modified = datetime.fromtimestamp(server.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.name, self.digest = tagged(server.model_id), digest(server.model)
+        on_gpu = mx.default_device() == mx.gpu
+        self.loaded = {"name": self.name, "model": self.name, "size": self.size, "digest": self.digest,
+                       "details": self.details, "expires_at": NEVER, "size_vram": self.size if on_gpu else 0,
+                       "context_length": server.context}
 
     async def tags(self, request: Request):
-        model_id = self.server.model_id
-        return JSONResponse({"models": [{"name": model_id, "model": model_id, "modified_at": self.modified,
-                                         "size": self.size, "details": self.details}]})
+        return JSONResponse({"models": [{"name": self.name, "model": self.name, "modified_at": self.modified,
+                                         "size": self.size, "digest": self.digest, "details": self.details}]})
+
+    async def ps(self, request: Request):
+        """The models in memory: the server's, loaded for as long as it runs."""
+        return JSONResponse({"models": [self.loaded]})
 
     async def show(self, request: Request):
         try:
             body = await self.server.read_body(request)
         except BadRequest as e:
-            return JSONResponse({"error": str(e)}, e.status)
+            return ollama_error(str(e), e.status)
         name = body.get("model", body.get("name"))
         if model_name(self.server, name) != self.server.model_id:
-            return JSONResponse({"error": f"model {json.dumps(name)[:80]} not found; this server serves "
-                                          f"'{self.server.model_id}'"}, 404)
+            return ollama_error(f"model {json.dumps(name)[:80]} not found; this server serves '{self.name}'", 404)
         return JSONResponse({"modelfile": "", "parameters": "", "template": "", "details": self.details,
                              "model_info": self.info, "capabilities": self.capabilities,
                              "modified_at": self.modified})
@@ -240,5 +289,6 @@ def routes(server: Server) -> list[Route]:
         return await server.respond(request, Ollama(server, chat=False))
 
     return [Route("/api/chat", chat, methods=["POST"]), Route("/api/generate", generate, methods=["POST"]),
-            Route("/api/tags", models.tags, methods=["GET"]), Route("/api/show", models.show, methods=["POST"]),
+            Route("/api/tags", models.tags, methods=["GET"]), Route("/api/ps", models.ps, methods=["GET"]),
+            Route("/api/show", models.show, methods=["POST"]),
             Route("/api/version", models.version, methods=["GET"])]

@@ -1,5 +1,5 @@
 """The server's log of requests: at debug level each request as it arrives, its body in outline (long
-text cut, long lists counted), and each refusal with its reason at info level (a failure of the
+text cut, long lists counted), and each refusal with its reason and the field at fault at info level (a failure of the
 server's own at error level), numbered alike, so that what a client such as Open WebUI sends, and
 when, can be read off the log."""
 
@@ -36,9 +36,10 @@ def arrived(number: int, path: str, body: dict) -> None:
         log.debug("#%d %s %s", number, path, json.dumps(outline(body), ensure_ascii=False))
 
 
-def refused(number: int, path: str, status: int, message: str) -> None:
-    """A 4xx (info) or a 5xx, the server's own failure (error)."""
+def refused(number: int, path: str, status: int, message: str, param: str | None = None) -> None:
+    """A 4xx (info) or a 5xx, the server's own failure (error), with the request field at fault."""
+    field = f" ({param})" if param else ""
     if status < 500:
-        log.info("#%d %s refused with %d: %s", number, path, status, message)
+        log.info("#%d %s refused with %d%s: %s", number, path, status, field, message)
     else:
-        log.error("#%d %s failed with %d: %s", number, path, status, message)
+        log.error("#%d %s failed with %d%s: %s", number, path, status, field, message)

@@ -24,7 +24,16 @@ def create_app(server: Server) -> Starlette:
             server.scheduler.stop()
 
     async def not_found(request: Request, exc):
-        return error_response(f"no route {request.method} {request.url.path}", exc.status_code)
+        """A path or method no route takes, in the error shape of the API the path belongs to."""
+        path, status = request.url.path, exc.status_code
+        allowed = (exc.headers or {}).get("Allow") if status == 405 else None
+        message = (f"{path} does not take {request.method}; send {allowed}" if allowed
+                   else f"no route {request.method} {path}")
+        if path.startswith("/api/"):
+            return ollama.ollama_error(message, status)
+        if path.startswith("/v1/messages"):
+            return anthropic.anthropic_error(message, status)
+        return error_response(message, status)
 
     return Starlette(routes=[
         Route("/health", server.health, methods=["GET"]),

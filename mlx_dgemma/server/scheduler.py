@@ -54,12 +54,13 @@ class Usage:
 
 @dataclass
 class Event:
-    """What a request's client gets after a round: new text, and at the end a finish reason and usage."""
+    """What a request's client gets after a round: new text, the usage so far, and at the end a finish
+    reason."""
 
     content: str = ""
     reasoning: str = ""
     finish_reason: str | None = None
-    usage: Usage | None = None
+    usage: Usage | None = None  # (None only on an error)
     error: RequestFailed | None = None
     stop_sequence: str | None = None  # the stop string that ended the answer
 
@@ -254,7 +255,12 @@ class Scheduler:
         if job is None:
             return
         tokens, finish = response.tokens, response.finish_reason  # (the engine cuts them at max_tokens)
-        job.completion_tokens += sum(t != self.tokenizer.pad_token_id for t in tokens)
+        pad = self.tokenizer.pad_token_id
+        job.completion_tokens += sum(t != pad for t in tokens)
+        if finish == "length" and tokens and tokens[-1] == pad:
+            # The text ended before the limit (padding is no part of the answer, nor of its usage): the
+            # client is told the answer is whole, not cut.
+            finish = "stop"
         job.text += response.text
         if finish is not None and job.tail and job.text.endswith(job.tail):
             job.text = job.text[: -len(job.tail)]
@@ -276,13 +282,12 @@ class Scheduler:
         if job.redraft is not None:
             return  # a draft's text is not the answer
         end = len(job.text) if finish else _sendable(job.text, job.stop + job.hold)
-        event = Event(job.text[job.sent:end], reasoning, finish, stop_sequence=stop_sequence)
+        usage = Usage(len(job.request.prompt_ids), job.completion_tokens, job.cached_tokens or 0)
+        event = Event(job.text[job.sent:end], reasoning, finish, usage, stop_sequence=stop_sequence)
         job.sent = max(job.sent, end)
-        if finish is not None:
-            self.finished += 1
-            thought = job.thought
-            event.usage = Usage(len(job.request.prompt_ids), job.completion_tokens, job.cached_tokens or 0,
-                                self.tokenizer.thought_tokens(thought.tokens, thought.stop_ids) if thought else 0)
+        if finish is not None and job.thought is not None:
+            usage.reasoning_tokens = self.tokenizer.thought_tokens(job.thought.tokens, job.thought.stop_ids)
+        self.finished += finish is not None
         self._send(job, event)
 
     def _send(self, job: Job, event: Event) -> None:
