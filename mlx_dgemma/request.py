@@ -86,8 +86,9 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
 
-def check_prompt_fits(ids: list[int], config, max_tokens: int = 1) -> None:
-    """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` takes."""
+def check_prompt_fits(ids: list[int], config, max_tokens: int = 1, name: str = "max_tokens") -> None:
+    """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` (the
+    caller's ``name`` for it) takes."""
     if not ids:
         raise PromptError("the prompt is empty")
     if bad := [i for i in ids if not 0 <= i < config.vocab_size]:
@@ -99,7 +100,7 @@ def check_prompt_fits(ids: list[int], config, max_tokens: int = 1) -> None:
     canvases = -(-max_tokens // canvas)
     if len(ids) + canvases * canvas > context:
         room = (context - len(ids)) // canvas * canvas
-        raise PromptError(f"{max_tokens} max tokens take {canvases} canvases of {canvas} after the {len(ids)}-token "
+        raise PromptError(f"{name} of {max_tokens} takes {canvases} canvases of {canvas} after the {len(ids)}-token "
                           f"prompt, past the model's context of {context} tokens; ask for at most {room}")
 
 

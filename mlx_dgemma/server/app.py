@@ -118,7 +118,9 @@ class Server:
             return api.error_reply(e)
 
     def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
+        _check_text(body)  # (by the field the client sent)
         translated = api.translate(body)
+        api.translated = True
         return None if translated is None else self._job(*translated, max_stop=api.max_stop,
                                                                cap_max_tokens=api.caps_max_tokens)
 
@@ -137,16 +139,18 @@ class Server:
             if len(body) > limit:
                 raise too_big
         try:
-            data = json.loads(body)
+            data = json.loads(body, parse_constant=_NotJson)
         except (ValueError, RecursionError) as e:  # (bad UTF-8, an integer past Python's digit limit, deep nesting)
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise BadRequest("the request body must be a JSON object")
+        for key, value in data.items():  # Python's reader takes NaN and Infinity; a reply that echoes one cannot be written
+            if bad := next((v for v in _leaves(value) if isinstance(v, _NotJson)), None):
+                raise BadRequest(f"{key} holds {bad}, which is not JSON; send a number or null", param=key)
         return data
 
     def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS,
              cap_max_tokens: bool = False) -> tuple[Job, Reply]:
-        _check_text(body)
         _check_supported(body, chat)
         model = body.get("model")
         if model not in (None, self.model_id, "default_model"):
@@ -274,7 +278,8 @@ class Server:
         if not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
             raise BadRequest(f"messages[{index}].content must be a string or a list of text and image_url parts",
                              param="messages")
-        if kinds := {p.get("type") for p in content} - {"text", "image_url"}:
+        if kinds := {p.get("type") if isinstance(p.get("type"), str) else json.dumps(p.get("type"))[:40]
+                     for p in content} - {"text", "image_url"}:
             raise BadRequest(f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; "
                              f"send text or image_url", param="messages")
         if all(p.get("type") == "text" for p in content):
@@ -381,17 +386,25 @@ class Server:
             raise BadRequest("give one of suffix, template and response_format", param="suffix")
         self._check_length(len(suffix), "the suffix", "suffix")
         ids, canvas = job.request.prompt_ids, self.model.config.canvas_length
-        room = max(1, (self.context - len(ids)) // canvas * canvas
-                   - len(self.tokenizer.encode(suffix, add_special_tokens=False)))
+        left = (self.context - len(ids)) // canvas * canvas  # whole canvases after the prompt
+        tail = len(self.tokenizer.encode(suffix, add_special_tokens=False))
+        if tail >= left:
+            raise BadRequest(f"the suffix is {tail} tokens: with a fill before it, it does not fit the {left} "
+                             f"positions the model's context of {self.context} leaves after the {len(ids)}-token "
+                             "prompt", param="suffix", code="context_length_exceeded")
+        room = left - tail
         if max_tokens is None:
             max_tokens = min(self.max_tokens, room)
         elif cap:
             max_tokens = min(max_tokens, room)
-        template = infill_template(self.tokenizer, suffix, max_tokens, canvas)
+        elif max_tokens > room:  # refused before the hole is built: it would take max_tokens positions
+            raise BadRequest(f"max_tokens is {max_tokens}, but the model's context of {self.context} leaves room "
+                             f"for at most {room} before the {tail}-token suffix after the {len(ids)}-token "
+                             "prompt", param="max_tokens", code="context_length_exceeded")
         try:
-            check_template_fits(template, len(ids), self.model.config)
+            template = infill_template(self.tokenizer, suffix, max_tokens, canvas, left)
         except TemplateError as e:
-            raise BadRequest(str(e), param="suffix", code="context_length_exceeded") from None
+            raise BadRequest(str(e), param="suffix") from None
         job.request.template, job.request.max_tokens = template, len(template)
         job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
 
@@ -405,7 +418,7 @@ class Server:
         if cap:
             return min(max_tokens, room)
         try:
-            check_prompt_fits(ids, self.model.config, max_tokens)
+            check_prompt_fits(ids, self.model.config, max_tokens, param)
         except PromptError as e:
             raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
         return max_tokens
@@ -513,17 +526,27 @@ def _check_supported(body: dict, chat: bool) -> None:
             raise BadRequest(f"{key} is not supported by this server; {leave}", param=key)
 
 
-def _strings(value):
-    """Every string in a JSON value, keys included (looked at without recursion: a body may nest deep)."""
+class _NotJson(str):
+    """What Python's JSON reader makes of NaN, Infinity and -Infinity here: their name, to be refused."""
+
+
+def _leaves(value):
+    """Every string, number, bool and null in a JSON value, keys included (looked at without recursion:
+    a body may nest deep)."""
     stack = [value]
     while stack:
         item = stack.pop()
-        if isinstance(item, str):
-            yield item
-        elif isinstance(item, dict):
+        if isinstance(item, dict):
             stack += [*item.keys(), *item.values()]
         elif isinstance(item, list):
             stack += item
+        else:
+            yield item
+
+
+def _strings(value):
+    """Every string in a JSON value, keys included."""
+    return (item for item in _leaves(value) if isinstance(item, str))
 
 
 def _check_text(body: dict) -> None:
