@@ -104,11 +104,11 @@ def check_prompt_fits(ids: list[int], config, max_tokens: int = 1, name: str = "
                           f"prompt, past the model's context of {context} tokens; ask for at most {room}")
 
 
-def check_step_counts(defaults: GenerationConfig, steps, draft_steps, names=("steps", "draft_steps")) -> None:
-    """The caller's denoising and draft steps (None: the plan's) within the checkpoint's ``max_denoising_steps``."""
+def check_step_counts(steps, draft_steps, names=("steps", "draft_steps")) -> None:
+    """The caller's denoising and draft steps (None: the plan's) within ``validate.MAX_STEPS``."""
     for value, name in zip((steps, draft_steps), names):
         if value is not None:
-            check_steps(value, defaults.max_denoising_steps, name)
+            check_steps(value, name)
 
 
 def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
@@ -157,7 +157,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     if template is not None:
         max_tokens = len(template) + template.ends_turn
     overrides = args.sampling.overrides()  # they replace the plan's, and none is dropped
-    check_step_counts(defaults, overrides.get("steps"), args.draft_steps)
+    check_step_counts(overrides.get("steps"), args.draft_steps)
     ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []))
     ids, vision_inputs = image_inputs(model, ids, args.images) if args.images else (ids, {})
     check_prompt_fits(ids, config, max_tokens if template is None else 1)

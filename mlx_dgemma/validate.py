@@ -15,6 +15,8 @@ from .errors import PromptError
 
 MIN_TEMPERATURE = 1e-4  # below it, soft-capped logits / T overflow float32 and the canvas turns to NaN
 SEED_LIMIT = 1 << 64  # mx.random.key takes an unsigned 64-bit seed
+# Denoising steps a canvas may be given: 10x the released checkpoint's 48, each a forward of the decoder.
+MAX_STEPS = 512
 
 
 _SHOWN = reprlib.Repr()
@@ -61,12 +63,11 @@ def finite_number(low: float, high: float | None = None, low_open: bool = False,
     return check
 
 
-def check_steps(value, limit: int, name: str = "steps") -> None:
-    """Denoising steps from 1 to ``limit``, the checkpoint's ``max_denoising_steps``: each step is a forward
-    of the decoder, so an unbounded count is an unbounded request."""
+def check_steps(value, name: str = "steps", limit: int = MAX_STEPS) -> None:
+    """Denoising steps from 1 to ``limit``: each step is a forward of the decoder, so an unbounded count
+    is an unbounded request. The checkpoint's ``max_denoising_steps`` is a default, not this bound."""
     if not is_int(value) or not 1 <= value <= limit:
-        raise ValueError(f"{name} must be an integer from 1 to {limit} (the checkpoint's max_denoising_steps), "
-                         f"got {shown(value)}")
+        raise ValueError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
 
 
 def check_seed(seed, name: str = "seed") -> None:

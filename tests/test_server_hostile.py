@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from mlx_dgemma.server.__main__ import main
+from mlx_dgemma.validate import MAX_STEPS
 
 from .test_server import CONTEXT, MODEL_ID, SORT, chat, demo, health, raw_post, serving, short_context  # noqa: F401
 
@@ -118,11 +119,22 @@ def assert_still_serving(client):
 
 # -- 1. steps ---------------------------------------------------------------------------------------
 
-def test_steps_are_bounded_by_the_checkpoint(server, client):
+def test_steps_are_bounded_by_the_servers_limit(server, client):
     status, error, took = post(server, ask(SORT, steps=1_000_000_000))
     assert status == 400 and error["param"] == "steps" and took < 1
-    assert "from 1 to 24 (the checkpoint's max_denoising_steps)" in error["message"]
+    assert error["message"] == f"steps must be an integer from 1 to {MAX_STEPS}, got 1000000000"
     assert_still_serving(client)
+
+
+def test_max_steps_is_the_servers_not_the_checkpoints(demo):  # noqa: F811
+    """The demo's max_denoising_steps is 24, its default; a server allowing 30 runs 30 and refuses 31."""
+    assert demo[0].generation_config.max_denoising_steps == 24
+    with serving(*demo, max_steps=30) as url:
+        status, reply, _ = post(url, ask(SORT, steps=30, seed=3, max_tokens=8))
+        assert status == 200, reply
+        status, error, _ = post(url, ask(SORT, steps=31))
+        assert status == 400 and error["param"] == "steps"
+        assert error["message"] == "steps must be an integer from 1 to 30, got 31"
 
 
 # -- 2. big images ----------------------------------------------------------------------------------
@@ -270,6 +282,8 @@ def test_schemas_whose_answer_could_not_validate_are_400s(server, client, body, 
     (["--max-image-pixels", "0"], "0 is not in the range x>=1"),
     (["--shutdown-grace", "-1"], "-1.0 is not in the range x>=0"),
     (["--allowed-image-dir", "/nowhere"], "'/nowhere' does not exist"),
+    (["--max-steps", "0"], f"0 is not in the range 1<=x<={MAX_STEPS}"),
+    (["--max-steps", str(MAX_STEPS + 1)], f"{MAX_STEPS + 1} is not in the range 1<=x<={MAX_STEPS}"),
 ])
 def test_bad_server_flags_exit_before_loading(flags, message):
     result = CliRunner().invoke(main, flags)

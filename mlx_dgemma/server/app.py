@@ -64,6 +64,7 @@ class Limits:
     max_images: int = MAX_IMAGES
     max_image_pixels: int = MAX_REQUEST_PIXELS  # a request's images together
     image_dir: str | Path | None = None  # whose regular files an image_url path may name (None: data URLs only)
+    max_steps: int = validate.MAX_STEPS  # denoising steps a request may ask for (at most validate.MAX_STEPS)
 
 
 class Server:
@@ -173,7 +174,7 @@ class Server:
         if policy not in POLICIES:
             raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
         steps, seed = body.get("steps"), body.get("seed")
-        _check(validate.check_steps, steps, self.defaults.max_denoising_steps, "steps")
+        _check(validate.check_steps, steps, "steps", self.limits.max_steps)
         _check(validate.check_seed, seed, "seed")
 
         tools, forced = self._tools(body) if chat else ([], None)
@@ -507,13 +508,13 @@ def _get(body: dict, key: str, kind, default):
     return value
 
 
-def _check(check, value, *args) -> None:
-    """A ``validate`` check of a request's setting (when given): its ValueError is a 400 naming it."""
+def _check(check, value, name: str, *args) -> None:
+    """A ``validate`` check of a request's setting ``name`` (when given): its ValueError is a 400 naming it."""
     if value is not None:
         try:
-            check(value, *args)
+            check(value, name, *args)
         except ValueError as e:
-            raise BadRequest(str(e), param=args[-1]) from None
+            raise BadRequest(str(e), param=name) from None
 
 
 def _check_supported(body: dict, chat: bool) -> None:
