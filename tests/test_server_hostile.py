@@ -426,14 +426,17 @@ def test_hostile_requests_keep_the_servers_memory_bounded(tmp_path, big_png):
     pixels: 48 MiB as RGB, a few copies while converted and resized, ~200 MiB each): 512 MiB holds
     that. The unbounded server decoded every image at full size: 3.4 GB on twelve 7990x7990 PNGs."""
     server = Subprocess(tmp_path, "--max-request-bytes", str(8 << 20))
-    bodies = [ask([image_part(data_url(big_png))] * 12), ask([image_part(data_url(big_png))]),
-              ask([image_part(data_url(png(4096, 4096)))]), ask([image_part(data_url(png(10_000, 10_000)))]),
-              ask(SORT, steps=10**9), ask(SORT, response_format={"type": "json_schema", "json_schema": {
-                  "name": "x", "schema": nested_arrays(19)}}), ask("sort: 1 2 " * 400_000)]
+    chats = [ask([image_part(data_url(big_png))] * 12), ask([image_part(data_url(big_png))]),
+             ask([image_part(data_url(png(4096, 4096)))]), ask([image_part(data_url(png(10_000, 10_000)))]),
+             ask(SORT, steps=10**9), ask(SORT, response_format={"type": "json_schema", "json_schema": {
+                 "name": "x", "schema": nested_arrays(19)}}), ask("sort: 1 2 " * 400_000)]
+    # Infill holes past the context: 150M positions took 2.4 GB before their 400, 10^12 a MemoryError.
+    infills = [{"prompt": "sort: 42 ", "suffix": " 85", "max_tokens": n} for n in (150_000_000, 10**12)]
     try:
-        bodies = [{k: v for k, v in body.items() if k != "model"} for body in bodies]  # (it serves the demo's id)
+        bodies = [("/v1/chat/completions", {k: v for k, v in body.items() if k != "model"}) for body in chats]
+        bodies += [("/v1/completions", body) for body in infills]  # (the server serves the demo's id)
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda body: post(server.url, body, timeout=60), bodies * 3))
+            answers = list(pool.map(lambda job: post(server.url, job[1], job[0], timeout=60), bodies * 3))
         assert all(status == 400 for status, _, _ in answers), answers
         peak = peak_rss(server.process.pid)
         print(f"peak RSS {peak / 2**20:.0f} MiB")
