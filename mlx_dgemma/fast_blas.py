@@ -68,7 +68,8 @@ def _not_loaded(choice: str, reason: str) -> None:
 
 def kernel_family() -> str | None:
     try:
-        flags = set(open("/proc/cpuinfo").read().split())
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
     except OSError:
         return None
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
