@@ -138,10 +138,15 @@ def body_error(reply) -> tuple[str, str | None]:
      "messages[0]: a tool_result's content must be a string or a list of text blocks"),
     ("/v1/messages", {"max_tokens": 8, "system": "\ud800", "messages": [{"role": "user", "content": "hi"}]}, None,
      "system holds text that is not valid Unicode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SORT}], "max_completion_tokens": CONTEXT},
+     "max_completion_tokens", f"max_completion_tokens of {CONTEXT} takes"),
+    ("/v1/messages", {"max_tokens": CONTEXT, "messages": [{"role": "user", "content": SORT}]}, None,
+     f"max_tokens of {CONTEXT} takes"),
     ("/api/generate", {"prompt": 5, "stream": False}, None, "prompt must be a string"),
     ("/api/generate", {"prompt": "x", "system": ["a"], "stream": False}, None, "system must be a string"),
 ], ids=["nan-metadata", "nan-parallel", "inf-user", "call-output-text", "instructions", "anthropic-tool-choice",
-        "tool-result-image", "anthropic-system", "ollama-prompt", "ollama-system"])
+        "tool-result-image", "anthropic-system", "max-completion-tokens", "anthropic-max-tokens", "ollama-prompt",
+        "ollama-system"])
 def test_hostile_fields_are_named_as_the_client_sent_them(server, path, body, param, message):
     # (json.dumps writes NaN, -Infinity and lone surrogates as a hostile client would)
     status, reply = raw_post_timeout(server, path, json.dumps(body).encode(), 10)
