@@ -70,7 +70,8 @@ def test_a_sharded_run_counts_one_ranks_share_of_the_experts(ranks):
     assert weight_bytes(tensors, read_config(DEMO_MODEL), ranks) == parameter_bytes(model)
 
 
-@pytest.mark.parametrize("text", ["9" * 400, "9" * 400 + ".5GB", "0.1", "0", "1e3", "-5GB", "9" * 30 + "TiB"])
+@pytest.mark.parametrize("text", ["9" * 400, "9" * 400 + ".5GB", "0.1", "0", "1e3", "-5GB", "9" * 30 + "TiB"],
+                         ids=["400-nines", "400-nines-GB", "0.1", "0", "1e3", "-5GB", "30-nines-TiB"])
 def test_a_device_memory_that_is_no_size_is_one_line_from_generate_and_the_server(monkeypatch, text):
     monkeypatch.setenv(DEVICE_MEMORY_ENV, text)
     for main, args in ((generate_main, ["--prompt", "hi"]), (server_main, ["--port", "1"])):
