@@ -178,7 +178,8 @@ def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, ma
     least ``max_fill`` tokens that may take several canvases. ``kwargs`` are those of ``stream_generate``."""
     from .template import infill_template
 
-    template = infill_template(tokenizer, suffix, max_fill, model.config.canvas_length)
+    template = infill_template(tokenizer, suffix, max_fill, model.config.canvas_length,
+                               model.config.max_position_embeddings)
     kwargs.setdefault("chat_template", False)
     if isinstance(prefix, str) and not kwargs["chat_template"]:  # an empty or blank prefix is a fine start
         prefix = tokenizer.encode(check_text(prefix, "the prefix"))

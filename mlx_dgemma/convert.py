@@ -379,9 +379,11 @@ _dtype = click.option("--dtype", type=click.Choice(DTYPES), default=None,
 
 
 def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | None, mode: str,
-          dtype: str | None, work_dir: str | None = None, instances: int = 0, seed: int = 0) -> str:
+          dtype: str | None, work_dir: str | None = None, instances: int = 0, seed: int = 0
+          ) -> tuple[str, list[str]]:
     """Convert with every recipe × bit width (a recipe that fixes its bits: once; plus once unquantized)
-    and tabulate the cost of each; ``instances`` > 0 adds the demo tasks' accuracy and steps."""
+    and tabulate the cost of each; ``instances`` > 0 adds the demo tasks' accuracy and steps. Returns
+    the table and a line per trial that failed."""
     src = resolve(hf_path)
     if mode != "affine":
         bits = [MODE_DEFAULTS[mode][1]]
@@ -402,9 +404,10 @@ def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | N
                 convert(str(src), str(dst), dtype=dtype, progress=False, **options)
                 rows.append(measure_recipe(dst, label, reference, probe, instances, seed))
             except Exception as e:  # one recipe the runtime cannot run should not hide the others
-                failures.append(f"{label}: failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+                reason = str(e).split("\n")[0][:200]
+                failures.append(f"{label}: failed ({type(e).__name__}: {reason})")
             mx.clear_cache()
-    return "\n".join([format_table(rows), *failures])
+    return format_table(rows), failures
 
 
 def _int(value: str | None) -> int | None:
@@ -458,10 +461,13 @@ def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir
     """Convert with each recipe and bit width; print logit error, size and load time against the source,
     and the demo tasks' accuracy under diffusion and AR with the denoising steps per canvas."""
     try:
-        click.echo(sweep(hf_path, list(recipes or RECIPES), [int(b) for b in bits or BITS], _int(q_group_size),
-                         q_mode or "affine", dtype, work_dir, instances, seed))
+        table, failures = sweep(hf_path, list(recipes or RECIPES), [int(b) for b in bits or BITS],
+                                _int(q_group_size), q_mode or "affine", dtype, work_dir, instances, seed)
     except _ERRORS as e:
         raise click.ClickException(str(e)) from None
+    click.echo(table)
+    if failures:  # the table holds the trials that ran; a failed one is an error, as a failed conversion is
+        raise click.ClickException(f"{len(failures)} trial{'s' * (len(failures) > 1)} failed; the first: {failures[0]}")
 
 
 @click.command(context_settings=_CONTEXT)

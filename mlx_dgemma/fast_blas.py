@@ -8,6 +8,10 @@ Set MLX_DGEMMA_BLAS=reference to keep the bundled one, or a path to load another
 Debian 12's OpenBLAS (0.3.21) does not recognise recent Xeons and falls back to its Prescott (SSE3)
 kernels: 526 ms for a 256x512x32000 product where its SkylakeX (AVX-512) kernels took 121 ms. Unless
 OPENBLAS_CORETYPE is already set, we ask for the newest mature family the CPU's flags support.
+
+Only a library named in MLX_DGEMMA_BLAS that cannot take effect (missing, not loadable, or named after
+mlx.core was imported) is warned of, once: without OpenBLAS, or with mlx.core imported first, MLX
+keeps the BLAS it has, as nobody asked otherwise.
 """
 
 from __future__ import annotations
@@ -24,30 +28,48 @@ CANDIDATES = (
 )
 
 loaded: str | None = None
+_tried = False  # load() decides once per process: mlx.core is imported right after its first call
 
 
 def load() -> str | None:
     """Load a fast BLAS if one is installed; returns its path (None on macOS or when absent)."""
-    global loaded
-    choice = os.environ.get("MLX_DGEMMA_BLAS", "")
-    if loaded or sys.platform != "linux" or choice == "reference":
+    global loaded, _tried
+    if _tried or sys.platform != "linux":
         return loaded
-    if "mlx.core" in sys.modules and "LD_PRELOAD" not in os.environ:
-        warnings.warn("mlx.core was imported before mlx_dgemma: MLX keeps its slow reference BLAS", stacklevel=3)
+    _tried = True
+    choice = os.environ.get("MLX_DGEMMA_BLAS", "")
+    if choice == "reference":
         return None
-    for path in [choice] if choice else CANDIDATES:
-        if path and os.path.exists(path):
-            if coretype := kernel_family():
-                os.environ.setdefault("OPENBLAS_CORETYPE", coretype)  # read by OpenBLAS when it loads
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            loaded = path
-            break
+    if "mlx.core" in sys.modules:
+        if choice:
+            _not_loaded(choice, "is not loaded: mlx.core was imported before mlx_dgemma (import mlx_dgemma first)")
+        return None
+    if choice and not os.path.isfile(choice):
+        _not_loaded(choice, "is not a file")
+        return None
+    path = choice or next((p for p in CANDIDATES if os.path.exists(p)), None)
+    if path is None:
+        return None
+    if coretype := kernel_family():
+        os.environ.setdefault("OPENBLAS_CORETYPE", coretype)  # read by OpenBLAS when it loads
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        if choice:
+            _not_loaded(choice, f"cannot be loaded ({e})")
+        return None
+    loaded = path
     return loaded
+
+
+def _not_loaded(choice: str, reason: str) -> None:
+    warnings.warn(f"MLX_DGEMMA_BLAS={choice} {reason}: MLX keeps its bundled reference BLAS", stacklevel=3)
 
 
 def kernel_family() -> str | None:
     try:
-        flags = set(open("/proc/cpuinfo").read().split())
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
     except OSError:
         return None
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:

@@ -31,7 +31,6 @@ from .request import (  # noqa: E402
     PreparedRequest,
     answer_text,
     check_prompt_fits,
-    check_step_counts,
     check_template_fits,
     generation_config,
     generation_device,
@@ -42,11 +41,13 @@ from .request import (  # noqa: E402
 )
 from .template import TemplateError, parse_template  # noqa: E402
 from .validate import (  # noqa: E402
+    MAX_STEPS,
     PromptError,
     at_least,
     check_entropy_bound,
     check_request,
     check_seed,
+    check_steps,
     check_temperature,
     check_text,
     decode_utf8,
@@ -67,7 +68,8 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 @click.option("--system-prompt", help="System message for the chat template.")
 @click.option("--max-tokens", "-m", type=int, callback=option(at_least(1)),
               help="Most tokens to print (computed in whole canvases) [default: the checkpoint's max_new_tokens].")
-@click.option("--steps", type=int, callback=option(at_least(1)), help="Most denoising steps per canvas.")
+@click.option("--steps", type=int, callback=option(check_steps),
+              help=f"Most denoising steps per canvas, 1 to {MAX_STEPS} [default: the checkpoint's].")
 @click.option("--entropy-bound", type=float, callback=option(check_entropy_bound),
               help="Entropy bound of the sampler's acceptance (nats).")
 @click.option("--temp-min", type=float, callback=option(check_temperature),
@@ -87,7 +89,7 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
                    "canvas; ar: autoregressive; verified: the decoder drafts, the encoder verifies (AR's output).")
 @click.option("--draft-length", type=int, callback=option(at_least(1)),
               help="verified: canvas positions per draft, the known next token included [default: the policy's].")
-@click.option("--draft-steps", type=int, callback=option(at_least(1)),
+@click.option("--draft-steps", type=int, callback=option(check_steps),
               help="verified: denoising steps per draft [default: the policy's].")
 @click.option("--temp", type=float, callback=option(check_temperature),
               help="ar and verified: sampling temperature [default: 0, greedy].")
@@ -202,7 +204,6 @@ def _generate_cli(flags: dict, group, watchdog):
         check_memory(flags["model"] or DEMO_MODEL, prompt, flags["max_tokens"], group.size() if group else 1)
     dgemma, tokenizer = _load(flags, group, watchdog)
     defaults = generation_config(dgemma, tokenizer)
-    check_step_counts(defaults, flags["steps"], flags["draft_steps"], ("--steps", "--draft-steps"))  # before a draft
     args = generation_args(flags, images)
     limit = dgemma.config.max_position_embeddings
     template = _read_template(tokenizer, flags["template_file"], flags["schema_file"], limit)

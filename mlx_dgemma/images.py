@@ -196,22 +196,24 @@ def open_image(source):
         raise ImageError(f"{name} is over the {MAX_IMAGE_PIXELS} pixels accepted; scale it down first") from None
     except OSError as e:
         raise ImageError(f"cannot read image {name}: {e.strerror or e}") from None
+    except Exception:  # damaged bytes: Pillow's plugins raise ValueError (a text chunk past its bound), struct.error, ...
+        raise ImageError(f"{name} is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)") from None
     _check_size(image, name)
     return image
 
 
 def decode_image(image):
     """An image from ``open_image`` decoded: EXIF orientation applied, RGB."""
-    from PIL import Image, ImageOps
+    from PIL import ImageOps
 
     name = _name(getattr(image, "filename", None) or b"")
     try:
         image.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning, SyntaxError, ValueError):
-        raise ImageError(f"{name} is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)") from None
+        return ImageOps.exif_transpose(image).convert("RGB")  # (EXIF is read from the same hostile bytes)
     except OSError as e:
         raise ImageError(f"cannot read image {name}: {e.strerror or e}") from None
-    return ImageOps.exif_transpose(image).convert("RGB")
+    except Exception:  # as in open_image: whatever a plugin raises on damaged bytes
+        raise ImageError(f"{name} is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)") from None
 
 
 def _name(source) -> str:

@@ -20,6 +20,7 @@ from .config import ConfigError, GenerationConfig, ModelConfig
 from .errors import CheckpointError
 from .images import ImageProcessorConfig
 from .model import DiffusionGemma
+from .safetensors_io import read_header
 from .vision import add_vision_modules, has_vision
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -93,10 +94,11 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_safetensors(path: Path) -> dict[str, mx.array]:
+    read_header(path)  # MLX's own reader takes negative dimensions and words its errors past one line
     try:
         return mx.load(str(path))
     except Exception as e:  # MLX raises a bare ValueError/RuntimeError on a damaged file
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = str(e).split("\n")[0][:120] if str(e) else type(e).__name__
         raise CheckpointError(f"{path.name} is not a readable safetensors file ({reason}); re-download it") from None
 
 

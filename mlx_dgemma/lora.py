@@ -19,6 +19,7 @@ from . import fast_blas
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
 import argparse  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -44,7 +45,7 @@ from .adapters import (  # noqa: E402
 from .cli import check_writable_folder, command_line, write_atomically  # noqa: E402
 from .data import iterate_batches, load_dataset  # noqa: E402
 from .errors import FineTuneError  # noqa: E402
-from .validate import at_least, check_seed, finite_number  # noqa: E402
+from .validate import at_least, check_seed, finite_number, shown  # noqa: E402
 
 EMBEDDINGS = "model.decoder.embed_tokens.weight"
 STALLED = 0.01  # a validation loss that moves less than this fraction between two evaluations has stalled
@@ -148,7 +149,7 @@ def read_options_file(path: str) -> dict:
         raise FineTuneError(f"the config {path} must be a mapping of options (key: value), got a "
                             f"{type(config).__name__}")
     if unknown := sorted(map(str, set(config) - set(CONFIG_DEFAULTS))):
-        raise FineTuneError(f"{path}: unknown option {unknown[0]!r}")
+        raise FineTuneError(f"{path}: unknown option {shown(unknown[0])}")
     return config
 
 
@@ -178,14 +179,14 @@ def _optional(check):
 def _one_of(*choices):
     def check(value, name):
         if value not in choices:
-            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {shown(value)}")
     return check
 
 
 def _of_type(kind, what):
     def check(value, name):
         if not isinstance(value, kind):
-            raise ValueError(f"{name} must be {what}, got {value!r}")
+            raise ValueError(f"{name} must be {what}, got {shown(value)}")
     return check
 
 
@@ -196,30 +197,45 @@ def _count_or_all(value, name):  # -1: every batch, or every layer (whose count 
 
 def _lora_parameters(value, name):
     if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a mapping (rank, dropout, scale), got {value!r}")
+        raise ValueError(f"{name} must be a mapping (rank, dropout, scale), got {shown(value)}")
     if unknown := sorted(map(str, set(value) - {"rank", "dropout", "scale", "keys"})):
-        raise ValueError(f"{name}: unknown key {unknown[0]!r} (rank, dropout, scale, keys)")
+        raise ValueError(f"{name}: unknown key {shown(unknown[0])} (rank, dropout, scale, keys)")
     at_least(1)(value["rank"], f"{name} rank")
     finite_number(0.0, 1.0)(value["dropout"], f"{name} dropout")
     finite_number(-math.inf)(value["scale"], f"{name} scale")
     if "keys" in value and not (isinstance(value["keys"], list) and all(isinstance(k, str) for k in value["keys"])):
-        raise ValueError(f"{name} keys must be a list of module names, got {value['keys']!r}")
+        raise ValueError(f"{name} keys must be a list of module names, got {shown(value['keys'])}")
+
+
+# The schedules an lr_schedule may name: mlx's that take numbers (join_schedules takes schedules).
+SCHEDULES = ("cosine_decay", "exponential_decay", "linear_schedule", "step_decay")
 
 
 def _lr_schedule(value, name):
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
             or not isinstance(value.get("arguments"), list) or not value["arguments"]:
         raise ValueError(f"{name} must be a mapping with a name and arguments, as mlx-lm's "
-                         f"{{name: cosine_decay, arguments: [1.0e-5, 1000], warmup: 100}}; got {value!r}")
+                         f"{{name: cosine_decay, arguments: [1.0e-5, 1000], warmup: 100}}; got {shown(value)}")
     if unknown := sorted(map(str, set(value) - {"name", "arguments", "warmup", "warmup_init"})):
-        raise ValueError(f"{name}: unknown key {unknown[0]!r} (name, arguments, warmup, warmup_init)")
-    if not hasattr(optim.schedulers, value["name"]):
-        raise ValueError(f"{name}: no schedule {value['name']!r} in mlx.optimizers.schedulers")
-    finite_number(0.0, low_open=True)(value["arguments"][0], f"{name} arguments[0] (the peak learning rate)")
-    for i, argument in enumerate(value["arguments"][1:], 1):
+        raise ValueError(f"{name}: unknown key {shown(unknown[0])} (name, arguments, warmup, warmup_init)")
+    if value["name"] not in SCHEDULES:
+        raise ValueError(f"{name}: name must be one of {', '.join(SCHEDULES)} (mlx.optimizers.schedulers), "
+                         f"got {shown(value['name'])}")
+    schedule, arguments = getattr(optim.schedulers, value["name"]), value["arguments"]
+    try:
+        inspect.signature(schedule).bind(*arguments)
+    except TypeError:
+        raise ValueError(f"{name}: {value['name']} takes the arguments {list(inspect.signature(schedule).parameters)}, "
+                         f"got {len(arguments)}") from None
+    finite_number(0.0, low_open=True)(arguments[0], f"{name} arguments[0] (the peak learning rate)")
+    for i, argument in enumerate(arguments[1:], 1):
         finite_number(-math.inf)(argument, f"{name} arguments[{i}]")
     at_least(0)(value.get("warmup", 0), f"{name} warmup")
     finite_number(0.0)(value.get("warmup_init", 0.0), f"{name} warmup_init")
+    try:
+        schedule(*arguments)
+    except ValueError as e:  # (linear_schedule's steps < 1)
+        raise ValueError(f"{name}: {value['name']}{tuple(arguments)}: {e}") from None
 
 
 _TEXT = _optional(_of_type(str, "text"))

@@ -22,6 +22,7 @@ from .errors import CheckpointError, ConfigError, ConversionError, MemoryCheckEr
 from .loader import VISION_KEY, ExpertSlice, map_key, read_config, resolve, weight_files
 from .quantize import GROUP_SIZES, Quantization
 from .safetensors_io import TensorInfo, read_header
+from .validate import shown
 
 DEVICE_MEMORY_ENV = "MLX_DGEMMA_DEVICE_MEMORY"
 IGNORE_FLAG = "--ignore-memory-check"
@@ -31,6 +32,7 @@ IGNORE_FLAG = "--ignore-memory-check"
 LOGIT_COPIES = 4
 KV_CHUNK = 256  # positions a layer's cache grows by (cache.LayerCache.step)
 MEMORY_RECIPES = ("mixed-32gb", "mixed-24gb", "mixed-16gb")  # largest first: the best one that fits is named
+MAX_SIZE = 2.0**63  # bytes: a size past it is a typo, not a device
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -55,9 +57,10 @@ class MemoryNeed:
 def parse_size(text: str, name: str = DEVICE_MEMORY_ENV) -> int:
     """``16GB``, ``24 GiB``, ``512MB`` or a number of bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
-    if not m or float(m[1]) <= 0:
-        raise MemoryCheckError(f"{name}={text!r} is not a memory size; write it like 16GB or 24GiB")
-    return int(float(m[1]) * _UNITS[(m[2] or "").upper()])
+    size = float(m[1]) * _UNITS[(m[2] or "").upper()] if m else 0.0  # (400 nines are inf)
+    if not 1 <= size < MAX_SIZE:
+        raise MemoryCheckError(f"{name}={shown(text)} is not a memory size; write it like 16GB or 24GiB")
+    return int(size)
 
 
 def device_memory() -> tuple[int, str] | None:

@@ -91,8 +91,9 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=think)
 
 
-def check_prompt_fits(ids: list[int], config, max_tokens: int = 1) -> None:
-    """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` takes."""
+def check_prompt_fits(ids: list[int], config, max_tokens: int = 1, name: str = "max_tokens") -> None:
+    """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` (the
+    caller's ``name`` for it) takes."""
     if not ids:
         raise PromptError("the prompt is empty")
     if bad := [i for i in ids if not 0 <= i < config.vocab_size]:
@@ -104,15 +105,15 @@ def check_prompt_fits(ids: list[int], config, max_tokens: int = 1) -> None:
     canvases = -(-max_tokens // canvas)
     if len(ids) + canvases * canvas > context:
         room = (context - len(ids)) // canvas * canvas
-        raise PromptError(f"{max_tokens} max tokens take {canvases} canvases of {canvas} after the {len(ids)}-token "
+        raise PromptError(f"{name} of {max_tokens} takes {canvases} canvases of {canvas} after the {len(ids)}-token "
                           f"prompt, past the model's context of {context} tokens; ask for at most {room}")
 
 
-def check_step_counts(defaults: GenerationConfig, steps, draft_steps, names=("steps", "draft_steps")) -> None:
-    """The caller's denoising and draft steps (None: the plan's) within the checkpoint's ``max_denoising_steps``."""
+def check_step_counts(steps, draft_steps, names=("steps", "draft_steps")) -> None:
+    """The caller's denoising and draft steps (None: the plan's) within ``validate.MAX_STEPS``."""
     for value, name in zip((steps, draft_steps), names):
         if value is not None:
-            check_steps(value, defaults.max_denoising_steps, name)
+            check_steps(value, name)
 
 
 def cut_at_stop(canvas: list[int], stop_ids) -> tuple[list[int], bool]:
@@ -163,7 +164,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     if template is not None:
         max_tokens = len(template) + template.ends_turn
     overrides = args.sampling.overrides()  # they replace the plan's, and none is dropped
-    check_step_counts(defaults, overrides.get("steps"), args.draft_steps)
+    check_step_counts(overrides.get("steps"), args.draft_steps)
     if args.think and (grammar is not None or template is not None and template.render is not None):
         raise ValueError("a JSON answer is laid out from its first token and leaves no room for a "
                          "thought; drop think or the schema")

@@ -67,7 +67,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise damaged("header length points past the end of the file")
         try:
             header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (ValueError, RecursionError):  # (bad UTF-8 or JSON, an integer past Python's digit limit, deep nesting)
             raise damaged("header is not JSON") from None
     if not isinstance(header, dict):
         raise damaged("header is not a JSON object")
@@ -76,19 +76,30 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        try:
-            dtype = _MLX_DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise damaged(f"bad header entry for {key}") from None
+        entry = entry if isinstance(entry, dict) else {}
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (entry.get("dtype") in _MLX_DTYPES and _naturals(shape) and _naturals(offsets) and len(offsets) == 2
+                and offsets[0] <= offsets[1]):
+            raise damaged(f"bad header entry for {key[:80]!r}: it needs a dtype, a shape of whole numbers >= 0 and "
+                          "data_offsets [begin, end]")
+        dtype, shape, (begin, end) = _MLX_DTYPES[entry["dtype"]], tuple(shape), offsets
+        if data_start + end > size:
+            raise damaged(f"{key[:80]!r} ends past the end of the file")
         nbytes = math.prod(shape) * dtype.size
         if end - begin != nbytes:
-            raise damaged(f"{key} spans {end - begin} bytes, its shape {list(shape)} needs {nbytes}")
-        if data_start + end > size:
-            raise damaged(f"{key} ends past the end of the file")
+            raise damaged(f"{key[:80]!r} spans {end - begin} bytes, its shape {_cut(list(shape))} needs {_cut(nbytes)}")
         tensors[key] = TensorInfo(path, dtype, shape, data_start + begin, nbytes)
     return tensors
+
+
+def _cut(value, width: int = 40) -> str:
+    text = str(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _naturals(value) -> bool:
+    """A list of whole numbers >= 0 (JSON's 1.5, true, Infinity and strings are none)."""
+    return isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
 
 
 def read_tensor(info: TensorInfo) -> mx.array:

@@ -176,13 +176,20 @@ def _check_unicode(text: str, what: str) -> None:
                             "which is not text; send UTF-8")
 
 
-def infill_template(tokenizer, suffix: str, max_fill: int, canvas_length: int) -> CanvasTemplate:
-    """A hole of ``max_fill`` tokens or more, then ``suffix`` ending exactly at a canvas end."""
+def infill_template(tokenizer, suffix: str, max_fill: int, canvas_length: int,
+                    limit: int | None = None) -> CanvasTemplate:
+    """A hole of ``max_fill`` tokens or more, then ``suffix`` ending exactly at a canvas end, within
+    ``limit`` positions (the model's context; refused before the hole is built)."""
     if max_fill < 1:
         raise TemplateError(f"max_fill must be at least 1, got {max_fill}")
     _check_unicode(suffix, "the suffix")
     tail = literal_tokens(tokenizer, suffix)
     canvases = -(-(max_fill + len(tail)) // canvas_length)
+    limit = TEMPLATE_LIMIT if limit is None else limit
+    if canvases * canvas_length > limit:
+        raise TemplateError(f"a fill of {max_fill} tokens before the {len(tail)}-token suffix takes {canvases} "
+                            f"canvases of {canvas_length}, past the model's context of {limit} positions; "
+                            f"ask for at most {limit // canvas_length * canvas_length - len(tail)}")
     size = canvases * canvas_length - len(tail)
     return CanvasTemplate([FREE] * size + tail, [(0, Hole(size, where="the fill"))], ends_turn=False)
 

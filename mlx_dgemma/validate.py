@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -14,6 +15,20 @@ from .errors import PromptError
 
 MIN_TEMPERATURE = 1e-4  # below it, soft-capped logits / T overflow float32 and the canvas turns to NaN
 SEED_LIMIT = 1 << 64  # mx.random.key takes an unsigned 64-bit seed
+# Denoising steps a canvas may be given: 10x the released checkpoint's 48, each a forward of the decoder.
+MAX_STEPS = 512
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 60, 60, 40
+_SHOWN.maxlist = _SHOWN.maxdict = _SHOWN.maxtuple = _SHOWN.maxset = 4
+
+
+def shown(value) -> str:
+    """``value`` as an error message shows it: its repr cut to a few items and characters, with work
+    to match (the whole repr of a YAML alias bomb is gigabytes)."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def is_int(value) -> bool:
@@ -23,7 +38,7 @@ def is_int(value) -> bool:
 def at_least(minimum: int) -> Callable[[object, str], None]:
     def check(value, name: str) -> None:
         if not is_int(value):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise ValueError(f"{name} must be an integer, got {shown(value)}")
         if value < minimum:
             raise ValueError(f"{name} must be at least {minimum}, got {value}")
 
@@ -43,29 +58,28 @@ def finite_number(low: float, high: float | None = None, low_open: bool = False,
     def check(value, name: str) -> None:
         if not is_number(value) or not math.isfinite(value) or value < low or (low_open and value == low) \
                 or (high is not None and (value > high or (high_open and value == high))):
-            raise ValueError(f"{name} must be a finite number{bounds}, got {value!r}")
+            raise ValueError(f"{name} must be a finite number{bounds}, got {shown(value)}")
 
     return check
 
 
-def check_steps(value, limit: int, name: str = "steps") -> None:
-    """Denoising steps from 1 to ``limit``, the checkpoint's ``max_denoising_steps``: each step is a forward
-    of the decoder, so an unbounded count is an unbounded request."""
+def check_steps(value, name: str = "steps", limit: int = MAX_STEPS) -> None:
+    """Denoising steps from 1 to ``limit``: each step is a forward of the decoder, so an unbounded count
+    is an unbounded request. The checkpoint's ``max_denoising_steps`` is a default, not this bound."""
     if not is_int(value) or not 1 <= value <= limit:
-        raise ValueError(f"{name} must be an integer from 1 to {limit} (the checkpoint's max_denoising_steps), "
-                         f"got {value!r}")
+        raise ValueError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
 
 
 def check_seed(seed, name: str = "seed") -> None:
     if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"{name} must be an integer from 0 to 2**64 - 1, got {seed!r}")
+        raise ValueError(f"{name} must be an integer from 0 to 2**64 - 1, got {shown(seed)}")
 
 
 def check_temperature(value, name: str) -> None:
     """Finite, and 0 or at least ``MIN_TEMPERATURE`` (NaN, infinities and denormals give NaN canvases)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) \
             or not (value == 0 or value >= MIN_TEMPERATURE):
-        raise ValueError(f"{name} must be 0 or a finite number of at least {MIN_TEMPERATURE:g}, got {value!r}")
+        raise ValueError(f"{name} must be 0 or a finite number of at least {MIN_TEMPERATURE:g}, got {shown(value)}")
 
 
 def check_temperatures(t_min, t_max) -> None:
@@ -78,7 +92,7 @@ def check_temperatures(t_min, t_max) -> None:
 def check_entropy_bound(value, name: str = "entropy bound") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) \
             or not value > 0:
-        raise ValueError(f"{name} must be > 0 and finite (nats), got {value!r}")
+        raise ValueError(f"{name} must be > 0 and finite (nats), got {shown(value)}")
 
 
 def check_text(text: str, what: str) -> str:
@@ -118,7 +132,7 @@ def check_prompt(prompt, name: str = "prompt") -> str | list[int]:
     if not isinstance(prompt, Sequence):
         raise PromptError(f"the {name} must be text (str) or a list of token ids, got {type(prompt).__name__}")
     if bad := [i for i in prompt if not is_int(i)]:
-        raise PromptError(f"the {name}'s token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+        raise PromptError(f"the {name}'s token ids must be integers, got {shown(bad[0])} ({type(bad[0]).__name__})")
     if not prompt:
         raise PromptError(f"the {name} is empty; give the model something to answer")
     return [int(i) for i in prompt]

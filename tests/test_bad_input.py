@@ -615,7 +615,7 @@ def test_generation_past_the_context_is_refused_up_front(demo, monkeypatch):
         next(stream_generate(model, tokenizer, PROMPT, too_many))
     prompt_tokens = len(gen.prompt_ids(tokenizer, PROMPT))
     room = (context - prompt_tokens) // 32 * 32
-    one_line(info.value, f"{too_many} max tokens take {context // 32} canvases of 32 after the {prompt_tokens}-token "
+    one_line(info.value, f"max_tokens of {too_many} takes {context // 32} canvases of 32 after the {prompt_tokens}-token "
              f"prompt", f"past the model's context of {context} tokens; ask for at most {room}")
     one_line_error(run_generate("--prompt", PROMPT, "--max-tokens", str(too_many)), f"ask for at most {room}")
     with pytest.raises(PromptError):

@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tracemalloc
 import zlib
 from pathlib import Path
 
@@ -85,6 +86,16 @@ def test_options_that_would_train_garbage_are_refused(data, tmp_path, flags, mes
     ("lr_schedule: {name: cosine_decay, arguments: [1e-3, 10], warmup: -1}",
      "lr_schedule in {} warmup must be at least 0, got -1"),
     ("- iters: 3", "the config {} must be a mapping of options (key: value), got a list"),
+    ("lr_schedule: {name: cosine_decay, arguments: [1e-3]}",
+     "lr_schedule in {}: cosine_decay takes the arguments ['init', 'decay_steps', 'end'], got 1"),
+    ("lr_schedule: {name: __class__, arguments: [1e-3]}",
+     "lr_schedule in {}: name must be one of cosine_decay, exponential_decay, linear_schedule, step_decay "
+     "(mlx.optimizers.schedulers), got '__class__'"),
+    ("lr_schedule: {name: join_schedules, arguments: [1e-3, 10]}",
+     "lr_schedule in {}: name must be one of cosine_decay, exponential_decay, linear_schedule, step_decay "
+     "(mlx.optimizers.schedulers), got 'join_schedules'"),
+    ("lr_schedule: {name: linear_schedule, arguments: [1e-3, 0.0, -3]}",
+     "lr_schedule in {}: linear_schedule(0.001, 0.0, -3): steps must be greater than 0, but got -3."),
 ])
 def test_config_values_are_checked_as_flags_are(tmp_path, yaml, message):
     config = tmp_path / "config.yaml"
@@ -92,6 +103,24 @@ def test_config_values_are_checked_as_flags_are(tmp_path, yaml, message):
     with pytest.raises(FineTuneError) as info:
         lora.resolve_args(["--train", "-c", str(config)])
     assert str(info.value) == message.format(config)
+
+
+def test_a_yaml_alias_bomb_is_shown_cut(tmp_path):
+    """Seven levels of ten aliases each: ten million strings, 80 MB in its whole repr, from 400 bytes on disk."""
+    levels = ["&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)]
+    config = tmp_path / "bomb.yaml"
+    config.write_text(f"iters: [{', '.join(levels)}]\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(FineTuneError) as info:
+            lora.resolve_args(["--train", "-c", str(config)])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    assert message.startswith(f"iters in {config} must be an integer, got [[") and len(message) - len(str(config)) < 300
+    assert peak < 16 << 20, peak
 
 
 def test_a_partial_lora_parameters_keeps_the_other_defaults(tmp_path):

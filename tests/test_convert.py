@@ -338,6 +338,17 @@ def test_report_lists_every_recipe(src, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_report_with_failed_trials_exits_1_naming_the_first(broken):
+    """A --work-dir inside the source: every trial's destination is refused, so there is nothing to report."""
+    result = CliRunner().invoke(report_command, ["--hf-path", str(broken), "--work-dir", str(broken), "-n", "0",
+                                                 "--q-bits", "4", "--quant-predicate", "uniform"])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().split("\n")
+    assert len(lines) == 1 and lines[0].startswith("Error: 2 trials failed; the first: unquantized (config dtype): "
+                                                   "failed ("), result.stderr
+    assert len(result.stdout.strip().split("\n")) == 2  # the table's header alone
+
+
 def test_report_measures_the_demo_tasks(tmp_path):
     """Accuracy under diffusion (with steps per canvas) and AR: the unquantized row is what the demo
     evaluation gives the same instances; a 2-bit-expert recipe is measured the same way."""

@@ -174,7 +174,7 @@ def test_cli_prompt_options(chat_checkpoint, chat_model, args, prompt_ids_kwargs
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/model"], "is not a folder"),
-    (["--steps", "0"], "--steps must be at least 1"),
+    (["--steps", "0"], "--steps must be an integer from 1 to 512, got 0"),
     (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
     (["--prompt", "x" * 5000], "does not fit the model's context of 4096 tokens"),
     (["--temp-min", "0.9", "--temp-max", "0.5"], "temp-min < temp-max"),

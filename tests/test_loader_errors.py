@@ -2,10 +2,12 @@
 
 import json
 import shutil
+import struct
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
@@ -142,3 +144,47 @@ def test_checkpoint_without_tokenizer_files_loads(checkpoints):
 def test_broken_generation_config(ckpt):
     (ckpt / "generation_config.json").write_text("{ not json")
     assert "generation_config.json is not valid JSON" in load_error(ckpt)
+
+
+# ---- hostile safetensors headers: one line naming the file, from every command that reads them ----
+
+def hostile_header(folder, header: bytes) -> None:
+    header += b" " * (-len(header) % 8)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
+
+
+ENTRY = b'{"w": {"dtype": "F32", "shape": %s, "data_offsets": %s}}'
+HOSTILE_HEADERS = {
+    "deep": b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "infinite-offset": ENTRY % (b"[4]", b"[0, Infinity]"),
+    "infinite-dimension": ENTRY % (b"[Infinity]", b"[0, 16]"),
+    "5000-digit-offset": ENTRY % (b"[4]", b"[0, " + b"9" * 5000 + b"]"),
+    "5000-digit-dimension": ENTRY % (b"[" + b"9" * 4000 + b"]", b"[0, 16]"),
+    "negative-dimensions": ENTRY % (b"[-4, -1]", b"[0, 16]"),
+    "reversed-offsets": ENTRY % (b"[-4, 1]", b"[16, 0]"),
+    "fractional-dimension": ENTRY % (b"[2.5]", b"[0, 10]"),
+    "entry-not-an-object": b'{"w": [1, 2]}',
+}
+
+
+def commands(folder):
+    from mlx_dgemma.convert import sizes_command
+    from mlx_dgemma.generate import main as generate_main
+    from mlx_dgemma.server.__main__ import main as server_main
+
+    return {"convert sizes": (sizes_command, ["--hf-path", str(folder)]),
+            "generate": (generate_main, ["--model", str(folder), "--prompt", "hi"]),
+            "generate --ignore-memory-check": (generate_main, ["--model", str(folder), "--prompt", "hi",
+                                                               "--ignore-memory-check"]),
+            "server": (server_main, ["--model", str(folder), "--port", "1"])}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_HEADERS))
+def test_a_hostile_header_is_one_line_naming_the_file(ckpt, name):
+    hostile_header(ckpt, HOSTILE_HEADERS[name])
+    for command, (main, args) in commands(ckpt).items():
+        result = CliRunner().invoke(main, args)
+        lines = result.output.strip().split("\n")
+        assert result.exit_code == 1 and len(lines) == 1, (command, result.output[-2000:], result.exception)
+        assert lines[0].startswith("Error: model.safetensors is not a readable safetensors file") \
+            and len(lines[0]) < 300, (command, lines[0][:400])

@@ -70,6 +70,18 @@ def test_a_sharded_run_counts_one_ranks_share_of_the_experts(ranks):
     assert weight_bytes(tensors, read_config(DEMO_MODEL), ranks) == parameter_bytes(model)
 
 
+@pytest.mark.parametrize("text", ["9" * 400, "9" * 400 + ".5GB", "0.1", "0", "1e3", "-5GB", "9" * 30 + "TiB"],
+                         ids=["400-nines", "400-nines-GB", "0.1", "0", "1e3", "-5GB", "30-nines-TiB"])
+def test_a_device_memory_that_is_no_size_is_one_line_from_generate_and_the_server(monkeypatch, text):
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, text)
+    for main, args in ((generate_main, ["--prompt", "hi"]), (server_main, ["--port", "1"])):
+        result = CliRunner().invoke(main, args)
+        lines = result.output.strip().split("\n")
+        assert result.exit_code == 1 and len(lines) == 1 and len(lines[0]) < 200, (result.output[-300:], result.exception)
+        assert lines[0].startswith(f"Error: {DEVICE_MEMORY_ENV}=") and lines[0].endswith(
+            "is not a memory size; write it like 16GB or 24GiB"), lines[0]
+
+
 def test_device_memory_from_the_environment(monkeypatch):
     for text, expected in [("16GB", 16 * 10**9), ("24 GiB", 24 * 2**30), ("512mb", 512 * 10**6), ("4096", 4096)]:
         monkeypatch.setenv(DEVICE_MEMORY_ENV, text)

@@ -455,6 +455,9 @@ def test_suffix_fills_the_middle_as_infill_does(ollama_client, openai_client, de
 def test_suffix_errors(openai_client, ollama_client):
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=" 85", max_tokens=CONTEXT)
+    assert caught.value.body["param"] == "max_tokens" and caught.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=" 85" * CONTEXT)
     assert caught.value.body["param"] == "suffix" and caught.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=" 85",

@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from mlx_dgemma.server.__main__ import main
+from mlx_dgemma.validate import MAX_STEPS
 
 from .test_server import CONTEXT, MODEL_ID, SORT, chat, demo, health, raw_post, serving, short_context  # noqa: F401
 
@@ -119,11 +120,22 @@ def assert_still_serving(client):
 
 # -- 1. steps ---------------------------------------------------------------------------------------
 
-def test_steps_are_bounded_by_the_checkpoint(server, client):
+def test_steps_are_bounded_by_the_servers_limit(server, client):
     status, error, took = post(server, ask(SORT, steps=1_000_000_000))
     assert status == 400 and error["param"] == "steps" and took < 1
-    assert "from 1 to 24 (the checkpoint's max_denoising_steps)" in error["message"]
+    assert error["message"] == f"steps must be an integer from 1 to {MAX_STEPS}, got 1000000000"
     assert_still_serving(client)
+
+
+def test_max_steps_is_the_servers_not_the_checkpoints(demo):  # noqa: F811
+    """The demo's max_denoising_steps is 24, its default; a server allowing 30 runs 30 and refuses 31."""
+    assert demo[0].generation_config.max_denoising_steps == 24
+    with serving(*demo, max_steps=30) as url:
+        status, reply, _ = post(url, ask(SORT, steps=30, seed=3, max_tokens=8))
+        assert status == 200, reply
+        status, error, _ = post(url, ask(SORT, steps=31))
+        assert status == 400 and error["param"] == "steps"
+        assert error["message"] == "steps must be an integer from 1 to 30, got 31"
 
 
 # -- 2. big images ----------------------------------------------------------------------------------
@@ -286,6 +298,8 @@ def test_schemas_no_canvas_template_takes_are_answered_by_their_grammar(server, 
     (["--max-image-pixels", "0"], "0 is not in the range x>=1"),
     (["--shutdown-grace", "-1"], "-1.0 is not in the range x>=0"),
     (["--allowed-image-dir", "/nowhere"], "'/nowhere' does not exist"),
+    (["--max-steps", "0"], f"0 is not in the range 1<=x<={MAX_STEPS}"),
+    (["--max-steps", str(MAX_STEPS + 1)], f"{MAX_STEPS + 1} is not in the range 1<=x<={MAX_STEPS}"),
 ])
 def test_bad_server_flags_exit_before_loading(flags, message):
     result = CliRunner().invoke(main, flags)
@@ -428,14 +442,17 @@ def test_hostile_requests_keep_the_servers_memory_bounded(tmp_path, big_png):
     pixels: 48 MiB as RGB, a few copies while converted and resized, ~200 MiB each): 512 MiB holds
     that. The unbounded server decoded every image at full size: 3.4 GB on twelve 7990x7990 PNGs."""
     server = Subprocess(tmp_path, "--max-request-bytes", str(8 << 20))
-    bodies = [ask([image_part(data_url(big_png))] * 12), ask([image_part(data_url(big_png))]),
-              ask([image_part(data_url(png(4096, 4096)))]), ask([image_part(data_url(png(10_000, 10_000)))]),
-              ask(SORT, steps=10**9), ask(SORT, response_format={"type": "json_schema", "json_schema": {
-                  "name": "x", "schema": nested_arrays(19)}}), ask("sort: 1 2 " * 400_000)]
+    chats = [ask([image_part(data_url(big_png))] * 12), ask([image_part(data_url(big_png))]),
+             ask([image_part(data_url(png(4096, 4096)))]), ask([image_part(data_url(png(10_000, 10_000)))]),
+             ask(SORT, steps=10**9), ask(SORT, response_format={"type": "json_schema", "json_schema": {
+                 "name": "x", "schema": nested_arrays(19)}}), ask("sort: 1 2 " * 400_000)]
+    # Infill holes past the context: 150M positions took 2.4 GB before their 400, 10^12 a MemoryError.
+    infills = [{"prompt": "sort: 42 ", "suffix": " 85", "max_tokens": n} for n in (150_000_000, 10**12)]
     try:
-        bodies = [{k: v for k, v in body.items() if k != "model"} for body in bodies]  # (it serves the demo's id)
+        bodies = [("/v1/chat/completions", {k: v for k, v in body.items() if k != "model"}) for body in chats]
+        bodies += [("/v1/completions", body) for body in infills]  # (the server serves the demo's id)
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda body: post(server.url, body, timeout=60), bodies * 3))
+            answers = list(pool.map(lambda job: post(server.url, job[1], job[0], timeout=60), bodies * 3))
         assert all(status == 400 for status, _, _ in answers), answers
         peak = peak_rss(server.process.pid)
         print(f"peak RSS {peak / 2**20:.0f} MiB")

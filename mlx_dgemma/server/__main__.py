@@ -13,6 +13,7 @@ import click
 
 from ..demo import DEMO_MODEL
 from ..options import PREFILL_STEP_SIZE
+from ..validate import MAX_STEPS
 from .app import MAX_IMAGES, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS
 
 SHUTDOWN_GRACE = 3.0  # seconds requests in flight get to finish after SIGTERM
@@ -25,6 +26,8 @@ POSITIVE = click.IntRange(min=1)
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
 @click.option("--max-tokens", type=POSITIVE,
               help="Default max_tokens of a request [default: the checkpoint's max_new_tokens].")
+@click.option("--max-steps", default=MAX_STEPS, show_default=True, type=click.IntRange(1, MAX_STEPS),
+              help="Most denoising steps a request may ask for (each is a forward of the decoder).")
 @click.option("--prompt-cache-size", default=10, show_default=True, type=click.IntRange(min=0),
               help="Prompt KV caches kept for reuse (least recently used dropped first).")
 @click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True, type=POSITIVE,
@@ -46,7 +49,7 @@ POSITIVE = click.IntRange(min=1)
                    "field behind it, debug each request's body in outline as it arrives.")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
                                                           "answer's KV cache need more memory than the device can give.")
-def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,
+def main(model, host, port, max_tokens, max_steps, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,
          max_image_pixels, allowed_image_dir, shutdown_grace, log_level, ignore_memory_check):
     """Serve a DiffusionGemma model over OpenAI's (chat, completions, Responses), Anthropic's and Ollama's APIs."""
     import uvicorn
@@ -65,7 +68,7 @@ def main(model, host, port, max_tokens, prompt_cache_size, prefill_step_size, ma
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     scheduler = Scheduler(dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size)
-    limits = Limits(max_tokens, max_request_bytes, max_images, max_image_pixels, allowed_image_dir)
+    limits = Limits(max_tokens, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, max_steps)
     server = Server(dgemma, tokenizer, model or "mlx-dgemma-demo", scheduler, limits)
 
     class Uvicorn(uvicorn.Server):

@@ -198,7 +198,7 @@ def _messages(message, index: int) -> list:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_result":
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": _text(block.get("content") or "", f"messages[{index}]")})
+                            "content": _text(block.get("content") or "", f"messages[{index}]: a tool_result's content")})
         elif kind == "tool_use":
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
@@ -239,6 +239,9 @@ def _tool_choice(choice):
     kind = choice.get("type")
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
+    if kind not in ("auto", "any", "none"):
+        raise BadRequest(f'tool_choice type must be "auto", "any", "tool" or "none", got {json.dumps(kind)[:40]}',
+                         param="tool_choice")
     return {"any": "required"}.get(kind, kind)
 
 

@@ -79,6 +79,7 @@ class Api:
         # What the API calls each chat message ("messages[2]", "input[0]"; None: the system prompt it
         # became), when that is not the chat message's own index.
         self.origins: list[str | None] | None = None
+        self.translated = False  # set once ``translate`` returned: errors before that already use this API's names
 
     def translate(self, body: dict) -> tuple[dict, bool] | None:
         raise NotImplementedError
@@ -97,6 +98,8 @@ class Api:
 
     def renamed(self, e: BadRequest) -> BadRequest:
         """``e`` with this API's field names (and its own message indices)."""
+        if not self.translated:
+            return e
         message, param = str(e), e.param
         if self.origins is not None and param == "messages":
             message = re.sub(r"messages\[(\d+)\]", lambda m: self._message_name(int(m.group(1))), message)

@@ -35,7 +35,6 @@ from ..request import (
     PromptError,
     check_closing_fits,
     check_prompt_fits,
-    check_template_fits,
     generation_config,
 )
 from ..template import TemplateError, infill_template
@@ -43,7 +42,7 @@ from ..tool_calls import CALL_OPEN, parse_tool_calls
 from ..vision import has_vision
 from . import reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
-from .layout import answer_layout, strings, typed
+from .layout import answer_layout, leaves, strings, typed
 from .scheduler import Event, Job, Scheduler
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
@@ -68,6 +67,7 @@ class Limits:
     max_images: int = MAX_IMAGES
     max_image_pixels: int = MAX_REQUEST_PIXELS  # a request's images together
     image_dir: str | Path | None = None  # whose regular files an image_url path may name (None: data URLs only)
+    max_steps: int = validate.MAX_STEPS  # denoising steps a request may ask for (at most validate.MAX_STEPS)
 
 
 class Server:
@@ -149,7 +149,9 @@ class Server:
                              f"'{self.model_id}'", param="model", code="model_not_found", status=404)
 
     def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
+        _check_text(body)  # (by the field the client sent)
         translated = api.translate(body)
+        api.translated = True
         return None if translated is None else self._job(*translated, max_stop=api.max_stop,
                                                                cap_max_tokens=api.caps_max_tokens)
 
@@ -168,16 +170,18 @@ class Server:
             if len(body) > limit:
                 raise too_big
         try:
-            data = json.loads(body)
+            data = json.loads(body, parse_constant=_NotJson)
         except (ValueError, RecursionError) as e:  # (bad UTF-8, an integer past Python's digit limit, deep nesting)
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise BadRequest("the request body must be a JSON object")
+        for key, value in data.items():  # Python's reader takes NaN and Infinity; a reply that echoes one cannot be written
+            if bad := next((v for v in leaves(value) if isinstance(v, _NotJson)), None):
+                raise BadRequest(f"{key} holds {bad}, which is not JSON; send a number or null", param=key)
         return data
 
     def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS,
              cap_max_tokens: bool = False) -> tuple[Job, Reply]:
-        _check_text(body)
         _check_supported(body, chat)
         self._check_model(body.get("model"))
         stream = typed(body, "stream", bool, False)
@@ -197,7 +201,7 @@ class Server:
         if policy not in POLICIES:
             raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
         steps, seed = body.get("steps"), body.get("seed")
-        _check(validate.check_steps, steps, self.defaults.max_denoising_steps, "steps")
+        _check(validate.check_steps, steps, "steps", self.limits.max_steps)
         _check(validate.check_seed, seed, "seed")
 
         tools, forced = self._tools(body) if chat else ([], None)
@@ -313,7 +317,8 @@ class Server:
         if not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
             raise BadRequest(f"messages[{index}].content must be a string or a list of text and image_url parts",
                              param="messages")
-        if kinds := {p.get("type") for p in content} - {"text", "image_url"}:
+        if kinds := {p.get("type") if isinstance(p.get("type"), str) else json.dumps(p.get("type"))[:40]
+                     for p in content} - {"text", "image_url"}:
             raise BadRequest(f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; "
                              f"send text or image_url", param="messages")
         if all(p.get("type") == "text" for p in content):
@@ -379,17 +384,25 @@ class Server:
             raise BadRequest("give one of suffix, template and response_format", param="suffix")
         self._check_length(len(suffix), "the suffix", "suffix")
         ids, canvas = job.request.prompt_ids, self.model.config.canvas_length
-        room = max(1, (self.context - len(ids)) // canvas * canvas
-                   - len(self.tokenizer.encode(suffix, add_special_tokens=False)))
+        left = (self.context - len(ids)) // canvas * canvas  # whole canvases after the prompt
+        tail = len(self.tokenizer.encode(suffix, add_special_tokens=False))
+        if tail >= left:
+            raise BadRequest(f"the suffix is {tail} tokens: with a fill before it, it does not fit the {left} "
+                             f"positions the model's context of {self.context} leaves after the {len(ids)}-token "
+                             "prompt", param="suffix", code="context_length_exceeded")
+        room = left - tail
         if max_tokens is None:
             max_tokens = min(self.max_tokens, room)
         elif cap:
             max_tokens = min(max_tokens, room)
-        template = infill_template(self.tokenizer, suffix, max_tokens, canvas)
+        elif max_tokens > room:  # refused before the hole is built: it would take max_tokens positions
+            raise BadRequest(f"max_tokens is {max_tokens}, but the model's context of {self.context} leaves room "
+                             f"for at most {room} before the {tail}-token suffix after the {len(ids)}-token "
+                             "prompt", param="max_tokens", code="context_length_exceeded")
         try:
-            check_template_fits(template, len(ids), self.model.config)
+            template = infill_template(self.tokenizer, suffix, max_tokens, canvas, left)
         except TemplateError as e:
-            raise BadRequest(str(e), param="suffix", code="context_length_exceeded") from None
+            raise BadRequest(str(e), param="suffix") from None
         job.request.template, job.request.max_tokens = template, len(template)
         job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
 
@@ -403,7 +416,7 @@ class Server:
         if cap:
             return min(max_tokens, room)
         try:
-            check_prompt_fits(ids, self.model.config, max_tokens)
+            check_prompt_fits(ids, self.model.config, max_tokens, param)
         except PromptError as e:
             raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
         return max_tokens
@@ -488,13 +501,13 @@ async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.2
                 return None
 
 
-def _check(check, value, *args) -> None:
-    """A ``validate`` check of a request's setting (when given): its ValueError is a 400 naming it."""
+def _check(check, value, name: str, *args) -> None:
+    """A ``validate`` check of a request's setting ``name`` (when given): its ValueError is a 400 naming it."""
     if value is not None:
         try:
-            check(value, *args)
+            check(value, name, *args)
         except ValueError as e:
-            raise BadRequest(str(e), param=args[-1]) from None
+            raise BadRequest(str(e), param=name) from None
 
 
 def _check_supported(body: dict, chat: bool) -> None:
@@ -505,6 +518,10 @@ def _check_supported(body: dict, chat: bool) -> None:
         if value is not None and not (value == off and isinstance(value, bool) == isinstance(off, bool)):
             leave = "leave it out" if off is None else f"leave it out or send {json.dumps(off)}"
             raise BadRequest(f"{key} is not supported by this server; {leave}", param=key)
+
+
+class _NotJson(str):
+    """What Python's JSON reader makes of NaN, Infinity and -Infinity here: their name, to be refused."""
 
 
 def _check_text(body: dict) -> None:

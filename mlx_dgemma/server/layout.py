@@ -81,17 +81,23 @@ def _fits(server, job: Job, template, param: str):
     return template
 
 
-def strings(value):
-    """Every string in a JSON value, keys included (looked at without recursion: a body may nest deep)."""
+def leaves(value):
+    """Every string, number, bool and null in a JSON value, keys included (looked at without recursion:
+    a body may nest deep)."""
     stack = [value]
     while stack:
         item = stack.pop()
-        if isinstance(item, str):
-            yield item
-        elif isinstance(item, dict):
+        if isinstance(item, dict):
             stack += [*item.keys(), *item.values()]
         elif isinstance(item, list):
             stack += item
+        else:
+            yield item
+
+
+def strings(value):
+    """Every string in a JSON value, keys included."""
+    return (item for item in leaves(value) if isinstance(item, str))
 
 
 def _arguments_or_none(text: str):

@@ -67,6 +67,9 @@ class Ollama(Api):
         for key in ("template", "context"):
             if body.get(key):
                 raise BadRequest(f"{key} is not supported by this server; leave it out", param=key)
+        for key in ("prompt", "suffix", "system"):
+            if not isinstance(body.get(key, ""), (str, type(None))):
+                raise BadRequest(f"{key} must be a string", param=key)
         prompt, suffix, images = body.get("prompt"), body.get("suffix"), body.get("images")
         if images and (suffix or body.get("raw")):
             raise BadRequest("images go through the chat template: leave out suffix and raw", param="images")

@@ -209,7 +209,10 @@ def _message(item, index: int) -> dict | None:
     if kind == "function_call_output":
         output = item.get("output")
         if isinstance(output, list):
-            output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in output):
+                raise BadRequest(f"input[{index}].output must be a string or a list of parts "
+                                 '{"type": "input_text", "text": "..."}', param="input")
+            output = "".join(p.get("text", "") for p in output)
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
     if kind == "reasoning":
         return None
