@@ -37,6 +37,7 @@ import mlx.core as mx  # noqa: E402
 from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
 from .denoise import new_run, step_batch, step_compacted  # noqa: E402
+from .filters import sampling_probs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
 from .policy import Plan  # noqa: E402
 from .request import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
@@ -285,9 +286,7 @@ class BatchGenerator:
 
     def _choose(self, row: _Row) -> None:
         """An auto row that goes on: its next plan, from what the planner knows by now."""
-        planner = row.planner
-        planner.sampling = bool(row.temperature)  # (the planner is the model's, shared by its rows)
-        row.plan = planner.choose(row.remaining, row.job.overrides, row.emitted, row.job.ids)
+        row.plan = row.planner.choose(row.remaining, row.job.overrides, row.emitted, row.job.ids)
 
     # -- emitting -------------------------------------------------------------------------------
 
@@ -480,7 +479,8 @@ class BatchGenerator:
         job = row.job
         row.rule = (drafting.TemplateRule(job.template, self.tokenizer, self.model.config.vocab_size, job.end_of_turn)
                     if job.template is not None
-                    else drafting.SampledRule(job.stop_ids, row.remaining, row.temperature, job.rng) if row.temperature
+                    else drafting.SampledRule(job.stop_ids, row.remaining, row.temperature, job.rng,
+                                              row.plan.settings.filters) if row.temperature
                     else drafting.GreedyRule(job.stop_ids, row.remaining))
         _, row.known = row.rule.follow(row.logits, [])
         row.first, row.leftover = row.rule.output[:], []
@@ -542,15 +542,16 @@ def _wants_logits(row: _Row) -> bool:
     return row.plan.mode != "diffusion" or row.planner is not None
 
 
-def next_token(logits: mx.array, temperature: float, rng) -> mx.array:
-    """The token [1, 1] after ``logits`` [1, V], lazily: greedy, or drawn through ``rng`` at ``temperature``."""
+def next_token(logits: mx.array, temperature: float, rng, filters: tuple = ()) -> mx.array:
+    """The token [1, 1] after ``logits`` [1, V], lazily: greedy, or drawn through ``rng`` at ``temperature``
+    through the ``filters`` (top_p, top_k, min_p: ``filters.sampling_probs``)."""
     if temperature:
-        return rng.categorical(drafting.tempered_probs(logits, temperature))[:, None]
+        return rng.categorical(sampling_probs(logits, temperature, *filters))[:, None]
     return logits.argmax(-1, keepdims=True).astype(mx.int32)
 
 
 def _pick(row: _Row, logits: mx.array) -> mx.array:
-    return next_token(logits, row.temperature, row.job.rng)
+    return next_token(logits, row.temperature, row.job.rng, row.plan.settings.filters)
 
 
 def _ends(row: _Row) -> bool:

@@ -24,8 +24,9 @@ import click  # noqa: E402
 from .api import GenerationResponse, drafted_json_template, generate, infill, statistics, stream_generate  # noqa: E402
 from .cli import command_line  # noqa: E402
 from .demo import DEMO_MODEL  # noqa: E402
+from .filters import check_min_p, check_top_k, check_top_p  # noqa: E402
 from .images import load_image  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_schedule_scale  # noqa: E402
 from .policy import POLICIES, Plan  # noqa: E402
 from .request import (  # noqa: E402
     PreparedRequest,
@@ -86,8 +87,14 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
               help="verified: canvas positions per draft, the known next token included [default: the policy's].")
 @click.option("--draft-steps", type=int, callback=option(at_least(1)),
               help="verified: denoising steps per draft [default: the policy's].")
-@click.option("--temp", type=float, callback=option(check_temperature),
-              help="ar and verified: sampling temperature [default: 0, greedy].")
+@click.option("--temp", "temperature", type=float, callback=option(check_temperature),
+              help="Sampling temperature: ar and verified draw tokens at it [default: 0, greedy]; diffusion draws "
+                   "each position at it times the schedule's temperature [default: 1, the schedule's; 0: greedy].")
+@click.option("--top-p", type=float, callback=option(check_top_p), help="Sampling top-p [default: 1, off].")
+@click.option("--min-p", type=float, callback=option(check_min_p), help="Sampling min-p [default: 0, off].")
+@click.option("--top-k", type=int, callback=option(check_top_k), help="Sampling top-k [default: 0, off].")
+@click.option("--schedule-scale", type=float, callback=option(check_schedule_scale),
+              help="Factor on the denoising temperature schedule (--temp-min/--temp-max or the checkpoint's).")
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
@@ -151,7 +158,8 @@ def _plan_key(plan: Plan) -> tuple:
 def generation_args(flags: dict, images: list | None) -> GenerationArgs:
     """The flags as the API's options."""
     sampling = SamplingArgs(flags["steps"], flags["entropy_bound"], flags["temp_min"], flags["temp_max"],
-                            temperature=flags["temp"])
+                            temperature=flags["temperature"], top_p=flags["top_p"], top_k=flags["top_k"],
+                            min_p=flags["min_p"], schedule_scale=flags["schedule_scale"])
     return GenerationArgs(flags["max_tokens"], flags["seed"], system_prompt=flags["system_prompt"],
                           chat_template=not flags["ignore_chat_template"], policy=flags["policy"], images=images,
                           draft_length=flags["draft_length"], draft_steps=flags["draft_steps"], sampling=sampling,

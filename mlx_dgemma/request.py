@@ -18,6 +18,7 @@ import mlx.core as mx  # noqa: E402
 
 from .config import GenerationConfig  # noqa: E402
 from .drafting import DraftSettings  # noqa: E402
+from .filters import filtering  # noqa: E402
 from .images import image_inputs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
@@ -155,18 +156,16 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     if template is not None:
         max_tokens = len(template) + template.ends_turn
-    overrides = args.sampling.overrides()  # they replace the plan's, and none is dropped
+    overrides = args.sampling.overrides(defaults)  # they replace the plan's, and none is dropped
     check_step_counts(defaults, overrides.get("steps"), args.draft_steps)
     ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []))
     ids, vision_inputs = image_inputs(model, ids, args.images) if args.images else (ids, {})
     check_prompt_fits(ids, config, max_tokens if template is None else 1)
     temperature = args.sampling.temperature or 0.0
     planner, acceptance, plan = _plan(model, defaults, args, template, max_tokens, overrides, ids)
-    if temperature and plan.mode == "diffusion":
-        raise ValueError("a temperature applies to autoregressive and verified decoding; "
-                         "diffusion takes --temp-min/--temp-max")
-    if temperature and template is not None:
-        raise ValueError("templates decode greedily; drop the temperature")
+    if template is not None and plan.mode != "diffusion" and (temperature or filtering(*plan.settings.filters)):
+        raise ValueError(f"templates decode greedily under {plan.policy}; drop the temperature and the filters, "
+                         "or take a diffusion policy")
     if plan.mode == "verified":
         DraftSettings(plan.draft_length, plan.draft_steps, temperature).check(config.canvas_length)
     rng = MxRandom(args.seed) if args.rng is None else args.rng
@@ -188,7 +187,6 @@ def _plan(model, defaults: GenerationConfig, args: GenerationArgs, template, max
     if policy == "auto" and template is None:
         planner = (AutoPlanner(defaults, model.config.canvas_length, profile, args.expected_steps)
                    if args.expected_steps else auto_planner(model, defaults, profile))
-        planner.sampling = bool(args.sampling.temperature)  # a temperature is for ar and verified only
         return planner, None, planner.choose(max_tokens, overrides, prompt=ids)  # from answers to prompts like it
     acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
     plan = make_plan(policy, defaults, model.config.canvas_length, max_tokens, profile, args.expected_steps,
