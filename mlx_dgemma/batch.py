@@ -38,34 +38,13 @@ from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
 from .denoise import new_run, step_batch, step_compacted  # noqa: E402
 from .filters import sampling_probs  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
+from .images import images_after  # noqa: E402
+from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import Plan  # noqa: E402
 from .request import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
 from .sampler import CanvasRun, Draft, RunBatch  # noqa: E402
-from .template import CanvasTemplate  # noqa: E402
 
 AR_BLOCK_MIN = 4  # tokens an auto row decodes autoregressively before it chooses again
-
-
-@dataclass
-class BatchRequest:
-    """One prompt for ``BatchGenerator`` (token ids, the chat template already applied)."""
-
-    prompt_ids: list[int]
-    max_tokens: int | None = None
-    seed: int | None = None
-    policy: str = "reference"
-    steps: int | None = None
-    temp_min: float | None = None
-    temp_max: float | None = None
-    template: CanvasTemplate | None = None
-    temperature: float | None = None  # ar and verified sampling (0 or None: greedy)
-    # One row (model.make_cache()) already holding prompt_ids[:cache.offset], a prefix kept by a
-    # server's prompt cache: only the rest of the prompt is encoded.
-    cache: object = None
-    # Called with a one-row cache holding the prompt once the engine has encoded it (a server's prompt
-    # cache keeps a copy); generation goes on appending to that cache.
-    on_prefilled: Callable[[object], None] | None = None
 
 
 @dataclass
@@ -196,17 +175,13 @@ class BatchGenerator:
     def __len__(self) -> int:
         return len(self._pending) + len(self._diffusion) + len(self._ar.rows) + len(self._verifying)
 
-    def insert(self, request: BatchRequest) -> int:
-        sampling = SamplingArgs(request.steps, temp_min=request.temp_min, temp_max=request.temp_max,
-                                temperature=request.temperature)
-        args = GenerationArgs(request.max_tokens, request.seed, policy=request.policy, template=request.template,
-                              sampling=sampling)
-        return self.insert_prepared(prepare(self.model, self.tokenizer, list(request.prompt_ids), args),
-                                    request.cache, request.on_prefilled)
-
-    def insert_prepared(self, job: PreparedRequest, cache=None, on_prefilled=None, on_step=None) -> int:
-        """Queue a request ``prepare`` made ready (``cache``, ``on_prefilled``: as ``BatchRequest``'s;
-        ``on_step``: called with each denoising step's draft)."""
+    def insert(self, job: PreparedRequest, cache=None, on_prefilled: Callable[[object], None] | None = None,
+               on_step: Callable[[Draft], None] | None = None) -> int:
+        """Queue a request ``prepare`` made ready. ``cache``: one row (``model.make_cache()``) already
+        holding ``job.ids[:cache.offset]`` (a prefix a server's prompt cache kept, whole images
+        included): only the rest of the prompt is encoded. ``on_prefilled`` is called with the row's
+        cache once the prompt is in it (generation goes on appending to it); ``on_step`` with each
+        denoising step's draft."""
         if cache is not None and cache.offset >= len(job.ids):
             raise ValueError(f"the prompt cache holds {cache.offset} ids of a {len(job.ids)}-id prompt; "
                              "at least its last id must be left to encode")
@@ -258,8 +233,9 @@ class BatchGenerator:
             if row in fresh:
                 continue
             cache = row.cache if row.cache is not None else self.model.make_cache()
+            images = images_after(row.job.ids, row.job.vision_inputs, cache.offset, self.model.config.image_token_id)
             logits = prefill(self.model, mx.array(row.job.ids[cache.offset:]), cache, self.prefill_step_size,
-                             logits=_wants_logits(row), **row.job.vision_inputs)
+                             logits=_wants_logits(row), **images)
             self._join([row], cache, logits)
 
     def _join(self, rows: list[_Row], cache, logits: mx.array | None) -> None:
@@ -573,7 +549,7 @@ def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens:
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
     args = [GenerationArgs.of(max_tokens=max_tokens, seed=seed, **kwargs) for seed in seeds]
     generator = BatchGenerator(model, tokenizer, args[0].prefill_step_size if args else PREFILL_STEP_SIZE)
-    uids = [generator.insert_prepared(prepare(model, tokenizer, p, a)) for p, a in zip(prompts, args)]
+    uids = [generator.insert(prepare(model, tokenizer, p, a)) for p, a in zip(prompts, args)]
     texts = {uid: "" for uid in uids}
     with generation_device(model):
         while len(generator):

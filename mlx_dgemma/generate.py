@@ -17,11 +17,20 @@ import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import fields  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
-from .api import GenerationResponse, drafted_json_template, generate, infill, statistics, stream_generate  # noqa: E402
+from .api import (  # noqa: E402
+    GenerationResponse,
+    drafted_json_template,
+    generate,
+    infill,
+    statistics,
+    stream_from_args,
+    stream_generate,
+)
 from .cli import command_line  # noqa: E402
 from .demo import DEMO_MODEL  # noqa: E402
 from .filters import check_min_p, check_top_k, check_top_p  # noqa: E402
@@ -156,14 +165,10 @@ def _plan_key(plan: Plan) -> tuple:
 
 
 def generation_args(flags: dict, images: list | None) -> GenerationArgs:
-    """The flags as the API's options."""
-    sampling = SamplingArgs(flags["steps"], flags["entropy_bound"], flags["temp_min"], flags["temp_max"],
-                            temperature=flags["temperature"], top_p=flags["top_p"], top_k=flags["top_k"],
-                            min_p=flags["min_p"], schedule_scale=flags["schedule_scale"])
-    return GenerationArgs(flags["max_tokens"], flags["seed"], system_prompt=flags["system_prompt"],
-                          chat_template=not flags["ignore_chat_template"], policy=flags["policy"], images=images,
-                          draft_length=flags["draft_length"], draft_steps=flags["draft_steps"], sampling=sampling,
-                          prefill_step_size=flags["prefill_step_size"])
+    """The flags as the API's options (each option's flag has its name)."""
+    sampling = SamplingArgs(**{f.name: flags[f.name] for f in fields(SamplingArgs) if f.name in flags})
+    own = {f.name: flags[f.name] for f in fields(GenerationArgs) if f.name in flags}
+    return GenerationArgs(**own, chat_template=not flags["ignore_chat_template"], images=images, sampling=sampling)
 
 
 def _read_prompt(flags: dict) -> str:
@@ -209,11 +214,11 @@ def _generate_cli(flags: dict, group, watchdog):
                               dgemma.config.max_position_embeddings)
     if flags["schema_file"]:  # a schema: holes sized by a free draft first
         draft = replace(args, draft_length=None, draft_steps=None, sampling=replace(args.sampling, temperature=None))
-        template = drafted_json_template(dgemma, tokenizer, prompt, template, **draft.kwargs())
+        template = drafted_json_template(dgemma, tokenizer, prompt, template, draft)
     canvas_view = TerminalView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
     args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
     responses = []
-    for response in stream_generate(dgemma, tokenizer, prompt, **args.kwargs()):
+    for response in stream_from_args(dgemma, tokenizer, prompt, args):
         if flags["verbose"] and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
             click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
         if canvas_view:

@@ -70,7 +70,7 @@ class GenerationArgs:
     profile: object = None  # policy.Profile
     expected_steps: float | None = None
     template: object = None  # text with {{fill:N}} holes or a template.CanvasTemplate
-    images: list | None = None
+    images: list | None = None  # paths or PIL images, or an images.ImageInputs
     draft_length: int | None = None
     draft_steps: int | None = None
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
@@ -90,9 +90,3 @@ class GenerationArgs:
                             f"{', '.join(sorted(own | sampling_names))}")
         sampling = SamplingArgs(**{k: v for k, v in kwargs.items() if k in sampling_names})
         return cls(sampling=sampling, **{k: v for k, v in kwargs.items() if k in own})
-
-    def kwargs(self) -> dict:
-        """The options as the API's keyword arguments (``of``'s inverse)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sampling"}
-        out.update((f.name, getattr(self.sampling, f.name)) for f in fields(self.sampling))
-        return out

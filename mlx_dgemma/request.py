@@ -19,7 +19,7 @@ import mlx.core as mx  # noqa: E402
 from .config import GenerationConfig  # noqa: E402
 from .drafting import DraftSettings  # noqa: E402
 from .filters import filtering  # noqa: E402
-from .images import image_inputs  # noqa: E402
+from .images import ImageInputs, image_inputs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
 from .sampler import MxRandom, Random  # noqa: E402
@@ -158,8 +158,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
         max_tokens = len(template) + template.ends_turn
     overrides = args.sampling.overrides(defaults)  # they replace the plan's, and none is dropped
     check_step_counts(defaults, overrides.get("steps"), args.draft_steps)
-    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []))
-    ids, vision_inputs = image_inputs(model, ids, args.images) if args.images else (ids, {})
+    ids, vision_inputs = _prompt_and_images(model, tokenizer, prompt, args)
     check_prompt_fits(ids, config, max_tokens if template is None else 1)
     temperature = args.sampling.temperature or 0.0
     planner, acceptance, plan = _plan(model, defaults, args, template, max_tokens, overrides, ids)
@@ -175,6 +174,15 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     text = answer_text(model, tokenizer, template)
     return PreparedRequest(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn,
                            vision_inputs, planner, acceptance, temperature)
+
+
+def _prompt_and_images(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs
+                       ) -> tuple[list[int], dict]:
+    """The prompt's ids with its images' placeholders expanded, and the images as ``model.encode`` takes them."""
+    if isinstance(args.images, ImageInputs):  # preprocessed, the ids already expanded
+        return prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template), args.images.vision_inputs
+    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []))
+    return image_inputs(model, ids, args.images) if args.images else (ids, {})
 
 
 def _plan(model, defaults: GenerationConfig, args: GenerationArgs, template, max_tokens: int, overrides: dict,

@@ -5,8 +5,7 @@ import tracemalloc
 import pytest
 from click.testing import CliRunner
 
-from mlx_dgemma import generate, load
-from mlx_dgemma.batch import BatchGenerator, BatchRequest
+from mlx_dgemma import batch_generate, generate, load
 from mlx_dgemma.denoise import new_run
 from mlx_dgemma.generate import DEMO_MODEL, main
 from mlx_dgemma.sampler import MxRandom, SamplerSettings
@@ -48,9 +47,8 @@ def test_steps_past_the_checkpoints_bound_are_refused(demo, kwargs, name):
 
 def test_a_batch_request_past_the_bound_is_refused(demo):
     model, tokenizer = demo
-    engine = BatchGenerator(model, tokenizer)
     with pytest.raises(ValueError, match="^steps must be an integer from 1 to 24"):
-        engine.insert(BatchRequest(tokenizer.encode("sort: 3 1"), 8, steps=10**9))
+        batch_generate(model, tokenizer, [tokenizer.encode("sort: 3 1")], 8, steps=10**9)
 
 
 @pytest.mark.parametrize("flag", ["--steps", "--draft-steps"])

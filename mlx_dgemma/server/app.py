@@ -3,6 +3,8 @@
 Every endpoint is an ``Api`` (api.py): a translation of its JSON into the chat or completions body read
 here (OpenAI's, so every API shares the same checks, templates, tool parsing, limits and streaming), and
 of the answer back into its own shape (openai_api.py, ollama.py, responses.py and anthropic.py).
+A request becomes the prompt's ids and one ``options.GenerationArgs`` (settings.py reads its options),
+which the worker makes ready and runs.
 A request is read and checked here (the body's size, its JSON, the model, every setting, the prompt
 against the context, the template or schema, the images), so anything wrong gets OpenAI's error shape
 with a 4xx status before the worker sees it. Everything past reading the body (rendering, tokenizing,
@@ -27,18 +29,17 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .. import validate
-from ..batch import BatchRequest
-from ..images import ImageError, decode_image, image_inputs, open_image_url
+from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..json_schema import json_template
-from ..policy import POLICIES
+from ..options import GenerationArgs
 from ..request import PromptError, check_prompt_fits, check_template_fits, generation_config
-from ..template import TemplateError, infill_template, parse_template
+from ..template import CanvasTemplate, TemplateError, infill_template, parse_template
 from ..tool_calls import CALL_OPEN, forced_call_template, parse_tool_calls
 from ..vision import has_vision
 from . import request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
 from .scheduler import Event, Job, Scheduler
+from .settings import request_options
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
 MAX_IMAGES = 8  # image parts in one request
@@ -48,7 +49,7 @@ PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds 
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
-               "presence_penalty": 0, "frequency_penalty": 0, "top_p": 1, "suffix": "", "functions": [],
+               "presence_penalty": 0, "frequency_penalty": 0, "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "reasoning_effort": None, "web_search_options": None}
 # A json_object reply whose free draft is not a JSON object: the draft's answer under one key.
@@ -158,37 +159,25 @@ class Server:
         max_tokens = _get(body, max_key, int, None)
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
-        temperature = _get(body, "temperature", (int, float), None)
-        if temperature is not None and not 0 <= temperature <= 2:
-            raise BadRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
         stop = _get(body, "stop", (str, list), None) or []
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(f"stop must be a non-empty string or a list of at most {max_stop}", param="stop")
-        policy = _get(body, "policy", str, "reference")
-        if policy not in POLICIES:
-            raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
-        steps, seed = body.get("steps"), body.get("seed")
-        _check(validate.check_steps, steps, self.defaults.max_denoising_steps, "steps")
-        _check(validate.check_seed, seed, "seed")
+        options = request_options(body, self.defaults, self.model.config.canvas_length)
 
         tools, forced = self._tools(body) if chat else ([], None)
         suffix = None if chat else _get(body, "suffix", str, None) or None
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
-        request = BatchRequest(ids, seed=seed, policy=policy, steps=steps)
-        if policy in ("ar", "verified"):  # the answer's sampling temperature (0: greedy)
-            request.temperature = temperature
-        elif temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
-            scale = max(temperature, 1e-2)
-            request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
-        job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs,
+        job = Job(ids, GenerationArgs(), stop=stop, hold=[CALL_OPEN] if tools and not forced else [],
                   prompt_param="messages" if chat else "prompt")
         if suffix is None:
-            self._layout(job, body, forced)
-            request.max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens)
+            template = self._layout(job, body, forced)
+            max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens)
         else:
-            self._infill(job, body, suffix, max_tokens, cap_max_tokens)
+            template, max_tokens = self._infill(job, body, suffix, max_tokens, cap_max_tokens)
+        job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template,
+                                     images=ImageInputs(vision_inputs) if vision_inputs else None)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       forced["function"]["name"] if forced else None,
                       id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
@@ -330,8 +319,9 @@ class Server:
             raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
         return ids
 
-    def _layout(self, job: Job, body: dict, forced: dict | None) -> None:
-        """The job's template or draft-then-template, from ``template``, ``response_format`` or a forced call."""
+    def _layout(self, job: Job, body: dict, forced: dict | None) -> CanvasTemplate | None:
+        """The answer's template (or the job's draft-then-template), from ``template``, ``response_format``
+        or a forced call."""
         text = _get(body, "template", str, None)
         response_format = _get(body, "response_format", dict, None) or {"type": "text"}
         kind = response_format.get("type")
@@ -340,13 +330,13 @@ class Server:
         tokenizer, limit = self.tokenizer, self.context  # a template past the context is refused as it is built
         param = "template" if text is not None else "tools" if forced is not None else "response_format"
         job.template_param = param
-        largest = None
+        largest = template = None
         try:
             if text is not None:
                 self._check_length(len(text), "the template", "template")
-                largest = job.request.template = parse_template(tokenizer, text, limit)
+                largest = template = parse_template(tokenizer, text, limit)
             elif forced is not None:
-                largest = job.request.template = forced_call_template(tokenizer, forced, limit)
+                largest = template = forced_call_template(tokenizer, forced, limit)
             elif kind == "json_schema":
                 spec = response_format.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -367,11 +357,13 @@ class Server:
             raise BadRequest(str(e), param=param) from None
         if largest is not None:
             try:
-                check_template_fits(largest, len(job.request.prompt_ids), self.model.config)
+                check_template_fits(largest, len(job.ids), self.model.config)
             except TemplateError as e:
                 raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
+        return template
 
-    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None, cap: bool = False) -> None:
+    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None,
+                cap: bool = False) -> tuple[CanvasTemplate, int]:
         """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default, or with
         ``cap`` when ``max_tokens`` is more, what the context leaves next to the suffix, the default at
         most the server's), then the suffix clamped at the end of its last canvas; the worker takes the
@@ -380,7 +372,7 @@ class Server:
                 "type", "text") != "text":
             raise BadRequest("give one of suffix, template and response_format", param="suffix")
         self._check_length(len(suffix), "the suffix", "suffix")
-        ids, canvas = job.request.prompt_ids, self.model.config.canvas_length
+        ids, canvas = job.ids, self.model.config.canvas_length
         room = max(1, (self.context - len(ids)) // canvas * canvas
                    - len(self.tokenizer.encode(suffix, add_special_tokens=False)))
         if max_tokens is None:
@@ -392,8 +384,8 @@ class Server:
             check_template_fits(template, len(ids), self.model.config)
         except TemplateError as e:
             raise BadRequest(str(e), param="suffix", code="context_length_exceeded") from None
-        job.request.template, job.request.max_tokens = template, len(template)
         job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
+        return template, len(template)
 
     def _fit(self, ids: list[int], max_tokens: int | None, param: str, cap: bool = False) -> int:
         """``max_tokens``, or the server's default cut to the whole canvases the prompt leaves room for
@@ -492,15 +484,6 @@ def _get(body: dict, key: str, kind, default):
         names = " or ".join(k.__name__ for k in kinds)
         raise BadRequest(f"{key} must be of type {names}, got {json.dumps(value)[:40]}", param=key)
     return value
-
-
-def _check(check, value, *args) -> None:
-    """A ``validate`` check of a request's setting (when given): its ValueError is a 400 naming it."""
-    if value is not None:
-        try:
-            check(value, *args)
-        except ValueError as e:
-            raise BadRequest(str(e), param=args[-1]) from None
 
 
 def _check_supported(body: dict, chat: bool) -> None:
