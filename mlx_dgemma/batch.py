@@ -37,7 +37,7 @@ import mlx.core as mx  # noqa: E402
 from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
 from .denoise import new_run, step_batch, step_compacted  # noqa: E402
-from .filters import sampling_probs  # noqa: E402
+from .filters import penalized, sampling_probs  # noqa: E402
 from .images import images_after  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import Plan  # noqa: E402
@@ -84,6 +84,7 @@ class _Row:
     known: int | None = None  # verified: the next token (decided, not yet encoded); None when done
     leftover: list[int] = field(default_factory=list)  # verified: the last draft's tail (the next one's start)
     first: list[int] = field(default_factory=list)  # verified: tokens decided on entering, sent with the first round
+    history: list[int] | None = None  # autoregressive with penalties: the prompt and the tokens decided
 
     @property
     def planner(self):
@@ -527,7 +528,16 @@ def next_token(logits: mx.array, temperature: float, rng, filters: tuple = ()) -
 
 
 def _pick(row: _Row, logits: mx.array) -> mx.array:
-    return next_token(logits, row.temperature, row.job.rng, row.plan.settings.filters)
+    """The row's next token, decided (lazily, unless penalties need it on the host for the next one)."""
+    settings = row.plan.settings
+    if not settings.penalizing:
+        return next_token(logits, row.temperature, row.job.rng, settings.filters)
+    if row.history is None:
+        row.history = list(row.job.ids)
+    token = next_token(penalized(logits, row.history, *settings.penalties), row.temperature, row.job.rng,
+                       settings.filters)
+    row.history.append(token.item())
+    return token
 
 
 def _ends(row: _Row) -> bool:

@@ -1,5 +1,6 @@
 """The distribution a token is drawn from, under every policy: ``sampling_probs`` tempers the logits
-and applies the sampling filters. Autoregressive tokens, verified drafting's target and draft, and
+and applies the sampling filters; ``penalized`` applies the repetition penalties to autoregressive
+logits first. Autoregressive tokens, verified drafting's target and draft, and
 each position a denoising step draws all come from it (a rule that masks logits first, such as a
 grammar's, calls it after masking).
 
@@ -19,7 +20,10 @@ import mlx.core as mx
 
 from .validate import at_least, finite_number
 
+PENALTY_CONTEXT = 20  # mlx-lm's: the penalties look at the last 20 tokens (the prompt's included)
 check_top_p = finite_number(0, 1, low_open=True, high_open=False)  # 1: off
+check_repetition_penalty = finite_number(0, low_open=True)  # 1: off
+check_penalty = finite_number(-2, 2, high_open=False)  # OpenAI's range for presence and frequency; 0: off
 check_min_p = finite_number(0, 1, high_open=False)  # 0: off
 check_top_k = at_least(0)  # 0: off
 
@@ -49,6 +53,26 @@ def sampling_probs(logits: mx.array, temperature: float, top_p: float = 1.0, top
         dropped = mx.argpartition(-log_probs, kth=top_k - 1, axis=-1)[..., top_k:]
         log_probs = mx.put_along_axis(log_probs, dropped, mx.array(-math.inf, mx.float32), axis=-1)
     return mx.softmax(log_probs, axis=-1, precise=True)
+
+
+def penalized(logits: mx.array, history: list[int], repetition: float = 1.0, presence: float = 0.0,
+              frequency: float = 0.0) -> mx.array:
+    """``logits`` [1, V] with mlx-lm's penalties (``make_logits_processors``) for the tokens among the
+    last ``PENALTY_CONTEXT`` of ``history``: a repeated token's logit divided by ``repetition`` (multiplied
+    when negative), ``presence`` subtracted once, ``frequency`` once per occurrence."""
+    tokens = history[-PENALTY_CONTEXT:]
+    if not tokens:
+        return logits
+    index = mx.array(tokens)
+    logits = logits.astype(mx.float32)
+    if repetition != 1:
+        chosen = logits[:, index]
+        logits[:, index] = mx.where(chosen < 0, chosen * repetition, chosen / repetition)
+    if presence:
+        logits[:, index] -= presence
+    if frequency:
+        logits = logits.at[:, index].subtract(frequency)
+    return logits
 
 
 def _top_p(log_probs: mx.array, top_p: float) -> mx.array:

@@ -39,6 +39,9 @@ class SamplingArgs:
     top_k: int | None = None
     min_p: float | None = None
     schedule_scale: float | None = None
+    repetition_penalty: float | None = None  # the penalties: ar only (filters.penalized)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def overrides(self, defaults) -> dict:
         """``SamplerSettings`` field -> value for every setting the caller gave (``defaults``: the
@@ -47,7 +50,8 @@ class SamplingArgs:
         given = {f.name: getattr(self.settings, f.name) for f in fields(self.settings)} if self.settings else {}
         numbers = dict(steps=self.steps, entropy_bound=self.entropy_bound, t_min=self.temp_min, t_max=self.temp_max,
                        freeze_after=self.freeze_after, draw_temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, min_p=self.min_p)
+                       top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         given.update({k: v for k, v in numbers.items() if v is not None})
         if self.schedule_scale is not None:
             check_schedule_scale(self.schedule_scale, "schedule_scale")

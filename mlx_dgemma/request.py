@@ -162,9 +162,14 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     check_prompt_fits(ids, config, max_tokens if template is None else 1)
     temperature = args.sampling.temperature or 0.0
     planner, acceptance, plan = _plan(model, defaults, args, template, max_tokens, overrides, ids)
-    if template is not None and plan.mode != "diffusion" and (temperature or filtering(*plan.settings.filters)):
-        raise ValueError(f"templates decode greedily under {plan.policy}; drop the temperature and the filters, "
-                         "or take a diffusion policy")
+    if plan.settings.penalizing and args.policy != "ar":
+        raise ValueError(f"{_penalty_given(args)} applies to autoregressive decoding only (policy ar): a denoising "
+                         "step draws tokens in no order, and verified drafting's exact sampling does not take it; "
+                         "take policy ar or leave it out")
+    if template is not None and plan.mode != "diffusion" and (
+            temperature or filtering(*plan.settings.filters) or plan.settings.penalizing):
+        raise ValueError(f"templates decode greedily under {plan.policy}; drop the temperature, the filters and "
+                         "the penalties, or take a diffusion policy")
     if plan.mode == "verified":
         DraftSettings(plan.draft_length, plan.draft_steps, temperature).check(config.canvas_length)
     rng = MxRandom(args.seed) if args.rng is None else args.rng
@@ -174,6 +179,11 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     text = answer_text(model, tokenizer, template)
     return PreparedRequest(ids, max_tokens, defaults, plan, overrides, rng, stop_ids, text, template, end_of_turn,
                            vision_inputs, planner, acceptance, temperature)
+
+
+def _penalty_given(args: GenerationArgs) -> str:
+    names = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    return next((name for name in names if getattr(args.sampling, name) is not None), "a penalty")
 
 
 def _prompt_and_images(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs

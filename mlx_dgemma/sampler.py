@@ -30,7 +30,15 @@ import mlx.core as mx
 
 from . import kernels as device_kernels
 from .config import GenerationConfig
-from .filters import check_min_p, check_top_k, check_top_p, filtering, sampling_probs
+from .filters import (
+    check_min_p,
+    check_penalty,
+    check_repetition_penalty,
+    check_top_k,
+    check_top_p,
+    filtering,
+    sampling_probs,
+)
 from .validate import check_entropy_bound, check_temperature, check_temperatures
 
 
@@ -94,6 +102,10 @@ class SamplerSettings:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # Autoregressive decoding only (filters.penalized; 1, 0 and 0 are off).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -110,6 +122,18 @@ class SamplerSettings:
         check_top_p(self.top_p, "top_p")
         check_top_k(self.top_k, "top_k")
         check_min_p(self.min_p, "min_p")
+        check_repetition_penalty(self.repetition_penalty, "repetition_penalty")
+        check_penalty(self.presence_penalty, "presence_penalty")
+        check_penalty(self.frequency_penalty, "frequency_penalty")
+
+    @property
+    def penalties(self) -> tuple[float, float, float]:
+        """(repetition, presence, frequency), as ``filters.penalized`` takes them."""
+        return self.repetition_penalty, self.presence_penalty, self.frequency_penalty
+
+    @property
+    def penalizing(self) -> bool:
+        return self.penalties != (1.0, 0.0, 0.0)
 
     @property
     def filters(self) -> tuple[float, int, float]:

@@ -7,11 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from mlx_dgemma import generate, load
+from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma.filters import sampling_probs
-from mlx_dgemma.generate import DEMO_MODEL, main
+from mlx_dgemma.generate import DEMO_MODEL, main, prompt_ids
 from mlx_dgemma.sampler import MxRandom, SamplerSettings
 
 PROMPT = "add: 417 85"
@@ -131,11 +131,40 @@ def test_a_diffusion_temperature_scales_the_draws_and_schedule_scale_the_schedul
     assert len(set(answers.values())) == 2
 
 
+@pytest.mark.parametrize("penalty", [dict(repetition_penalty=3.0), dict(presence_penalty=2.0),
+                                     dict(frequency_penalty=1.5)])
+def test_penalties_under_ar_are_mlx_lms(demo, penalty):
+    """Greedy ar with a penalty: each token is the argmax after mlx-lm's own logits processor over the
+    last 20 tokens (the prompt's included), replayed token by token; the penalty changes the answer."""
+    model, tokenizer = demo
+    ids = prompt_ids(tokenizer, "sort: 5 5 5 3 3")
+    tokens = [t for r in stream_generate(model, tokenizer, ids, 16, policy="ar", **penalty) for t in r.tokens]
+    processors = make_logits_processors(**penalty)
+    cache = model.make_cache()
+    logits, history, want = model.next_token_logits(mx.array([ids]), cache), list(ids), []
+    for _ in tokens:
+        for processor in processors:
+            logits = processor(mx.array(history), logits)
+        want.append(int(logits.argmax(-1).item()))
+        history.append(want[-1])
+        logits = model.next_token_logits(mx.array([want[-1:]]), cache)
+    assert tokens == want
+    assert generate(model, tokenizer, ids, 16, policy="ar") != tokenizer.decode_clean(tokens, set())
+
+
+@pytest.mark.parametrize("policy", ["reference", "fast", "verified", "auto"])
+def test_a_penalty_outside_ar_is_refused(demo, policy):
+    with pytest.raises(ValueError, match=r"^frequency_penalty applies to autoregressive decoding only \(policy ar\)"):
+        generate(*demo, PROMPT, 8, policy=policy, frequency_penalty=0.5)
+
+
 def test_the_draw_settings_are_checked():
     for name, value, message in [("top_p", 0.0, "top_p must be a finite number in (0, 1], got 0.0"),
                                  ("top_k", 2.5, "top_k must be an integer, got 2.5"),
                                  ("min_p", 1.5, "min_p must be a finite number in [0, 1], got 1.5"),
-                                 ("draw_temperature", -1.0, "temperature must be 0 or a finite number")]:
+                                 ("draw_temperature", -1.0, "temperature must be 0 or a finite number"),
+                                 ("repetition_penalty", 0, "repetition_penalty must be a finite number > 0, got 0"),
+                                 ("presence_penalty", 3, "presence_penalty must be a finite number in [-2, 2], got 3")]:
         with pytest.raises(ValueError) as caught:
             SamplerSettings(**{name: value})
         assert str(caught.value).startswith(message)

@@ -62,6 +62,8 @@ def ask(clients, api: str, seed: int, max_tokens: int, prompt: str = PROMPT, **s
                                                      extra_body={"seed": seed, **settings})
         return "".join(block.text for block in reply.content)
     options = {"seed": seed, "num_predict": max_tokens, **settings}
+    if "repetition_penalty" in options:  # Ollama's name for it
+        options["repeat_penalty"] = options.pop("repetition_penalty")
     return clients["ollama"].chat(model=MODEL_ID, messages=user(prompt), options=options).message.content
 
 
@@ -109,6 +111,19 @@ def test_a_filter_to_one_token_is_greedy_through_each_api(clients, demo, api, po
     planner_set(model, before)
 
 
+def test_penalties_reach_ar_through_the_apis(clients, demo):
+    """presence and frequency penalties (OpenAI's), and Ollama's repeat_penalty, give generate's answer,
+    which is not the answer without them."""
+    model, tokenizer = demo
+    prompt = "sort: 5 5 5 3 3"
+    plain = generate(model, tokenizer, prompt, 16, seed=0, policy="ar")
+    for api, sent, options in [("chat", {"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
+                               ("chat", {"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
+                               ("ollama", {"repeat_penalty": 3.0}, {"repetition_penalty": 3.0})]:
+        served = ask(clients, api, 0, 16, prompt, policy="ar", **sent)
+        assert served == generate(model, tokenizer, prompt, 16, seed=0, policy="ar", **options) != plain, api
+
+
 def option(args: GenerationArgs, name: str):
     return getattr(args.sampling, name) if name in {f.name for f in fields(SamplingArgs)} else getattr(args, name)
 
@@ -127,12 +142,14 @@ def test_every_option_a_request_can_set_reaches_the_engine(clients, monkeypatch)
     given = {"policy": "verified", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "steps": 6,
              "entropy_bound": 0.2, "temp_min": 0.3, "temp_max": 0.9, "schedule_scale": 0.8, "freeze_after": 2,
              "draft_length": 4, "draft_steps": 2, "expected_steps": 5.0}
-    assert set(given) | {"seed"} == set(SETTINGS)
+    penalties = {"policy": "ar", "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.25}
+    assert set(given) | set(penalties) | {"seed"} == set(SETTINGS)
     for api in ("chat", "responses", "messages", "ollama"):
-        ask(clients, api, 9, 8, **given)
-        args = seen[-1]
-        assert {name: option(args, name) for name in given} == given, api
-        assert args.seed == 9 and args.max_tokens == 8, api
+        for sent in (given, penalties):
+            ask(clients, api, 9, 8, **sent)
+            args = seen[-1]
+            assert {name: option(args, name) for name in sent} == sent, api
+            assert args.seed == 9 and args.max_tokens == 8, api
     clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=1,
                                               extra_body={"template": "{{fill:4}} and {{fill:4}}"})
     assert isinstance(seen[-1].template, CanvasTemplate) and seen[-1].template.holes
@@ -144,7 +161,8 @@ def test_every_option_a_request_can_set_reaches_the_engine(clients, monkeypatch)
     ("chat", "min_p", -0.1, "min_p must be a finite number in [0, 1], got -0.1"),
     ("chat", "schedule_scale", 0, "schedule_scale must be a finite number > 0, got 0"),
     ("chat", "temp_min", 0.9, "temperatures need temp-min < temp-max"),
-    ("chat", "presence_penalty", 0.5, "presence_penalty is not supported by this server"),
+    ("chat", "presence_penalty", 0.5, 'presence_penalty applies to autoregressive decoding only: send policy "ar"'),
+    ("chat", "repetition_penalty", 0, "repetition_penalty must be a finite number > 0, got 0"),
     ("responses", "top_p", 1.5, "top_p must be a finite number in (0, 1], got 1.5"),
     ("messages", "top_k", -1, "top_k must be at least 0, got -1"),
     ("ollama", "min_p", 2, "options.min_p must be a finite number in [0, 1], got 2"),

@@ -49,7 +49,7 @@ PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds 
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
-               "presence_penalty": 0, "frequency_penalty": 0, "suffix": "", "functions": [],
+               "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "reasoning_effort": None, "web_search_options": None}
 # A json_object reply whose free draft is not a JSON object: the draft's answer under one key.

@@ -29,7 +29,8 @@ class Ollama(Api):
     # Ollama's options carry the sampler settings (temperature, top_p, top_k, min_p, seed), and here the
     # server's own (policy, steps, template, ...).
     names = {"max_tokens": "options.num_predict", "response_format": "format",
-             **{key: f"options.{key}" for key in ("stop", "template", *SETTINGS)}}
+             **{key: f"options.{key}" for key in ("stop", "template", *SETTINGS)},
+             "repetition_penalty": "options.repeat_penalty"}
 
     def __init__(self, server: Server, chat: bool):
         super().__init__(server)
@@ -47,7 +48,8 @@ class Ollama(Api):
                   # (-1: no limit, -2: fill the context; both the server's default)
                   "max_tokens": None if isinstance(predict, int) and predict < 0 else predict,
                   "response_format": _response_format(body.get("format")),
-                  **{key: options.get(key) for key in ("template", *SETTINGS)}}
+                  **{key: options.get(key) for key in ("template", *SETTINGS)},
+                  "repetition_penalty": options.get("repeat_penalty")}
         if self.chat:
             messages = body.get("messages")
             if not messages:  # Ollama's way of loading a model

@@ -8,7 +8,7 @@ option is set by the request otherwise (``SET_OTHERWISE``) or is not the client'
 
 from __future__ import annotations
 
-from ..filters import check_min_p, check_top_k, check_top_p
+from ..filters import check_min_p, check_penalty, check_repetition_penalty, check_top_k, check_top_p
 from ..options import SamplingArgs, check_schedule_scale
 from ..policy import POLICIES
 from ..sampler import SamplerSettings
@@ -26,7 +26,9 @@ from .api import BadRequest
 MAX_TEMPERATURE = 2  # OpenAI's
 # The body fields read as the options of the same name (every API passes them on as they come).
 SETTINGS = ("seed", "policy", "temperature", "top_p", "top_k", "min_p", "steps", "entropy_bound", "temp_min",
-            "temp_max", "schedule_scale", "freeze_after", "draft_length", "draft_steps", "expected_steps")
+            "temp_max", "schedule_scale", "freeze_after", "draft_length", "draft_steps", "expected_steps",
+            "repetition_penalty", "presence_penalty", "frequency_penalty")
+PENALTIES = {"repetition_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0}  # each with its value that is off
 
 SET_OTHERWISE = {
     "max_tokens": "max_tokens (max_completion_tokens, max_output_tokens, num_predict), fitted to the context",
@@ -69,7 +71,9 @@ def _checks(defaults, canvas: int) -> dict:
             "entropy_bound": check_entropy_bound, "temp_min": check_temperature, "temp_max": check_temperature,
             "schedule_scale": check_schedule_scale, "freeze_after": at_least(0), "draft_length": draft_length,
             "draft_steps": lambda value, name: check_steps(value, steps, name),
-            "expected_steps": finite_number(1, steps, high_open=False)}
+            "expected_steps": finite_number(1, steps, high_open=False),
+            "repetition_penalty": check_repetition_penalty, "presence_penalty": check_penalty,
+            "frequency_penalty": check_penalty}
 
 
 def request_options(body: dict, defaults, canvas: int) -> dict:
@@ -85,6 +89,10 @@ def request_options(body: dict, defaults, canvas: int) -> dict:
         except ValueError as e:
             raise BadRequest(str(e), param=name) from None
         options[name] = value
+    for name, off in PENALTIES.items():
+        if options.get(name, off) != off and options.get("policy") != "ar":
+            raise BadRequest(f"{name} applies to autoregressive decoding only: send policy \"ar\" with it, or "
+                             f"leave it out or send {off}", param=name)
     schedule = [name for name in ("temp_min", "temp_max", "schedule_scale") if name in options]
     if schedule:  # the schedule they make together (temp_min below temp_max)
         sampling = SamplingArgs(**{name: options[name] for name in schedule})
