@@ -68,8 +68,12 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_to
     compaction, no confirming step, a trimmed last canvas), "ar" or "verified" (drafting.py: the
     decoder drafts ``draft_length`` tokens in ``draft_steps`` steps, the encoder verifies them; one
     response per round). Explicit sampler numbers override the plan; ``freeze_after`` is the
-    compaction's (sampler.SamplerSettings). ``temperature`` (ar and verified; default 0, greedy)
-    samples the answer at that temperature; verified output has the ar distribution exactly.
+    compaction's (sampler.SamplerSettings). ``temperature`` is the sampling temperature under every
+    policy (options.SamplingArgs): ar and verified draw tokens at it (default 0, greedy; verified output
+    has the ar distribution exactly), the diffusion policies draw each position at it times the
+    schedule's temperature (default 1, the checkpoint's sampling); ``top_p``, ``top_k`` and ``min_p``
+    filter every draw, ``schedule_scale`` scales the denoising schedule, and the repetition, presence
+    and frequency penalties apply under ar.
 
     ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal

@@ -136,7 +136,7 @@ class PreparedRequest:
     vision_inputs: dict  # images as model.encode takes them (empty without images)
     planner: AutoPlanner | None = None  # the auto policy's, which re-plans at every canvas or round
     acceptance: object = None  # verified drafting's running estimate (policy.Acceptance)
-    temperature: float = 0.0  # ar and verified sampling (0: greedy)
+    temperature: float = 0.0  # ar and verified sampling (0: greedy); diffusion's is in plan.settings
 
     def canvas_clamps(self, tokenizer: Tokenizer, config):
         """The template's (length, Clamp) per canvas, or None without a template."""
