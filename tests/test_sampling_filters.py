@@ -158,6 +158,18 @@ def test_a_penalty_outside_ar_is_refused(demo, policy):
         generate(*demo, PROMPT, 8, policy=policy, frequency_penalty=0.5)
 
 
+def test_a_template_samples_under_diffusion_and_is_refused_a_temperature_under_ar(demo):
+    """ar and verified decode a template's holes greedily, so a temperature or a filter there is an
+    error saying so; a diffusion policy draws the holes at it."""
+    template = "{{fill:6}} and {{fill:6}}"
+    for policy, settings in [("ar", dict(temperature=0.5)), ("verified", dict(top_k=3)),
+                             ("ar", dict(presence_penalty=1.0))]:
+        with pytest.raises(ValueError, match=f"^templates decode greedily under {policy}; drop the temperature"):
+            generate(*demo, PROMPT, policy=policy, template=template, **settings)
+    answers = {generate(*demo, PROMPT, seed=seed, template=template, temperature=2.0) for seed in range(4)}
+    assert len(answers) > 1 and all(" and " in answer for answer in answers)
+
+
 def test_the_draw_settings_are_checked():
     for name, value, message in [("top_p", 0.0, "top_p must be a finite number in (0, 1], got 0.0"),
                                  ("top_k", 2.5, "top_k must be an integer, got 2.5"),
