@@ -18,6 +18,7 @@ import mlx.core as mx  # noqa: E402
 
 from .config import GenerationConfig  # noqa: E402
 from .drafting import DraftSettings  # noqa: E402
+from .errors import OptionError  # noqa: E402
 from .filters import filtering  # noqa: E402
 from .images import ImageInputs, image_inputs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
@@ -163,13 +164,14 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     temperature = args.sampling.temperature or 0.0
     planner, acceptance, plan = _plan(model, defaults, args, template, max_tokens, overrides, ids)
     if plan.settings.penalizing and args.policy != "ar":
-        raise ValueError(f"{_penalty_given(args)} applies to autoregressive decoding only (policy ar): a denoising "
-                         "step draws tokens in no order, and verified drafting's exact sampling does not take it; "
-                         "take policy ar or leave it out")
+        name = _given(args, _PENALTIES) or "a penalty"
+        raise OptionError(f"{name} applies to autoregressive decoding only (policy ar): a denoising step draws "
+                          "tokens in no order, and verified drafting's exact sampling does not take it; take policy "
+                          "ar or leave it out", name)
     if template is not None and plan.mode != "diffusion" and (
             temperature or filtering(*plan.settings.filters) or plan.settings.penalizing):
-        raise ValueError(f"templates decode greedily under {plan.policy}; drop the temperature, the filters and "
-                         "the penalties, or take a diffusion policy")
+        raise OptionError(f"templates decode greedily under {plan.policy}; drop the temperature, the filters and "
+                          "the penalties, or take a diffusion policy", _given(args, ("temperature", *_FILTERS, *_PENALTIES)))
     if plan.mode == "verified":
         DraftSettings(plan.draft_length, plan.draft_steps, temperature).check(config.canvas_length)
     rng = MxRandom(args.seed) if args.rng is None else args.rng
@@ -181,9 +183,13 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
                            vision_inputs, planner, acceptance, temperature)
 
 
-def _penalty_given(args: GenerationArgs) -> str:
-    names = ("repetition_penalty", "presence_penalty", "frequency_penalty")
-    return next((name for name in names if getattr(args.sampling, name) is not None), "a penalty")
+_FILTERS = ("top_p", "top_k", "min_p")
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _given(args: GenerationArgs, names: tuple[str, ...]) -> str | None:
+    """The first of the sampling options ``names`` that ``args`` sets."""
+    return next((name for name in names if getattr(args.sampling, name) is not None), None)
 
 
 def _prompt_and_images(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs

@@ -178,3 +178,17 @@ def test_a_bad_setting_is_a_400_naming_it(clients, api, field, value, message):
     assert message in body["message"], body
     if api == "chat":
         assert body["param"] == field
+
+
+def test_a_setting_a_template_cannot_take_is_a_400_naming_it(clients):
+    """ar decodes a template's holes greedily: the worker's refusal of a temperature or a filter beside
+    one names that field, in each API's terms."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), temperature=0.5,
+                                                  extra_body={"policy": "ar", "template": "{{fill:4}}"})
+    assert caught.value.body["param"] == "temperature"
+    assert caught.value.body["message"].startswith("templates decode greedily under ar; drop the temperature")
+    with pytest.raises(ollama.ResponseError) as caught:
+        clients["ollama"].chat(model=MODEL_ID, messages=user(PROMPT),
+                               options={"policy": "verified", "top_k": 3, "template": "{{fill:4}}"})
+    assert caught.value.status_code == 400 and "templates decode greedily under verified" in caught.value.error

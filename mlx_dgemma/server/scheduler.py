@@ -228,7 +228,7 @@ class Scheduler:
             uid = self.engine.insert(prepared, cache, keep)
         except ValueError as e:  # a prompt, template or setting the model cannot take
             param = (job.template_param if isinstance(e, TemplateError)
-                     else job.prompt_param if isinstance(e, PromptError) else None)
+                     else job.prompt_param if isinstance(e, PromptError) else getattr(e, "option", None))
             self._send(job, Event(error=RequestFailed(str(e), param=param)))
             return
         except Exception as e:
