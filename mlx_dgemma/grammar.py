@@ -208,14 +208,16 @@ def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int,
 
 
 def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, candidates: int = 6) -> int:
-    """Of the ``candidates`` best-scored tokens and the allowed punctuation marks (a comma that ends
+    """Of the ``candidates`` best-scored tokens and as many of the allowed punctuation marks (a comma that ends
     a number, the @ of an email), the one whose score is highest, after which a string can end, and
     after which ``matcher`` allows the fewest (in bits: a quote that closes a string beats a bracket
     inside it)."""
     best, best_key = -1, None
     ranked = np.argsort(-scores, kind="stable")[:candidates]
     quotes = table.scores == 2  # a lone quote: a string's end
-    for token in dict.fromkeys([*ranked.tolist(), *table.marks[scores[table.marks] > -np.inf].tolist()]):
+    marks = table.marks[scores[table.marks] > -np.inf]
+    marks = marks[np.argsort(-scores[marks], kind="stable")[:candidates]]
+    for token in dict.fromkeys([*ranked.tolist(), *marks.tolist()]):
         if scores[token] == -np.inf:
             continue
         after = matcher.deep_copy()
@@ -230,8 +232,8 @@ def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: Closing
     return best
 
 
-CLOSING_SLACK = 64  # tokens of room past twice the closing path at which the path is walked afresh each token
-CLOSING_REFRESH = 8  # tokens after which a stale closing path is walked afresh anyway
+CLOSING_SLACK = 64  # tokens of room past the closing path within which the path is walked afresh each token
+CLOSING_REFRESH = 4  # tokens after which a stale closing path is walked afresh anyway
 
 
 class GrammarRule:
@@ -282,7 +284,7 @@ class GrammarRule:
             self.path, self.path_age = self.path[1:], self.path_age + 1
             return token
         room_after = self.room - 1
-        if room_after > 2 * len(self.path) + CLOSING_SLACK and self.path_age < CLOSING_REFRESH:
+        if room_after > len(self.path) + CLOSING_SLACK and self.path_age < CLOSING_REFRESH:
             self.path_age += 1  # room to spare: the path is walked again later
             return token
         after = self.matcher.deep_copy()
