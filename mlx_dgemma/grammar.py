@@ -29,9 +29,10 @@ from .schema_rewrite import rewrite
 # Compact JSON, laid out as the templates lay it out ({"a": 1, "b": [2, 3]}): no free whitespace a
 # small model could loop in, and the separators the model saw in training.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-CLOSING_CAP = 512  # tokens a closing path may take before it counts as endless
-MAX_SCHEMA_CHARS = 1 << 20
-MAX_CHOICES = 10_000  # values of one enum (llguidance builds 100,000 in seconds)  # a schema's JSON text (llguidance's own limits bound the grammar it builds)
+CLOSING_CAP = 2048  # tokens a closing path may take before it counts as endless
+MAX_SCHEMA_CHARS = 1 << 20  # a schema's JSON text (llguidance's own limits bound the grammar it builds)
+MAX_CHOICES = 10_000  # values of one enum (llguidance builds 100,000 in seconds)
+MAX_NESTING = 128  # levels of JSON in a schema (64 of properties)
 ANY_JSON: dict = {}  # the schema every JSON value validates against
 JSON_OBJECT = {"type": "object"}  # OpenAI's json_object: any object
 
@@ -105,7 +106,7 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
         raise TemplateError(f"the {where} is not JSON ({e})") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise TemplateError(f"the {where} is {len(text)} characters of JSON, more than {MAX_SCHEMA_CHARS}; shorten it")
-    _check_enums(schema)
+    _check_shape(schema)
     llt = grammar_tokenizer(tokenizer, vocab, stop_ids)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
@@ -117,19 +118,22 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
     return Grammar(grammar, schema, llt)
 
 
-def _check_enums(schema) -> None:
-    """Refuse an enum of more than ``MAX_CHOICES`` values before compiling it."""
-    stack = [(schema, "$")]
+def _check_shape(schema) -> None:
+    """Refuse, before compiling, an enum of more than ``MAX_CHOICES`` values and JSON nested deeper than
+    ``MAX_NESTING`` (llguidance's compiler would give up on it with a recursion error)."""
+    stack = [(schema, "$", 0)]
     while stack:
-        node, path = stack.pop()
+        node, path, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise TemplateError(f"schema at {path[:60]}…: nested deeper than {MAX_NESTING} levels; flatten it")
         if isinstance(node, dict):
             values = node.get("enum")
             if isinstance(values, list) and len(values) > MAX_CHOICES:
                 raise TemplateError(f"enum at {path} has {len(values)} values, more than the {MAX_CHOICES} a schema "
                                     "takes; use a pattern or fewer values")
-            stack.extend((v, f"{path}.{k}") for k, v in node.items() if isinstance(v, (dict, list)))
+            stack.extend((v, f"{path}.{k}", depth + 1) for k, v in node.items() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node) if isinstance(v, (dict, list)))
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node) if isinstance(v, (dict, list)))
 
 
 def _one_line(message) -> str:

@@ -124,7 +124,7 @@ def test_llm_lists_the_model(llm, demo):
     # llm-ollama registers a model by its name and digest, with the name without ":latest" as an alias.
     assert f"Ollama: ollama/{MODEL_ID}:latest (aliases: ollama/{MODEL_ID})" in llm("models").split("\n")
     table = llm("ollama", "models").split("\n")
-    assert table[1].split() == [f"{MODEL_ID}:latest", digest(demo[0])[:12], "completion,", "insert"]
+    assert table[1].split() == [f"{MODEL_ID}:latest", digest(demo[0])[:12], "completion,", "insert,", "thinking"]
 
 
 def test_llm_plain_and_streamed(llm):

@@ -132,3 +132,14 @@ def test_a_forced_call_is_drafted_as_response_format_is(openai_client):
     called = openai_client.chat.completions.create(tools=[PERSON_TOOL], tool_choice="required", **kwargs)
     arguments = json.loads(called.choices[0].message.tool_calls[0].function.arguments)
     assert arguments == formatted and arguments["name"] == "ada"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_streamed_forced_call_carries_its_whole_arguments(openai_client, policy):
+    chunks = list(openai_client.chat.completions.create(
+        model=MODEL_ID, messages=user("json: name=ada age=36"), seed=2, max_tokens=64, stream=True,
+        tools=[PERSON_TOOL], tool_choice="required", extra_body={"policy": policy}))
+    calls = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    assert all(not (chunk.choices and chunk.choices[0].delta.content) for chunk in chunks)
+    arguments = "".join(call.function.arguments or "" for call in calls)
+    jsonschema.validate(json.loads(arguments), PERSON_TOOL["function"]["parameters"])

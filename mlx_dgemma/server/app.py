@@ -201,7 +201,7 @@ class Server:
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None, think) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
         job = Job(ids, GenerationArgs(), stop=stop, hold=[CALL_OPEN] if tools and not forced else [],
-                  prompt_param="messages" if chat else "prompt", think=think)
+                  whole=forced is not None, prompt_param="messages" if chat else "prompt", think=think)
         schema = None
         if suffix is None:
             template, grammar = answer_layout(self, job, body, forced, max_tokens, options.get("policy", "reference"))

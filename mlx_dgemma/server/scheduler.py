@@ -79,6 +79,7 @@ class Job:
     redraft: Callable[[str], CanvasTemplate | None] | None = None
     stop: list[str] = field(default_factory=list)  # strings that end the answer (not part of it)
     hold: list[str] = field(default_factory=list)  # strings from which on text waits for the end
+    whole: bool = False  # the text goes out in one piece at the end (a forced call's arguments)
     tail: str = ""  # text the template's answer ends with that is no part of it (an infill's suffix)
     # The request fields a refusal by the worker names: the prompt's (messages or prompt) and the template's.
     prompt_param: str | None = None
@@ -271,7 +272,7 @@ class Scheduler:
                     return
         if job.redraft is not None:
             return  # a draft's text is not the answer
-        end = len(job.text) if finish else _sendable(job.text, job.stop + job.hold)
+        end = len(job.text) if finish else 0 if job.whole else _sendable(job.text, job.stop + job.hold)
         usage = Usage(len(job.ids), job.completion_tokens, job.cached_tokens or 0)
         event = Event(job.text[job.sent:end], reasoning, finish, usage, stop_sequence=stop_sequence)
         job.sent = max(job.sent, end)
