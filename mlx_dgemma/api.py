@@ -69,8 +69,12 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_to
     compaction, no confirming step, a trimmed last canvas), "ar" or "verified" (drafting.py: the
     decoder drafts ``draft_length`` tokens in ``draft_steps`` steps, the encoder verifies them; one
     response per round). Explicit sampler numbers override the plan; ``freeze_after`` is the
-    compaction's (sampler.SamplerSettings). ``temperature`` (ar and verified; default 0, greedy)
-    samples the answer at that temperature; verified output has the ar distribution exactly.
+    compaction's (sampler.SamplerSettings). ``temperature`` is the sampling temperature under every
+    policy (options.SamplingArgs): ar and verified draw tokens at it (default 0, greedy; verified output
+    has the ar distribution exactly), the diffusion policies draw each position at it times the
+    schedule's temperature (default 1, the checkpoint's sampling); ``top_p``, ``top_k`` and ``min_p``
+    filter every draw, ``schedule_scale`` scales the denoising schedule, and the repetition, presence
+    and frequency penalties apply under ar.
 
     ``template`` lays the answer out in advance (template.py): text with ``{{fill:N}}`` holes, or a
     ``CanvasTemplate`` (``json_template(tokenizer, schema)``, ``infill_template``). Its literal
@@ -90,13 +94,18 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_to
     ``prompt_cache`` (``model.make_cache()``) may already hold the prompt's first ``offset`` ids, images
     placed (a server's prompt cache): only the rest is encoded, and the answer is appended to it.
     """
-    args = GenerationArgs.of(max_tokens=max_tokens, **kwargs)
+    yield from stream_from_args(model, tokenizer, prompt, GenerationArgs.of(max_tokens=max_tokens, **kwargs))
+
+
+def stream_from_args(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs
+                     ) -> Iterator[GenerationResponse]:
+    """``stream_generate`` with its options as one ``GenerationArgs`` (the command line's)."""
     if args.prompt_cache is not None and args.images:
         raise ValueError("give the images or a prompt cache that already holds them, not both")
     job = prepare(model, tokenizer, prompt, args)
     engine = BatchGenerator(model, tokenizer, args.prefill_step_size)
     drafts = [] if args.drafts else None
-    engine.insert_prepared(job, args.prompt_cache, on_step=_step_hook(drafts, args.on_step))
+    engine.insert(job, args.prompt_cache, on_step=_step_hook(drafts, args.on_step))
     with generation_device(model):
         cached, tic = args.prompt_cache.offset if args.prompt_cache is not None else 0, time.perf_counter()
         engine.admit()
@@ -189,16 +198,17 @@ def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, ma
     return answer[: len(answer) - len(tail)] if tail and answer.endswith(tail) else answer
 
 
-def drafted_json_template(model, tokenizer: Tokenizer, prompt: str | list[int], schema: dict, **kwargs
-                          ) -> CanvasTemplate:
+def drafted_json_template(model, tokenizer: Tokenizer, prompt: str | list[int], schema: dict,
+                          args: GenerationArgs | None = None, **kwargs) -> CanvasTemplate:
     """The JSON template of ``schema`` with its holes sized by a free generation's values (one more
-    generation; ``kwargs`` are those of ``stream_generate``). On the demo tasks: right 98% of the
-    time against 54% with upper-bound holes and 94% free, always valid."""
+    generation, with ``args`` or ``kwargs``: those of ``stream_generate``). On the demo tasks: right
+    98% of the time against 54% with upper-bound holes and 94% free, always valid."""
     from .json_schema import json_template
 
     limit = model.config.max_position_embeddings
     json_template(tokenizer, schema, limit=limit)  # a bad schema fails before any generation
-    free = generate(model, tokenizer, prompt, **kwargs)
+    args = args or GenerationArgs.of(**kwargs)
+    free = "".join(response.text for response in stream_from_args(model, tokenizer, prompt, args))
     try:
         draft = json.loads(free)
     except ValueError:

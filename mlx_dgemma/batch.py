@@ -37,36 +37,15 @@ import mlx.core as mx  # noqa: E402
 from . import drafting  # noqa: E402
 from .cache import CanvasView  # noqa: E402
 from .denoise import new_run, step_batch, step_compacted  # noqa: E402
+from .filters import penalized, sampling_probs  # noqa: E402
 from .grammar import GrammarRule  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
+from .images import images_after  # noqa: E402
+from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import Plan  # noqa: E402
 from .request import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
 from .sampler import CanvasRun, Draft, RunBatch  # noqa: E402
-from .template import CanvasTemplate  # noqa: E402
 
 AR_BLOCK_MIN = 4  # tokens an auto row decodes autoregressively before it chooses again
-
-
-@dataclass
-class BatchRequest:
-    """One prompt for ``BatchGenerator`` (token ids, the chat template already applied)."""
-
-    prompt_ids: list[int]
-    max_tokens: int | None = None
-    seed: int | None = None
-    policy: str = "reference"
-    steps: int | None = None
-    temp_min: float | None = None
-    temp_max: float | None = None
-    template: CanvasTemplate | None = None
-    temperature: float | None = None  # ar and verified sampling (0 or None: greedy)
-    schema: object = None  # a JSON schema the answer follows (GenerationArgs.schema)
-    # One row (model.make_cache()) already holding prompt_ids[:cache.offset], a prefix kept by a
-    # server's prompt cache: only the rest of the prompt is encoded.
-    cache: object = None
-    # Called with a one-row cache holding the prompt once the engine has encoded it (a server's prompt
-    # cache keeps a copy); generation goes on appending to that cache.
-    on_prefilled: Callable[[object], None] | None = None
 
 
 @dataclass
@@ -106,6 +85,7 @@ class _Row:
     known: int | None = None  # verified: the next token (decided, not yet encoded); None when done
     leftover: list[int] = field(default_factory=list)  # verified: the last draft's tail (the next one's start)
     first: list[int] = field(default_factory=list)  # verified: tokens decided on entering, sent with the first round
+    history: list[int] | None = None  # autoregressive with penalties: the prompt and the tokens decided
 
     @property
     def planner(self):
@@ -197,17 +177,13 @@ class BatchGenerator:
     def __len__(self) -> int:
         return len(self._pending) + len(self._diffusion) + len(self._ar.rows) + len(self._verifying)
 
-    def insert(self, request: BatchRequest) -> int:
-        sampling = SamplingArgs(request.steps, temp_min=request.temp_min, temp_max=request.temp_max,
-                                temperature=request.temperature)
-        args = GenerationArgs(request.max_tokens, request.seed, policy=request.policy, template=request.template,
-                              schema=request.schema, sampling=sampling)
-        return self.insert_prepared(prepare(self.model, self.tokenizer, list(request.prompt_ids), args),
-                                    request.cache, request.on_prefilled)
-
-    def insert_prepared(self, job: PreparedRequest, cache=None, on_prefilled=None, on_step=None) -> int:
-        """Queue a request ``prepare`` made ready (``cache``, ``on_prefilled``: as ``BatchRequest``'s;
-        ``on_step``: called with each denoising step's draft)."""
+    def insert(self, job: PreparedRequest, cache=None, on_prefilled: Callable[[object], None] | None = None,
+               on_step: Callable[[Draft], None] | None = None) -> int:
+        """Queue a request ``prepare`` made ready. ``cache``: one row (``model.make_cache()``) already
+        holding ``job.ids[:cache.offset]`` (a prefix a server's prompt cache kept, whole images
+        included): only the rest of the prompt is encoded. ``on_prefilled`` is called with the row's
+        cache once the prompt is in it (generation goes on appending to it); ``on_step`` with each
+        denoising step's draft."""
         if cache is not None and cache.offset >= len(job.ids):
             raise ValueError(f"the prompt cache holds {cache.offset} ids of a {len(job.ids)}-id prompt; "
                              "at least its last id must be left to encode")
@@ -259,8 +235,9 @@ class BatchGenerator:
             if row in fresh:
                 continue
             cache = row.cache if row.cache is not None else self.model.make_cache()
+            images = images_after(row.job.ids, row.job.vision_inputs, cache.offset, self.model.config.image_token_id)
             logits = prefill(self.model, mx.array(row.job.ids[cache.offset:]), cache, self.prefill_step_size,
-                             logits=_wants_logits(row), **row.job.vision_inputs)
+                             logits=_wants_logits(row), **images)
             self._join([row], cache, logits)
 
     def _join(self, rows: list[_Row], cache, logits: mx.array | None) -> None:
@@ -287,9 +264,7 @@ class BatchGenerator:
 
     def _choose(self, row: _Row) -> None:
         """An auto row that goes on: its next plan, from what the planner knows by now."""
-        planner = row.planner
-        planner.sampling = bool(row.temperature)  # (the planner is the model's, shared by its rows)
-        row.plan = planner.choose(row.remaining, row.job.overrides, row.emitted, row.job.ids)
+        row.plan = row.planner.choose(row.remaining, row.job.overrides, row.emitted, row.job.ids)
 
     # -- emitting -------------------------------------------------------------------------------
 
@@ -412,7 +387,7 @@ class BatchGenerator:
         grammar row's (each token among those the grammar allows, greedy or sampled)."""
         job, vocab = row.job, self.model.config.vocab_size
         if job.grammar is not None:
-            return GrammarRule(job.grammar, vocab, row.remaining, row.temperature, job.rng)
+            return GrammarRule(job.grammar, vocab, row.remaining, row.temperature, job.rng, row.plan.settings.filters)
         return drafting.TemplateRule(job.template, self.tokenizer, vocab, job.end_of_turn)
 
     def _new_block(self, row: _Row) -> None:
@@ -488,7 +463,8 @@ class BatchGenerator:
         """Decide the next token from the logits after the cache (it goes out with the first round)."""
         job = row.job
         row.rule = (self._layout_rule(row) if job.template is not None or job.grammar is not None
-                    else drafting.SampledRule(job.stop_ids, row.remaining, row.temperature, job.rng) if row.temperature
+                    else drafting.SampledRule(job.stop_ids, row.remaining, row.temperature, job.rng,
+                                              row.plan.settings.filters) if row.temperature
                     else drafting.GreedyRule(job.stop_ids, row.remaining))
         _, row.known = row.rule.follow(row.logits, [])
         row.first, row.leftover = row.rule.output[:], []
@@ -554,15 +530,25 @@ def _wants_logits(row: _Row) -> bool:
     return row.plan.mode != "diffusion" or row.planner is not None
 
 
-def next_token(logits: mx.array, temperature: float, rng) -> mx.array:
-    """The token [1, 1] after ``logits`` [1, V], lazily: greedy, or drawn through ``rng`` at ``temperature``."""
+def next_token(logits: mx.array, temperature: float, rng, filters: tuple = ()) -> mx.array:
+    """The token [1, 1] after ``logits`` [1, V], lazily: greedy, or drawn through ``rng`` at ``temperature``
+    through the ``filters`` (top_p, top_k, min_p: ``filters.sampling_probs``)."""
     if temperature:
-        return rng.categorical(drafting.tempered_probs(logits, temperature))[:, None]
+        return rng.categorical(sampling_probs(logits, temperature, *filters))[:, None]
     return logits.argmax(-1, keepdims=True).astype(mx.int32)
 
 
 def _pick(row: _Row, logits: mx.array) -> mx.array:
-    return next_token(logits, row.temperature, row.job.rng)
+    """The row's next token, decided (lazily, unless penalties need it on the host for the next one)."""
+    settings = row.plan.settings
+    if not settings.penalizing:
+        return next_token(logits, row.temperature, row.job.rng, settings.filters)
+    if row.history is None:
+        row.history = list(row.job.ids)
+    token = next_token(penalized(logits, row.history, *settings.penalties), row.temperature, row.job.rng,
+                       settings.filters)
+    row.history.append(token.item())
+    return token
 
 
 def _ends(row: _Row) -> bool:
@@ -584,7 +570,7 @@ def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens:
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
     args = [GenerationArgs.of(max_tokens=max_tokens, seed=seed, **kwargs) for seed in seeds]
     generator = BatchGenerator(model, tokenizer, args[0].prefill_step_size if args else PREFILL_STEP_SIZE)
-    uids = [generator.insert_prepared(prepare(model, tokenizer, p, a)) for p, a in zip(prompts, args)]
+    uids = [generator.insert(prepare(model, tokenizer, p, a)) for p, a in zip(prompts, args)]
     texts = {uid: "" for uid in uids}
     with generation_device(model):
         while len(generator):

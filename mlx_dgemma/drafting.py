@@ -12,9 +12,10 @@ many tokens at once. One round, with the next token already known (the encoder's
 
 Greedy (temperature 0) the output is autoregressive greedy decoding's, token for token. Sampling
 (temperature > 0) uses speculative rejection sampling: the draft's last step draws each position
-from its tempered distribution q, a draft token is accepted with probability min(1, p/q) (p: the
-encoder's tempered distribution) and on rejection the next token is drawn from max(0, p − q)
-normalised, so the output is distributed exactly as autoregressive sampling at that temperature.
+from its tempered, filtered distribution q, a draft token is accepted with probability min(1, p/q)
+(p: the encoder's tempered distribution through the same filters, filters.sampling_probs) and on
+rejection the next token is drawn from max(0, p − q) normalised, so the output is distributed
+exactly as autoregressive sampling at that temperature with those filters.
 
 What "the next token" is comes from a rule: ``GreedyRule`` and ``SampledRule`` decode freely up to
 a stop id or a token budget; ``TemplateRule`` forces a template's text and decodes its holes (the
@@ -29,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import CanvasView
+from .filters import sampling_probs
 from .sampler import Clamp, Random, SamplerSettings, tempered_distribution
 
 
@@ -88,12 +90,13 @@ class GreedyRule:
 
 
 class SampledRule(GreedyRule):
-    """Sampling at ``temperature``; with a draft, speculative rejection sampling against the draft's
-    distribution ``q`` [n − 1, V] of the proposed tokens."""
+    """Sampling at ``temperature`` through the ``filters`` (top_p, top_k, min_p:
+    ``filters.sampling_probs``); with a draft, speculative rejection sampling against the draft's
+    distribution ``q`` [n − 1, V] of the proposed tokens, exact for the filtered target."""
 
-    def __init__(self, stop_ids, max_tokens: int, temperature: float, rng: Random):
+    def __init__(self, stop_ids, max_tokens: int, temperature: float, rng: Random, filters: tuple = ()):
         super().__init__(stop_ids, max_tokens)
-        self.temperature, self.rng = temperature, rng
+        self.temperature, self.rng, self.filters = temperature, rng, tuple(filters)
 
     @staticmethod
     def acceptance(p: mx.array, q: mx.array) -> mx.array:
@@ -109,7 +112,7 @@ class SampledRule(GreedyRule):
         return mx.where(mass > 1e-12, residual / mx.maximum(mass, 1e-30), p)
 
     def follow(self, logits, proposed, q=None):
-        p = tempered_probs(logits, self.temperature)
+        p = sampling_probs(logits, self.temperature, *self.filters)
         n = len(proposed)
         accept = resampled = None
         if n:
@@ -214,11 +217,6 @@ class TemplateRule:
         raise AssertionError("more proposals than rows")
 
 
-def tempered_probs(logits: mx.array, temperature: float) -> mx.array:
-    """softmax(logits / temperature) over the last axis, in float32."""
-    return mx.softmax(logits.astype(mx.float32) / temperature, axis=-1, precise=True)
-
-
 def draft(model, cache, known: list[int], length: int, settings: DraftSettings, schedule: SamplerSettings,
           rng: Random, start: list[int] = ()) -> tuple[mx.array, mx.array | None]:
     """A draft of ``length`` tokens [length] (lazy: the verifying pass is queued behind it without a
@@ -256,7 +254,7 @@ def draft_rows(model, view, known: list[list[int]], length: int, settings: Draft
         logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs)
         if step == settings.steps:
             if settings.temperature > 0:
-                qs = [tempered_probs(logits[i], settings.temperature) for i in range(len(known))]
+                qs = [sampling_probs(logits[i], settings.temperature, *schedules[i].filters) for i in range(len(known))]
                 canvas = clamp.apply(mx.concatenate([rng.categorical(q)[None] for q, rng in zip(qs, rngs)]))
             else:
                 canvas = clamp.apply(logits.argmax(-1).astype(mx.int32))

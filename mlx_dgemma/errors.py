@@ -22,6 +22,14 @@ class PromptError(ValueError):
     """A prompt the model cannot take."""
 
 
+class OptionError(ValueError):
+    """Options that cannot go together; ``option`` names the one at fault (a server's 400 names it)."""
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option
+
+
 class DataError(ValueError):
     """Training data that cannot be used; the message names the file and line."""
 

@@ -17,15 +17,25 @@ import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import fields  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
-from .api import GenerationResponse, drafted_json_template, generate, infill, statistics, stream_generate  # noqa: E402
+from .api import (  # noqa: E402
+    GenerationResponse,
+    drafted_json_template,
+    generate,
+    infill,
+    statistics,
+    stream_from_args,
+    stream_generate,
+)
 from .cli import command_line  # noqa: E402
 from .demo import DEMO_MODEL  # noqa: E402
+from .filters import check_min_p, check_top_k, check_top_p  # noqa: E402
 from .images import load_image  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs  # noqa: E402
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_schedule_scale  # noqa: E402
 from .policy import POLICIES, Plan  # noqa: E402
 from .request import (  # noqa: E402
     PreparedRequest,
@@ -91,8 +101,14 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
               help="verified: canvas positions per draft, the known next token included [default: the policy's].")
 @click.option("--draft-steps", type=int, callback=option(check_steps),
               help="verified: denoising steps per draft [default: the policy's].")
-@click.option("--temp", type=float, callback=option(check_temperature),
-              help="ar and verified: sampling temperature [default: 0, greedy].")
+@click.option("--temp", "temperature", type=float, callback=option(check_temperature),
+              help="Sampling temperature: ar and verified draw tokens at it [default: 0, greedy]; diffusion draws "
+                   "each position at it times the schedule's temperature [default: 1, the schedule's; 0: greedy].")
+@click.option("--top-p", type=float, callback=option(check_top_p), help="Sampling top-p [default: 1, off].")
+@click.option("--min-p", type=float, callback=option(check_min_p), help="Sampling min-p [default: 0, off].")
+@click.option("--top-k", type=int, callback=option(check_top_k), help="Sampling top-k [default: 0, off].")
+@click.option("--schedule-scale", type=float, callback=option(check_schedule_scale),
+              help="Factor on the denoising temperature schedule (--temp-min/--temp-max or the checkpoint's).")
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
@@ -157,14 +173,10 @@ def _plan_key(plan: Plan) -> tuple:
 
 
 def generation_args(flags: dict, images: list | None) -> GenerationArgs:
-    """The flags as the API's options."""
-    sampling = SamplingArgs(flags["steps"], flags["entropy_bound"], flags["temp_min"], flags["temp_max"],
-                            temperature=flags["temp"])
-    return GenerationArgs(flags["max_tokens"], flags["seed"], system_prompt=flags["system_prompt"],
-                          chat_template=not flags["ignore_chat_template"], think=flags["think"],
-                          policy=flags["policy"], images=images,
-                          draft_length=flags["draft_length"], draft_steps=flags["draft_steps"], sampling=sampling,
-                          prefill_step_size=flags["prefill_step_size"])
+    """The flags as the API's options (each option's flag has its name)."""
+    sampling = SamplingArgs(**{f.name: flags[f.name] for f in fields(SamplingArgs) if f.name in flags})
+    own = {f.name: flags[f.name] for f in fields(GenerationArgs) if f.name in flags}
+    return GenerationArgs(**own, chat_template=not flags["ignore_chat_template"], images=images, sampling=sampling)
 
 
 def _read_prompt(flags: dict) -> str:
@@ -213,13 +225,12 @@ def _generate_cli(flags: dict, group, watchdog):
             args = replace(args, schema=schema)
         else:
             draft = replace(args, draft_length=None, draft_steps=None, sampling=replace(args.sampling, temperature=None))
-            options = {k: v for k, v in draft.kwargs().items() if k != "schema"}
-            template = drafted_json_template(dgemma, tokenizer, prompt, schema, **options)
+            template = drafted_json_template(dgemma, tokenizer, prompt, schema, draft)
     canvas_view = TerminalView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
     args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
     responses, thinking = [], False  # thinking: a thought is on stderr, its line not yet ended
     thoughts = group is None or group.rank() == 0  # (rank 0 prints; the others' stdout is /dev/null)
-    for response in stream_generate(dgemma, tokenizer, prompt, **args.kwargs()):
+    for response in stream_from_args(dgemma, tokenizer, prompt, args):
         if flags["verbose"] and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
             click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
         if canvas_view:

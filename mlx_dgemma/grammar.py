@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import TemplateError
+from .filters import sampling_probs
 from .schema_rewrite import rewrite
 
 # Compact JSON, laid out as the templates lay it out ({"a": 1, "b": [2, 3]}): no free whitespace a
@@ -142,13 +143,11 @@ def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> np.ndarray:
     return np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
 
 
-def masked_probs(logits: np.ndarray, allowed: np.ndarray, temperature: float) -> np.ndarray:
-    """softmax(logits / temperature) over the ``allowed`` tokens only (float64: the mass left after a
-    mask may be tiny)."""
-    scores = np.where(allowed, logits.astype(np.float64) / temperature, -np.inf)
-    scores -= scores.max()
-    probs = np.exp(scores)
-    return probs / probs.sum()
+def masked_probs(logits: np.ndarray, allowed: np.ndarray, temperature: float, filters: tuple = ()) -> np.ndarray:
+    """The distribution to draw from over the ``allowed`` tokens only: the masked logits tempered and
+    filtered (``filters.sampling_probs``: top-p, top-k, min-p) as every other draw is."""
+    masked = mx.array(np.where(allowed, logits, -np.inf).astype(np.float32))
+    return np.array(sampling_probs(masked, temperature, *filters), dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -237,16 +236,18 @@ CLOSING_REFRESH = 8  # tokens after which a stale closing path is walked afresh 
 
 class GrammarRule:
     """Decoding under a grammar up to its end or ``max_tokens`` (the drafting.GreedyRule interface, and
-    ``step`` for one token at a time): greedy, or sampled at ``temperature`` through ``rng``. The
+    ``step`` for one token at a time): greedy, or sampled at ``temperature`` through ``rng`` with the
+    sampling ``filters`` (top_p, top_k, min_p) applied after the mask. The
     model's token is taken while the closing path after it fits the room left; otherwise the
     closing path's next token is (so an answer that fits its budget at the start always ends valid)."""
 
-    def __init__(self, grammar: Grammar, vocab: int, max_tokens: int, temperature: float = 0.0, rng=None):
+    def __init__(self, grammar: Grammar, vocab: int, max_tokens: int, temperature: float = 0.0, rng=None,
+                 filters: tuple = ()):
         self.matcher = grammar.matcher()
         if self.matcher.is_error():
             raise TemplateError(f"the schema cannot be enforced: {_one_line(self.matcher.get_error())}")
         self.vocab, self.max_tokens = vocab, max_tokens
-        self.temperature, self.rng = temperature, rng
+        self.temperature, self.rng, self.filters = temperature, rng, filters
         self.eos = grammar.tokenizer.eos_token
         self.table = closing_table(grammar, vocab)
         self.path = closing_path(self.matcher, self.table, self.eos)  # None: no end within CLOSING_CAP
@@ -296,7 +297,7 @@ class GrammarRule:
         allowed = allowed_tokens(self.matcher, self.vocab)
         if not self.temperature:
             return int(np.where(allowed, logits, -np.inf).argmax())
-        probs = masked_probs(logits, allowed, self.temperature)
+        probs = masked_probs(logits, allowed, self.temperature, self.filters)
         return int(self.rng.categorical(mx.array(probs[None], dtype=mx.float32))[0].item())
 
     def step(self, logits: mx.array) -> int | None:
@@ -329,7 +330,7 @@ class GrammarRule:
     def _decide(self, logits: np.ndarray, proposal: int | None, q: np.ndarray | None) -> int:
         if not self.temperature or q is None:
             return self._choose(logits)
-        p = masked_probs(logits, allowed_tokens(self.matcher, self.vocab), self.temperature)
+        p = masked_probs(logits, allowed_tokens(self.matcher, self.vocab), self.temperature, self.filters)
         keep = min(1.0, p[proposal] / max(float(q[proposal]), 1e-30))
         if self.rng.categorical(mx.array([[1 - keep, keep]], dtype=mx.float32))[0].item():
             return proposal

@@ -291,3 +291,24 @@ def image_inputs(model, ids: list[int], images) -> tuple[list[int], dict]:
     ids = expand_image_tokens(ids, inputs["num_soft_tokens_per_image"], cfg.image_token_id, cfg.boi_token_id,
                               cfg.eoi_token_id)
     return ids, {"pixel_values": inputs["pixel_values"], "image_position_ids": inputs["image_position_ids"]}
+
+
+def images_after(ids: list[int], vision_inputs: dict, start: int, image_token_id: int | None) -> dict:
+    """The vision inputs of the images whose tokens come at or after ``start`` (a cached prefix holds
+    whole images: it ends before a prompt's last token, and images end with <eoi>)."""
+    if not vision_inputs:
+        return {}
+    done = sum(token == image_token_id and (i == 0 or ids[i - 1] != image_token_id)
+               for i, token in enumerate(ids[:start]))
+    if done == len(vision_inputs["pixel_values"]):
+        return {}
+    return {name: value[done:] for name, value in vision_inputs.items()}
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """Images already preprocessed for a prompt whose ids already expand their placeholders
+    (``image_inputs``' two results): what a server that checks a prompt's length before generating
+    passes as ``GenerationArgs.images``."""
+
+    vision_inputs: dict  # as model.encode takes them

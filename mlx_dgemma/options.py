@@ -9,14 +9,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from .validate import finite_number
+
 PREFILL_STEP_SIZE = 2048  # mlx-lm's default: prompt tokens encoded per forward
+check_schedule_scale = finite_number(0, low_open=True)
 
 
 @dataclass(frozen=True)
 class SamplingArgs:
-    """How tokens are chosen. The denoising numbers (None: the plan's) replace the plan's sampler
-    settings, ``settings`` (a ``sampler.SamplerSettings``) as a whole and the numbers on top of it;
-    ``temperature`` samples autoregressive and verified decoding (None or 0: greedy)."""
+    """How tokens are chosen (None: the plan's, or off). ``settings`` (a ``sampler.SamplerSettings``)
+    replaces the plan's sampler settings as a whole, and the numbers go on top of it.
+
+    ``temperature`` is the sampling temperature under every policy (docs/policies.md): autoregressive
+    and verified tokens are drawn from softmax(logits / temperature) (None or 0: greedy); a denoising
+    step draws each position at ``temperature`` times the step's temperature of the schedule (None or
+    1: the schedule's own, the reference; 0: greedy draws). ``top_p``, ``top_k`` and ``min_p`` filter
+    every draw (filters.sampling_probs). The schedule itself (from ``temp_max`` at the first step to
+    ``temp_min`` at the last, which also tempers what the denoiser sees of its previous step) is
+    scaled by ``schedule_scale``."""
 
     steps: int | None = None
     entropy_bound: float | None = None
@@ -25,13 +35,28 @@ class SamplingArgs:
     freeze_after: int | None = None  # active-set compaction (sampler.SamplerSettings)
     settings: object = None
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    schedule_scale: float | None = None
+    repetition_penalty: float | None = None  # the penalties: ar only (filters.penalized)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
-    def overrides(self) -> dict:
-        """``SamplerSettings`` field -> value for every setting the caller gave."""
+    def overrides(self, defaults) -> dict:
+        """``SamplerSettings`` field -> value for every setting the caller gave (``defaults``: the
+        checkpoint's generation config, whose schedule ``schedule_scale`` scales when
+        ``temp_min``/``temp_max`` or ``settings`` do not give it)."""
         given = {f.name: getattr(self.settings, f.name) for f in fields(self.settings)} if self.settings else {}
         numbers = dict(steps=self.steps, entropy_bound=self.entropy_bound, t_min=self.temp_min, t_max=self.temp_max,
-                       freeze_after=self.freeze_after)
+                       freeze_after=self.freeze_after, draw_temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         given.update({k: v for k, v in numbers.items() if v is not None})
+        if self.schedule_scale is not None:
+            check_schedule_scale(self.schedule_scale, "schedule_scale")
+            for name in ("t_min", "t_max"):
+                given[name] = given.get(name, getattr(defaults, name)) * self.schedule_scale
         return given
 
 
@@ -51,7 +76,7 @@ class GenerationArgs:
     expected_steps: float | None = None
     template: object = None  # text with {{fill:N}} holes or a template.CanvasTemplate
     schema: object = None  # a JSON schema the answer validates against ({}: any JSON value); see grammar.py
-    images: list | None = None
+    images: list | None = None  # paths or PIL images, or an images.ImageInputs
     draft_length: int | None = None
     draft_steps: int | None = None
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
@@ -71,9 +96,3 @@ class GenerationArgs:
                             f"{', '.join(sorted(own | sampling_names))}")
         sampling = SamplingArgs(**{k: v for k, v in kwargs.items() if k in sampling_names})
         return cls(sampling=sampling, **{k: v for k, v in kwargs.items() if k in own})
-
-    def kwargs(self) -> dict:
-        """The options as the API's keyword arguments (``of``'s inverse)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sampling"}
-        out.update((f.name, getattr(self.sampling, f.name)) for f in fields(self.sampling))
-        return out

@@ -18,8 +18,10 @@ import mlx.core as mx  # noqa: E402
 
 from .config import GenerationConfig  # noqa: E402
 from .drafting import DraftSettings  # noqa: E402
+from .errors import OptionError  # noqa: E402
+from .filters import filtering  # noqa: E402
 from .grammar import Grammar, GrammarRule, schema_grammar  # noqa: E402
-from .images import image_inputs  # noqa: E402
+from .images import ImageInputs, image_inputs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
 from .sampler import MxRandom, Random  # noqa: E402
@@ -141,7 +143,7 @@ class PreparedRequest:
     vision_inputs: dict  # images as model.encode takes them (empty without images)
     planner: AutoPlanner | None = None  # the auto policy's, which re-plans at every canvas or round
     acceptance: object = None  # verified drafting's running estimate (policy.Acceptance)
-    temperature: float = 0.0  # ar and verified sampling (0: greedy)
+    temperature: float = 0.0  # ar and verified sampling (0: greedy); diffusion's is in plan.settings
     grammar: Grammar | None = None  # a schema the canvas template does not take: ar and verified rows follow it
     thought: TextStream | None = None  # with think: the thought channel's text, handed out as it grows
 
@@ -163,21 +165,24 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     end_of_turn = _end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     if template is not None:
         max_tokens = len(template) + template.ends_turn
-    overrides = args.sampling.overrides()  # they replace the plan's, and none is dropped
+    overrides = args.sampling.overrides(defaults)  # they replace the plan's, and none is dropped
     check_step_counts(overrides.get("steps"), args.draft_steps)
     if args.think and (grammar is not None or template is not None and template.render is not None):
         raise ValueError("a JSON answer is laid out from its first token and leaves no room for a "
                          "thought; drop think or the schema")
-    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []), args.think)
-    ids, vision_inputs = image_inputs(model, ids, args.images) if args.images else (ids, {})
+    ids, vision_inputs = _prompt_and_images(model, tokenizer, prompt, args)
     check_prompt_fits(ids, config, max_tokens if template is None else 1)
     temperature = args.sampling.temperature or 0.0
     planner, acceptance, plan = _plan(model, defaults, args, template or grammar, max_tokens, overrides, ids)
-    if temperature and plan.mode == "diffusion":
-        raise ValueError("a temperature applies to autoregressive and verified decoding; "
-                         "diffusion takes --temp-min/--temp-max")
-    if temperature and template is not None:
-        raise ValueError("templates decode greedily; drop the temperature")
+    if plan.settings.penalizing and args.policy != "ar":
+        name = _given(args, _PENALTIES) or "a penalty"
+        raise OptionError(f"{name} applies to autoregressive decoding only (policy ar): a denoising step draws "
+                          "tokens in no order, and verified drafting's exact sampling does not take it; take policy "
+                          "ar or leave it out", name)
+    if template is not None and plan.mode != "diffusion" and (
+            temperature or filtering(*plan.settings.filters) or plan.settings.penalizing):
+        raise OptionError(f"templates decode greedily under {plan.policy}; drop the temperature, the filters and "
+                          "the penalties, or take a diffusion policy", _given(args, ("temperature", *_FILTERS, *_PENALTIES)))
     if grammar is not None:
         check_closing_fits(grammar, config.vocab_size, max_tokens)
     if plan.mode == "verified":
@@ -241,6 +246,25 @@ def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
                             f"{max_tokens}; raise max_tokens")
 
 
+_FILTERS = ("top_p", "top_k", "min_p")
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _given(args: GenerationArgs, names: tuple[str, ...]) -> str | None:
+    """The first of the sampling options ``names`` that ``args`` sets."""
+    return next((name for name in names if getattr(args.sampling, name) is not None), None)
+
+
+def _prompt_and_images(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs
+                       ) -> tuple[list[int], dict]:
+    """The prompt's ids with its images' placeholders expanded, and the images as ``model.encode`` takes them."""
+    if isinstance(args.images, ImageInputs):  # preprocessed, the ids already expanded
+        return (prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, think=args.think),
+                args.images.vision_inputs)
+    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []), args.think)
+    return image_inputs(model, ids, args.images) if args.images else (ids, {})
+
+
 def _plan(model, defaults: GenerationConfig, args: GenerationArgs, layout, max_tokens: int, overrides: dict,
           ids: list[int]) -> tuple[AutoPlanner | None, object, Plan]:
     """The request's auto planner (auto without a template or grammar: it re-plans at every canvas,
@@ -255,7 +279,6 @@ def _plan(model, defaults: GenerationConfig, args: GenerationArgs, layout, max_t
     if policy == "auto" and layout is None:
         planner = (AutoPlanner(defaults, model.config.canvas_length, profile, args.expected_steps)
                    if args.expected_steps else auto_planner(model, defaults, profile))
-        planner.sampling = bool(args.sampling.temperature)  # a temperature is for ar and verified only
         return planner, None, planner.choose(max_tokens, overrides, prompt=ids)  # from answers to prompts like it
     acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
     plan = make_plan(policy, defaults, model.config.canvas_length, max_tokens, profile, args.expected_steps,

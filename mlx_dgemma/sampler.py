@@ -30,7 +30,16 @@ import mlx.core as mx
 
 from . import kernels as device_kernels
 from .config import GenerationConfig
-from .validate import check_entropy_bound, check_temperatures
+from .filters import (
+    check_min_p,
+    check_penalty,
+    check_repetition_penalty,
+    check_top_k,
+    check_top_p,
+    filtering,
+    sampling_probs,
+)
+from .validate import check_entropy_bound, check_temperature, check_temperatures
 
 
 class Random(Protocol):
@@ -86,6 +95,17 @@ class SamplerSettings:
     # Active-set compaction (the fast policy; 0 = off, the reference): a position accepted with the
     # same argmax token for this many steps in a row is frozen and no longer recomputed.
     freeze_after: int = 0
+    # The draws (filters.sampling_probs): each position's token is drawn at draw_temperature times the
+    # step's temperature (1: the schedule's, the reference; 0: the argmax), through the filters
+    # (top_p 1, top_k 0 and min_p 0 are off; they apply to autoregressive and verified tokens too).
+    draw_temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    # Autoregressive decoding only (filters.penalized; 1, 0 and 0 are off).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -98,6 +118,32 @@ class SamplerSettings:
             raise ValueError(f"confidence threshold must be > 0, got {self.confidence_threshold}")
         if not isinstance(self.freeze_after, int) or self.freeze_after < 0:
             raise ValueError(f"freeze_after must be an integer >= 0, got {self.freeze_after!r}")
+        check_temperature(self.draw_temperature, "temperature")
+        check_top_p(self.top_p, "top_p")
+        check_top_k(self.top_k, "top_k")
+        check_min_p(self.min_p, "min_p")
+        check_repetition_penalty(self.repetition_penalty, "repetition_penalty")
+        check_penalty(self.presence_penalty, "presence_penalty")
+        check_penalty(self.frequency_penalty, "frequency_penalty")
+
+    @property
+    def penalties(self) -> tuple[float, float, float]:
+        """(repetition, presence, frequency), as ``filters.penalized`` takes them."""
+        return self.repetition_penalty, self.presence_penalty, self.frequency_penalty
+
+    @property
+    def penalizing(self) -> bool:
+        return self.penalties != (1.0, 0.0, 0.0)
+
+    @property
+    def filters(self) -> tuple[float, int, float]:
+        """(top_p, top_k, min_p), as ``filters.sampling_probs`` takes them after the temperature."""
+        return self.top_p, self.top_k, self.min_p
+
+    @property
+    def plain_draws(self) -> bool:
+        """Whether the draws are the reference's: from the step's tempered distribution itself."""
+        return self.draw_temperature == 1 and not filtering(*self.filters)
 
     @classmethod
     def from_generation_config(cls, config: GenerationConfig, **overrides) -> SamplerSettings:
@@ -119,6 +165,13 @@ class SamplerSettings:
         cur = self.steps - step
         span, low = _f32(self.t_max - self.t_min), _f32(self.t_min)
         return mx.array(_f32(low + _f32(span * _f32(cur / self.steps))))
+
+    def draws(self, scaled: mx.array, probs: mx.array) -> mx.array:
+        """What a step draws each position from, given its tempered logits ``scaled`` and their
+        distribution ``probs`` (the reference's draws: ``probs`` itself)."""
+        if self.plain_draws:
+            return probs
+        return sampling_probs(scaled, self.draw_temperature, *self.filters)
 
 
 def _f32(x: float) -> float:
@@ -308,7 +361,8 @@ class RunBatch:
         for run in runs:
             run.step += 1
         scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, kernels)
-        denoised = mx.concatenate([run.rng.categorical(probs[i : i + 1]) for i, run in enumerate(runs)])
+        denoised = mx.concatenate([run.rng.categorical(run.settings.draws(scaled[i : i + 1], probs[i : i + 1]))
+                                   for i, run in enumerate(runs)])
         renoise = mx.concatenate([run.rng.renoise(shape, vocab) for run in runs])
         if self.clamped:
             entropy = mx.where(self.fixed, 0.0, entropy)  # fixed positions: accepted first, costing nothing
@@ -402,7 +456,7 @@ class CompactedRun(CanvasRun):
         if clamp is not None:
             logits = clamp.restrict(logits, index if A < C else None)
         scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, self.kernels)
-        denoised = self.rng.categorical(probs)[0]
+        denoised = self.rng.categorical(settings.draws(scaled, probs))[0]
         renoise = self.rng.renoise((1, A), self.vocab)[0]
         entropy_a, argmax_a, fixed_a, tokens_a = entropy[0], argmax[0], self.fixed[index], self.tokens[index]
         if clamp is not None:

@@ -8,8 +8,8 @@ import pytest
 
 from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import BatchGenerator, batch_generate, generate, load, stream_generate
-from mlx_dgemma.batch import BatchRequest
-from mlx_dgemma.generate import DEMO_MODEL, prefill
+from mlx_dgemma.generate import DEMO_MODEL, prefill, prepare
+from mlx_dgemma.options import GenerationArgs
 
 BOUND = 1e-5
 # Denoiser logits: OpenBLAS blocks a product by its row count, so rows stacked four deep sum in
@@ -17,6 +17,11 @@ BOUND = 1e-5
 # own BLAS they are within BOUND (the subprocess test at the end).
 DENOISE_BOUND = 2e-5
 LENGTHS = {1: [23], 2: [23, 9], 4: [9, 41, 23, 2]}  # 41 > the pattern preset's sliding window
+
+
+def job(model, tokenizer, ids: list[int], max_tokens: int | None = None, **kwargs):
+    """A request for the engine, made ready as the API makes it (``kwargs``: stream_generate's)."""
+    return prepare(model, tokenizer, ids, GenerationArgs.of(max_tokens=max_tokens, **kwargs))
 
 
 def relative(a, b):
@@ -192,13 +197,13 @@ def test_a_request_joins_between_rounds_and_a_removed_one_stops(demo):
 
     ids = [prompt_ids(tokenizer, p) for p in DEMO_PROMPTS]
     generator = BatchGenerator(model, tokenizer)
-    first = generator.insert(BatchRequest(ids[3], 96, seed=1))
-    gone = generator.insert(BatchRequest(ids[1], 96, seed=2))
+    first = generator.insert(job(model, tokenizer, ids[3], 96, seed=1))
+    gone = generator.insert(job(model, tokenizer, ids[1], 96, seed=2))
     texts = {first: "", gone: ""}
     for response in generator.next():
         texts[response.uid] += response.text
     generator.remove(gone)
-    late = generator.insert(BatchRequest(ids[0], 96, seed=3))
+    late = generator.insert(job(model, tokenizer, ids[0], 96, seed=3))
     texts[late] = ""
     while len(generator):
         for response in generator.next():
@@ -222,8 +227,7 @@ def _staggered(model, tokenizer, requests: list, remove_at: int | None = None) -
     while step < len(requests) or len(generator):
         if step < len(requests):
             request = requests[step]
-            uids.append(generator.insert(request) if isinstance(request, BatchRequest)
-                        else generator.insert_prepared(request))
+            uids.append(generator.insert(request))
             texts[uids[-1]] = ""
         if step == remove_at:
             gone = uids[-2]
@@ -242,12 +246,12 @@ def test_rows_that_join_at_every_step_give_what_they_give_alone(checkpoints):
     model, tokenizer = load(checkpoints("small", tame=True))
     C = model.config.canvas_length
     prompts = [[2, 10, 11, 12], [2] + list(range(20, 39)), [2, 7], [2, 30, 31, 32, 33, 34], [2, 5, 6]]
-    requests = [BatchRequest(p, 2 * C if i != 1 else C + 3, seed=i, steps=6) for i, p in enumerate(prompts)]
+    requests = [job(model, tokenizer, p, 2 * C if i != 1 else C + 3, seed=i, steps=6) for i, p in enumerate(prompts)]
     texts = _staggered(model, tokenizer, requests, remove_at=3)  # request 2 leaves, two steps in
     assert sorted(texts) == [0, 1, 3, 4]
     for i, text in texts.items():
         r = requests[i]
-        assert text == generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed, steps=6, chat_template=False)
+        assert text == generate(model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, steps=6, chat_template=False)
 
 
 def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints):
@@ -259,7 +263,7 @@ def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints
     model, tokenizer = load(checkpoints("small", tame=True))
     prompts = [[2, 10, 11, 12], [2] + list(range(20, 39)), [2, 7], [2, 30, 31, 32, 33, 34]]
     budgets = [40, 23, 9, 31]
-    requests = [BatchRequest(p, n, seed=i, policy="verified") for i, (p, n) in enumerate(zip(prompts, budgets))]
+    requests = [job(model, tokenizer, p, n, seed=i, policy="verified") for i, (p, n) in enumerate(zip(prompts, budgets))]
     passes = []
     original = drafting.verify_rounds
 
@@ -274,7 +278,7 @@ def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints
         drafting.verify_rounds = original
     assert max(passes) > 1
     for i, r in enumerate(requests):
-        assert texts[i] == generate(model, tokenizer, r.prompt_ids, r.max_tokens, policy="ar", chat_template=False), i
+        assert texts[i] == generate(model, tokenizer, r.ids, r.max_tokens, policy="ar", chat_template=False), i
 
 
 def test_a_template_row_joins_plain_rows_on_the_demo(demo):
@@ -283,12 +287,12 @@ def test_a_template_row_joins_plain_rows_on_the_demo(demo):
 
     model, tokenizer = demo
     template = parse_template(tokenizer, '{"name": "{{fill:6}}", "age": {{fill:3}}}')
-    requests = [BatchRequest(prompt_ids(tokenizer, DEMO_PROMPTS[3]), 96, seed=1),
-                BatchRequest(prompt_ids(tokenizer, DEMO_PROMPTS[3]), seed=2, template=template),
-                BatchRequest(prompt_ids(tokenizer, DEMO_PROMPTS[0]), 96, seed=3)]
+    requests = [job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[3]), 96, seed=1),
+                job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[3]), seed=2, template=template),
+                job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[0]), 96, seed=3)]
     texts = _staggered(model, tokenizer, requests)
     for i, r in enumerate(requests):
-        alone = generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed, template=r.template,
+        alone = generate(model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, template=r.template,
                          chat_template=False)
         assert texts[i] == alone, i
 
@@ -317,11 +321,11 @@ def test_demo_rows_that_join_at_every_step_give_what_they_give_alone(demo, polic
 
     model, tokenizer = demo
     prompts = DEMO_PROMPTS + ["json: name=bob age=7 city=oslo", "sort: 9 3 77 12"]
-    requests = [BatchRequest(prompt_ids(tokenizer, p), 96, seed=i, policy=policy) for i, p in enumerate(prompts)]
+    requests = [job(model, tokenizer, prompt_ids(tokenizer, p), 96, seed=i, policy=policy) for i, p in enumerate(prompts)]
     texts = _staggered(model, tokenizer, requests, remove_at=2)
     for i, text in texts.items():
         r = requests[i]
-        assert text == generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed, policy=policy,
+        assert text == generate(model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, policy=policy,
                                 chat_template=False)
 
 
@@ -421,14 +425,14 @@ def test_auto_rows_switch_kinds_in_the_batch_and_give_what_they_give_alone(demo,
         monkeypatch.setattr(model, name, counted, raising=False)
     try:
         prompts = DEMO_PROMPTS + ["json: name=bob age=7 city=oslo", "sort: 9 3 77 12"]
-        requests = [BatchRequest(prompt_ids(tokenizer, p), 96, seed=i, policy="auto") for i, p in enumerate(prompts)]
+        requests = [job(model, tokenizer, prompt_ids(tokenizer, p), 96, seed=i, policy="auto") for i, p in enumerate(prompts)]
         texts = _staggered(model, tokenizer, requests)
         assert min(rows.values()) > 1, rows
         monkeypatch.undo()
         modes = []
         for i, r in enumerate(requests):
-            responses = list(stream_generate(model, tokenizer, r.prompt_ids, r.max_tokens, seed=r.seed,
-                                             policy=r.policy, chat_template=False))
+            responses = list(stream_generate(model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed,
+                                             policy="auto", chat_template=False))
             assert texts[i] == "".join(x.text for x in responses), i
             modes += [x.plan.mode for x in responses]
         assert {"diffusion", "ar", "verified"} <= set(modes)

@@ -8,8 +8,7 @@ import tracemalloc
 import pytest
 from click.testing import CliRunner
 
-from mlx_dgemma import generate, load, stream_generate
-from mlx_dgemma.batch import BatchGenerator, BatchRequest
+from mlx_dgemma import batch_generate, generate, load, stream_generate
 from mlx_dgemma.denoise import new_run
 from mlx_dgemma.generate import DEMO_MODEL, main
 from mlx_dgemma.sampler import MxRandom, SamplerSettings
@@ -51,9 +50,8 @@ def test_steps_past_the_bound_are_refused(demo, kwargs, name):
 
 def test_a_batch_request_past_the_bound_is_refused(demo):
     model, tokenizer = demo
-    engine = BatchGenerator(model, tokenizer)
     with pytest.raises(ValueError, match=f"^steps must be an integer from 1 to {MAX_STEPS}, got 1000000000"):
-        engine.insert(BatchRequest(tokenizer.encode("sort: 3 1"), 8, steps=10**9))
+        batch_generate(model, tokenizer, [tokenizer.encode("sort: 3 1")], 8, steps=10**9)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,11 @@ import mlx.core as mx
 import pytest
 
 from mlx_dgemma import generate, load
-from mlx_dgemma.batch import BatchGenerator, BatchRequest
+from mlx_dgemma.batch import BatchGenerator
 from mlx_dgemma.generate import DEMO_MODEL, prefill, prompt_ids
 from mlx_dgemma.server.prompt_cache import PromptCache
+
+from .test_batch import job
 
 
 def encoded(model, ids):
@@ -63,7 +65,7 @@ def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
         if i != 1:  # rows 0 and 2 bring a cache holding all but the last 1 / 6 prompt ids; row 1 none
             cache = model.make_cache()
             prefill(model, mx.array(ids[: len(ids) - (1 if i == 0 else 6)]), cache)
-        uids.append(engine.insert(BatchRequest(ids, 64, seed=i, policy=policy, cache=cache)))
+        uids.append(engine.insert(job(model, tokenizer, ids, 64, seed=i, policy=policy), cache))
     texts = dict.fromkeys(uids, "")
     while len(engine):
         for response in engine.next():
@@ -84,8 +86,8 @@ def test_a_template_row_starts_from_its_prefilled_prefix(policy):
     engine = BatchGenerator(model, tokenizer)
     from mlx_dgemma.template import parse_template
 
-    uid = engine.insert(BatchRequest(ids, seed=1, policy=policy, cache=cache,
-                                     template=parse_template(tokenizer, template)))
+    uid = engine.insert(job(model, tokenizer, ids, seed=1, policy=policy, template=parse_template(tokenizer, template)),
+                        cache)
     text = ""
     while len(engine):
         text += "".join(r.text for r in engine.next() if r.uid == uid)
@@ -100,7 +102,7 @@ def test_an_auto_row_hands_back_its_prompt_as_every_row_does():
     ids = prompt_ids(tokenizer, "reverse: kayak7")
     handed = []
     engine = BatchGenerator(model, tokenizer)
-    engine.insert(BatchRequest(ids, 8, seed=0, policy="auto", on_prefilled=lambda c: handed.append(copy.deepcopy(c))))
+    engine.insert(job(model, tokenizer, ids, 8, seed=0, policy="auto"), on_prefilled=lambda c: handed.append(copy.deepcopy(c)))
     while len(engine):
         engine.next()
     assert len(handed) == 1 and handed[0].offset == len(ids)
@@ -129,7 +131,8 @@ def test_the_engine_hands_back_each_fresh_prompt_unpadded():
     engine = BatchGenerator(model, tokenizer)
     handed = {}
     for i, ids in enumerate(prompts):
-        engine.insert(BatchRequest(ids, 8, seed=i, on_prefilled=lambda c, i=i: handed.setdefault(i, copy.deepcopy(c))))
+        engine.insert(job(model, tokenizer, ids, 8, seed=i),
+                      on_prefilled=lambda c, i=i: handed.setdefault(i, copy.deepcopy(c)))
     engine.next()
     step = mx.array([[7]])
     for i, ids in enumerate(prompts):

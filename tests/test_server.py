@@ -304,14 +304,14 @@ def test_content_the_demo_cannot_take_is_refused(client):
 def test_a_refusal_by_the_worker_names_the_field(client, monkeypatch):
     """What the worker refuses (the engine's own checks of a prompt or template) names the field,
     whole and streamed."""
-    from mlx_dgemma import batch
     from mlx_dgemma.errors import PromptError, TemplateError
+    from mlx_dgemma.server import scheduler
 
     def refusing(model, tokenizer, prompt, args):
         raise TemplateError("the template is refused") if args.template is not None else PromptError(
             "the prompt is refused")
 
-    monkeypatch.setattr(batch, "prepare", refusing)
+    monkeypatch.setattr(scheduler, "prepare", refusing)
     for request, param in [(lambda: chat(client, SORT, extra_body={"template": "{{fill:4}}"}), "template"),
                            (lambda: chat(client, SORT), "messages"),
                            (lambda: client.completions.create(model=MODEL_ID, prompt=SORT), "prompt")]:

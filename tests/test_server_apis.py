@@ -333,7 +333,7 @@ def test_messages_errors(anthropic_client):
         ({"model": "claude-sonnet-4"}, anthropic.NotFoundError, "does not exist"),
         ({"max_tokens": 0}, anthropic.BadRequestError, "max_tokens must be at least 1"),
         ({"stop_sequences": ["a"] * 17}, anthropic.BadRequestError, "stop_sequences must be"),
-        ({"extra_body": {"top_k": 5}}, anthropic.BadRequestError, "top_k is not supported"),
+        ({"extra_body": {"top_k": -1}}, anthropic.BadRequestError, "top_k must be at least 0, got -1"),
         ({"messages": user("hi") + [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
          anthropic.BadRequestError, "messages[1]: content of type document is not supported"),
     ]:

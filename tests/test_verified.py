@@ -15,6 +15,7 @@ from mlx_dgemma import drafting, generate, json_template, load, stream_generate
 from mlx_dgemma.config import GenerationConfig, ModelConfig
 from mlx_dgemma.demo.eval import instances
 from mlx_dgemma.demo.tasks import TASKS, json_schema
+from mlx_dgemma.filters import sampling_probs
 from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
 from mlx_dgemma.model import DiffusionGemma
 from mlx_dgemma.sampler import MxRandom, SamplerSettings
@@ -130,6 +131,8 @@ def run_verified(model, prompt, rule, length, steps, seed=0, cache=None, first=N
         cache = model.make_cache()
         first = model.next_token_logits(mx.array([prompt]), cache)
     schedule = SamplerSettings.from_generation_config(model.generation_config)
+    if filters := getattr(rule, "filters", ()):  # the draft draws through them, as the engine's do
+        schedule = replace(schedule, **dict(zip(("top_p", "top_k", "min_p"), filters)))
     temperature, rng = getattr(rule, "temperature", 0.0), getattr(rule, "rng", None) or MxRandom(seed)
     settings = drafting.DraftSettings(length, steps, temperature)
     _, known = rule.follow(first.reshape(1, -1), [])
@@ -185,8 +188,8 @@ def test_bad_draft_settings_are_refused(demo):
         generate(model, tokenizer, "sort: 3 1", policy="verified", draft_length=33, draft_steps=1)
     with pytest.raises(ValueError, match=r"^draft_steps must be an integer from 1 to 512, got 0$"):
         generate(model, tokenizer, "sort: 3 1", policy="verified", draft_length=8, draft_steps=0)
-    with pytest.raises(ValueError, match="diffusion takes --temp-min/--temp-max"):
-        generate(model, tokenizer, "sort: 3 1", policy="reference", temperature=0.5)
+    with pytest.raises(ValueError, match="^temperature must be 0 or a finite number of at least 0.0001, got -0.5"):
+        generate(model, tokenizer, "sort: 3 1", policy="verified", temperature=-0.5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,14 +222,15 @@ def tiny():
     return model
 
 
-def exact_ar_distribution(model, length: int) -> np.ndarray:
-    """P(the first ``length`` tokens after PROMPT) under AR sampling at TEMPERATURE, by enumeration."""
+def exact_ar_distribution(model, length: int, filters: tuple = ()) -> np.ndarray:
+    """P(the first ``length`` tokens after PROMPT) under AR sampling at TEMPERATURE through the
+    ``filters`` (top_p, top_k, min_p), by enumeration."""
     V = TINY.vocab_size
     out = np.zeros((V,) * length)
     for seq in np.ndindex(*out.shape):
         cache = model.make_cache()
         logits = model.head(model.encode(mx.array([PROMPT + list(seq[:-1])]), cache, return_hidden=True))[0]
-        probs = np.array(drafting.tempered_probs(logits[len(PROMPT) - 1:], TEMPERATURE))
+        probs = np.array(sampling_probs(logits[len(PROMPT) - 1:], TEMPERATURE, *filters))
         out[seq] = np.prod([probs[i, t] for i, t in enumerate(seq)])
     return out
 
@@ -235,20 +239,21 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     """Goodness of fit of the counts to the probabilities, outcomes expected < 5 times pooled."""
     counts, expected = counts.ravel(), probs.ravel() / probs.sum() * counts.sum()
     small = expected < 5
-    counts = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
     return scipy_stats.chisquare(counts, expected).pvalue
 
 
-def sampled_verified_counts(model, length: int = 3, draft_length: int = 3) -> np.ndarray:
-    """Counts of the first ``length`` tokens over DRAWS sampled verified generations (one cache for
-    all, trimmed back to the prompt after each: the trim is exact)."""
+def sampled_verified_counts(model, length: int = 3, draft_length: int = 3, filters: tuple = ()) -> np.ndarray:
+    """Counts of the first ``length`` tokens over DRAWS sampled verified generations through the
+    ``filters`` (one cache for all, trimmed back to the prompt after each: the trim is exact)."""
     counts = np.zeros((TINY.vocab_size,) * length, dtype=np.int64)
     cache = model.make_cache()
     first = model.next_token_logits(mx.array([PROMPT]), cache)
     rng = MxRandom(7)
     for _ in range(DRAWS):
-        rule = drafting.SampledRule(set(), length, TEMPERATURE, rng)
+        rule = drafting.SampledRule(set(), length, TEMPERATURE, rng, filters)
         for _ in run_verified(model, PROMPT, rule, draft_length, 2, cache=cache, first=first):
             pass
         counts[tuple(rule.output)] += 1
@@ -286,6 +291,19 @@ def test_sampled_verified_has_the_ar_distribution(tiny, exact):
     assert chi_square_p(counts, exact) > 1e-3
 
 
+@pytest.mark.parametrize("filters", [pytest.param((1.0, 2, 0.0), marks=pytest.mark.slow), (0.6, 0, 0.0),
+                                     pytest.param((1.0, 0, 0.3), marks=pytest.mark.slow)], ids=["top_k", "top_p", "min_p"])
+def test_sampled_verified_has_the_filtered_ar_distribution(tiny, filters):
+    """Verification stays exact for the filtered target: the tokens the filter cuts never come, and
+    the rest come as often as filtered AR sampling gives them."""
+    exact = exact_ar_distribution(tiny, 3, filters)
+    assert (exact == 0).any()
+    counts = sampled_verified_counts(tiny, filters=filters)
+    cut = exact == 0
+    assert counts[cut].sum() == 0
+    assert chi_square_p(counts[~cut], exact[~cut]) > 1e-3
+
+
 @pytest.mark.parametrize("broken", ["accept always", pytest.param("redraw from p", marks=pytest.mark.slow)])
 def test_the_goodness_of_fit_catches_a_broken_acceptance_rule(tiny, exact, monkeypatch, broken):
     """The same test fails when the rule is wrong: keeping every draft token (the draft's own
@@ -298,7 +316,7 @@ def test_the_goodness_of_fit_catches_a_broken_acceptance_rule(tiny, exact, monke
     assert chi_square_p(counts, exact) < 1e-6
 
 
-def test_cli_verified_prints_the_ar_answer_and_refuses_a_temperature_for_diffusion():
+def test_cli_verified_prints_the_ar_answer_and_refuses_a_bad_filter():
     from click.testing import CliRunner
 
     from mlx_dgemma.generate import main
@@ -309,9 +327,11 @@ def test_cli_verified_prints_the_ar_answer_and_refuses_a_temperature_for_diffusi
                                                   "1", "--verbose"])
     assert ar.exit_code == verified.exit_code == 0, verified.output
     assert ar.output.strip() in verified.output and "tokens per round" in verified.output
-    bad = CliRunner().invoke(main, prompt + ["--temp", "0.5"])
-    assert bad.exit_code != 0 and "diffusion takes --temp-min/--temp-max" in bad.output
-    assert len(bad.output.strip().split("\n")) == 1
+    for flag, value, message in [("--top-p", "1.5", "--top-p must be a finite number in (0, 1], got 1.5"),
+                                 ("--top-k", "-1", "--top-k must be at least 0, got -1"),
+                                 ("--min-p", "nan", "--min-p must be a finite number in [0, 1], got nan")]:
+        bad = CliRunner().invoke(main, prompt + [flag, value])
+        assert bad.exit_code == 1 and bad.output.strip().split("\n") == [f"Error: {message}"], bad.output
 
 
 def test_the_verified_policy_learns_its_acceptance(demo):

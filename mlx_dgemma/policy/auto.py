@@ -58,7 +58,6 @@ class AutoPlanner:
         # tok/s a plan gave / tok/s predicted when it was chosen
         self.pace = {name: PromptLikeMeans(1.0) for name in ("reference", "fast", "ar", "verified")}
         self.current: Plan | None = None
-        self.sampling = False  # a sampling temperature: only ar and verified decode with one
         self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
         self.chosen: tuple[str, float] | None = None  # the plan running, and its tok/s predicted before its pace
 
@@ -99,8 +98,6 @@ class AutoPlanner:
         """The next plan for an answer to ``prompt`` that has ``produced`` tokens and room for
         ``remaining`` more, with the caller's sampler ``overrides`` (``Plan.overridden``) applied."""
         predicted = self.predictions(remaining, produced, prompt)
-        if self.sampling:
-            predicted = {name: predicted[name] for name in ("ar", "verified")}
         best = max(predicted, key=lambda name: predicted[name][0])
         # Estimates of a plan that does not run do not move: one close enough to the best is run again
         # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan.

@@ -17,8 +17,9 @@ from starlette.routing import Route
 from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
 from .app import Server, Thought
 from .scheduler import RequestFailed, Usage
+from .settings import SETTINGS
 
-PASSED = ("model", "max_tokens", "temperature", "top_p", "seed", "policy", "steps", "template")
+PASSED = ("model", "max_tokens", "template", *SETTINGS)  # top_p and top_k among the settings
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
@@ -33,8 +34,6 @@ class Anthropic(Api):
         self.id = f"msg_{secrets.token_hex(12)}"
 
     def translate(self, body: dict) -> tuple[dict, bool]:
-        if body.get("top_k") is not None:
-            raise BadRequest("top_k is not supported by this server; leave it out", param="top_k")
         messages, self.origins = [], []
         if system := body.get("system"):
             messages.append({"role": "system", "content": _text(system, "system")})

@@ -3,6 +3,8 @@
 Every endpoint is an ``Api`` (api.py): a translation of its JSON into the chat or completions body read
 here (OpenAI's, so every API shares the same checks, templates, tool parsing, limits and streaming), and
 of the answer back into its own shape (openai_api.py, ollama.py, responses.py and anthropic.py).
+A request becomes the prompt's ids and one ``options.GenerationArgs`` (settings.py reads its options),
+which the worker makes ready and runs.
 A request is read and checked here (the body's size, its JSON, the model, every setting, the prompt
 against the context, the template or schema, the images), so anything wrong gets OpenAI's error shape
 with a 4xx status before the worker sees it. Everything past reading the body (rendering, tokenizing,
@@ -28,22 +30,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import validate
-from ..batch import BatchRequest
-from ..images import ImageError, decode_image, image_inputs, open_image_url
-from ..policy import POLICIES
-from ..request import (
-    PromptError,
-    check_closing_fits,
-    check_prompt_fits,
-    generation_config,
-)
-from ..template import TemplateError, infill_template
+from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
+from ..options import GenerationArgs
+from ..request import PromptError, check_closing_fits, check_prompt_fits, generation_config
+from ..template import CanvasTemplate, TemplateError, infill_template
 from ..tool_calls import CALL_OPEN, parse_tool_calls
 from ..vision import has_vision
 from . import reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
 from .layout import answer_layout, leaves, strings, typed
 from .scheduler import Event, Job, Scheduler
+from .settings import request_options
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
 MAX_IMAGES = 8  # image parts in one request
@@ -53,7 +50,7 @@ PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds 
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
-               "presence_penalty": 0, "frequency_penalty": 0, "top_p": 1, "suffix": "", "functions": [],
+               "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "web_search_options": None}
 
@@ -190,19 +187,11 @@ class Server:
         max_tokens = typed(body, max_key, int, None)
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
-        temperature = typed(body, "temperature", (int, float), None)
-        if temperature is not None and not 0 <= temperature <= 2:
-            raise BadRequest(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
         stop = typed(body, "stop", (str, list), None) or []
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(f"stop must be a non-empty string or a list of at most {max_stop}", param="stop")
-        policy = typed(body, "policy", str, "reference")
-        if policy not in POLICIES:
-            raise BadRequest(f"policy must be one of {', '.join(POLICIES)}, got '{policy}'", param="policy")
-        steps, seed = body.get("steps"), body.get("seed")
-        _check(validate.check_steps, steps, "steps", self.limits.max_steps)
-        _check(validate.check_seed, seed, "seed")
+        options = request_options(body, self.defaults, self.model.config.canvas_length, self.limits.max_steps)
 
         tools, forced = self._tools(body) if chat else ([], None)
         suffix = None if chat else typed(body, "suffix", str, None) or None
@@ -211,26 +200,24 @@ class Server:
             typed(body, "response_format", dict, None) or {}).get("type", "text") == "text"
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None, think) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
-        request = BatchRequest(ids, seed=seed, policy=policy, steps=steps)
-        if policy in ("ar", "verified"):  # the answer's sampling temperature (0: greedy)
-            request.temperature = temperature
-        elif temperature is not None:  # scales the checkpoint's schedule; 0 is (nearly) greedy
-            scale = max(temperature, 1e-2)
-            request.temp_min, request.temp_max = self.defaults.t_min * scale, self.defaults.t_max * scale
-        job = Job(request, stop=stop, hold=[CALL_OPEN] if tools and not forced else [], vision_inputs=vision_inputs,
+        job = Job(ids, GenerationArgs(), stop=stop, hold=[CALL_OPEN] if tools and not forced else [],
                   prompt_param="messages" if chat else "prompt", think=think)
+        schema = None
         if suffix is None:
-            grammar = answer_layout(self, job, body, forced, max_tokens)
-            request.max_tokens = self._fit(request.prompt_ids, max_tokens, max_key, cap_max_tokens)
-            if grammar is not None or request.template is not None or job.redraft is not None:
+            template, grammar = answer_layout(self, job, body, forced, max_tokens, options.get("policy", "reference"))
+            max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens, structured=grammar is not None)
+            if template is not None or grammar is not None or job.redraft is not None:
                 job.stop = []  # stop strings are for free text: they never cut a structured answer
             if grammar is not None:
+                schema = grammar.schema
                 try:
-                    check_closing_fits(grammar, self.model.config.vocab_size, request.max_tokens)
+                    check_closing_fits(grammar, self.model.config.vocab_size, max_tokens)
                 except TemplateError as e:
                     raise BadRequest(str(e), param=max_key) from None
         else:
-            self._infill(job, body, suffix, max_tokens, cap_max_tokens)
+            template, max_tokens = self._infill(job, body, suffix, max_tokens, cap_max_tokens)
+        job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=schema,
+                                     images=ImageInputs(vision_inputs) if vision_inputs else None)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       forced["function"]["name"] if forced else None,
                       id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
@@ -374,7 +361,8 @@ class Server:
             raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
         return ids
 
-    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None, cap: bool = False) -> None:
+    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None,
+                cap: bool = False) -> tuple[CanvasTemplate, int]:
         """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default, or with
         ``cap`` when ``max_tokens`` is more, what the context leaves next to the suffix, the default at
         most the server's), then the suffix clamped at the end of its last canvas; the worker takes the
@@ -383,7 +371,7 @@ class Server:
                 "type", "text") != "text":
             raise BadRequest("give one of suffix, template and response_format", param="suffix")
         self._check_length(len(suffix), "the suffix", "suffix")
-        ids, canvas = job.request.prompt_ids, self.model.config.canvas_length
+        ids, canvas = job.ids, self.model.config.canvas_length
         left = (self.context - len(ids)) // canvas * canvas  # whole canvases after the prompt
         tail = len(self.tokenizer.encode(suffix, add_special_tokens=False))
         if tail >= left:
@@ -403,16 +391,19 @@ class Server:
             template = infill_template(self.tokenizer, suffix, max_tokens, canvas, left)
         except TemplateError as e:
             raise BadRequest(str(e), param="suffix") from None
-        job.request.template, job.request.max_tokens = template, len(template)
         job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
+        return template, len(template)
 
-    def _fit(self, ids: list[int], max_tokens: int | None, param: str, cap: bool = False) -> int:
+    def _fit(self, ids: list[int], max_tokens: int | None, param: str, cap: bool = False,
+             structured: bool = False) -> int:
         """``max_tokens``, or the server's default cut to the whole canvases the prompt leaves room for
-        (``_check_ids`` made sure one fits); with ``cap``, ``max_tokens`` is cut to them too."""
+        (``_check_ids`` made sure one fits); with ``cap``, ``max_tokens`` is cut to them too. A
+        ``structured`` answer (a schema's grammar) without ``max_tokens`` may take all that room: it
+        ends where its schema does, and a default shorter than the schema would refuse it."""
         canvas = self.model.config.canvas_length
         room = (self.context - len(ids)) // canvas * canvas
         if max_tokens is None:
-            return min(self.max_tokens, room)
+            return room if structured else min(self.max_tokens, room)
         if cap:
             return min(max_tokens, room)
         try:

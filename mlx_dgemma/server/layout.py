@@ -12,13 +12,14 @@ import json
 from ..grammar import JSON_OBJECT, Grammar, schema_grammar
 from ..json_schema import json_template
 from ..request import check_template_fits, grammar_stop_ids, schema_template
-from ..template import TemplateError, parse_template
+from ..template import CanvasTemplate, TemplateError, parse_template
 from ..tool_calls import check_tool, parse_tool_calls
 from .api import BadRequest
 from .scheduler import Job
 
 
-def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens: int | None) -> Grammar | None:
+def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens: int | None,
+                  policy: str) -> tuple[CanvasTemplate | None, Grammar | None]:
     """The job's template, draft-then-template or schema, from ``template``, ``response_format`` or a
     forced call; returns the schema's grammar where the answer follows one (its closing path is
     checked against max_tokens once that is settled)."""
@@ -35,12 +36,12 @@ def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens:
     try:
         if text is not None:
             server._check_length(len(text), "the template", "template")
-            job.request.template = _fits(server, job, parse_template(server.tokenizer, text, server.context), param)
+            return _fits(server, job, parse_template(server.tokenizer, text, server.context), param), None
         elif forced is not None:
             check_tool(forced)
             schema = forced["function"].get("parameters") or {"type": "object", "properties": {}}
             server._check_length(sum(map(len, strings(schema))), "the tool's parameters", "tools")
-            return _structured(server, job, schema, max_tokens)
+            return _structured(server, job, schema, max_tokens, policy)
         elif kind == "json_schema":
             spec = response_format.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -48,34 +49,33 @@ def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens:
                 raise BadRequest("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
                                  "\"schema\": {...}}}", param="response_format")
             server._check_length(sum(map(len, strings(schema))), "the schema's text", "response_format")
-            return _structured(server, job, schema, max_tokens)
+            return _structured(server, job, schema, max_tokens, policy)
         elif kind == "json_object":
-            return _structured(server, job, JSON_OBJECT, max_tokens)
+            return _structured(server, job, JSON_OBJECT, max_tokens, policy)
     except TemplateError as e:
         raise BadRequest(str(e), param=param) from None
-    return None
+    return None, None
 
-def _structured(server, job: Job, schema, max_tokens: int | None) -> Grammar | None:
+
+def _structured(server, job: Job, schema, max_tokens: int | None, policy: str) -> tuple[None, Grammar | None]:
     """A JSON answer of ``schema`` (a forced call's arguments): under a diffusion policy the canvas
     template, holes sized by a free draft, where the template expresses the schema and fits
     ``max_tokens``; otherwise the schema's grammar. A forced call is answered as ``response_format``
     with its parameters is (the reply wraps the arguments in the call)."""
     tokenizer, limit = server.tokenizer, server.context
-    largest = schema_template(tokenizer, schema, job.request.policy, limit, max_tokens)
+    largest = schema_template(tokenizer, schema, policy, limit, max_tokens)
     if largest is not None:
         job.redraft = lambda draft: json_template(tokenizer, schema, draft=_arguments_or_none(draft), limit=limit)
         _fits(server, job, largest, job.template_param)
-        return None
-    grammar = schema_grammar(tokenizer, schema, server.model.config.vocab_size, grammar_stop_ids(
-        tokenizer, server.defaults))
-    job.request.schema = schema
-    return grammar
+        return None, None
+    return None, schema_grammar(tokenizer, schema, server.model.config.vocab_size,
+                                grammar_stop_ids(tokenizer, server.defaults))
 
 
 def _fits(server, job: Job, template, param: str):
     """``template``, when its canvases (the largest a draft may size it to) fit after the prompt."""
     try:
-        check_template_fits(template, len(job.request.prompt_ids), server.model.config)
+        check_template_fits(template, len(job.ids), server.model.config)
     except TemplateError as e:
         raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
     return template

@@ -21,6 +21,7 @@ from ..grammar import ANY_JSON
 from ..vision import has_vision
 from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
 from .app import Server
+from .settings import SETTINGS
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these endpoints follow
 DIGEST_SAMPLES = 64  # values of each weight the digest reads (evenly spaced): a fine-tune changes them
@@ -33,9 +34,11 @@ class Ollama(Api):
     stream_type = "application/x-ndjson"
     max_stop = MANY_STOP_STRINGS
     caps_max_tokens = True  # num_predict: at most that many tokens, as many as the context holds
-    # Ollama's options carry the sampler settings, and here the server's own (policy, steps, template).
+    # Ollama's options carry the sampler settings (temperature, top_p, top_k, min_p, seed), and here the
+    # server's own (policy, steps, template, ...).
     names = {"max_tokens": "options.num_predict", "response_format": "format", "reasoning_effort": "think",
-             **{key: f"options.{key}" for key in ("temperature", "seed", "stop", "policy", "steps", "template")}}
+             **{key: f"options.{key}" for key in ("stop", "template", *SETTINGS)},
+             "repetition_penalty": "options.repeat_penalty"}
 
     def __init__(self, server: Server, chat: bool):
         super().__init__(server)
@@ -51,12 +54,13 @@ class Ollama(Api):
         self.name = body.get("model") if model_name(self.server, body.get("model")) == self.server.model_id else None
         shared = {"model": model_name(self.server, body.get("model")),
                   "stream": True if body.get("stream") is None else body["stream"],
-                  "temperature": options.get("temperature"), "seed": options.get("seed"), "stop": options.get("stop"),
+                  "stop": options.get("stop"),
                   # (-1: no limit, -2: fill the context; both the server's default)
                   "max_tokens": None if isinstance(predict, int) and predict < 0 else predict,
                   "response_format": _response_format(body.get("format")),
                   "reasoning_effort": _effort(body.get("think")),
-                  **{key: options.get(key) for key in ("policy", "steps", "template")}}
+                  **{key: options.get(key) for key in ("template", *SETTINGS)},
+                  "repetition_penalty": options.get("repeat_penalty")}
         if self.chat:
             messages = body.get("messages")
             if not messages:  # Ollama's way of loading a model

@@ -15,9 +15,9 @@ from starlette.routing import Route
 from .api import Answer, Api, BadRequest, Reply, error_body, given
 from .app import Server, Thought
 from .scheduler import RequestFailed
+from .settings import SETTINGS
 
-PASSED = ("model", "temperature", "top_p", "top_logprobs", "parallel_tool_calls", "seed", "policy", "steps",
-          "template")  # read as the chat body reads them
+PASSED = ("model", "top_logprobs", "parallel_tool_calls", "template", *SETTINGS)  # read as the chat body reads them
 
 
 class Responses(Api):

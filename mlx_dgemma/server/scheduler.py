@@ -1,6 +1,7 @@
-"""The worker that owns the model: one thread takes new requests between rounds, inserts them into the
-batched engine (batch.BatchGenerator) with whatever prefix of their prompts the prompt cache holds (the
-engine encodes the rest, the fresh prompts of a round in one forward, and hands back a copy for the
+"""The worker that owns the model: one thread takes new requests between rounds, makes each ready
+(request.prepare, from the ``GenerationArgs`` the HTTP side built), inserts it into the batched engine
+(batch.BatchGenerator) with whatever prefix of its prompt the prompt cache holds (the engine encodes
+the rest, images included, the fresh prompts of a round in one forward, and hands back a copy for the
 prompt cache), runs a round for every active row, and routes the text the engine made of each row's
 committed tokens to its request's asyncio queue.
 
@@ -23,10 +24,10 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from ..batch import BatchGenerator, BatchRequest, BatchResponse
+from ..batch import BatchGenerator, BatchResponse
 from ..errors import PromptError, TemplateError
-from ..options import PREFILL_STEP_SIZE
-from ..request import generation_config, generation_device, prefill
+from ..options import PREFILL_STEP_SIZE, GenerationArgs
+from ..request import generation_device, prepare
 from ..template import CanvasTemplate
 from ..tokenizer import TextStream
 from .prompt_cache import PromptCache
@@ -67,17 +68,18 @@ class Event:
 
 @dataclass
 class Job:
-    """One request as the worker runs it: what the engine generates (``request``: the prompt, its
-    settings and the answer's template, which a free draft may set) and how its text is handed out."""
+    """One request as the worker runs it: what the engine generates (the prompt's ``ids``, the chat
+    template applied and any image placeholders expanded, and its options ``args``, whose template a
+    free draft may set) and how its text is handed out."""
 
-    request: BatchRequest
+    ids: list[int]
+    args: GenerationArgs
     # After a free draft's text: the template the answer is generated with, or None when the draft
     # is the answer (a JSON schema's holes sized by the draft; a json_object reply that parsed).
     redraft: Callable[[str], CanvasTemplate | None] | None = None
     stop: list[str] = field(default_factory=list)  # strings that end the answer (not part of it)
     hold: list[str] = field(default_factory=list)  # strings from which on text waits for the end
     tail: str = ""  # text the template's answer ends with that is no part of it (an infill's suffix)
-    vision_inputs: dict = field(default_factory=dict)  # the prompt's images as model.encode takes them
     # The request fields a refusal by the worker names: the prompt's (messages or prompt) and the template's.
     prompt_param: str | None = None
     template_param: str | None = None
@@ -205,44 +207,31 @@ class Scheduler:
                         self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
 
     def _start(self, job: Job) -> None:
-        """Insert ``job``'s row with the prefix of its prompt the prompt cache holds; the engine encodes
-        the rest and ``keep`` stores it (a prompt with images is encoded here, up to its last id)."""
+        """Make ``job`` ready (request.prepare) and insert its row with the prefix of its prompt the
+        prompt cache holds; the engine encodes the rest and hands it back for the prompt cache."""
         if job.cancelled:
             self.cancelled += 1
             return
         try:
-            request = job.request
-            ids = request.prompt_ids
-            key = _cache_key(ids, job.vision_inputs, self.model.config.image_token_id)
+            drafting = job.redraft is not None
+            args = replace(job.args, template=None) if drafting else job.args
+            prepared = prepare(self.model, self.tokenizer, job.ids, args)
+            key = _cache_key(prepared.ids, prepared.vision_inputs, self.model.config.image_token_id)
             cache, cached = self.prompt_cache.fetch(key)
             # The prompt cache keeps all but the last id (a later prompt needs a new position to start from).
-            end = len(ids) - 1
-            keep = None
-            if job.vision_inputs:
-                # The engine takes no images: they are placed here, and the engine encodes the last
-                # prompt id, never an image token (an image's tokens end with <eoi>).
-                cache = cache or self.model.make_cache()
-                if end > cached:
-                    images = _images_after(ids, job.vision_inputs, cached, self.model.config.image_token_id)
-                    prefill(self.model, mx.array(ids[cached:end]), cache, self.prefill_step_size, **images)
-                    self.prompt_cache.insert(key[:end], cache)
-            elif end > cached and self.prompt_cache.max_size:
-                # The engine encodes the rest of the prompt (fresh prompts of a round in one forward)
-                # and hands the row's cache back: kept without the prompt's last id.
-                keep = functools.partial(self.prompt_cache.insert, key[:end])
+            end = len(key) - 1
+            keep = functools.partial(self.prompt_cache.insert, key[:end]) if end > cached and \
+                self.prompt_cache.max_size else None
             if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
                 job.cached_tokens = cached
-            drafting = job.redraft is not None
             # With thinking on, the thought channel of a free answer or a text template; a JSON one has none.
-            free = request.template is None or request.template.render is None
-            stop_ids = set(generation_config(self.model, self.tokenizer).eos_token_id)
+            free = args.template is None or getattr(args.template, "render", None) is None
             thought = job.think and free and not drafting
-            job.thought = TextStream(self.tokenizer, stop_ids, thought=True) if thought else None
-            uid = self.engine.insert(replace(request, template=None if drafting else request.template, cache=cache,
-                                             on_prefilled=keep))
+            job.thought = TextStream(self.tokenizer, prepared.stop_ids, thought=True) if thought else None
+            uid = self.engine.insert(prepared, cache, keep)
         except ValueError as e:  # a prompt, template or setting the model cannot take
             param = (job.template_param if isinstance(e, TemplateError)
-                     else job.prompt_param if isinstance(e, PromptError) else None)
+                     else job.prompt_param if isinstance(e, PromptError) else getattr(e, "option", None))
             self._send(job, Event(error=RequestFailed(str(e), param=param)))
             return
         except Exception as e:
@@ -274,15 +263,16 @@ class Scheduler:
             if response.finish_reason is None:  # the engine would go on: the row ends here
                 self.engine.remove(response.uid)
             if job.redraft is not None:  # the free draft is in: generate the answer from it, or keep it
-                job.request.template, job.redraft = job.redraft(job.text), None
-                if job.request.template is not None:
+                template, job.redraft = job.redraft(job.text), None
+                if template is not None:
+                    job.args = replace(job.args, template=template)
                     job.text = ""
                     self._start(job)
                     return
         if job.redraft is not None:
             return  # a draft's text is not the answer
         end = len(job.text) if finish else _sendable(job.text, job.stop + job.hold)
-        usage = Usage(len(job.request.prompt_ids), job.completion_tokens, job.cached_tokens or 0)
+        usage = Usage(len(job.ids), job.completion_tokens, job.cached_tokens or 0)
         event = Event(job.text[job.sent:end], reasoning, finish, usage, stop_sequence=stop_sequence)
         job.sent = max(job.sent, end)
         if finish is not None and job.thought is not None:
@@ -311,18 +301,6 @@ def _cache_key(ids: list[int], vision_inputs: dict, image_token_id: int | None) 
             digest = next(digests)
         key.append(digest if token == image_token_id else token)
     return key
-
-
-def _images_after(ids: list[int], vision_inputs: dict, start: int, image_token_id: int | None) -> dict:
-    """The vision inputs of the images whose tokens come at or after ``start`` (a cached prefix holds
-    whole images: it ends before a prompt's last token, and images end with <eoi>)."""
-    if not vision_inputs:
-        return {}
-    done = sum(token == image_token_id and (i == 0 or ids[i - 1] != image_token_id)
-               for i, token in enumerate(ids[:start]))
-    if done == len(vision_inputs["pixel_values"]):
-        return {}
-    return {name: value[done:] for name, value in vision_inputs.items()}
 
 
 def _find_any(text: str, needles: list[str], start: int = 0) -> int | None:

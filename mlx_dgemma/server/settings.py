@@ -1,0 +1,104 @@
+"""A request's generation options: the body fields that are ``options.GenerationArgs`` or
+``SamplingArgs`` fields of the same name (OpenAI's ``temperature``, ``top_p`` and ``seed``, vLLM's
+``top_k`` and ``min_p``, and this runtime's own, sent as the ``openai`` client's ``extra_body``), each
+checked here so that a bad value is a 400 naming its field before the worker sees it. Every other
+option is set by the request otherwise (``SET_OTHERWISE``) or is not the client's to set
+(``NOT_SETTABLE``, with the reason).
+"""
+
+from __future__ import annotations
+
+from ..filters import check_min_p, check_penalty, check_repetition_penalty, check_top_k, check_top_p
+from ..options import SamplingArgs, check_schedule_scale
+from ..policy import POLICIES
+from ..sampler import SamplerSettings
+from ..validate import (
+    at_least,
+    check_entropy_bound,
+    check_seed,
+    check_steps,
+    check_temperature,
+    finite_number,
+    is_number,
+)
+from .api import BadRequest
+
+MAX_TEMPERATURE = 2  # OpenAI's
+# The body fields read as the options of the same name (every API passes them on as they come).
+SETTINGS = ("seed", "policy", "temperature", "top_p", "top_k", "min_p", "steps", "entropy_bound", "temp_min",
+            "temp_max", "schedule_scale", "freeze_after", "draft_length", "draft_steps", "expected_steps",
+            "repetition_penalty", "presence_penalty", "frequency_penalty")
+PENALTIES = {"repetition_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0}  # each with its value that is off
+
+SET_OTHERWISE = {
+    "max_tokens": "max_tokens (max_completion_tokens, max_output_tokens, num_predict), fitted to the context",
+    "template": "template, response_format, a forced tool call or suffix",
+    "images": "the messages' image parts",
+}
+NOT_SETTABLE = {
+    "rng": "a Python object; seed sets the draws",
+    "settings": "a Python object; the numbers set it",
+    "system_prompt": "the server renders the chat template itself: send a system message",
+    "chat_template": "the server renders the chat template for chat, and takes a completions prompt as it is",
+    "profile": "the device's, measured once per model by the server",
+    "prefill_step_size": "the server's (--prefill-step-size), shared by the requests it batches",
+    "prompt_cache": "the server's own, shared by its requests",
+    "drafts": "each step's canvas, for a live view: no API carries it",
+    "on_step": "a Python callback",
+}
+
+
+def _checks(defaults, canvas: int, max_steps: int) -> dict:
+    """Body field -> its check (value, name); ``max_steps`` bounds steps and draft steps."""
+    steps = defaults.max_denoising_steps
+
+    def temperature(value, name):
+        if is_number(value) and not 0 <= value <= MAX_TEMPERATURE:
+            raise ValueError(f"{name} must be between 0 and {MAX_TEMPERATURE}, got {value}")
+        check_temperature(value, name)
+
+    def policy(value, name):
+        if value not in POLICIES:
+            raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {value!r}")
+
+    def draft_length(value, name):
+        at_least(1)(value, name)
+        if value > canvas:
+            raise ValueError(f"{name} must be an integer from 1 to the model's canvas length {canvas}, got {value}")
+
+    return {"seed": check_seed, "policy": policy, "temperature": temperature, "top_p": check_top_p,
+            "top_k": check_top_k, "min_p": check_min_p, "steps": lambda value, name: check_steps(value, name, max_steps),
+            "entropy_bound": check_entropy_bound, "temp_min": check_temperature, "temp_max": check_temperature,
+            "schedule_scale": check_schedule_scale, "freeze_after": at_least(0), "draft_length": draft_length,
+            "draft_steps": lambda value, name: check_steps(value, name, max_steps),
+            "expected_steps": finite_number(1, max(steps, max_steps), high_open=False),
+            "repetition_penalty": check_repetition_penalty, "presence_penalty": check_penalty,
+            "frequency_penalty": check_penalty}
+
+
+def request_options(body: dict, defaults, canvas: int, max_steps: int) -> dict:
+    """The options ``body`` sets (``GenerationArgs.of``'s keywords), each checked; a bad one is a
+    ``BadRequest`` naming it. ``defaults``: the checkpoint's generation config; ``canvas``: its length;
+    ``max_steps``: the server's bound on steps."""
+    options, checks = {}, _checks(defaults, canvas, max_steps)
+    for name in SETTINGS:
+        value, check = body.get(name), checks[name]
+        if value is None:
+            continue
+        try:
+            check(value, name)
+        except ValueError as e:
+            raise BadRequest(str(e), param=name) from None
+        options[name] = value
+    for name, off in PENALTIES.items():
+        if options.get(name, off) != off and options.get("policy") != "ar":
+            raise BadRequest(f"{name} applies to autoregressive decoding only: send policy \"ar\" with it, or "
+                             f"leave it out or send {off}", param=name)
+    schedule = [name for name in ("temp_min", "temp_max", "schedule_scale") if name in options]
+    if schedule:  # the schedule they make together (temp_min below temp_max)
+        sampling = SamplingArgs(**{name: options[name] for name in schedule})
+        try:
+            SamplerSettings.from_generation_config(defaults, **sampling.overrides(defaults))
+        except ValueError as e:
+            raise BadRequest(str(e), param=schedule[0]) from None
+    return options

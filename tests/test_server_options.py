@@ -1,0 +1,194 @@
+"""The server's generation options, on a real uvicorn server driven by the official clients: every
+``GenerationArgs`` field a request can set reaches the engine (the others are named with the reason a
+client cannot set them); the same body and seed give what ``generate`` gives under every policy,
+temperature included; the sampling filters arrive through each API's own fields."""
+
+import copy
+from dataclasses import fields
+
+import anthropic
+import ollama
+import openai
+import pytest
+
+from mlx_dgemma import generate, load
+from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma.options import GenerationArgs, SamplingArgs
+from mlx_dgemma.server import scheduler
+from mlx_dgemma.server.settings import NOT_SETTABLE, SET_OTHERWISE, SETTINGS
+from mlx_dgemma.template import CanvasTemplate
+
+from .test_server import MODEL_ID, serving
+
+PROMPT = "add: 417 85"
+POLICIES = ["reference", "fast", "ar", "verified", "auto"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(demo):
+    with serving(*demo) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def clients(server):
+    return {"openai": openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=60),
+            "ollama": ollama.Client(host=server, timeout=60),
+            "anthropic": anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=60)}
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def ask(clients, api: str, seed: int, max_tokens: int, prompt: str = PROMPT, **settings) -> str:
+    """The answer to ``prompt`` through ``api``, with ``settings`` in the fields that API has for them."""
+    extra = {k: v for k, v in settings.items() if k not in ("temperature", "top_p")}
+    native = {k: v for k, v in settings.items() if k in ("temperature", "top_p")}
+    if api == "chat":
+        return clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(prompt), seed=seed,
+                                                         max_tokens=max_tokens, extra_body=extra,
+                                                         **native).choices[0].message.content
+    if api == "responses":
+        return clients["openai"].responses.create(model=MODEL_ID, input=prompt, max_output_tokens=max_tokens,
+                                                  extra_body={"seed": seed, **extra}, **native).output_text
+    if api == "messages":  # (anthropic 2.15's create() no longer names temperature, top_p and top_k)
+        reply = clients["anthropic"].messages.create(model=MODEL_ID, messages=user(prompt), max_tokens=max_tokens,
+                                                     extra_body={"seed": seed, **settings})
+        return "".join(block.text for block in reply.content)
+    options = {"seed": seed, "num_predict": max_tokens, **settings}
+    if "repetition_penalty" in options:  # Ollama's name for it
+        options["repeat_penalty"] = options.pop("repetition_penalty")
+    return clients["ollama"].chat(model=MODEL_ID, messages=user(prompt), options=options).message.content
+
+
+def planner_kept(model):
+    """The model's auto planner as it is now (verified and auto rows move it), to set back."""
+    return copy.deepcopy(getattr(model, "_auto_planner", None))
+
+
+def planner_set(model, planner) -> None:
+    if planner is None:
+        model.__dict__.pop("_auto_planner", None)
+    else:
+        model._auto_planner = copy.deepcopy(planner)
+
+
+@pytest.mark.parametrize("temperature", [None, 0.7])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_server_answers_as_generate_does(clients, demo, policy, temperature):
+    """The same body and seed: the text ``generate`` gives, under every policy, with and without a
+    temperature (one meaning of it in the API and the server alike)."""
+    model, tokenizer = demo
+    settings = {"policy": policy} | ({} if temperature is None else {"temperature": temperature})
+    for seed in range(3):
+        before = planner_kept(model)
+        served = ask(clients, "chat", seed, 32, **settings)
+        planner_set(model, before)
+        assert served == generate(model, tokenizer, PROMPT, 32, seed=seed, **settings), (policy, seed)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages", "ollama"])
+@pytest.mark.parametrize("policy", ["reference", "fast", "ar", "verified"])
+def test_a_filter_to_one_token_is_greedy_through_each_api(clients, demo, api, policy):
+    """top_k 1 (top_p 1e-6 in Responses, which has no top_k) at temperature 1.7 gives the greedy
+    answer, per policy and API; the same temperature unfiltered gives the sampled one."""
+    model, tokenizer = demo
+    narrow = {"top_p": 1e-6} if api == "responses" else {"top_k": 1}
+    before = planner_kept(model)
+    filtered = ask(clients, api, 4, 32, policy=policy, temperature=1.7, **narrow)
+    sampled = ask(clients, api, 4, 32, policy=policy, temperature=1.7)
+    planner_set(model, before)
+    greedy = generate(model, tokenizer, PROMPT, 32, seed=4, policy=policy, temperature=0)
+    planner_set(model, before)
+    assert filtered == greedy
+    assert sampled == generate(model, tokenizer, PROMPT, 32, seed=4, policy=policy, temperature=1.7)
+    planner_set(model, before)
+
+
+def test_penalties_reach_ar_through_the_apis(clients, demo):
+    """presence and frequency penalties (OpenAI's), and Ollama's repeat_penalty, give generate's answer,
+    which is not the answer without them."""
+    model, tokenizer = demo
+    prompt = "sort: 5 5 5 3 3"
+    plain = generate(model, tokenizer, prompt, 16, seed=0, policy="ar")
+    for api, sent, options in [("chat", {"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
+                               ("chat", {"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
+                               ("ollama", {"repeat_penalty": 3.0}, {"repetition_penalty": 3.0})]:
+        served = ask(clients, api, 0, 16, prompt, policy="ar", **sent)
+        assert served == generate(model, tokenizer, prompt, 16, seed=0, policy="ar", **options) != plain, api
+
+
+def option(args: GenerationArgs, name: str):
+    return getattr(args.sampling, name) if name in {f.name for f in fields(SamplingArgs)} else getattr(args, name)
+
+
+def test_every_option_a_request_can_set_reaches_the_engine(clients, monkeypatch):
+    """Every field of GenerationArgs and SamplingArgs is read from a request (by its own name, or
+    otherwise: max_tokens, a template) or named as not the client's to set; those read arrive in the
+    args the worker prepares, through each API."""
+    names = {f.name for f in fields(GenerationArgs)} - {"sampling"} | {f.name for f in fields(SamplingArgs)}
+    assert names == set(SETTINGS) | set(SET_OTHERWISE) | set(NOT_SETTABLE)
+    assert not set(SETTINGS) & set(NOT_SETTABLE)
+    seen = []
+    real = scheduler.prepare
+    monkeypatch.setattr(scheduler, "prepare", lambda model, tokenizer, ids, args: real(
+        model, tokenizer, ids, seen.append(args) or args))
+    given = {"policy": "verified", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "steps": 6,
+             "entropy_bound": 0.2, "temp_min": 0.3, "temp_max": 0.9, "schedule_scale": 0.8, "freeze_after": 2,
+             "draft_length": 4, "draft_steps": 2, "expected_steps": 5.0}
+    penalties = {"policy": "ar", "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.25}
+    assert set(given) | set(penalties) | {"seed"} == set(SETTINGS)
+    for api in ("chat", "responses", "messages", "ollama"):
+        for sent in (given, penalties):
+            ask(clients, api, 9, 8, **sent)
+            args = seen[-1]
+            assert {name: option(args, name) for name in sent} == sent, api
+            assert args.seed == 9 and args.max_tokens == 8, api
+    clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=1,
+                                              extra_body={"template": "{{fill:4}} and {{fill:4}}"})
+    assert isinstance(seen[-1].template, CanvasTemplate) and seen[-1].template.holes
+
+
+@pytest.mark.parametrize("api, field, value, message", [
+    ("chat", "top_p", 0, "top_p must be a finite number in (0, 1], got 0"),
+    ("chat", "top_k", 2.5, "top_k must be an integer, got 2.5"),
+    ("chat", "min_p", -0.1, "min_p must be a finite number in [0, 1], got -0.1"),
+    ("chat", "schedule_scale", 0, "schedule_scale must be a finite number > 0, got 0"),
+    ("chat", "temp_min", 0.9, "temperatures need temp-min < temp-max"),
+    ("chat", "presence_penalty", 0.5, 'presence_penalty applies to autoregressive decoding only: send policy "ar"'),
+    ("chat", "repetition_penalty", 0, "repetition_penalty must be a finite number > 0, got 0"),
+    ("responses", "top_p", 1.5, "top_p must be a finite number in (0, 1], got 1.5"),
+    ("messages", "top_k", -1, "top_k must be at least 0, got -1"),
+    ("ollama", "min_p", 2, "options.min_p must be a finite number in [0, 1], got 2"),
+])
+def test_a_bad_setting_is_a_400_naming_it(clients, api, field, value, message):
+    with pytest.raises((openai.BadRequestError, anthropic.BadRequestError, ollama.ResponseError)) as caught:
+        ask(clients, api, 1, 8, **{field: value})
+    error = caught.value
+    if api == "ollama":
+        assert error.status_code == 400 and message in error.error
+        return
+    body = error.body if api != "messages" else error.body["error"]
+    assert message in body["message"], body
+    if api == "chat":
+        assert body["param"] == field
+
+
+def test_a_setting_a_template_cannot_take_is_a_400_naming_it(clients):
+    """ar decodes a template's holes greedily: the worker's refusal of a temperature or a filter beside
+    one names that field, in each API's terms."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), temperature=0.5,
+                                                  extra_body={"policy": "ar", "template": "{{fill:4}}"})
+    assert caught.value.body["param"] == "temperature"
+    assert caught.value.body["message"].startswith("templates decode greedily under ar; drop the temperature")
+    with pytest.raises(ollama.ResponseError) as caught:
+        clients["ollama"].chat(model=MODEL_ID, messages=user(PROMPT),
+                               options={"policy": "verified", "top_k": 3, "template": "{{fill:4}}"})
+    assert caught.value.status_code == 400 and "templates decode greedily under verified" in caught.value.error
