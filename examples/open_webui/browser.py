@@ -33,8 +33,10 @@ SECOND = "sort: 42 17 85 23 61"
 LONG = "sort: " + " ".join(str(i) for i in range(99, 0, -1))  # answered with thousands of tokens, varying by seed
 SEED = 7
 # The settings the chat controls change, each with the value set and the name the server's log and a
-# direct request give it (Ollama's options, OpenAI's body).
-KNOBS = [("Temperature", 0.3, "temperature"), ("top_k", 3, "top_k"), ("top_p", 0.5, "top_p")]
+# direct request give it (Ollama's options, OpenAI's body). top_k 1 draws greedily, so it changes the
+# answer wherever the default temperature draws another token than the likeliest; a larger k kept
+# every token the demo draws at this seed.
+KNOBS = [("Temperature", 0.3, "temperature"), ("top_k", 1, "top_k"), ("top_p", 0.5, "top_p")]
 # Open WebUI's own prompts for its background tasks begin with these.
 TASKS = {"title": "Generate a concise title", "follow-ups": "Predict 3-5 useful messages", "tags": "Generate 1-3 broad tags"}
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
