@@ -100,6 +100,6 @@ for connection in $CONNECTIONS; do
   kill "$webui"; wait "$webui" 2>/dev/null || true
   PIDS=("${PIDS[0]}")
 done
-cp "$SERVER_LOG" "$SHOTS/server.log"
-echo "screenshots and the server's log: $SHOTS"
+cp "$SERVER_LOG" "$WORK"/webui-*.log "$SHOTS/"
+echo "screenshots, the server's log and Open WebUI's: $SHOTS"
 exit $failed
