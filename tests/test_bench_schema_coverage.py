@@ -43,7 +43,7 @@ SCHEMAS = {  # dataset -> file -> schema (a str: the file's text as it is)
     },
 }
 COVERAGE_COLUMNS = ["dataset", "schemas", "this project", "by template", "llguidance", "llguidance only",
-                    "this project only", "refused for max_tokens", "compile p50 / p99 ms"]
+                    "this project only", "shortest answer too long", "compile p50 / p99 ms"]
 POLICY_COLUMNS = ["policy", "schemas", "answered", "validated", "invalid", "unchecked", "refused", "errors",
                   "finish reasons"]
 
@@ -110,7 +110,7 @@ def test_schema_coverage_on_a_tiny_folder(tmp_path):
         assert row["llguidance"] == f"{100 * sum(g for _, g in mine) / len(mine):.1f}%"
         assert int(row["llguidance only"]) == sum(g and not o for o, g in mine)
         assert int(row["this project only"]) == sum(o and not g for o, g in mine)
-    assert rows["flat"]["by template"] == "50.0%" and rows["hard"]["refused for max_tokens"] == "1"
+    assert rows["flat"]["by template"] == "50.0%" and rows["hard"]["shortest answer too long"] == "1"
 
     # The four readable schemas under each policy: two answered, each validating; two refused.
     policies = table(run.stdout, "policy")
