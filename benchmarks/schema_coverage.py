@@ -24,6 +24,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from mlx_dgemma import fast_blas
@@ -110,12 +111,6 @@ def llguidance_compiles(schema, lltokenizer) -> bool:
     except ValueError:
         return False
     return llguidance.LLMatcher.validate_grammar(grammar, lltokenizer) == ""
-
-
-def llguidance_version() -> str:
-    from importlib.metadata import version
-
-    return version("llguidance")
 
 
 def coverage_table(rows: list[dict]) -> list[dict]:
@@ -307,7 +302,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--policy", action="append", choices=POLICIES, help="repeat for several (default: all four)")
     p.add_argument("--cost-schemas", type=int, default=10, help="schemas the per-token cost is measured on")
-    p.add_argument("--json", type=Path, help="write every figure (and each invalid answer) here")
+    p.add_argument("--json", type=Path, help="write every figure, each schema's verdicts and each invalid answer here")
     args = p.parse_args()
     if args.sample < 0 or args.cost_schemas < 0 or args.max_tokens < 1:
         raise SystemExit("--sample and --cost-schemas take 0 or more, --max-tokens 1 or more")
@@ -327,10 +322,10 @@ def main():
     cls = validator_for({})
     result = {"machine": f"{platform.system()} {platform.machine()}, {platform.processor() or 'cpu'}",
               "load_average": {"start": load_at_start, "end": os.getloadavg()}, "blas": fast_blas.describe(), "mlx": mx.__version__,
-              "llguidance": llguidance_version(),
+              "llguidance": version("llguidance"),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "formats": sorted(cls.FORMAT_CHECKER.checkers),
-              "coverage": coverage_table(rows), "top_refusals": top_refusals(rows),
+              "coverage": coverage_table(rows), "top_refusals": top_refusals(rows), "schemas": rows,
               "policies": policy_table(answers, policies),
               "invalid": [a for a in answers if a["outcome"] in ("invalid", "error")],
               "cost": grammar_cost(model, tokenizer, sample, args)}

@@ -122,6 +122,7 @@ def test_schema_coverage_on_a_tiny_folder(tmp_path):
                           "errors": 0}, row
 
     result = json.loads(out.read_text())
+    assert {(r["dataset"], r["file"]): (r["ours"], r["llguidance"]) for r in result["schemas"]} == direct
     assert result["invalid"] == []
     assert [r["dataset"] for r in result["coverage"]] == ["flat", "hard", "all"]
     cost = result["cost"]
