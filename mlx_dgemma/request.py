@@ -20,7 +20,7 @@ from .config import GenerationConfig  # noqa: E402
 from .drafting import DraftSettings  # noqa: E402
 from .errors import OptionError  # noqa: E402
 from .filters import filtering  # noqa: E402
-from .grammar import Grammar, GrammarRule, schema_grammar  # noqa: E402
+from .grammar import CLOSING_CAP, Grammar, GrammarRule, schema_grammar  # noqa: E402
 from .images import ImageInputs, image_inputs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
@@ -239,11 +239,17 @@ def grammar_stop_ids(tokenizer, defaults: GenerationConfig) -> list[int]:
 
 
 def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
-    """A ``TemplateError`` when even the schema's closing path (grammar.py) takes more than ``max_tokens``."""
+    """A ``TemplateError`` when even the schema's closing path (grammar.py) takes more than ``max_tokens``,
+    or is not found within ``CLOSING_CAP`` tokens: then nothing would keep the answer valid at its end."""
     path = GrammarRule(grammar, vocab, max_tokens).path
-    if path is not None and len(path) > max_tokens:
-        raise TemplateError(f"the schema's shortest answer takes {len(path)} tokens, more than max_tokens "
-                            f"{max_tokens}; raise max_tokens")
+    if path is not None and len(path) <= max_tokens:
+        return
+    if path is None and max_tokens >= CLOSING_CAP:
+        raise TemplateError(f"the schema's shortest answer takes more than {CLOSING_CAP} tokens, the most an answer "
+                            "is closed within; make fewer of its keys required")
+    taken = f"more than {CLOSING_CAP}" if path is None else len(path)
+    raise TemplateError(f"the schema's shortest answer takes {taken} tokens, more than max_tokens {max_tokens}; "
+                        "raise max_tokens")
 
 
 _FILTERS = ("top_p", "top_k", "min_p")

@@ -18,7 +18,7 @@ import pytest
 from mlx_dgemma import batch_generate, generate, load, stream_generate
 from mlx_dgemma.errors import TemplateError
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.grammar import ANY_JSON, GrammarRule, schema_grammar
+from mlx_dgemma.grammar import ANY_JSON, CLOSING_CAP, GrammarRule, schema_grammar
 from mlx_dgemma.request import generation_config, grammar_stop_ids
 
 POLICIES = ["reference", "fast", "ar", "verified", "auto"]
@@ -177,3 +177,27 @@ def test_everyday_pydantic_models_answer_under_every_policy(demo, policy, model_
                     schema=model_class.model_json_schema(), seed=1)
     model_class.model_validate_json(text)
     validate(json.loads(text), model_class.model_json_schema())
+
+
+def required_keys(n: int) -> dict:
+    keys = [f"required_key_number_{i:02d}" for i in range(n)]
+    return {"type": "object", "properties": {k: {"type": "integer"} for k in keys}, "required": keys}
+
+
+def test_a_schema_whose_closing_path_is_past_the_cap_is_refused(demo):
+    """80 required keys of 22 characters: the shortest answer is longer than CLOSING_CAP tokens on the
+    demo's tokenizer, so no closing path is found; such a schema would be answered unguarded and cut at
+    max_tokens mid-string (JSONSchemaBench's Github_hard/o21072.json was, under every policy)."""
+    model, tokenizer = demo
+    schema = required_keys(80)
+    assert len(tokenizer.encode(json.dumps({k: 0 for k in schema["required"]}))) > CLOSING_CAP
+    for policy in ("ar", "reference"):
+        with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, more than max_tokens 256; raise"):
+            generate(*demo, "json: x", schema=schema, max_tokens=256, policy=policy)
+    with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within"):
+        generate(*demo, "json: x", schema=schema, max_tokens=CLOSING_CAP + 88, policy="ar")
+
+
+def test_a_schema_whose_closing_path_fits_is_answered_valid(demo):
+    schema = required_keys(4)
+    validate(json.loads(generate(*demo, "json: x", schema=schema, max_tokens=256, policy="ar")), schema)
