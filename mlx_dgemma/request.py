@@ -238,16 +238,23 @@ def grammar_stop_ids(tokenizer, defaults: GenerationConfig) -> list[int]:
     return ([end] if end is not None else []) + [i for i in defaults.eos_token_id if i != end]
 
 
+def closing_length(grammar: Grammar, vocab: int) -> int | None:
+    """The tokens of the schema's closing path from its start (its shortest answer, as the path finds
+    it), or None past ``CLOSING_CAP``."""
+    path = GrammarRule(grammar, vocab, CLOSING_CAP).path
+    return None if path is None else len(path)
+
+
 def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
     """A ``TemplateError`` when even the schema's closing path (grammar.py) takes more than ``max_tokens``,
     or is not found within ``CLOSING_CAP`` tokens: then nothing would keep the answer valid at its end."""
-    path = GrammarRule(grammar, vocab, max_tokens).path
-    if path is not None and len(path) <= max_tokens:
+    shortest = closing_length(grammar, vocab)
+    if shortest is not None and shortest <= max_tokens:
         return
-    if path is None and max_tokens >= CLOSING_CAP:
+    if shortest is None and max_tokens >= CLOSING_CAP:
         raise TemplateError(f"the schema's shortest answer takes more than {CLOSING_CAP} tokens, the most an answer "
                             "is closed within; make fewer of its keys required")
-    taken = f"more than {CLOSING_CAP}" if path is None else len(path)
+    taken = f"more than {CLOSING_CAP}" if shortest is None else shortest
     raise TemplateError(f"the schema's shortest answer takes {taken} tokens, more than max_tokens {max_tokens}; "
                         "raise max_tokens")
 

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .. import validate
 from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..options import GenerationArgs
-from ..request import PromptError, check_closing_fits, check_prompt_fits, generation_config
+from ..request import PromptError, check_closing_fits, check_prompt_fits, closing_length, generation_config
 from ..template import CanvasTemplate, TemplateError, infill_template
 from ..tool_calls import CALL_OPEN, parse_tool_calls
 from ..vision import has_vision
@@ -205,7 +205,10 @@ class Server:
         schema = None
         if suffix is None:
             template, grammar = answer_layout(self, job, body, forced, max_tokens, options.get("policy", "reference"))
-            max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens, structured=grammar is not None)
+            # A schema's answer by default has room for four times its shortest one (the server's default
+            # may be less than the schema needs).
+            shortest = closing_length(grammar, self.model.config.vocab_size) if grammar is not None else None
+            max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens, 4 * (shortest or 0))
             if template is not None or grammar is not None or job.redraft is not None:
                 job.stop = []  # stop strings are for free text: they never cut a structured answer
             if grammar is not None:
@@ -395,15 +398,14 @@ class Server:
         return template, len(template)
 
     def _fit(self, ids: list[int], max_tokens: int | None, param: str, cap: bool = False,
-             structured: bool = False) -> int:
-        """``max_tokens``, or the server's default cut to the whole canvases the prompt leaves room for
-        (``_check_ids`` made sure one fits); with ``cap``, ``max_tokens`` is cut to them too. A
-        ``structured`` answer (a schema's grammar) without ``max_tokens`` may take all that room: it
-        ends where its schema does, and a default shorter than the schema would refuse it."""
+             default_at_least: int = 0) -> int:
+        """``max_tokens``, or the server's default (at least ``default_at_least``) cut to the whole canvases
+        the prompt leaves room for (``_check_ids`` made sure one fits); with ``cap``, ``max_tokens`` is
+        cut to them too."""
         canvas = self.model.config.canvas_length
         room = (self.context - len(ids)) // canvas * canvas
         if max_tokens is None:
-            return room if structured else min(self.max_tokens, room)
+            return min(max(self.max_tokens, default_at_least), room)
         if cap:
             return min(max_tokens, room)
         try:
