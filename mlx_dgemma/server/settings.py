@@ -34,6 +34,8 @@ SET_OTHERWISE = {
     "max_tokens": "max_tokens (max_completion_tokens, max_output_tokens, num_predict), fitted to the context",
     "template": "template, response_format, a forced tool call or suffix",
     "images": "the messages' image parts",
+    "schema": "response_format (Ollama's format, Responses' text.format) or a forced tool call",
+    "think": "reasoning_effort or reasoning (Anthropic's thinking, Ollama's think)",
 }
 NOT_SETTABLE = {
     "rng": "a Python object; seed sets the draws",
