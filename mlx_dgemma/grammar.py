@@ -24,7 +24,7 @@ import numpy as np
 
 from .errors import TemplateError
 from .filters import sampling_probs
-from .schema_rewrite import rewrite
+from .schema_rewrite import required_only, rewrite
 
 # Compact JSON, laid out as the templates lay it out ({"a": 1, "b": [2, 3]}): no free whitespace a
 # small model could loop in, and the separators the model saw in training.
@@ -39,11 +39,14 @@ JSON_OBJECT = {"type": "object"}  # OpenAI's json_object: any object
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled grammar (llguidance's serialized form) for one tokenizer; ``schema`` is what it came from."""
+    """A compiled grammar (llguidance's serialized form) for one tokenizer; ``schema`` is what it came
+    from; ``shortest`` the grammar of its required-only shape (schema_rewrite.required_only), on which
+    the closing path from the start is walked (None where that shape does not compile)."""
 
     text: str
     schema: object
     tokenizer: llguidance.LLTokenizer
+    shortest: str | None = None
 
     def matcher(self) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self.tokenizer, self.text, log_level=0)
@@ -115,7 +118,17 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llt)
     if failed:
         raise TemplateError(f"the {where} cannot be enforced: {_one_line(messages[0])}")
-    return Grammar(grammar, schema, llt)
+    return Grammar(grammar, schema, llt, _shortest_grammar(schema, llt))
+
+
+def _shortest_grammar(schema, llt: llguidance.LLTokenizer) -> str | None:
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(rewrite(required_only(schema))),
+                                                               overrides=JSON_OPTIONS)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llt)
+    return None if failed else grammar
 
 
 def _check_shape(schema) -> None:
@@ -256,10 +269,23 @@ class GrammarRule:
         self.temperature, self.rng, self.filters = temperature, rng, filters
         self.eos = grammar.tokenizer.eos_token
         self.table = closing_table(grammar, vocab)
-        self.path = closing_path(self.matcher, self.table, self.eos)  # None: no end within CLOSING_CAP
+        self.path = self._first_path(grammar)  # None: no end within CLOSING_CAP
         self.path_age = 0  # tokens since the path was walked
         self.output: list[int] = []
         self.done = False
+
+    def _first_path(self, grammar: Grammar) -> list[int] | None:
+        """The shorter of the closing paths walked on the grammar and on its required-only shape (the
+        walk may write optional keys; that shape has none), the latter where the grammar takes it."""
+        path = closing_path(self.matcher, self.table, self.eos)
+        if grammar.shortest is None:
+            return path
+        shape = llguidance.LLMatcher(grammar.tokenizer, grammar.shortest, log_level=0)
+        shortest = closing_path(shape, self.table, self.eos)
+        if shortest is None or (path is not None and len(path) <= len(shortest)):
+            return path
+        check = self.matcher.deep_copy()
+        return shortest if all(check.consume_token(t) for t in shortest) and check.is_stopped() else path
 
     @property
     def room(self) -> int:

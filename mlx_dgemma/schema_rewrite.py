@@ -93,3 +93,28 @@ def _rewrite_dependencies(schema: dict, depth: int) -> None:
             rules.append({"anyOf": [{"properties": {key: False}}, present]})
     if rules:
         schema["allOf"] = schema.get("allOf", []) + rules
+
+
+def required_only(schema, depth: int = 0):
+    """``schema`` narrowed to its shortest instances' shape: each object keeps only its required
+    properties and takes no others. Every instance of it is an instance of ``schema`` wherever it is
+    satisfiable (grammar.py walks its closing path, an answer's shortest end, on it)."""
+    if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: required_only(v, depth + 1) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [required_only(v, depth + 1) for v in out[key]]
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = required_only(out[key], depth + 1)
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [required_only(v, depth + 1) for v in out[key]]
+    required = out.get("required")
+    if isinstance(out.get("properties"), dict) and isinstance(required, list):
+        out["properties"] = {k: v for k, v in out["properties"].items() if k in required}
+        out["additionalProperties"] = False
+    return out

@@ -143,3 +143,15 @@ def test_a_streamed_forced_call_carries_its_whole_arguments(openai_client, polic
     assert all(not (chunk.choices and chunk.choices[0].delta.content) for chunk in chunks)
     arguments = "".join(call.function.arguments or "" for call in calls)
     jsonschema.validate(json.loads(arguments), PERSON_TOOL["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_stop_never_cuts_a_format_answer(server, stream):
+    client = ollama.Client(host=server, timeout=120)
+    kwargs = dict(model=MODEL_ID, messages=user("json: name=ada age=36"), format=PERSON,
+                  options={"seed": 2, "num_predict": 64, "stop": ["}", '"']})
+    if stream:
+        text = "".join(part.message.content for part in client.chat(stream=True, **kwargs))
+    else:
+        text = client.chat(**kwargs).message.content
+    jsonschema.validate(json.loads(text), PERSON)
