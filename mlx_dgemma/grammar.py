@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import string
+import weakref
 from dataclasses import dataclass
 
 import llguidance
@@ -37,7 +38,7 @@ ANY_JSON: dict = {}  # the schema every JSON value validates against
 JSON_OBJECT = {"type": "object"}  # OpenAI's json_object: any object
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Grammar:
     """A compiled grammar (llguidance's serialized form) for one tokenizer; ``schema`` is what it came
     from; ``shortest`` the grammar of its required-only shape (schema_rewrite.required_only), on which
@@ -249,6 +250,28 @@ def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: Closing
     return best
 
 
+def first_closing_path(grammar: Grammar, vocab: int) -> list[int] | None:
+    """The closing path from the grammar's start, walked once per grammar (the server's default budget,
+    the budget check and every row under it read it): the shorter of the walks on the grammar and on
+    its required-only shape (the walk may write optional keys; that shape has none), the latter where
+    the grammar takes it."""
+    cached = _FIRST_PATHS.get(grammar)
+    if cached is None:
+        table, eos = closing_table(grammar, vocab), grammar.tokenizer.eos_token
+        matcher = grammar.matcher()
+        path = closing_path(matcher, table, eos)
+        if grammar.shortest is not None:
+            shortest = closing_path(llguidance.LLMatcher(grammar.tokenizer, grammar.shortest, log_level=0), table, eos)
+            if shortest is not None and (path is None or len(shortest) < len(path)) and all(
+                    matcher.consume_token(t) for t in shortest) and matcher.is_stopped():
+                path = shortest
+        cached = _FIRST_PATHS[grammar] = (path,)
+    return None if cached[0] is None else list(cached[0])
+
+
+_FIRST_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 CLOSING_SLACK = 64  # tokens of room past the closing path within which the path is walked afresh each token
 CLOSING_REFRESH = 4  # tokens after which a stale closing path is walked afresh anyway
 
@@ -269,23 +292,10 @@ class GrammarRule:
         self.temperature, self.rng, self.filters = temperature, rng, filters
         self.eos = grammar.tokenizer.eos_token
         self.table = closing_table(grammar, vocab)
-        self.path = self._first_path(grammar)  # None: no end within CLOSING_CAP
+        self.path = first_closing_path(grammar, vocab)  # None: no end within CLOSING_CAP
         self.path_age = 0  # tokens since the path was walked
         self.output: list[int] = []
         self.done = False
-
-    def _first_path(self, grammar: Grammar) -> list[int] | None:
-        """The shorter of the closing paths walked on the grammar and on its required-only shape (the
-        walk may write optional keys; that shape has none), the latter where the grammar takes it."""
-        path = closing_path(self.matcher, self.table, self.eos)
-        if grammar.shortest is None:
-            return path
-        shape = llguidance.LLMatcher(grammar.tokenizer, grammar.shortest, log_level=0)
-        shortest = closing_path(shape, self.table, self.eos)
-        if shortest is None or (path is not None and len(path) <= len(shortest)):
-            return path
-        check = self.matcher.deep_copy()
-        return shortest if all(check.consume_token(t) for t in shortest) and check.is_stopped() else path
 
     @property
     def room(self) -> int:

@@ -20,7 +20,7 @@ from .config import GenerationConfig  # noqa: E402
 from .drafting import DraftSettings  # noqa: E402
 from .errors import OptionError  # noqa: E402
 from .filters import filtering  # noqa: E402
-from .grammar import CLOSING_CAP, Grammar, GrammarRule, schema_grammar  # noqa: E402
+from .grammar import CLOSING_CAP, Grammar, first_closing_path, schema_grammar  # noqa: E402
 from .images import ImageInputs, image_inputs  # noqa: E402
 from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
 from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
@@ -241,7 +241,7 @@ def grammar_stop_ids(tokenizer, defaults: GenerationConfig) -> list[int]:
 def closing_length(grammar: Grammar, vocab: int) -> int | None:
     """The tokens of the schema's closing path from its start (its shortest answer, as the path finds
     it), or None past ``CLOSING_CAP``."""
-    path = GrammarRule(grammar, vocab, CLOSING_CAP).path
+    path = first_closing_path(grammar, vocab)
     return None if path is None else len(path)
 
 

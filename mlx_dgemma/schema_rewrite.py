@@ -42,22 +42,28 @@ _SCHEMAS = ("additionalProperties", "items", "contains", "not", "if", "then", "e
             "additionalItems", "unevaluatedProperties", "unevaluatedItems")
 
 
+def _subschemas(schema: dict, transform, depth: int) -> dict:
+    """A copy of ``schema`` with ``transform(subschema, depth + 1)`` applied to each of its subschemas."""
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: transform(v, depth + 1) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [transform(v, depth + 1) for v in out[key]]
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = transform(out[key], depth + 1)
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [transform(v, depth + 1) for v in out[key]]
+    return out
+
+
 def rewrite(schema, depth: int = 0):
     """``schema`` with the rewrites above applied throughout (a new object; the argument is not changed)."""
     if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: rewrite(v, depth + 1) for k, v in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [rewrite(v, depth + 1) for v in out[key]]
-    for key in _SCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = rewrite(out[key], depth + 1)
-        elif key == "items" and isinstance(out.get(key), list):
-            out[key] = [rewrite(v, depth + 1) for v in out[key]]
+    out = _subschemas(schema, rewrite, depth)
     _rewrite_format(out)
     _rewrite_dependencies(out, depth)
     return out
@@ -101,18 +107,7 @@ def required_only(schema, depth: int = 0):
     satisfiable (grammar.py walks its closing path, an answer's shortest end, on it)."""
     if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: required_only(v, depth + 1) for k, v in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [required_only(v, depth + 1) for v in out[key]]
-    for key in _SCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = required_only(out[key], depth + 1)
-        elif key == "items" and isinstance(out.get(key), list):
-            out[key] = [required_only(v, depth + 1) for v in out[key]]
+    out = _subschemas(schema, required_only, depth)
     required = out.get("required")
     if isinstance(out.get("properties"), dict) and isinstance(required, list):
         out["properties"] = {k: v for k, v in out["properties"].items() if k in required}

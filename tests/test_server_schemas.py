@@ -12,22 +12,19 @@ import openai
 import pytest
 
 from .test_schema_grammar import Everyday, Tree
-from .test_server import MODEL_ID, PERSON, serving
+from .test_server import (
+    MODEL_ID,
+    PERSON,
+    demo,  # noqa: F401 (a fixture)
+    serving,
+)
 
 POLICIES = ["reference", "ar", "verified"]
 PERSON_TOOL = {"type": "function", "function": {"name": "person", "parameters": {**PERSON, "required": ["name"]}}}
 
 
 @pytest.fixture(scope="module")
-def demo():
-    from mlx_dgemma import load
-    from mlx_dgemma.generate import DEMO_MODEL
-
-    return load(DEMO_MODEL)
-
-
-@pytest.fixture(scope="module")
-def server(demo):
+def server(demo):  # noqa: F811
     with serving(*demo) as url:
         yield url
 
