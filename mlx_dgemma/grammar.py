@@ -26,11 +26,12 @@ import numpy as np
 from .errors import TemplateError
 from .filters import sampling_probs
 from .schema_rewrite import required_only, rewrite
+from .string_examples import string_examples
 
 # Compact JSON, laid out as the templates lay it out ({"a": 1, "b": [2, 3]}): no free whitespace a
 # small model could loop in, and the separators the model saw in training.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-CLOSING_CAP = 2048  # tokens a closing path may take before it counts as endless
+CLOSING_CAP = 8192  # tokens a closing path may take before it counts as endless
 MAX_SCHEMA_CHARS = 1 << 20  # a schema's JSON text (llguidance's own limits bound the grammar it builds)
 MAX_CHOICES = 10_000  # values of one enum (llguidance builds 100,000 in seconds)
 MAX_NESTING = 128  # levels of JSON in a schema (64 of properties)
@@ -42,12 +43,15 @@ JSON_OBJECT = {"type": "object"}  # OpenAI's json_object: any object
 class Grammar:
     """A compiled grammar (llguidance's serialized form) for one tokenizer; ``schema`` is what it came
     from; ``shortest`` the grammar of its required-only shape (schema_rewrite.required_only), on which
-    the closing path from the start is walked (None where that shape does not compile)."""
+    the closing path from the start is walked (None where that shape does not compile); ``examples``
+    the tokens of short strings its string constraints accept, each with its closing quote
+    (string_examples.py), which a closing path tries where a string cannot end yet."""
 
     text: str
     schema: object
     tokenizer: llguidance.LLTokenizer
     shortest: str | None = None
+    examples: tuple[tuple[int, ...], ...] = ()
 
     def matcher(self) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self.tokenizer, self.text, log_level=0)
@@ -105,7 +109,7 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
     if not isinstance(schema, (dict, bool)):
         raise TemplateError(f"a JSON schema is an object, got {type(schema).__name__}")
     try:
-        text = json.dumps(rewrite(schema), allow_nan=False)
+        text = json.dumps(rewritten := rewrite(schema), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise TemplateError(f"the {where} is not JSON ({e})") from None
     if len(text) > MAX_SCHEMA_CHARS:
@@ -119,7 +123,8 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llt)
     if failed:
         raise TemplateError(f"the {where} cannot be enforced: {_one_line(messages[0])}")
-    return Grammar(grammar, schema, llt, _shortest_grammar(schema, llt))
+    examples = tuple(tuple(llt.tokenize_str(json.dumps(example)[1:])) for example in string_examples(rewritten))
+    return Grammar(grammar, schema, llt, _shortest_grammar(schema, llt), examples)
 
 
 def _shortest_grammar(schema, llt: llguidance.LLTokenizer) -> str | None:
@@ -201,28 +206,36 @@ def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
     return table
 
 
-def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int,
-                 cap: int = CLOSING_CAP) -> list[int] | None:
+def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, cap: int = CLOSING_CAP,
+                 examples: tuple[tuple[int, ...], ...] = ()) -> list[int] | None:
     """The tokens that take ``matcher`` (unchanged: a copy walks) to the grammar's end: forced ones,
-    the end as soon as it is allowed, else ``_narrowest``'s pick, each token the walk has taken
-    scoring a point less each time (a walk that repeats itself tries the other ways out). None when
-    the walk takes more than ``cap`` tokens."""
-    walker, path, used = matcher.deep_copy(), [], np.zeros(len(table.scores))
+    the end as soon as it is allowed, the first of ``examples`` (Grammar.examples) the grammar takes
+    where a string cannot end yet, else ``_narrowest``'s pick. A token picked lately scores less
+    (by ``REPEAT_PENALTY``, fading by ``REPEAT_FADE`` a token), so a walk caught in a loop tries the
+    other ways out while one that closes a string every few tokens still closes it with a quote.
+    None when the walk takes more than ``cap`` tokens."""
+    walker, path, recent = matcher.deep_copy(), [], np.zeros(len(table.scores))
+    quotes = table.scores == 2  # a lone quote: a string's end
     while not walker.is_stopped():
-        if len(path) >= cap:
-            return None
         forced = walker.compute_ff_tokens()
-        if forced:
-            token = forced[0]
-        else:
+        if not forced:
             allowed = allowed_tokens(walker, len(table.scores))
-            token = eos if allowed[eos] else _narrowest(walker, np.where(allowed, table.scores - used, -np.inf),
-                                                        table)
-        if not walker.consume_token(token):
+            if allowed[eos]:
+                forced = [eos]
+            elif examples and not (allowed & quotes).any():
+                forced = next((list(e) for e in examples if walker.validate_tokens(list(e)) == len(e)), [])
+            if not forced:
+                forced = [_narrowest(walker, np.where(allowed, table.scores - recent, -np.inf), table)]
+                recent[forced[0]] += REPEAT_PENALTY
+        if len(path) + len(forced) > cap or not all(walker.consume_token(t) for t in forced):
             return None
-        path.append(token)
-        used[token] += 1
+        path.extend(forced)
+        recent *= REPEAT_FADE ** len(forced)
     return path
+
+
+REPEAT_PENALTY = 1.0  # score a picked token loses on the closing path...
+REPEAT_FADE = 0.8  # ...fading by this factor a token: one picked at every token loses 5 points
 
 
 def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, candidates: int = 6) -> int:
@@ -259,9 +272,10 @@ def first_closing_path(grammar: Grammar, vocab: int) -> list[int] | None:
     if cached is None:
         table, eos = closing_table(grammar, vocab), grammar.tokenizer.eos_token
         matcher = grammar.matcher()
-        path = closing_path(matcher, table, eos)
+        path = closing_path(matcher, table, eos, examples=grammar.examples)
         if grammar.shortest is not None:
-            shortest = closing_path(llguidance.LLMatcher(grammar.tokenizer, grammar.shortest, log_level=0), table, eos)
+            shortest = closing_path(llguidance.LLMatcher(grammar.tokenizer, grammar.shortest, log_level=0), table, eos,
+                                    examples=grammar.examples)
             if shortest is not None and (path is None or len(shortest) < len(path)) and all(
                     matcher.consume_token(t) for t in shortest) and matcher.is_stopped():
                 path = shortest
@@ -291,7 +305,7 @@ class GrammarRule:
         self.vocab, self.max_tokens = vocab, max_tokens
         self.temperature, self.rng, self.filters = temperature, rng, filters
         self.eos = grammar.tokenizer.eos_token
-        self.table = closing_table(grammar, vocab)
+        self.table, self.examples = closing_table(grammar, vocab), grammar.examples
         self.path = first_closing_path(grammar, vocab)  # None: no end within CLOSING_CAP
         self.path_age = 0  # tokens since the path was walked
         self.output: list[int] = []
@@ -328,7 +342,7 @@ class GrammarRule:
             self.path_age += 1  # room to spare: the path is walked again later
             return token
         after = self.matcher.deep_copy()
-        path = closing_path(after, self.table, self.eos) if after.consume_token(token) else None
+        path = closing_path(after, self.table, self.eos, examples=self.examples) if after.consume_token(token) else None
         if path is not None and len(path) <= room_after:
             self.path, self.path_age = path, 0
             return token

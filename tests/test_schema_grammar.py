@@ -19,7 +19,7 @@ from mlx_dgemma import batch_generate, generate, load, stream_generate
 from mlx_dgemma.errors import TemplateError
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.grammar import ANY_JSON, CLOSING_CAP, GrammarRule, schema_grammar
-from mlx_dgemma.request import generation_config, grammar_stop_ids
+from mlx_dgemma.request import check_closing_fits, generation_config, grammar_stop_ids
 
 POLICIES = ["reference", "fast", "ar", "verified", "auto"]
 # Schemas the canvas template cannot lay out, one feature each (and annotations it ignores).
@@ -41,6 +41,10 @@ SCHEMAS = {
                 "properties": {f: {"type": "string", "format": f} for f in [
                     "date", "time", "date-time", "duration", "email", "uuid", "uri", "hostname", "ipv4", "ipv6"]}},
     "pattern": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{1,3}$"},
+    "pattern-suffix": {"type": "object", "required": ["id", "v"], "properties": {
+        "id": {"type": "string", "pattern": "^[A-Z0-9_]+(_DEVICE|_LAYOUT)$"}, "v": {"type": "string", "pattern": r"v1\.0\.\d+"}}},
+    "many-strings": {"type": "object", "required": [f"k{i:02d}" for i in range(30)],
+                     "properties": {f"k{i:02d}": {"type": "string"} for i in range(30)}},
     "map": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 3},
     "closed": {"type": "object", "properties": {"k": {"type": "boolean"}}, "additionalProperties": False},
     "pattern-properties": {"type": "object", "patternProperties": {"^x-": {"type": "string"}},
@@ -185,17 +189,29 @@ def required_keys(n: int) -> dict:
 
 
 def test_a_schema_whose_closing_path_is_past_the_cap_is_refused(demo):
-    """80 required keys of 22 characters: the shortest answer is longer than CLOSING_CAP tokens on the
+    """300 required keys of 22 characters: the shortest answer is longer than CLOSING_CAP tokens on the
     demo's tokenizer, so no closing path is found; such a schema would be answered unguarded and cut at
-    max_tokens mid-string (JSONSchemaBench's Github_hard/o21072.json was, under every policy)."""
+    max_tokens mid-string."""
     model, tokenizer = demo
-    schema = required_keys(80)
+    schema = required_keys(300)
     assert len(tokenizer.encode(json.dumps({k: 0 for k in schema["required"]}))) > CLOSING_CAP
     for policy in ("ar", "reference"):
         with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, more than max_tokens 256; raise"):
             generate(*demo, "json: x", schema=schema, max_tokens=256, policy=policy)
     with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within"):
-        generate(*demo, "json: x", schema=schema, max_tokens=CLOSING_CAP + 88, policy="ar")
+        check_closing_fits(grammar(demo, schema), model.config.vocab_size, CLOSING_CAP + 88)  # past the demo's context
+
+
+@pytest.mark.parametrize("name, shortest", [
+    ("many-strings", {f"k{i:02d}": "" for i in range(30)}),  # a quote closes each string, however many came before
+    ("pattern-suffix", {"id": "0_DEVICE", "v": "v1.0.0"}),  # a pattern's shortest match, not its narrowest way on
+])
+def test_the_closing_path_from_the_start_is_the_shortest_answer(demo, name, shortest):
+    model, tokenizer = demo
+    path = GrammarRule(grammar(demo, SCHEMAS[name]), model.config.vocab_size, 10_000).path
+    answer = json.loads(tokenizer.decode_clean(path))
+    validate(answer, SCHEMAS[name])
+    assert len(json.dumps(answer)) == len(json.dumps(shortest)), tokenizer.decode_clean(path)
 
 
 def test_a_schema_whose_closing_path_fits_is_answered_valid(demo):

@@ -1,0 +1,154 @@
+"""Short strings a schema's string constraints accept: the shortest match of each ``pattern`` (and of
+each ``patternProperties`` key), and a few values of each format llguidance checks itself. A closing
+path (grammar.py) tries them where a string cannot end yet: a pattern such as
+``^[A-Z0-9_]+(_DEVICE|_LAYOUT)$`` is not closed by always taking the narrowest next character, but is
+by writing ``0_DEVICE``. Each example is checked against its pattern here and against the grammar
+where it is tried, so one that is wrong is only not taken.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from re import _constants as sre
+from re import _parser as sre_parse
+
+# Characters a class is matched with, in the order tried: none needs escaping in JSON.
+CHARACTERS = "a0A" + string.ascii_lowercase[1:] + string.digits[1:] + string.ascii_uppercase[1:] + "-_.:/ " + "".join(
+    c for c in string.punctuation if c not in '"\\-_.:/')
+FORMATS = {  # shortest first; the grammar keeps the ones llguidance's own format accepts
+    "email": ["a@a.aa", "a@example.com"],
+    "hostname": ["a", "example.com"],
+    "ipv4": ["0.0.0.0"],
+    "ipv6": ["::", "::1"],
+    "uuid": ["00000000-0000-0000-0000-000000000000"],
+    "uri": ["a:", "a:a", "http://a"],
+    "duration": ["P0D", "PT0S"],
+}
+MAX_EXAMPLE = 256  # characters; a pattern whose shortest match is longer gives no example
+MAX_PATTERNS = 256  # patterns read from one schema
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def shortest_match(pattern: str) -> str | None:
+    """A shortest string ``pattern`` matches (searched, as JSON Schema reads a pattern), or None where
+    the pattern uses what this does not follow (backreferences, flags) or Python cannot read it."""
+    try:
+        text = _sequence(sre_parse.parse(pattern))
+    except (re.error, _Unsupported, RecursionError, OverflowError, ValueError):
+        return None
+    if len(text) > MAX_EXAMPLE:
+        return None
+    try:
+        return text if re.search(pattern, text) else None
+    except re.error:
+        return None
+
+
+def string_examples(schema) -> list[str]:
+    """The examples of every string constraint in ``schema`` (rewritten: schema_rewrite.rewrite), shortest
+    first, each once."""
+    found: dict[str, None] = {}
+    patterns = 0
+    stack = [schema]
+    while stack and patterns < MAX_PATTERNS:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        given = [node.get("pattern")] + list(node.get("patternProperties", {}) if isinstance(
+            node.get("patternProperties"), dict) else [])
+        for pattern in given:
+            if isinstance(pattern, str):
+                patterns += 1
+                if (example := shortest_match(pattern)) is not None:
+                    found[example] = None
+        found.update(dict.fromkeys(FORMATS.get(node.get("format"), [])))
+        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return sorted(found, key=len)
+
+
+def _sequence(items) -> str:
+    return "".join(_node(op, arg) for op, arg in items)
+
+
+def _node(op, arg) -> str:
+    if op is sre.LITERAL:
+        return chr(arg)
+    if op is sre.NOT_LITERAL:
+        return next(c for c in CHARACTERS if ord(c) != arg)
+    if op is sre.ANY:
+        return CHARACTERS[0]
+    if op is sre.IN:
+        return _member(arg)
+    if op is sre.AT or op in (sre.ASSERT, sre.ASSERT_NOT):
+        return ""  # anchors; lookarounds are left to the check against the pattern
+    if op is sre.BRANCH:
+        choices = []
+        for branch in arg[1]:
+            try:
+                choices.append(_sequence(branch))
+            except _Unsupported:
+                continue
+        if not choices:
+            raise _Unsupported
+        return min(choices, key=len)
+    if op is sre.SUBPATTERN:
+        return _sequence(arg[3])
+    if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT)):
+        low, _, item = arg
+        if low > MAX_EXAMPLE:
+            raise _Unsupported
+        return _sequence(item) * low
+    if op is getattr(sre, "ATOMIC_GROUP", None):
+        return _sequence(arg)
+    raise _Unsupported(op)
+
+
+def _member(items) -> str:
+    """A character of the class ``items``: the first of ``CHARACTERS`` in it, else its first literal."""
+    negated = bool(items) and items[0][0] is sre.NEGATE
+    for c in CHARACTERS:
+        if _in_class(c, items) != negated:
+            return c
+    if not negated:
+        for op, arg in items:
+            low = arg if op is sre.LITERAL else arg[0] if op is sre.RANGE else None
+            if low is not None and chr(low).isprintable() and chr(low) not in '"\\':
+                return chr(low)
+    raise _Unsupported("class")
+
+
+_CATEGORIES = {
+    sre.CATEGORY_DIGIT: str.isdigit,
+    sre.CATEGORY_NOT_DIGIT: lambda c: not c.isdigit(),
+    sre.CATEGORY_SPACE: str.isspace,
+    sre.CATEGORY_NOT_SPACE: lambda c: not c.isspace(),
+    sre.CATEGORY_WORD: lambda c: c.isalnum() or c == "_",
+    sre.CATEGORY_NOT_WORD: lambda c: not (c.isalnum() or c == "_"),
+}
+
+
+def _in_class(c: str, items) -> bool:
+    code = ord(c)
+    for op, arg in items:
+        if op is sre.NEGATE:
+            continue
+        if op is sre.LITERAL and code == arg:
+            return True
+        if op is sre.RANGE and arg[0] <= code <= arg[1]:
+            return True
+        if op is sre.CATEGORY:
+            test = _CATEGORIES.get(arg)
+            if test is None:
+                raise _Unsupported(arg)
+            if test(c):
+                return True
+        if op not in (sre.LITERAL, sre.RANGE, sre.CATEGORY):
+            raise _Unsupported(op)
+    return False
