@@ -68,7 +68,8 @@ def string_examples(schema) -> list[str]:
                 patterns += 1
                 if (example := shortest_match(pattern)) is not None:
                     found[example] = None
-        found.update(dict.fromkeys(FORMATS.get(node.get("format"), [])))
+        if isinstance(node.get("format"), str):  # (a dict where "format" names a property)
+            found.update(dict.fromkeys(FORMATS.get(node["format"], [])))
         stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
     return sorted(found, key=len)
 

@@ -35,3 +35,9 @@ def test_every_string_constraint_of_a_schema_gives_its_examples_shortest_first()
         "b": {"anyOf": [{"type": "string", "format": "ipv4"}, {"items": {"type": "string", "pattern": "^yy$"}}]}},
         "patternProperties": {"^z-[0-9]$": {}}}
     assert string_examples(schema) == sorted(["xxxxx", "yy", "z-0", *FORMATS["ipv4"]], key=len)
+
+
+def test_properties_named_as_keywords_are_read_as_properties():
+    schema = {"type": "object", "properties": {"format": {"type": "string", "pattern": "^q$"},
+                                               "pattern": {"type": "integer"}}}
+    assert string_examples(schema) == ["q"]
