@@ -214,7 +214,7 @@ def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, c
     (by ``REPEAT_PENALTY``, fading by ``REPEAT_FADE`` a token), so a walk caught in a loop tries the
     other ways out while one that closes a string every few tokens still closes it with a quote.
     None when the walk takes more than ``cap`` tokens."""
-    walker, path, recent = matcher.deep_copy(), [], np.zeros(len(table.scores))
+    walker, path, recent, seen = matcher.deep_copy(), [], np.zeros(len(table.scores)), {}
     quotes = table.scores == 2  # a lone quote: a string's end
     while not walker.is_stopped():
         forced = walker.compute_ff_tokens()
@@ -225,7 +225,7 @@ def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, c
             elif examples and not (allowed & quotes).any():
                 forced = next((list(e) for e in examples if walker.validate_tokens(list(e)) == len(e)), [])
             if not forced:
-                forced = [_narrowest(walker, np.where(allowed, table.scores - recent, -np.inf), table)]
+                forced = [_narrowest(walker, np.where(allowed, table.scores - recent, -np.inf), table, seen)]
                 recent[forced[0]] += REPEAT_PENALTY
         if len(path) + len(forced) > cap or not all(walker.consume_token(t) for t in forced):
             return None
@@ -238,26 +238,32 @@ REPEAT_PENALTY = 1.0  # score a picked token loses on the closing path...
 REPEAT_FADE = 0.8  # ...fading by this factor a token: one picked at every token loses 5 points
 
 
-def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, candidates: int = 6) -> int:
+def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, seen: dict,
+               candidates: int = 6) -> int:
     """Of the ``candidates`` best-scored tokens and as many of the allowed punctuation marks (a comma that ends
     a number, the @ of an email), the one whose score is highest, after which a string can end, and
     after which ``matcher`` allows the fewest (in bits: a quote that closes a string beats a bracket
-    inside it)."""
+    inside it). What follows a token is looked up in ``seen`` by the tokens allowed now and the token
+    (a walk through a long array meets the same choice at every item), else found on a copy."""
     best, best_key = -1, None
     ranked = np.argsort(-scores, kind="stable")[:candidates]
     quotes = table.scores == 2  # a lone quote: a string's end
     marks = table.marks[scores[table.marks] > -np.inf]
     marks = marks[np.argsort(-scores[marks], kind="stable")[:candidates]]
+    now = np.isfinite(scores).tobytes()
     for token in dict.fromkeys([*ranked.tolist(), *marks.tolist()]):
         if scores[token] == -np.inf:
             continue
-        after = matcher.deep_copy()
-        after.consume_token(int(token))
-        if after.is_stopped():
+        if (now, token) not in seen:
+            after = matcher.deep_copy()
+            after.consume_token(int(token))
+            allowed = None if after.is_stopped() else allowed_tokens(after, len(scores))
+            seen[now, token] = None if allowed is None else (  # None: the grammar ends
+                np.log2(allowed.sum() + 1) - 2 * bool((allowed & quotes).any()))  # the string can end next
+        width = seen[now, token]
+        if width is None:
             return int(token)
-        allowed = allowed_tokens(after, len(scores))
-        closes = bool((allowed & quotes).any())  # the string can end next
-        key = np.log2(allowed.sum() + 1) - scores[token] - 2 * closes
+        key = width - scores[token]
         if best_key is None or key < best_key:
             best, best_key = int(token), key
     return best
