@@ -178,10 +178,12 @@ class ClosingTable:
     """Per token of a vocabulary, what a closing path goes by: ``scores`` (closing brackets and quotes
     up, a zero, a number's shortest value after which JSON allows no digit, up; opening brackets
     down, they start more; separators a little down: an object's required keys need them, an
-    array's ] beats them) and ``marks``, the ids of single ASCII punctuation characters."""
+    array's ] beats them), ``marks``, the ids of single ASCII punctuation characters, and ``same``,
+    each id's first id with the same text (a walk that repeats a text repeats it under any id)."""
 
     scores: np.ndarray
     marks: np.ndarray
+    same: np.ndarray
 
 
 _CLOSING_TABLES: dict[int, tuple] = {}
@@ -194,14 +196,15 @@ def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
         return cached[1]
     weights = {ord("}"): 3.0, ord("]"): 3.0, ord('"'): 2.0, ord("0"): 1.0, ord("{"): -3.0, ord("["): -3.0,
                ord(","): -1.0}
-    scores, marks = np.full(vocab, -10.0), []
+    scores, marks, same, first = np.full(vocab, -10.0), [], np.arange(vocab), {}
     for i in range(vocab):
         if grammar.tokenizer.is_special_token(i) or not (text := grammar.tokenizer.decode_bytes([i])):
             continue
         scores[i] = sum(weights.get(b, -0.1) for b in text)
+        same[i] = first.setdefault(text, i)
         if len(text) == 1 and chr(text[0]) in string.punctuation:
             marks.append(i)
-    table = ClosingTable(scores, np.array(marks, dtype=np.int64))
+    table = ClosingTable(scores, np.array(marks, dtype=np.int64), same)
     _CLOSING_TABLES[id(grammar.tokenizer)] = (grammar.tokenizer, table)
     return table
 
@@ -225,8 +228,8 @@ def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, c
             elif examples and not (allowed & quotes).any():
                 forced = next((list(e) for e in examples if walker.validate_tokens(list(e)) == len(e)), [])
             if not forced:
-                forced = [_narrowest(walker, np.where(allowed, table.scores - recent, -np.inf), table, seen)]
-                recent[forced[0]] += REPEAT_PENALTY
+                forced = [_narrowest(walker, np.where(allowed, table.scores - recent[table.same], -np.inf), table, seen)]
+                recent[table.same[forced[0]]] += REPEAT_PENALTY
         if len(path) + len(forced) > cap or not all(walker.consume_token(t) for t in forced):
             return None
         path.extend(forced)
@@ -241,25 +244,30 @@ REPEAT_FADE = 0.8  # ...fading by this factor a token: one picked at every token
 def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, seen: dict,
                candidates: int = 6) -> int:
     """Of the ``candidates`` best-scored tokens and as many of the allowed punctuation marks (a comma that ends
-    a number, the @ of an email), the one whose score is highest, after which a string can end, and
+    a number, the @ of an email), the one whose score with the tokens it forces is highest (a key that
+    opens an array scores less than one that opens a string), after which a string can end, and
     after which ``matcher`` allows the fewest (in bits: a quote that closes a string beats a bracket
     inside it). What follows a token is looked up in ``seen`` by the tokens allowed now and the token
     (a walk through a long array meets the same choice at every item), else found on a copy."""
     best, best_key = -1, None
-    ranked = np.argsort(-scores, kind="stable")[:candidates]
     quotes = table.scores == 2  # a lone quote: a string's end
     marks = table.marks[scores[table.marks] > -np.inf]
-    marks = marks[np.argsort(-scores[marks], kind="stable")[:candidates]]
     now = np.isfinite(scores).tobytes()
-    for token in dict.fromkeys([*ranked.tolist(), *marks.tolist()]):
+    for token in _distinct(np.argsort(-scores, kind="stable"), table.same, candidates) + _distinct(
+            marks[np.argsort(-scores[marks], kind="stable")], table.same, candidates):
         if scores[token] == -np.inf:
             continue
         if (now, token) not in seen:
             after = matcher.deep_copy()
-            after.consume_token(int(token))
-            allowed = None if after.is_stopped() else allowed_tokens(after, len(scores))
-            seen[now, token] = None if allowed is None else (  # None: the grammar ends
-                np.log2(allowed.sum() + 1) - 2 * bool((allowed & quotes).any()))  # the string can end next
+            if not after.consume_token(int(token)):  # the mask may allow more than the grammar takes
+                seen[now, token] = np.inf
+            else:
+                forced = after.compute_ff_tokens()
+                after.consume_tokens(forced)
+                allowed = None if after.is_stopped() else allowed_tokens(after, len(scores))
+                seen[now, token] = None if allowed is None else (  # None: the grammar ends
+                    np.log2(allowed.sum() + 1) - 2 * bool((allowed & quotes).any())  # the string can end next
+                    - np.maximum(table.scores[forced], -3.0).sum())
         width = seen[now, token]
         if width is None:
             return int(token)
@@ -267,6 +275,16 @@ def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: Closing
         if best_key is None or key < best_key:
             best, best_key = int(token), key
     return best
+
+
+def _distinct(ranked: np.ndarray, same: np.ndarray, n: int) -> list[int]:
+    """The first ``n`` of ``ranked`` with texts unlike those before (a text's other ids choose alike)."""
+    texts: dict[int, int] = {}
+    for token in ranked.tolist():
+        if len(texts) == n:
+            break
+        texts.setdefault(int(same[token]), token)
+    return list(texts.values())
 
 
 def first_closing_path(grammar: Grammar, vocab: int) -> list[int] | None:
@@ -340,8 +358,8 @@ class GrammarRule:
         """``token``, or the closing path's next one where taking ``token`` would leave no room to close."""
         if self.path is None:
             return token
-        if self.path and token == self.path[0]:
-            self.path, self.path_age = self.path[1:], self.path_age + 1
+        if self.path and token == self.path[0]:  # (a path followed from where it was walked stays fresh)
+            self.path, self.path_age = self.path[1:], self.path_age + bool(self.path_age)
             return token
         room_after = self.room - 1
         if room_after > len(self.path) + CLOSING_SLACK and self.path_age < CLOSING_REFRESH:
@@ -352,6 +370,11 @@ class GrammarRule:
         if path is not None and len(path) <= room_after:
             self.path, self.path_age = path, 0
             return token
+        if self.path_age:  # walked before tokens taken since: it starts from a state left behind
+            path = closing_path(self.matcher, self.table, self.eos, examples=self.examples)
+            if path is None:
+                return token
+            self.path, self.path_age = path, 0
         token, self.path = self.path[0], self.path[1:]
         return token
 

@@ -43,6 +43,11 @@ SCHEMAS = {
     "pattern": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{1,3}$"},
     "pattern-suffix": {"type": "object", "required": ["id", "v"], "properties": {
         "id": {"type": "string", "pattern": "^[A-Z0-9_]+(_DEVICE|_LAYOUT)$"}, "v": {"type": "string", "pattern": r"v1\.0\.\d+"}}},
+    "expression": {"$defs": {"expr": {"anyOf": [
+        *({"type": "object", "required": [k], "additionalProperties": False, "properties": {
+            k: {"type": "array", "minItems": 2, "items": {"$ref": "#/$defs/expr"}}}} for k in "-+/*"),
+        {"type": "object", "required": ["expr"], "additionalProperties": False, "properties": {"expr": {"type": "string"}}}]}},
+        "$ref": "#/$defs/expr"},
     "many-strings": {"type": "object", "required": [f"k{i:02d}" for i in range(30)],
                      "properties": {f"k{i:02d}": {"type": "string"} for i in range(30)}},
     "map": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 3},
@@ -205,6 +210,7 @@ def test_a_schema_whose_closing_path_is_past_the_cap_is_refused(demo):
 @pytest.mark.parametrize("name, shortest", [
     ("many-strings", {f"k{i:02d}": "" for i in range(30)}),  # a quote closes each string, however many came before
     ("pattern-suffix", {"id": "0_DEVICE", "v": "v1.0.0"}),  # a pattern's shortest match, not its narrowest way on
+    ("expression", {"expr": ""}),  # the key that opens a string, not one of the four that open an array of more
 ])
 def test_the_closing_path_from_the_start_is_the_shortest_answer(demo, name, shortest):
     model, tokenizer = demo
