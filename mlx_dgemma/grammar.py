@@ -178,12 +178,14 @@ class ClosingTable:
     """Per token of a vocabulary, what a closing path goes by: ``scores`` (closing brackets and quotes
     up, a zero, a number's shortest value after which JSON allows no digit, up; opening brackets
     down, they start more; separators a little down: an object's required keys need them, an
-    array's ] beats them), ``marks``, the ids of single ASCII punctuation characters, and ``same``,
-    each id's first id with the same text (a walk that repeats a text repeats it under any id)."""
+    array's ] beats them), ``marks``, the ids of single ASCII punctuation characters, ``same``,
+    each id's first id with the same text (a walk that repeats a text repeats it under any id), and
+    ``closes``, the brackets each closes less those it opens."""
 
     scores: np.ndarray
     marks: np.ndarray
     same: np.ndarray
+    closes: np.ndarray
 
 
 _CLOSING_TABLES: dict[int, tuple] = {}
@@ -196,15 +198,16 @@ def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
         return cached[1]
     weights = {ord("}"): 3.0, ord("]"): 3.0, ord('"'): 2.0, ord("0"): 1.0, ord("{"): -3.0, ord("["): -3.0,
                ord(","): -1.0}
-    scores, marks, same, first = np.full(vocab, -10.0), [], np.arange(vocab), {}
+    scores, marks, same, closes, first = np.full(vocab, -10.0), [], np.arange(vocab), np.zeros(vocab), {}
     for i in range(vocab):
         if grammar.tokenizer.is_special_token(i) or not (text := grammar.tokenizer.decode_bytes([i])):
             continue
         scores[i] = sum(weights.get(b, -0.1) for b in text)
         same[i] = first.setdefault(text, i)
+        closes[i] = text.count(b"}") + text.count(b"]") - text.count(b"{") - text.count(b"[")
         if len(text) == 1 and chr(text[0]) in string.punctuation:
             marks.append(i)
-    table = ClosingTable(scores, np.array(marks, dtype=np.int64), same)
+    table = ClosingTable(scores, np.array(marks, dtype=np.int64), same, closes)
     _CLOSING_TABLES[id(grammar.tokenizer)] = (grammar.tokenizer, table)
     return table
 
@@ -239,13 +242,15 @@ def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, c
 
 REPEAT_PENALTY = 1.0  # score a picked token loses on the closing path...
 REPEAT_FADE = 0.8  # ...fading by this factor a token: one picked at every token loses 5 points
+FORCED_WEIGHT = 1.0  # score a choice loses per bracket the tokens it forces open
 
 
 def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, seen: dict,
                candidates: int = 6) -> int:
     """Of the ``candidates`` best-scored tokens and as many of the allowed punctuation marks (a comma that ends
-    a number, the @ of an email), the one whose score with the tokens it forces is highest (a key that
-    opens an array scores less than one that opens a string), after which a string can end, and
+    a number, the @ of an email), the one whose score is highest, less ``FORCED_WEIGHT`` for each
+    bracket the tokens it forces open (a key that opens an array scores less than one that opens a
+    string), after which a string can end, and
     after which ``matcher`` allows the fewest (in bits: a quote that closes a string beats a bracket
     inside it). What follows a token is looked up in ``seen`` by the tokens allowed now and the token
     (a walk through a long array meets the same choice at every item), else found on a copy."""
@@ -261,13 +266,13 @@ def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: Closing
             after = matcher.deep_copy()
             if not after.consume_token(int(token)):  # the mask may allow more than the grammar takes
                 seen[now, token] = np.inf
+            elif after.is_stopped():
+                seen[now, token] = None  # the grammar ends
             else:
-                forced = after.compute_ff_tokens()
-                after.consume_tokens(forced)
-                allowed = None if after.is_stopped() else allowed_tokens(after, len(scores))
-                seen[now, token] = None if allowed is None else (  # None: the grammar ends
-                    np.log2(allowed.sum() + 1) - 2 * bool((allowed & quotes).any())  # the string can end next
-                    - np.maximum(table.scores[forced], -3.0).sum())
+                allowed = allowed_tokens(after, len(scores))
+                in_string = (allowed & quotes).any() and (allowed & ~quotes).any()  # (a lone quote opens a key)
+                seen[now, token] = (np.log2(allowed.sum() + 1) - 2 * in_string  # the string can end next
+                                    - FORCED_WEIGHT * table.closes[after.compute_ff_tokens()].sum())
         width = seen[now, token]
         if width is None:
             return int(token)
