@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import string
+import warnings
 from re import _constants as sre
 from re import _parser as sre_parse
 
@@ -36,16 +37,13 @@ class _Unsupported(Exception):
 def shortest_match(pattern: str) -> str | None:
     """A shortest string ``pattern`` matches (searched, as JSON Schema reads a pattern), or None where
     the pattern uses what this does not follow (backreferences, flags) or Python cannot read it."""
-    try:
-        text = _sequence(sre_parse.parse(pattern))
-    except (re.error, _Unsupported, RecursionError, OverflowError, ValueError):
-        return None
-    if len(text) > MAX_EXAMPLE:
-        return None
-    try:
-        return text if re.search(pattern, text) else None
-    except re.error:
-        return None
+    with warnings.catch_warnings():  # (Python's warnings on what a later version will read otherwise)
+        warnings.simplefilter("ignore")
+        try:
+            text = _sequence(sre_parse.parse(pattern))
+            return text if len(text) <= MAX_EXAMPLE and re.search(pattern, text) else None
+        except (re.error, _Unsupported, RecursionError, OverflowError, ValueError):
+            return None
 
 
 def string_examples(schema) -> list[str]:

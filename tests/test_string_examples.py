@@ -2,6 +2,7 @@
 shortest match of its pattern, with the length worked out by hand from the pattern."""
 
 import re
+import warnings
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_a_pattern_gives_a_shortest_string_it_matches(pattern, length):
     assert '"' not in example and "\\" not in example
 
 
-@pytest.mark.parametrize("pattern", [r"(a)\1", "(", "[z-a]"])
+@pytest.mark.parametrize("pattern", [r"(a)\1", "(", "[z-a]", "x" * 300])
 def test_what_is_not_followed_or_not_a_pattern_gives_none(pattern):
     assert shortest_match(pattern) is None
 
@@ -41,3 +42,9 @@ def test_properties_named_as_keywords_are_read_as_properties():
     schema = {"type": "object", "properties": {"format": {"type": "string", "pattern": "^q$"},
                                                "pattern": {"type": "integer"}}}
     assert string_examples(schema) == ["q"]
+
+
+def test_a_pattern_python_warns_about_gives_its_example_quietly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert shortest_match("[[a]") == "a"
