@@ -22,28 +22,24 @@ ids, ``max_tokens`` and the detokenisation.
 
 from __future__ import annotations
 
-from . import fast_blas
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
-fast_blas.load()  # the fast BLAS before mlx.core loads
+import mlx.core as mx
 
-import itertools  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Callable  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-
-from . import drafting  # noqa: E402
-from .cache import CanvasView  # noqa: E402
-from .denoise import new_run, step_batch, step_compacted  # noqa: E402
-from .filters import penalized, sampling_probs  # noqa: E402
-from .grammar import GrammarRule  # noqa: E402
-from .images import images_after  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
-from .policy import Plan  # noqa: E402
-from .request import PreparedRequest, cut_at_stop, generation_device, prefill, prepare  # noqa: E402
-from .sampler import CanvasRun, Draft, RunBatch  # noqa: E402
+from . import drafting
+from .cache import CanvasView
+from .denoise import new_run, step_batch, step_compacted
+from .filters import penalized, sampling_probs
+from .grammar import GrammarRule
+from .images import images_after
+from .options import PREFILL_STEP_SIZE, GenerationArgs
+from .policy import Plan
+from .request import PreparedRequest, cut_at_stop, generation_device, prefill, prepare
+from .sampler import CanvasRun, Draft, RunBatch
 
 AR_BLOCK_MIN = 4  # tokens an auto row decodes autoregressively before it chooses again
 

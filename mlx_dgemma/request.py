@@ -6,28 +6,24 @@ The engine (batch.py) runs what it returns.
 
 from __future__ import annotations
 
-from . import fast_blas
+import contextlib
+import json
+from dataclasses import dataclass, replace
 
-fast_blas.load()  # the fast BLAS before mlx.core loads
+import mlx.core as mx
 
-import contextlib  # noqa: E402
-import json  # noqa: E402
-from dataclasses import dataclass, replace  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-
-from .config import GenerationConfig  # noqa: E402
-from .drafting import DraftSettings  # noqa: E402
-from .errors import OptionError  # noqa: E402
-from .filters import filtering  # noqa: E402
-from .grammar import CLOSING_CAP, Grammar, first_closing_path, schema_grammar  # noqa: E402
-from .images import ImageInputs, image_inputs  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
-from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
-from .sampler import MxRandom, Random  # noqa: E402
-from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps  # noqa: E402
-from .tokenizer import TextStream, Tokenizer  # noqa: E402
-from .validate import PromptError, check_request, check_steps  # noqa: E402
+from .config import GenerationConfig
+from .drafting import DraftSettings
+from .errors import OptionError
+from .filters import filtering
+from .grammar import CLOSING_CAP, Grammar, first_closing_path, schema_grammar
+from .images import ImageInputs, image_inputs
+from .options import PREFILL_STEP_SIZE, GenerationArgs
+from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan
+from .sampler import MxRandom, Random
+from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps
+from .tokenizer import TextStream, Tokenizer
+from .validate import PromptError, check_request, check_steps
 
 
 def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False,
