@@ -31,6 +31,7 @@ from .api import (
     stream_from_args,
     stream_generate,
 )
+from .batch import prefill
 from .cli import command_line
 from .demo import DEMO_MODEL
 from .filters import check_min_p, check_top_k, check_top_p
@@ -44,7 +45,6 @@ from .request import (
     check_template_fits,
     generation_config,
     generation_device,
-    prefill,
     prepare,
     prompt_ids,
     schema_template,
