@@ -1,0 +1,77 @@
+"""One command run in two source trees in turn (A B, B A, A B, ...), to compare a change's speed on a
+shared machine: each tree's runs are spread over the same minutes, so a slow spell costs both.
+
+    git archive 5a855cb | tar -x -C /tmp/before;  git archive HEAD | tar -x -C /tmp/after
+    python benchmarks/ab_trees.py /tmp/before /tmp/after --rounds 3 -- python -m mlx_dgemma.demo.eval -n 8 --seed 1
+    python benchmarks/ab_trees.py /tmp/before /tmp/after --rounds 3 -- \\
+        python benchmarks/server_load.py --concurrency 1 4 --requests 16 --json {json}
+
+The command runs with the tree as its working folder and first on PYTHONPATH. Reported: each run's
+wall seconds, and with ``{json}`` in the command (a file it writes: server_load.py's rows), each
+concurrency level's tokens per second; then per tree the median, the ratio of B to A (above 1: B
+faster, for tok/s; below 1: B faster, for seconds) and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run(tree: Path, command: list[str]) -> tuple[float, dict[int, float]]:
+    """Wall seconds of ``command`` in ``tree``, and the tok/s per concurrency level it wrote to ``{json}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        argv = [str(out) if part == "{json}" else part for part in command]
+        env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
+        start = time.perf_counter()
+        done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            sys.exit(f"{' '.join(argv)} failed in {tree} (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        levels = {row["concurrency"]: row["tokens_per_second"] for row in json.loads(out.read_text())} \
+            if out.exists() else {}
+    return seconds, levels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("a", type=Path, help="tree A (before)")
+    parser.add_argument("b", type=Path, help="tree B (after)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command to run in each tree")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command after --")
+    trees = {"A": args.a.resolve(), "B": args.b.resolve()}
+    load_before = os.getloadavg()
+    seconds: dict[str, list[float]] = {"A": [], "B": []}
+    tok_s: dict[str, dict[int, list[float]]] = {"A": {}, "B": {}}
+    for r in range(args.rounds):
+        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            wall, levels = run(trees[name], command)
+            seconds[name].append(wall)
+            for level, value in levels.items():
+                tok_s[name].setdefault(level, []).append(value)
+            shown = "".join(f", concurrency {level}: {value:.1f} tok/s" for level, value in levels.items())
+            print(f"round {r + 1} {name}: {wall:.1f} s{shown}", flush=True)
+    load_after = os.getloadavg()
+    a, b = statistics.median(seconds["A"]), statistics.median(seconds["B"])
+    print(f"median wall seconds: A {a:.1f}, B {b:.1f}, B/A {b / a:.3f}")
+    for level in tok_s["A"]:
+        a, b = statistics.median(tok_s["A"][level]), statistics.median(tok_s["B"][level])
+        print(f"concurrency {level}: median tok/s A {a:.1f}, B {b:.1f}, B/A {b / a:.3f}")
+    print(f"load average (1, 5, 15 min): before {' '.join(f'{x:.2f}' for x in load_before)}, "
+          f"after {' '.join(f'{x:.2f}' for x in load_after)}")
+
+
+if __name__ == "__main__":
+    main()
