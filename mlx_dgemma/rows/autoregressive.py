@@ -38,6 +38,8 @@ def next_token(logits: mx.array, temperature: float, rng, filters: tuple = ()) -
 
 
 class AutoregressiveRows:
+    """The autoregressive rows and the one cache they share."""
+
     def __init__(self, engine):
         self.engine = engine
         self.rows: list[_Decoding] = []

@@ -74,6 +74,8 @@ class _Lane:
 
 
 class DiffusionRows:
+    """The diffusion rows and their lanes (``lane_of``)."""
+
     def __init__(self, engine):
         self.engine = engine
         self.rows: list[_Canvases] = []

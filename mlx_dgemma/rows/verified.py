@@ -24,6 +24,8 @@ class _Verifying:
 
 
 class VerifiedRows:
+    """The verified drafting rows, grouped by draft shape at every round."""
+
     def __init__(self, engine):
         self.engine = engine
         self.rows: list[_Verifying] = []
