@@ -46,11 +46,12 @@ def main() -> None:
     parser.add_argument("a", type=Path, help="tree A (before)")
     parser.add_argument("b", type=Path, help="tree B (after)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command to run in each tree")
-    args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    parser.usage = "%(prog)s A B [--rounds N] -- COMMAND..."
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, command = parser.parse_args(argv[:split]), argv[split + 1:]
     if not command:
-        parser.error("give the command after --")
+        parser.error("give the command to run in each tree after --")
     trees = {"A": args.a.resolve(), "B": args.b.resolve()}
     load_before = os.getloadavg()
     seconds: dict[str, list[float]] = {"A": [], "B": []}
