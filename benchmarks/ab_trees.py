@@ -7,7 +7,8 @@ shared machine: each tree's runs are spread over the same minutes, so a slow spe
         python benchmarks/server_load.py --concurrency 1 4 --requests 16 --json {json}
 
 The command runs with the tree as its working folder and first on PYTHONPATH. Reported: each run's
-wall seconds, and with ``{json}`` in the command (a file it writes: server_load.py's rows), each
+wall and CPU seconds (the CPU seconds move less with the others' load, as long as the cores are
+not idle-spinning), and with ``{json}`` in the command (a file it writes: server_load.py's rows), each
 concurrency level's tokens per second; then per tree the median and the best run (the one others'
 jobs disturbed least), B against A (below 1: B faster, for seconds; above 1, for tok/s) and the
 load average before and after.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,20 +28,26 @@ import time
 from pathlib import Path
 
 
-def run(tree: Path, command: list[str]) -> tuple[float, dict[int, float]]:
-    """Wall seconds of ``command`` in ``tree``, and the tok/s per concurrency level it wrote to ``{json}``."""
+def run(tree: Path, command: list[str]) -> tuple[float, float, dict[int, float]]:
+    """Wall and CPU seconds of ``command`` in ``tree``, and the tok/s per concurrency level it wrote to
+    ``{json}``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "figures.json"
         argv = [str(out) if part == "{json}" else part for part in command]
         env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
-        start = time.perf_counter()
+        start, used = time.perf_counter(), _children_cpu()
         done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, _children_cpu() - used
         if done.returncode != 0:
             sys.exit(f"{' '.join(argv)} failed in {tree} (exit {done.returncode}):\n{done.stderr[-3000:]}")
         levels = {row["concurrency"]: row["tokens_per_second"] for row in json.loads(out.read_text())} \
             if out.exists() else {}
-    return seconds, levels
+    return seconds, cpu, levels
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -56,19 +64,22 @@ def main() -> None:
     trees = {"A": args.a.resolve(), "B": args.b.resolve()}
     load_before = os.getloadavg()
     seconds: dict[str, list[float]] = {"A": [], "B": []}
+    cpu: dict[str, list[float]] = {"A": [], "B": []}
     tok_s: dict[str, dict[int, list[float]]] = {"A": {}, "B": {}}
     for r in range(args.rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            wall, levels = run(trees[name], command)
+            wall, used, levels = run(trees[name], command)
             seconds[name].append(wall)
+            cpu[name].append(used)
             for level, value in levels.items():
                 tok_s[name].setdefault(level, []).append(value)
             shown = "".join(f", concurrency {level}: {value:.1f} tok/s" for level, value in levels.items())
-            print(f"round {r + 1} {name}: {wall:.1f} s{shown}", flush=True)
+            print(f"round {r + 1} {name}: {wall:.1f} s, {used:.1f} CPU s{shown}", flush=True)
     load_after = os.getloadavg()
     for name, pick in (("median", statistics.median), ("best", min)):
-        a, b = pick(seconds["A"]), pick(seconds["B"])
-        print(f"{name} wall seconds: A {a:.1f}, B {b:.1f}, B/A {b / a:.3f}")
+        for what, figures in (("wall", seconds), ("CPU", cpu)):
+            a, b = pick(figures["A"]), pick(figures["B"])
+            print(f"{name} {what} seconds: A {a:.1f}, B {b:.1f}, B/A {b / a:.3f}")
     for level in tok_s["A"]:
         for name, pick in (("median", statistics.median), ("best", max)):
             a, b = pick(tok_s["A"][level]), pick(tok_s["B"][level])
