@@ -229,8 +229,8 @@ def verified_round(model, cache, logits: mx.array, length: int, steps: int) -> s
     rule = drafting.GreedyRule(set(), model.config.canvas_length)
     settings = drafting.DraftSettings(length, steps)
     known = int(logits.argmax(-1).item())
-    rounds, seconds = timed(lambda: drafting.verify_rounds(model, [cache], [known], [rule], settings,
-                                                           [SamplerSettings()], [MxRandom(0)], [[]]))
+    row = drafting.DraftRow(cache, known, rule, SamplerSettings(), MxRandom(0))
+    rounds, seconds = timed(lambda: drafting.verify_rounds(model, [row], settings))
     result = rounds[0]
     cache.trim(cache.offset - before)
     return (f"verified round   draft of {length} in {steps} step(s) + verifying pass: {seconds:.2f} s "

@@ -30,11 +30,12 @@ def main():
     cache = model.make_cache()
     model.encode(ids, cache)
     mx.eval(cache.state())
-    rng, schedule, settings = MxRandom(0), SamplerSettings(), drafting.DraftSettings(a.length, 1)
+    settings = drafting.DraftSettings(a.length, 1)
+    row = drafting.DraftRow(cache, 5, drafting.GreedyRule(set(), a.length), SamplerSettings(), MxRandom(0))
     tokens = mx.random.randint(3, cfg.vocab_size, (1, a.length), key=mx.random.key(1))
 
     def draft():
-        mx.eval(drafting.draft(model, cache, [5], a.length, settings, schedule, rng)[0])
+        mx.eval(drafting.draft(model, row, settings)[0])
 
     def verify():
         logits = model.head(model.encode(tokens, cache, return_hidden=True))[0]
@@ -42,7 +43,7 @@ def main():
         cache.trim(a.length)
 
     def whole_round():
-        drafted, _ = drafting.draft(model, cache, [5], a.length, settings, schedule, rng)
+        drafted, _ = drafting.draft(model, row, settings)
         logits = model.head(model.encode(drafted[None], cache, return_hidden=True))[0]
         mx.eval(drafted, logits)
         logits.argmax(-1).tolist()

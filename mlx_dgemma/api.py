@@ -9,25 +9,21 @@ re-exports these.
 
 from __future__ import annotations
 
-from . import fast_blas
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-fast_blas.load()  # the fast BLAS before mlx.core loads
+import mlx.core as mx
 
-import json  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-
-from .batch import BatchGenerator  # noqa: E402
-from .options import GenerationArgs  # noqa: E402
-from .policy import Plan  # noqa: E402
-from .request import PreparedRequest, generation_device, prepare  # noqa: E402
-from .sampler import Draft  # noqa: E402
-from .template import CanvasTemplate  # noqa: E402
-from .tokenizer import Tokenizer  # noqa: E402
-from .validate import check_text  # noqa: E402
+from .batch import BatchGenerator
+from .options import GenerationArgs
+from .policy import Plan
+from .request import PreparedRequest, generation_device, prepare
+from .sampler import Draft
+from .template import CanvasTemplate
+from .tokenizer import Tokenizer
+from .validate import check_text
 
 
 @dataclass

@@ -13,15 +13,15 @@ from . import fast_blas
 
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-import json  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import time
+from pathlib import Path
 
-import click  # noqa: E402
+import click
 
-from .cli import command_line  # noqa: E402
-from .policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas  # noqa: E402
-from .validate import at_least, option, writable_file  # noqa: E402
+from .cli import command_line
+from .policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas
+from .validate import at_least, option, writable_file
 
 STEPS = (2, 4, 8, 16, 32, 48)
 

@@ -15,26 +15,26 @@ from . import fast_blas
 
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-import copy  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
+import copy
+import json
+import math
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
-import click  # noqa: E402
-import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+import click
+import mlx.core as mx
+from mlx.utils import tree_flatten
 
-from .cli import command_line  # noqa: E402
-from .config import ConfigError, ModelConfig  # noqa: E402
-from .convert_output import MARKER, ConversionStopped, check_apart, check_destination, staging_folder  # noqa: E402
-from .convert_report import format_size, format_table, measure_against, measure_recipe, reference_logits  # noqa: E402
-from .errors import ConversionError  # noqa: E402
-from .loader import (  # noqa: E402
+from .cli import command_line
+from .config import ConfigError, ModelConfig
+from .convert_output import MARKER, ConversionStopped, check_apart, check_destination, staging_folder
+from .convert_report import format_size, format_table, measure_against, measure_recipe, reference_logits
+from .errors import ConversionError
+from .loader import (
     HUB_PATTERNS,
     VISION_KEY,
     WEIGHTS_INDEX,
@@ -46,9 +46,9 @@ from .loader import (  # noqa: E402
     stack_experts,
     weight_files,
 )
-from .model import DiffusionGemma  # noqa: E402
-from .quantize import BITS, GROUP_SIZES, MODE_DEFAULTS, RECIPES, Quantization, QuantParams  # noqa: E402
-from .safetensors_io import (  # noqa: E402
+from .model import DiffusionGemma
+from .quantize import BITS, GROUP_SIZES, MODE_DEFAULTS, RECIPES, Quantization, QuantParams
+from .safetensors_io import (
     ShardWriter,
     TensorInfo,
     TensorSpec,

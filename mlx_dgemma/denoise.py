@@ -1,9 +1,7 @@
-"""The denoising loop: the model's forwards that drive canvas runs (sampler.py's step math) from
-their first draft to their commit.
-
-``denoise_runs`` drives several rows' runs with one batched forward per step; ``step_batch`` and
-``step_compacted`` are one such step, for callers that interleave rows; ``denoise_canvas`` is the
-one-row case.
+"""The denoising forwards that drive canvas runs (sampler.py's step math): ``new_run`` starts one,
+``step_batch`` and ``step_compacted`` are one step of the runs of a lane (the engine's diffusion rows
+group them: rows/diffusion.py), ``denoise_canvas`` drives one canvas from its first draft to its
+commit.
 """
 
 from __future__ import annotations
@@ -22,33 +20,6 @@ def new_run(model, settings: SamplerSettings, rng: Random, length: int | None = 
     kind = CompactedRun if settings.freeze_after else CanvasRun
     return kind(settings, rng, length or model.config.canvas_length, model.config.vocab_size, model.kernels,
                 clamp, on_step)
-
-
-def denoise_runs(model, view: CanvasView, runs: list[CanvasRun]) -> list[CanvasResult]:
-    """Drive the canvas runs of ``view``'s rows (all of one length) to their commits with one
-    batched forward per step; a row whose canvas is committed leaves the batch. Plain runs that
-    share a stability threshold advance as one ``RunBatch``; the others (compaction, another
-    threshold) in forwards of their own."""
-    plain = [i for i, run in enumerate(runs) if type(run) is CanvasRun]
-    if plain:
-        threshold = runs[plain[0]].settings.stability_threshold
-        plain = [i for i in plain if runs[i].settings.stability_threshold == threshold]
-    others = [i for i in range(len(runs)) if i not in plain]
-    if plain:
-        _denoise_batch(model, view if not others else view.select(plain), RunBatch([runs[i] for i in plain]))
-    if others:
-        rest = [runs[i] for i in others]
-        if any(type(run) is CanvasRun for run in rest):  # another stability threshold: on its own
-            for i in others:
-                denoise_runs(model, view.select([i]), [runs[i]])
-        else:
-            _denoise_compacted(model, view if not plain else view.select(others), rest)
-    return [run.result for run in runs]
-
-
-def _denoise_batch(model, view: CanvasView, batch: RunBatch) -> None:
-    while batch.runs:
-        view = step_batch(model, view, batch)
 
 
 def step_batch(model, view: CanvasView, batch: RunBatch) -> CanvasView | None:
@@ -83,12 +54,6 @@ def step_compacted(model, view: CanvasView, runs: list[CompactedRun]) -> tuple[C
     if not keep:
         return None, keep
     return (view.select(keep) if len(keep) < len(runs) else view), keep
-
-
-def _denoise_compacted(model, view: CanvasView, runs: list[CompactedRun]) -> None:
-    while runs:
-        view, keep = step_compacted(model, view, runs)
-        runs = [runs[i] for i in keep]
 
 
 def _stack(inputs, length: int):
@@ -141,5 +106,13 @@ def denoise_canvas(
     fixes or limits positions (see ``Clamp``).
     """
     run = new_run(model, settings, rng, canvas_length, clamp, on_step)
-    return denoise_runs(model, cache.canvas_view(run.length), [run])[0]
+    view = cache.canvas_view(run.length)
+    if type(run) is CanvasRun:
+        batch = RunBatch([run])
+        while view is not None:
+            view = step_batch(model, view, batch)
+    else:
+        while view is not None:
+            view, _ = step_compacted(model, view, [run])
+    return run.result
 

@@ -175,8 +175,13 @@ def shard(model: DiffusionGemma, group: mx.distributed.Group, watchdog: Watchdog
         for linear in (experts.gate_up_proj, experts.down_proj):
             linear.weight = mx.zeros((stop - start, *linear.weight.shape[1:]), linear.weight.dtype)
         experts.shard = ExpertShard(start, stop, group, watchdog)
-    model.group = group
     return start, stop
+
+
+def sharded_group(model) -> mx.distributed.Group | None:
+    """The group whose ranks share ``model``'s experts (``shard``), or None for a whole model."""
+    shard = model.layers[0].experts.shard if model.layers else None
+    return None if shard is None else shard.group
 
 
 def read_rows(info: TensorInfo, start: int, stop: int) -> mx.array:

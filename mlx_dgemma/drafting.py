@@ -24,7 +24,7 @@ autoregressive template rows of the engine, batch.py, run the same rule one toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -217,49 +217,67 @@ class TemplateRule:
         raise AssertionError("more proposals than rows")
 
 
-def draft(model, cache, known: list[int], length: int, settings: DraftSettings, schedule: SamplerSettings,
-          rng: Random, start: list[int] = ()) -> tuple[mx.array, mx.array | None]:
-    """A draft of ``length`` tokens [length] (lazy: the verifying pass is queued behind it without a
-    wait) starting with the ``known`` ones (clamped), denoised after the cache (only read) in
-    ``settings.steps`` steps, and, when sampling, the distribution [length, V] its last step drew
-    each position from. ``schedule`` gives the self-conditioning temperatures. ``start`` seeds the
-    positions after the known ones instead of noise (not clamped)."""
-    drafted, qs = draft_rows(model, cache.canvas_view(length), [known], length, settings, [schedule], [rng], [start])
+@dataclass
+class DraftRow:
+    """One row of verified drafting: its own cache, the next token (decided, not yet in the cache; None
+    when decoding is done), the rule that decides its tokens, the sampler settings whose temperatures
+    self-condition its drafts, its random draws, and the previous draft's tail after its first
+    rejected token (the next draft starts from it)."""
+
+    cache: object
+    known: int | None
+    rule: object
+    schedule: SamplerSettings
+    rng: Random
+    leftover: list[int] = field(default_factory=list)
+
+    def fixed(self, length: int) -> list[int]:
+        """The tokens a draft of ``length`` starts with, clamped: the known one, then any the rule forces."""
+        return [self.known] + self.rule.known(length - 1)
+
+
+def draft(model, row: DraftRow, settings: DraftSettings) -> tuple[mx.array, mx.array | None]:
+    """A draft of ``settings.length`` tokens [length] (lazy: the verifying pass is queued behind it
+    without a wait) starting with the row's fixed tokens (clamped), denoised after its cache (only
+    read) in ``settings.steps`` steps, and, when sampling, the distribution [length, V] its last step
+    drew each position from. The positions after the fixed ones start from the row's leftover
+    (not clamped) when ``settings.reuse``, from noise otherwise."""
+    drafted, qs = draft_rows(model, row.cache.canvas_view(settings.length), [row], settings)
     return drafted[0], qs[0]
 
 
-def draft_rows(model, view, known: list[list[int]], length: int, settings: DraftSettings,
-               schedules: list[SamplerSettings], rngs: list[Random],
-               starts: list[list[int]]) -> tuple[mx.array, list[mx.array | None]]:
-    """``draft`` for the rows of ``view`` (a canvas view of ``length`` positions, rows stacked) at
-    once: each row with its own known tokens, schedule, random draws and start; drafts [B, length]."""
-    vocab = model.config.vocab_size
-    fixed = np.zeros((len(known), length), dtype=bool)
-    tokens = np.zeros((len(known), length), dtype=np.int32)
+def draft_rows(model, view, rows: list[DraftRow], settings: DraftSettings) -> tuple[mx.array, list[mx.array | None]]:
+    """``draft`` for ``rows`` at once through ``view`` (their canvas views of ``settings.length``
+    positions, stacked): each row with its own fixed tokens, schedule, random draws and start;
+    drafts [B, length]."""
+    vocab, length = model.config.vocab_size, settings.length
+    fixed = np.zeros((len(rows), length), dtype=bool)
+    tokens = np.zeros((len(rows), length), dtype=np.int32)
     canvases = []
-    for i, (row_known, rng, start) in enumerate(zip(known, rngs, starts)):
-        fixed[i, :len(row_known)] = True
-        tokens[i, :len(row_known)] = row_known
-        canvas = rng.canvas((1, length), vocab)
-        seeded = list(start)[:length - len(row_known)]
+    for i, row in enumerate(rows):
+        known = row.fixed(length)
+        fixed[i, :len(known)] = True
+        tokens[i, :len(known)] = known
+        canvas = row.rng.canvas((1, length), vocab)
+        seeded = list(row.leftover if settings.reuse else ())[:length - len(known)]
         if seeded:
-            canvas[0, len(row_known):len(row_known) + len(seeded)] = mx.array(seeded, dtype=canvas.dtype)
+            canvas[0, len(known):len(known) + len(seeded)] = mx.array(seeded, dtype=canvas.dtype)
         canvases.append(canvas)
     clamp = Clamp(mx.array(fixed), mx.array(tokens))
     canvas = clamp.apply(canvases[0] if len(canvases) == 1 else mx.concatenate(canvases))
     self_conditioning = self_conditioning_probs = None
-    schedules = [replace(s, steps=settings.steps) for s in schedules]  # the temperatures over the draft's steps
-    qs = [None] * len(known)
+    schedules = [replace(row.schedule, steps=settings.steps) for row in rows]  # the temperatures over the draft's steps
+    qs = [None] * len(rows)
     for step in range(1, settings.steps + 1):
         logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs)
         if step == settings.steps:
             if settings.temperature > 0:
-                qs = [sampling_probs(logits[i], settings.temperature, *schedules[i].filters) for i in range(len(known))]
-                canvas = clamp.apply(mx.concatenate([rng.categorical(q)[None] for q, rng in zip(qs, rngs)]))
+                qs = [sampling_probs(logits[i], settings.temperature, *schedules[i].filters) for i in range(len(rows))]
+                canvas = clamp.apply(mx.concatenate([row.rng.categorical(q)[None] for q, row in zip(qs, rows)]))
             else:
                 canvas = clamp.apply(logits.argmax(-1).astype(mx.int32))
             break
-        temperature = (schedules[0].temperature(step - 1) if len(known) == 1
+        temperature = (schedules[0].temperature(step - 1) if len(rows) == 1
                        else mx.stack([s.temperature(step - 1) for s in schedules])[:, None, None])
         self_conditioning, self_conditioning_probs, _, argmax = tempered_distribution(logits, temperature)
         canvas = clamp.apply(argmax)
@@ -275,34 +293,37 @@ class Round:
     forwards: int  # draft steps + the verifying pass
     leftover: list[int]  # the draft's tokens after the first rejected one (a start for the next draft)
 
+    @property
+    def rejected(self) -> bool:
+        """Whether a draft token was rejected (not merely cut short by the answer's end)."""
+        return self.known is not None and self.kept < self.length - 1
 
-def verify_rounds(model, caches: list, known: list[int], rules: list, settings: DraftSettings,
-                  schedules: list[SamplerSettings], rngs: list[Random], starts: list[list[int]]) -> list[Round]:
-    """One round for each row after its ``known`` token (decided, not in its cache): draft (from its
-    start: the previous round's leftover), verify, keep, trim. Each row has its own cache, known token,
-    rule, schedule, random draws and start; the drafts have one length (``settings.length``): one
-    forward per draft step and one verifying pass for all of them; each row keeps what it keeps."""
+
+def verify_rounds(model, rows: list[DraftRow], settings: DraftSettings) -> list[Round]:
+    """One round for each row after its known token: draft (from its leftover), verify, keep, trim.
+    The drafts have one length (``settings.length``): one forward per draft step and one verifying
+    pass for all the rows; each row keeps what it keeps. The rows' caches and rules move on; their
+    known tokens and leftovers are the rounds' to set."""
     length = settings.length
-    befores = [len(rule.output) for rule in rules]
-    q = [None] * len(rules)
+    befores = [len(row.rule.output) for row in rows]
+    q = [None] * len(rows)
     if length == 1:  # nothing to draft: an autoregressive step
-        drafted, forwards, view = mx.array([[k] for k in known], dtype=mx.int32), 1, None
+        drafted, forwards, view = mx.array([[row.known] for row in rows], dtype=mx.int32), 1, None
     else:
-        view = CanvasView.stack([cache.canvas_view(length) for cache in caches])
-        drafted, q = draft_rows(model, view, [[k] + rule.known(length - 1) for k, rule in zip(known, rules)], length,
-                                settings, schedules, rngs, [s if settings.reuse else () for s in starts])
+        view = CanvasView.stack([row.cache.canvas_view(length) for row in rows])
+        drafted, q = draft_rows(model, view, rows, settings)
         forwards = settings.steps + 1
-    if len(caches) == 1:
-        logits = model.head(model.encode(drafted, caches[0], return_hidden=True))
+    if len(rows) == 1:
+        logits = model.head(model.encode(drafted, rows[0].cache, return_hidden=True))
     else:  # the drafts go through the rows' stacked views, then into each row's cache
-        view = view or CanvasView.stack([cache.canvas_view(length) for cache in caches])
+        view = view or CanvasView.stack([row.cache.canvas_view(length) for row in rows])
         logits = model.head(model.encode(drafted, view, return_hidden=True))
-        view.append_canvas(caches)
+        view.append_canvas([row.cache for row in rows])
     mx.eval(drafted, logits)  # the round's one wait: the drafts and their verification together
     rounds = []
-    for i, (cache, rule, before) in enumerate(zip(caches, rules, befores)):
+    for i, (row, before) in enumerate(zip(rows, befores)):
         tokens = drafted[i].tolist()
-        kept, next_known = rule.follow(logits[i], tokens[1:], None if q[i] is None else q[i][1:])
-        cache.trim(length - 1 - kept)
-        rounds.append(Round(rule.output[before:], next_known, length, kept, forwards, tokens[kept + 2:]))
+        kept, next_known = row.rule.follow(logits[i], tokens[1:], None if q[i] is None else q[i][1:])
+        row.cache.trim(length - 1 - kept)
+        rounds.append(Round(row.rule.output[before:], next_known, length, kept, forwards, tokens[kept + 2:]))
     return rounds

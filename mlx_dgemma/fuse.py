@@ -14,19 +14,19 @@ from . import fast_blas
 
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+from pathlib import Path
 
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
-from .cli import check_writable_folder, command_line  # noqa: E402
-from .convert import MAX_SHARD_BYTES, copy_side_files, split_into_shards  # noqa: E402
-from .convert_output import check_apart, check_destination, staging_folder  # noqa: E402
-from .model import ExpertLinear, QuantizedExpertLinear  # noqa: E402
-from .safetensors_io import ShardWriter, TensorSpec, shard_names, write_index  # noqa: E402
+from .cli import check_writable_folder, command_line
+from .convert import MAX_SHARD_BYTES, copy_side_files, split_into_shards
+from .convert_output import check_apart, check_destination, staging_folder
+from .model import ExpertLinear, QuantizedExpertLinear
+from .safetensors_io import ShardWriter, TensorSpec, shard_names, write_index
 
 SAVE_PATH = "--save-path"
 

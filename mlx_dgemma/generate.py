@@ -13,16 +13,16 @@ from . import fast_blas
 
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-from dataclasses import fields  # noqa: E402
-from pathlib import Path  # noqa: E402
+import contextlib
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
 
-import click  # noqa: E402
+import click
 
-from .api import (  # noqa: E402
+from .api import (
     GenerationResponse,
     drafted_json_template,
     generate,
@@ -31,26 +31,26 @@ from .api import (  # noqa: E402
     stream_from_args,
     stream_generate,
 )
-from .cli import command_line  # noqa: E402
-from .demo import DEMO_MODEL  # noqa: E402
-from .filters import check_min_p, check_top_k, check_top_p  # noqa: E402
-from .images import load_image  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_schedule_scale  # noqa: E402
-from .policy import POLICIES, Plan  # noqa: E402
-from .request import (  # noqa: E402
+from .batch import prefill
+from .cli import command_line
+from .demo import DEMO_MODEL
+from .filters import check_min_p, check_top_k, check_top_p
+from .images import load_image
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_schedule_scale
+from .policy import POLICIES, Plan
+from .request import (
     PreparedRequest,
     answer_text,
     check_prompt_fits,
     check_template_fits,
     generation_config,
     generation_device,
-    prefill,
     prepare,
     prompt_ids,
     schema_template,
 )
-from .template import TemplateError, parse_template  # noqa: E402
-from .validate import (  # noqa: E402
+from .template import TemplateError, parse_template
+from .validate import (
     MAX_STEPS,
     PromptError,
     at_least,

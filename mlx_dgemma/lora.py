@@ -18,22 +18,22 @@ from . import fast_blas
 
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-import argparse  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import inspect
+import json
+import math
+import re
+import time
+from pathlib import Path
 
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
 
-from . import train  # noqa: E402
-from .adapters import (  # noqa: E402
+from . import train
+from .adapters import (
     ADAPTER_CONFIG,
     ADAPTERS,
     EmbeddingRows,
@@ -42,10 +42,10 @@ from .adapters import (  # noqa: E402
     load_trainable,
     save_adapters,
 )
-from .cli import check_writable_folder, command_line, write_atomically  # noqa: E402
-from .data import iterate_batches, load_dataset  # noqa: E402
-from .errors import FineTuneError  # noqa: E402
-from .validate import at_least, check_seed, finite_number, shown  # noqa: E402
+from .cli import check_writable_folder, command_line, write_atomically
+from .data import iterate_batches, load_dataset
+from .errors import FineTuneError
+from .validate import at_least, check_seed, finite_number, shown
 
 EMBEDDINGS = "model.decoder.embed_tokens.weight"
 STALLED = 0.01  # a validation loss that moves less than this fraction between two evaluations has stalled

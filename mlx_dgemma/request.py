@@ -1,55 +1,29 @@
 """A request made ready: ``prepare`` checks one and settles everything about it before any forward
 (prompt ids, the context, the template, the plan, the draws, the text decoder), from one
-``options.GenerationArgs``; ``prefill`` encodes prompts, ``generation_device`` is where generation runs.
-The engine (batch.py) runs what it returns.
+``options.GenerationArgs``; ``generation_device`` is where generation runs. The engine (batch.py)
+runs what it returns.
 """
 
 from __future__ import annotations
 
-from . import fast_blas
+import contextlib
+import json
+from dataclasses import dataclass, replace
 
-fast_blas.load()  # the fast BLAS before mlx.core loads
+import mlx.core as mx
 
-import contextlib  # noqa: E402
-import json  # noqa: E402
-from dataclasses import dataclass, replace  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-
-from .config import GenerationConfig  # noqa: E402
-from .drafting import DraftSettings  # noqa: E402
-from .errors import OptionError  # noqa: E402
-from .filters import filtering  # noqa: E402
-from .grammar import CLOSING_CAP, Grammar, first_closing_path, schema_grammar  # noqa: E402
-from .images import ImageInputs, image_inputs  # noqa: E402
-from .options import PREFILL_STEP_SIZE, GenerationArgs  # noqa: E402
-from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan  # noqa: E402
-from .sampler import MxRandom, Random  # noqa: E402
-from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps  # noqa: E402
-from .tokenizer import TextStream, Tokenizer  # noqa: E402
-from .validate import PromptError, check_request, check_steps  # noqa: E402
-
-
-def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False,
-            **vision_inputs) -> mx.array | None:
-    """Encode prompt rows ``ids`` [B, T] into ``cache`` ``step_size`` tokens at a time, evaluating
-    after each chunk so that peak memory is one chunk's activations, not the whole prompt's. With
-    ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there).
-    A prompt with images goes in one forward (an image block attends to itself both ways)."""
-    ids = mx.array(ids, dtype=mx.int32)
-    ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
-    T = ids.shape[1]
-    if vision_inputs:
-        step_size = T
-    for start in range(0, T, step_size):
-        chunk = ids[:, start : start + step_size]
-        if logits and start + step_size >= T:
-            out = model.next_token_logits(chunk, cache, **vision_inputs)
-            mx.eval(out, cache.state())
-            return out
-        model.encode(chunk, cache, **vision_inputs)
-        mx.eval(cache.state())
-    return None
+from .config import GenerationConfig
+from .drafting import DraftSettings
+from .errors import OptionError
+from .filters import filtering
+from .grammar import CLOSING_CAP, Grammar, first_closing_path, schema_grammar
+from .images import ImageInputs, image_inputs
+from .options import GenerationArgs
+from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan
+from .sampler import MxRandom, Random
+from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps
+from .tokenizer import TextStream, Tokenizer
+from .validate import PromptError, check_request, check_steps
 
 
 @contextlib.contextmanager

@@ -608,7 +608,7 @@ def test_verbose_plan_shows_the_callers_settings():
 def test_generation_past_the_context_is_refused_up_front(demo, monkeypatch):
     model, tokenizer = demo
     calls = []
-    monkeypatch.setattr(importlib.import_module("mlx_dgemma.batch"), "new_run", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(importlib.import_module("mlx_dgemma.rows.diffusion"), "new_run", lambda *a, **k: calls.append(1))
     context = model.config.max_position_embeddings
     too_many = context  # with the prompt, past the context
     with pytest.raises(PromptError) as info:

@@ -267,9 +267,9 @@ def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints
     passes = []
     original = drafting.verify_rounds
 
-    def counted(model, caches, *args, **kwargs):
-        passes.append(len(caches))
-        return original(model, caches, *args, **kwargs)
+    def counted(model, rows, *args, **kwargs):
+        passes.append(len(rows))
+        return original(model, rows, *args, **kwargs)
 
     drafting.verify_rounds = counted
     try:
@@ -402,8 +402,7 @@ class ScriptedPlanner:
             def choose(self, remaining, overrides=None, produced=0, prompt=()):
                 name = cls.SCRIPT[(len(prompt) + produced // 5) % len(cls.SCRIPT)]
                 plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft=DraftRequest(5, 1))
-                self.current = replace(plan, policy="auto").overridden(overrides or {})
-                return self.current
+                return replace(plan, policy="auto").overridden(overrides or {})
 
         return Scripted(generation_config(model, None), model.config.canvas_length, cached_profile(model))
 
@@ -415,8 +414,10 @@ def test_auto_rows_switch_kinds_in_the_batch_and_give_what_they_give_alone(demo,
     from mlx_dgemma.generate import prompt_ids
 
     model, tokenizer = demo
-    saved = model.__dict__.get("_auto_planner")
-    model._auto_planner = ScriptedPlanner(model)
+    from mlx_dgemma.policy import PLANNERS
+
+    saved = PLANNERS.get(model)
+    PLANNERS.set(model, ScriptedPlanner(model))
     rows = {"denoise": 0, "next_token_logits": 0, "encode": 0}
     for name in rows:
         def counted(ids, *args, _forward=getattr(model, name), _name=name, **kwargs):
@@ -437,4 +438,4 @@ def test_auto_rows_switch_kinds_in_the_batch_and_give_what_they_give_alone(demo,
             modes += [x.plan.mode for x in responses]
         assert {"diffusion", "ar", "verified"} <= set(modes)
     finally:
-        model._auto_planner = saved
+        PLANNERS.set(model, saved)

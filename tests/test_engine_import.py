@@ -74,5 +74,28 @@ def test_an_explicit_library_that_cannot_take_effect_is_warned_of_once():
     late = run(MLX_FIRST, MLX_DGEMMA_BLAS=fast_blas.CANDIDATES[0])
     assert late.returncode == 0, late.stderr
     warnings = [line for line in late.stderr.split("\n") if "Warning" in line]
-    assert len(warnings) == 1 and "mlx.core was imported before mlx_dgemma" in warnings[0], late.stderr
+    assert len(warnings) == 1 and "mlx.core was imported first" in warnings[0], late.stderr
     assert late.stdout.split() == ["True", "None"]
+
+
+# The entry points: each command line's module, the server, and the package's API (mlx_dgemma.load).
+ENTRY_POINTS = ("mlx_dgemma.generate", "mlx_dgemma.bench", "mlx_dgemma.convert", "mlx_dgemma.lora",
+                "mlx_dgemma.fuse", "mlx_dgemma.demo.eval", "mlx_dgemma.server.__main__")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not any(os.path.exists(p) for p in fast_blas.CANDIDATES),
+                    reason="needs OpenBLAS on Linux")
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_each_entry_point_loads_the_blas_before_mlx(module):
+    out = run(f"import {module}\nfrom mlx_dgemma import fast_blas\nprint(fast_blas.loaded)")
+    assert out.returncode == 0 and out.stdout.strip() in fast_blas.CANDIDATES, (out.stdout, out.stderr[-2000:])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MLX_DGEMMA_BLAS is read on Linux only")
+def test_library_modules_leave_the_blas_to_the_entry_points():
+    """A library module imported first (it imports mlx.core) and the engine's modules after it say
+    nothing of the BLAS, even with one named: none of them tries to load it."""
+    script = "import mlx_dgemma.loader, mlx_dgemma.request, mlx_dgemma.batch, mlx_dgemma.api\n" \
+             "from mlx_dgemma import fast_blas\nprint(fast_blas.loaded)"
+    out = run(script, MLX_DGEMMA_BLAS=fast_blas.CANDIDATES[0])
+    assert out.returncode == 0 and out.stderr == "" and out.stdout.strip() == "None", out.stderr[-2000:]

@@ -97,7 +97,7 @@ def test_prompt_must_fit_the_context(chat_checkpoint, tmp_path):
 
 def test_cli_streams_canvas_by_canvas(chat_checkpoint, reference_run, monkeypatch):
     printed_before_canvas = []
-    engine = importlib.import_module("mlx_dgemma.batch")
+    engine = importlib.import_module("mlx_dgemma.rows.diffusion")
     new_run = engine.new_run
 
     def spy(*args, **kwargs):

@@ -1,13 +1,21 @@
 """Policies through the generation API: AR decoding, the trimmed last canvas, auto's device choice."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
-from mlx_dgemma import load, stream_generate
+from mlx_dgemma import drafting, load, stream_generate
+from mlx_dgemma.config import GenerationConfig
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.policy import Profile
+from mlx_dgemma.policy import PLANNERS, Profile, make_plan
 
 PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17]
+
+
+def fixed(policy: str):
+    """The plan of a fixed policy, as auto's canvases and rounds are observed under one."""
+    return make_plan(policy, GenerationConfig(), 16, 64)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +89,8 @@ def test_auto_learns_from_what_it_observes(pattern):
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=1)
     assert planner.choose(64).mode == "diffusion"
     for _ in range(4):
-        planner.observe_canvas("reference", 8, 16)
-        planner.observe_canvas("fast", 8, 16)
+        planner.observe_canvas(fixed("reference"), 8)
+        planner.observe_canvas(fixed("fast"), 8)
     assert planner.choose(64).mode == "ar"
 
 
@@ -129,29 +137,27 @@ def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
     planner.observe_answer(20, template + [30])  # a new kind: its own, then the latest others
     assert planner.answers(template + [30, 1]) == [40, 3, 40, 3, 40, 3, 40, 20]
     for i in range(8):  # steps per canvas, too, come from the canvases of prompts like this one
-        planner.observe_canvas("fast", 1, 16, prompt=template + short + [60 + i])
-        planner.observe_canvas("fast", 6, 16, prompt=template + long + [70 + i])
+        planner.observe_canvas(fixed("fast"), 1, prompt=template + short + [60 + i])
+        planner.observe_canvas(fixed("fast"), 6, prompt=template + long + [70 + i])
     assert planner.steps["fast"].value(template + short) == 1 and planner.steps["fast"].value(template + long) == 6
 
 
 def test_auto_learns_each_answers_length(pattern):
     model, tokenizer = pattern
-    model.__dict__.pop("_auto_planner", None)
+    PLANNERS.set(model, None)
     profile = Profile("any", "measured", {2: 0.01, 16: 0.01}, ar_token_s=0.01, prefill_tok_s=1e3,
                       verify_s_by_length={2: 0.01, 16: 0.01})
     lengths = []
     for max_tokens in (5, 21):
         responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens, policy="auto", profile=profile))
         lengths.append(responses[-1].generation_tokens)
-    assert model._auto_planner.answers() == lengths
-    del model._auto_planner
+    assert PLANNERS.get(model).answers() == lengths
+    PLANNERS.set(model, None)
 
 
 def test_auto_switches_plans_between_canvases_and_rounds(pattern):
     """Whatever auto switches between, the cache holds exactly what was emitted: every AR block and
     verified round after a switch continues the text as greedy decoding of everything before it would."""
-    from dataclasses import replace
-
     from mlx_dgemma.config import GenerationConfig
     from mlx_dgemma.policy import AutoPlanner, DraftRequest, make_plan
 
@@ -163,13 +169,12 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern):
         def choose(self, remaining, overrides=None, produced=0, prompt=()):
             name = next(self.modes, "ar")
             plan = make_plan(name, self.gen, self.canvas, remaining, self.profile, draft=DraftRequest(5, 1))
-            self.current = replace(plan, policy="auto").overridden(overrides or {})
-            return self.current
+            return replace(plan, policy="auto").overridden(overrides or {})
 
     model, tokenizer = pattern
     profile = Profile("any", "measured", {16: 0.01}, ar_token_s=0.01, prefill_tok_s=1e3)
     script = ["verified", "verified", "reference", "verified", "ar", "verified", "fast", "ar"]
-    model._auto_planner = Scripted(script, GenerationConfig(max_denoising_steps=4), 16, profile)
+    PLANNERS.set(model, Scripted(script, GenerationConfig(max_denoising_steps=4), 16, profile))
     responses = list(stream_generate(model, tokenizer, PROMPT, 80, policy="auto", profile=profile, seed=0))
     assert responses[-1].finish_reason == "length"  # no stop id cut the script short
     assert [r.plan.mode for r in responses][:len(script)] == [make_plan(m, GenerationConfig(), 16, 8).mode
@@ -185,7 +190,7 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern):
                 logits = model.next_token_logits(mx.array([[expected[-1]]]), cache)
             assert r.tokens == expected, r.plan.mode
         emitted += r.tokens
-    del model._auto_planner
+    PLANNERS.set(model, None)
 
 
 def test_unknown_policy_is_refused(pattern):
@@ -251,19 +256,42 @@ def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
                       verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
     first = planner.choose(64)
-    name = "fast" if first.settings.freeze_after else "reference"
-    predicted = planner.chosen[1]
-    planner.observe_canvas(name, 2, 16, seconds=10 / predicted, tokens=1)  # a tenth of the predicted rate
+    name, predicted = first.predicted
+    planner.observe_canvas(first, 2, seconds=10 / predicted, tokens=1)  # a tenth of the predicted rate
     after = planner.choose(64)
     assert (after.mode, bool(after.settings.freeze_after)) != (first.mode, bool(first.settings.freeze_after))
     assert planner.pace[name].value() < 1
-    runner_up = planner.chosen
+    runner_up = after.predicted
     for _ in range(6):  # the next best gives twice its prediction: it stays
-        planner.choose(64)
+        plan = planner.choose(64)
         if runner_up[0] == "ar":
-            planner.observe_ar(2, seconds=1 / runner_up[1])
+            planner.observe_ar(plan, 2, seconds=1 / runner_up[1])
         elif runner_up[0] == "verified":
-            planner.observe_round(8, 1, 4, True, 2, seconds=1 / runner_up[1])
+            done = drafting.Round(tokens=[1, 2], known=3, length=8, kept=4, forwards=2, leftover=[])
+            planner.observe_round(replace(plan, draft_steps=1), done, seconds=1 / runner_up[1])
         else:
-            planner.observe_canvas(runner_up[0], 2, 16, seconds=1 / runner_up[1], tokens=2)
-    assert planner.chosen[0] == runner_up[0] and planner.pace[runner_up[0]].value() > 1.5
+            planner.observe_canvas(plan, 2, seconds=1 / runner_up[1], tokens=2)
+    assert planner.choose(64).predicted[0] == runner_up[0] and planner.pace[runner_up[0]].value() > 1.5
+
+
+def test_concurrent_auto_answers_are_each_paced_against_their_own_choice():
+    """Two answers share the model's planner and choose between each other's observations: each
+    canvas or block is measured against the prediction its own plan was chosen with, not against
+    whatever the planner chose last."""
+    from mlx_dgemma.policy import AutoPlanner
+
+    profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
+                      verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
+    template, short, long = [2, 105, 9], [40, 41], [50, 51]
+    for i in range(8):
+        planner.observe_answer(3, template + short + [60 + i])
+        planner.observe_answer(40, template + long + [70 + i])
+    canvas = planner.choose(64, prompt=template + long + [99])
+    block = planner.choose(64, prompt=template + short + [99])  # the other answer's choice, made meanwhile
+    assert (canvas.mode, block.mode) == ("diffusion", "ar")
+    name, predicted = canvas.predicted
+    planner.observe_canvas(canvas, 2, seconds=1.0, tokens=predicted / 2, prompt=template + long + [99])
+    planner.observe_ar(block, 4, seconds=4 / (2 * block.predicted[1]), prompt=template + short + [99])
+    assert planner.pace[name].value(template + long + [99]) == pytest.approx((1 + 0.5) / 2)  # the prior, then 0.5
+    assert planner.pace["ar"].value(template + short + [99]) == pytest.approx((1 + 2) / 2)

@@ -105,7 +105,8 @@ def test_every_third_party_import_is_declared():
 
 MAX_PARAMETERS = 8
 # The generation path: the API, the engine, the sampler, drafting, the policy and the server.
-GENERATION_PATH = ("api", "batch", "request", "options", "sampler", "denoise", "drafting", "cache", "policy", "server")
+GENERATION_PATH = ("api", "batch", "rows", "request", "options", "sampler", "denoise", "drafting", "cache", "policy",
+                   "server")
 
 
 def parameter_count(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -157,3 +158,57 @@ def test_no_public_name_is_defined_in_two_modules():
             where.setdefault(defined, []).append(name)
     twice = {n: modules for n, modules in where.items() if len(modules) > 1}
     assert not twice, f"defined in more than one module (rename one): {twice}"
+
+
+# The modules that drive the model's generation forwards: the engine (batch.py and its rows by kind),
+# denoise.py (a canvas's steps) and drafting.py (drafts and their verification). Aside: the model,
+# which defines them; profiling (policy/profile.py, bench.py) and convert_report.py (a conversion's
+# logit error), which time or measure single forwards; train.py, whose differentiable forward has
+# methods of the same names.
+DRIVERS = ("batch", "rows", "denoise", "drafting")
+MEASURING = ("model", "policy.profile", "bench", "convert_report", "train")
+GENERATION_FORWARDS = ("denoise", "next_token_logits")
+
+
+def test_only_the_engine_denoise_and_drafting_drive_the_generation_forwards():
+    """One driver: a second loop over ``denoise`` or ``next_token_logits`` elsewhere (a module that
+    decodes by itself) is what the engine exists to keep from coming back."""
+    outside = []
+    for name, path in module_names().items():
+        if name.split(".")[0] in DRIVERS or name in MEASURING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in GENERATION_FORWARDS):
+                outside.append(f"{name}:{node.lineno} {ast.unparse(node.func)}")
+    assert not outside, f"the model's generation forwards called outside the engine: {outside}"
+
+
+def class_fields(tree: ast.Module) -> dict[str, set[str]]:
+    """Annotated fields of each class defined at the top of a module."""
+    return {node.name: {f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+            for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+# How many option names a class may share with GenerationArgs and SamplingArgs: a plan's or a
+# prepared request's settled values (policy, settings, draft_length, draft_steps; max_tokens, rng,
+# temperature, template) keep the names of the options they settle.
+SETTLED_NAMES = 4
+
+
+def test_option_fields_are_defined_once():
+    """Each option is a field of ``GenerationArgs`` or of ``SamplingArgs`` (not both), and no other
+    class holds a copy of them (a second options object); ``sampler.SamplerSettings`` is what the
+    sampling options override, field for field."""
+    options = class_fields(ast.parse((PACKAGE / "options.py").read_text()))
+    generation, sampling = options["GenerationArgs"], options["SamplingArgs"]
+    assert generation and sampling and not generation & sampling, generation & sampling
+    copies = []
+    for name, path in module_names().items():
+        if name.split(".")[0] not in GENERATION_PATH or name == "options":
+            continue
+        for cls, names in class_fields(ast.parse(path.read_text())).items():
+            shared = names & (generation | sampling)
+            if len(shared) > SETTLED_NAMES and f"{name}.{cls}" != "sampler.SamplerSettings":
+                copies.append(f"{name}.{cls}: {sorted(shared)}")
+    assert not copies, f"option fields declared outside options.py: {copies}"

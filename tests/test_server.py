@@ -22,6 +22,7 @@ from PIL import Image
 
 from mlx_dgemma import generate, load
 from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma.policy import PLANNERS
 from mlx_dgemma.server import Limits, Scheduler, Server, create_app
 
 MODEL_ID = "demo"
@@ -248,14 +249,14 @@ def test_ar_and_verified_sample_at_the_requests_temperature(client, demo, policy
     for seed in range(6):
         # verified drafts as long as the model's running acceptance estimate says, and every round
         # moves it: generate starts from the estimate the server's request started from
-        planner = getattr(model, "_auto_planner", None)
+        planner = PLANNERS.get(model)
         before = copy.deepcopy(planner.acceptance) if planner else None
         served.append(chat(client, prompt, seed=seed, temperature=1.5, max_tokens=32, extra_body={"policy": policy})
                       .choices[0].message.content)
         if planner:
             planner.acceptance = before
-        elif hasattr(model, "_auto_planner"):
-            del model._auto_planner
+        else:
+            PLANNERS.set(model, None)
         alone.append(generate(model, tokenizer, prompt, 32, seed=seed, temperature=1.5, policy=policy))
     assert len(set(served)) > 1
     assert served == alone

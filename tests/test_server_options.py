@@ -14,6 +14,7 @@ import pytest
 from mlx_dgemma import generate, load
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.options import GenerationArgs, SamplingArgs
+from mlx_dgemma.policy import PLANNERS
 from mlx_dgemma.server import scheduler
 from mlx_dgemma.server.settings import NOT_SETTABLE, SET_OTHERWISE, SETTINGS
 from mlx_dgemma.template import CanvasTemplate
@@ -69,14 +70,11 @@ def ask(clients, api: str, seed: int, max_tokens: int, prompt: str = PROMPT, **s
 
 def planner_kept(model):
     """The model's auto planner as it is now (verified and auto rows move it), to set back."""
-    return copy.deepcopy(getattr(model, "_auto_planner", None))
+    return copy.deepcopy(PLANNERS.get(model))
 
 
 def planner_set(model, planner) -> None:
-    if planner is None:
-        model.__dict__.pop("_auto_planner", None)
-    else:
-        model._auto_planner = copy.deepcopy(planner)
+    PLANNERS.set(model, copy.deepcopy(planner))
 
 
 @pytest.mark.parametrize("temperature", [None, 0.7])

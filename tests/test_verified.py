@@ -138,12 +138,12 @@ def run_verified(model, prompt, rule, length, steps, seed=0, cache=None, first=N
     _, known = rule.follow(first.reshape(1, -1), [])
     if known is None:
         yield rule.output, True, 0, 0, 0
-    tokens, leftover = rule.output[:], []
-    while known is not None:
+    tokens, row = rule.output[:], drafting.DraftRow(cache, known, rule, schedule, rng)
+    while row.known is not None:
         round_settings = replace(settings, length=max(1, min(length, rule.room)))
-        done = drafting.verify_rounds(model, [cache], [known], [rule], round_settings, [schedule], [rng], [leftover])[0]
-        known, leftover = done.known, done.leftover
-        yield tokens + done.tokens, known is None, done.forwards, done.kept, done.length
+        done = drafting.verify_rounds(model, [row], round_settings)[0]
+        row.known, row.leftover = done.known, done.leftover
+        yield tokens + done.tokens, row.known is None, done.forwards, done.kept, done.length
         tokens = []
 
 
@@ -268,9 +268,9 @@ def exact(tiny):
 
 @pytest.mark.slow
 def test_sampled_ar_has_the_ar_distribution(tiny, exact):
-    """The reference point: AR sampling at a temperature (the engine's draws, batch.next_token) fits
+    """The reference point: AR sampling at a temperature (the engine's draws, rows.autoregressive.next_token) fits
     the enumerated distribution."""
-    from mlx_dgemma.batch import next_token
+    from mlx_dgemma.rows.autoregressive import next_token
 
     counts = np.zeros_like(exact, dtype=np.int64)
     rng = MxRandom(5)
@@ -337,7 +337,7 @@ def test_cli_verified_prints_the_ar_answer_and_refuses_a_bad_filter():
 def test_the_verified_policy_learns_its_acceptance(demo):
     """Without a draft length and steps the plan comes from the device profile and the model's running
     acceptance estimate, which every verified round updates."""
-    from mlx_dgemma.policy import Profile, auto_planner
+    from mlx_dgemma.policy import PLANNERS, Profile, auto_planner
 
     model, tokenizer = demo
     profile = Profile("cpu-like", "measured", {2: 0.003, 16: 0.004, 32: 0.005, 256: 0.064}, ar_token_s=0.004,
@@ -350,7 +350,7 @@ def test_the_verified_policy_learns_its_acceptance(demo):
     assert plan.mode == "verified" and 2 <= plan.draft_length <= 32 and "tokens per round" in plan.explain()
     seen = sum(acceptance.kept.values()) + sum(acceptance.rejected.values())
     assert seen > 0 and (acceptance.alpha(1), acceptance.alpha(2)) != before
-    del model._auto_planner
+    PLANNERS.set(model, None)
 
 
 def test_drafts_of_several_rows_equal_each_row_drafted_alone(checkpoints):
@@ -371,12 +371,24 @@ def test_drafts_of_several_rows_equal_each_row_drafted_alone(checkpoints):
     starts = [[9, 10, 11], [], [12]]
     schedules = [SamplerSettings(t_min=0.2, t_max=0.9), SamplerSettings(t_min=0.5, t_max=0.6),
                  SamplerSettings(t_min=0.05, t_max=2.0)]
+    def row(i, schedule):  # known[i][0] decided, the rest forced by the row's rule
+        return drafting.DraftRow(caches[i], known[i][0], Forced(known[i][1:]), schedule, MxRandom(i), starts[i])
+
     view = CanvasView.stack([c.canvas_view(length) for c in caches])
-    together, _ = drafting.draft_rows(model, view, known, length, settings, schedules,
-                                      [MxRandom(i) for i in range(3)], starts)
+    together, _ = drafting.draft_rows(model, view, [row(i, schedules[i]) for i in range(3)], settings)
     for i in range(3):
-        alone, _ = drafting.draft(model, caches[i], known[i], length, settings, schedules[i], MxRandom(i), starts[i])
+        alone, _ = drafting.draft(model, row(i, schedules[i]), settings)
         assert together[i].tolist() == alone.tolist(), i
     # The schedules matter: the first row drafted with the third's schedule is another draft.
-    other, _ = drafting.draft(model, caches[0], known[0], length, settings, schedules[2], MxRandom(0), starts[0])
+    other, _ = drafting.draft(model, row(0, schedules[2]), settings)
     assert other.tolist() != together[0].tolist()
+
+
+class Forced:
+    """A rule whose next tokens are known whatever the model predicts."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def known(self, n):
+        return self.tokens[:n]

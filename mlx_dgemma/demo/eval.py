@@ -21,16 +21,16 @@ from .. import fast_blas
 
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
-import random  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
 
-import click  # noqa: E402
+import click
 
-from ..cli import command_line  # noqa: E402
-from ..validate import at_least, check_seed, option  # noqa: E402
-from .tasks import TASKS, UNSEEN_TASKS, answer_template, check, json_schema, make_instance  # noqa: E402
+from ..cli import command_line
+from ..validate import at_least, check_seed, option
+from .tasks import TASKS, UNSEEN_TASKS, answer_template, check, json_schema, make_instance
 
 
 @dataclass

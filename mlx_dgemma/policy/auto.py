@@ -4,6 +4,7 @@ and ``make_plan``, the plan of any policy."""
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import replace
 
@@ -57,9 +58,7 @@ class AutoPlanner:
         self.round_yield = PromptLikeMeans(1.0)  # observed / modelled tokens per round
         # tok/s a plan gave / tok/s predicted when it was chosen
         self.pace = {name: PromptLikeMeans(1.0) for name in ("reference", "fast", "ar", "verified")}
-        self.current: Plan | None = None
         self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
-        self.chosen: tuple[str, float] | None = None  # the plan running, and its tok/s predicted before its pace
 
     def answers(self, prompt: list[int] | tuple[int, ...] = ()) -> list[int]:
         """Lengths of the ``ANSWERS_KEPT`` answers to the prompts that begin most like ``prompt``."""
@@ -96,7 +95,9 @@ class AutoPlanner:
     def choose(self, remaining: int, overrides: dict | None = None, produced: int = 0,
                prompt: list[int] | tuple[int, ...] = ()) -> Plan:
         """The next plan for an answer to ``prompt`` that has ``produced`` tokens and room for
-        ``remaining`` more, with the caller's sampler ``overrides`` (``Plan.overridden``) applied."""
+        ``remaining`` more, with the caller's sampler ``overrides`` (``Plan.overridden``) applied. The
+        plan carries what was chosen and its predicted tok/s (``Plan.predicted``): what it gives is
+        observed against that, per answer, whatever other answers choose meanwhile."""
         predicted = self.predictions(remaining, produced, prompt)
         best = max(predicted, key=lambda name: predicted[name][0])
         # Estimates of a plan that does not run do not move: one close enough to the best is run again
@@ -108,7 +109,6 @@ class AutoPlanner:
             self.idle[name] += 1
         best = retry or best
         self.idle[best] = 0
-        self.chosen = best, predicted[best][0] / self.pace[best].value(prompt)
         plan = fixed_plan(best, self.gen, self.canvas, self.profile)
         if best == "verified":
             plan = verified_plan(plan, self.canvas, self.profile, DraftRequest(acceptance=self.acceptance))
@@ -118,37 +118,39 @@ class AutoPlanner:
         reasons.append(f"→ {best}" + (f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
                                       f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)" if retry else "")
                        + "; re-chosen at every canvas or round as the estimates move")
-        self.current = replace(plan, policy="auto", reasons=reasons).overridden(overrides or {})
-        return self.current
+        chosen = (best, predicted[best][0] / self.pace[best].value(prompt))  # before its pace
+        return replace(plan, policy="auto", reasons=reasons, predicted=chosen).overridden(overrides or {})
 
-    def observe_canvas(self, policy: str, steps: int, length: int, seconds: float | None = None,
-                       tokens: int | None = None, prompt: list[int] | tuple[int, ...] = ()) -> None:
-        """A canvas of ``length`` positions took ``steps`` steps and gave ``tokens`` in ``seconds``."""
+    def observe_canvas(self, plan: Plan, steps: int, seconds: float | None = None, tokens: int | None = None,
+                       prompt: list[int] | tuple[int, ...] = ()) -> None:
+        """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``."""
+        policy = "fast" if plan.settings.freeze_after else "reference"
         self.steps[policy].add(steps, prompt)
-        self._pace(policy, tokens, seconds, prompt)
+        self._pace(plan, policy, tokens, seconds, prompt)
 
-    def observe_ar(self, tokens: int, seconds: float | None = None, prompt: list[int] | tuple[int, ...] = ()) -> None:
-        self._pace("ar", tokens, seconds, prompt)
+    def observe_ar(self, plan: Plan, tokens: int, seconds: float | None = None,
+                   prompt: list[int] | tuple[int, ...] = ()) -> None:
+        """An autoregressive block under ``plan`` gave ``tokens`` in ``seconds``."""
+        self._pace(plan, "ar", tokens, seconds, prompt)
 
-    def observe_round(self, length: int, steps: int, kept: int, rejected: bool, tokens: int,
-                      seconds: float | None = None, final: bool = False,
+    def observe_round(self, plan: Plan, done, seconds: float | None = None,
                       prompt: list[int] | tuple[int, ...] = ()) -> None:
-        """A verified round; ``final``: it ended the answer (its tokens say how long the answer was,
-        not how well drafts are accepted)."""
-        modelled = self.acceptance.tokens_per_round(steps, length)
-        self.acceptance.observe(steps, length, kept, rejected)
-        if not final:
-            self.round_yield.add(tokens / modelled, prompt)
-        self._pace("verified", tokens, seconds, prompt)
+        """A verified round under ``plan`` (``done``: a ``drafting.Round``); one that ended the answer
+        (no next token) says how long the answer was, not how well drafts are accepted."""
+        modelled = self.acceptance.tokens_per_round(plan.draft_steps, done.length)
+        self.acceptance.observe(plan.draft_steps, done.length, done.kept, done.rejected)
+        if done.known is not None:
+            self.round_yield.add(len(done.tokens) / modelled, prompt)
+        self._pace(plan, "verified", len(done.tokens), seconds, prompt)
 
     def observe_answer(self, tokens: int, prompt: list[int] | tuple[int, ...] = ()) -> None:
         """An answer to ``prompt`` ended after ``tokens`` tokens."""
         self.lengths.add(tokens, prompt)
 
-    def _pace(self, name: str, tokens: int | None, seconds: float | None, prompt) -> None:
-        if tokens is None or not seconds or self.chosen is None or self.chosen[0] != name:
+    def _pace(self, plan: Plan, name: str, tokens: int | None, seconds: float | None, prompt) -> None:
+        if tokens is None or not seconds or plan.predicted is None or plan.predicted[0] != name:
             return
-        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / self.chosen[1])), prompt)
+        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / plan.predicted[1])), prompt)
 
 
 class PromptLikeMeans:
@@ -193,13 +195,36 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
+class Planners:
+    """Each model's auto planner, kept across generations so that what one generation saw informs the
+    next, and let go with the model."""
+
+    def __init__(self):
+        self.by_model: dict[int, AutoPlanner] = {}
+
+    def get(self, model) -> AutoPlanner | None:
+        return self.by_model.get(id(model))
+
+    def set(self, model, planner: AutoPlanner | None) -> None:
+        """Keep ``planner`` as the model's (None: forget the model's)."""
+        key = id(model)
+        if planner is None:
+            self.by_model.pop(key, None)
+            return
+        if key not in self.by_model:
+            weakref.finalize(model, self.by_model.pop, key, None)
+        self.by_model[key] = planner
+
+
+PLANNERS = Planners()
+
+
 def auto_planner(model, gen: GenerationConfig, profile: Profile) -> AutoPlanner:
-    """This model's planner for ``profile``, kept across generations so that what one generation saw
-    informs the next."""
-    planner = getattr(model, "_auto_planner", None)
+    """This model's planner for ``profile`` (``PLANNERS``)."""
+    planner = PLANNERS.get(model)
     if planner is None or planner.profile != profile:
         planner = AutoPlanner(gen, model.config.canvas_length, profile)
-        model._auto_planner = planner
+        PLANNERS.set(model, planner)
     return planner
 
 

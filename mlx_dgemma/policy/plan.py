@@ -26,6 +26,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     draft_length: int = 0  # verified drafting (drafting.py): canvas positions per draft, the known token included
     draft_steps: int = 0  # verified drafting: denoising steps per draft
+    predicted: tuple[str, float] | None = None  # auto's choice and its tok/s predicted (before its pace)
 
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"

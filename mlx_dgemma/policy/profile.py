@@ -191,13 +191,13 @@ def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Pr
     cache file is measured again and replaced; a cache that cannot be written is said, not fatal.
     A model sharded over several ranks (distributed.py) uses rank 0's profile on every rank, so
     that all of them plan alike; they measure together, since every forward involves them all."""
-    group = getattr(model, "group", None)
+    from ..distributed import from_rank0, sharded_group
+
+    group = sharded_group(model)
     lead = group is None or group.rank() == 0
     path = profile_cache_path(model, root)
     profile = _read_cached_profile(path) if lead and not refresh else None
     if group is not None:
-        from ..distributed import from_rank0
-
         if not from_rank0(profile is None, group):
             return Profile.from_json(from_rank0(profile.to_json() if lead else None, group))
     elif profile is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from ..batch import BatchGenerator, BatchResponse
+from ..batch import BatchGenerator, BatchResponse, warm_up
 from ..errors import PromptError, TemplateError
 from ..options import PREFILL_STEP_SIZE, GenerationArgs
 from ..request import generation_device, prepare
@@ -116,9 +116,7 @@ class Scheduler:
         self.rounds = self.finished = self.cancelled = 0
         # An array a model builds lazily on this thread's stream cannot be evaluated from the worker's
         # (MLX: "There is no Stream(cpu, 0) in current thread"): one small forward here evaluates any.
-        warm = model.make_cache()
-        model.encode(mx.array([tokenizer.bos_token_id]), warm)
-        mx.eval(model.denoise(mx.zeros((1, 1), dtype=mx.int32), warm))
+        warm_up(model, tokenizer)
 
     # -- the event loop's side ----------------------------------------------------------------------
 
