@@ -180,12 +180,13 @@ class ClosingTable:
     down, they start more; separators a little down: an object's required keys need them, an
     array's ] beats them), ``marks``, the ids of single ASCII punctuation characters, ``same``,
     each id's first id with the same text (a walk that repeats a text repeats it under any id), and
-    ``closes``, the brackets each closes less those it opens."""
+    ``closes``, the brackets each closes less those it opens; ``tokenizer`` is whose vocabulary it is."""
 
     scores: np.ndarray
     marks: np.ndarray
     same: np.ndarray
     closes: np.ndarray
+    tokenizer: llguidance.LLTokenizer
 
 
 _CLOSING_TABLES: dict[int, tuple] = {}
@@ -207,19 +208,30 @@ def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
         closes[i] = text.count(b"}") + text.count(b"]") - text.count(b"{") - text.count(b"[")
         if len(text) == 1 and chr(text[0]) in string.punctuation:
             marks.append(i)
-    table = ClosingTable(scores, np.array(marks, dtype=np.int64), same, closes)
+    table = ClosingTable(scores, np.array(marks, dtype=np.int64), same, closes, grammar.tokenizer)
     _CLOSING_TABLES[id(grammar.tokenizer)] = (grammar.tokenizer, table)
     return table
 
 
+def whole_json(text: bytes) -> bool:
+    """Whether ``text`` is one whole JSON value."""
+    try:
+        json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return True
+
+
 def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, cap: int = CLOSING_CAP,
-                 examples: tuple[tuple[int, ...], ...] = ()) -> list[int] | None:
+                 examples: tuple[tuple[int, ...], ...] = (), written: bytes = b"") -> list[int] | None:
     """The tokens that take ``matcher`` (unchanged: a copy walks) to the grammar's end: forced ones,
     the end as soon as it is allowed, the first of ``examples`` (Grammar.examples) the grammar takes
     where a string cannot end yet, else ``_narrowest``'s pick. A token picked lately scores less
     (by ``REPEAT_PENALTY``, fading by ``REPEAT_FADE`` a token), so a walk caught in a loop tries the
     other ways out while one that closes a string every few tokens still closes it with a quote.
-    None when the walk takes more than ``cap`` tokens."""
+    None when the walk takes more than ``cap`` tokens; a ``TemplateError`` when llguidance gives up on
+    the schema on the way (it refuses a token its own mask allowed, or allows the end where the
+    answer, ``written`` so far and the path, is not whole JSON: its lexer gave up on a pattern)."""
     walker, path, recent, seen = matcher.deep_copy(), [], np.zeros(len(table.scores)), {}
     quotes = table.scores == 2  # a lone quote: a string's end
     while not walker.is_stopped():
@@ -227,14 +239,20 @@ def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, c
         if not forced:
             allowed = allowed_tokens(walker, len(table.scores))
             if allowed[eos]:
+                if not whole_json(written + table.tokenizer.decode_bytes(path)):
+                    raise TemplateError("the schema cannot be enforced: llguidance gave up on it (it allows the "
+                                        "answer to end inside a string); simplify its patterns")
                 forced = [eos]
             elif examples and not (allowed & quotes).any():
                 forced = next((list(e) for e in examples if walker.validate_tokens(list(e)) == len(e)), [])
             if not forced:
                 forced = [_narrowest(walker, np.where(allowed, table.scores - recent[table.same], -np.inf), table, seen)]
                 recent[table.same[forced[0]]] += REPEAT_PENALTY
-        if len(path) + len(forced) > cap or not all(walker.consume_token(t) for t in forced):
+        if len(path) + len(forced) > cap:
             return None
+        if not all(walker.consume_token(t) for t in forced):
+            reason = walker.get_error().split("\n")[0] if walker.is_error() else "it refused its own forced tokens"
+            raise TemplateError(f"the schema cannot be enforced: llguidance gave up on it: {_one_line(reason)}")
         path.extend(forced)
         recent *= REPEAT_FADE ** len(forced)
     return path
@@ -264,7 +282,7 @@ def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: Closing
             continue
         if (now, token) not in seen:
             after = matcher.deep_copy()
-            if not after.consume_token(int(token)):  # the mask may allow more than the grammar takes
+            if not after.consume_token(int(token)) or after.is_error():  # the mask allowed what llguidance gives up on
                 seen[now, token] = np.inf
             elif after.is_stopped():
                 seen[now, token] = None  # the grammar ends
@@ -337,8 +355,11 @@ class GrammarRule:
         self.table, self.examples = closing_table(grammar, vocab), grammar.examples
         self.path = first_closing_path(grammar, vocab)  # None: no end within CLOSING_CAP
         self.path_age = 0  # tokens since the path was walked
+        self.stops = np.zeros(vocab, dtype=bool)
+        self.stops[[i for i in grammar.tokenizer.eos_tokens if i < vocab]] = True
         self.output: list[int] = []
         self.done = False
+        self._allowed: np.ndarray | None = None  # the mask now, once computed
 
     @property
     def room(self) -> int:
@@ -353,11 +374,32 @@ class GrammarRule:
         """The tokens the grammar forces next (a key, a bracket), at most ``n``."""
         return [] if self.done else self.matcher.compute_ff_tokens()[:n]
 
-    def _emit(self, token: int) -> None:
+    def _mask(self) -> np.ndarray:
+        if self._allowed is None:
+            self._allowed = allowed_tokens(self.matcher, self.vocab)
+        return self._allowed
+
+    def _emit(self, token: int) -> int:
+        """Take ``token``, or where llguidance gives up after it (an error, or only the end allowed though
+        the answer is not whole JSON: its lexer gave up on a pattern mid-string), the first token of a
+        closing path walked from here; a ``RuntimeError`` where none is found (an invalid answer is never
+        ended as if whole)."""
+        after = self.matcher.deep_copy()
+        if not after.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {after.get_error()}")
+        mask = None if after.is_stopped() or after.is_error() else allowed_tokens(after, self.vocab)
+        if not self.stops[token] and (after.is_error() or (mask is None or not (mask & ~self.stops).any()) and not
+                                      whole_json(self.table.tokenizer.decode_bytes(self.output + [token]))):
+            if not (path := self._walk(self.matcher)):
+                raise RuntimeError("llguidance gave up on the schema mid-answer (its lexer's limit on a pattern), "
+                                   "so no valid answer can be written; simplify the schema's patterns")
+            token, self.path, self.path_age, mask = path[0], path[1:], 0, None
+            after = self.matcher.deep_copy()
+            after.consume_token(token)
+        self.matcher, self._allowed = after, mask
         self.output.append(token)
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
         self.done = self.matcher.is_stopped() or len(self.output) >= self.max_tokens
+        return token
 
     def _guarded(self, token: int) -> int:
         """``token``, or the closing path's next one where taking ``token`` would leave no room to close."""
@@ -371,20 +413,27 @@ class GrammarRule:
             self.path_age += 1  # room to spare: the path is walked again later
             return token
         after = self.matcher.deep_copy()
-        path = closing_path(after, self.table, self.eos, examples=self.examples) if after.consume_token(token) else None
+        path = self._walk(after, token) if after.consume_token(token) else None
         if path is not None and len(path) <= room_after:
             self.path, self.path_age = path, 0
             return token
         if self.path_age:  # walked before tokens taken since: it starts from a state left behind
-            path = closing_path(self.matcher, self.table, self.eos, examples=self.examples)
+            path = self._walk(self.matcher)
             if path is None:
                 return token
             self.path, self.path_age = path, 0
         token, self.path = self.path[0], self.path[1:]
         return token
 
+    def _walk(self, matcher: llguidance.LLMatcher, token: int | None = None) -> list[int] | None:
+        written = self.table.tokenizer.decode_bytes(self.output + ([] if token is None else [token]))
+        try:
+            return closing_path(matcher, self.table, self.eos, examples=self.examples, written=written)
+        except TemplateError:  # llguidance gave up on the way out from here; the model's token goes on
+            return None
+
     def _choose(self, logits: np.ndarray) -> int:
-        allowed = allowed_tokens(self.matcher, self.vocab)
+        allowed = self._mask()
         if not self.temperature:
             return int(np.where(allowed, logits, -np.inf).argmax())
         probs = masked_probs(logits, allowed, self.temperature, self.filters)
@@ -394,9 +443,7 @@ class GrammarRule:
         """The next token after ``logits`` [V] (None: the grammar is done)."""
         if self.done:
             return None
-        token = self._guarded(self._choose(np.array(logits.reshape(-1).astype(mx.float32))))
-        self._emit(token)
-        return token
+        return self._emit(self._guarded(self._choose(np.array(logits.reshape(-1).astype(mx.float32)))))
 
     def follow(self, logits: mx.array, proposed: list[int], q: mx.array | None = None) -> tuple[int, int | None]:
         """As ``GreedyRule.follow``, each row's logits masked by the grammar after the tokens kept so
@@ -409,8 +456,8 @@ class GrammarRule:
             if self.done:
                 return j, None
             proposal = proposed[j] if j < len(proposed) else None
-            token = self._guarded(self._decide(rows[j], proposal, None if qs is None or proposal is None else qs[j]))
-            self._emit(token)
+            token = self._emit(self._guarded(self._decide(rows[j], proposal,
+                                                          None if qs is None or proposal is None else qs[j])))
             if self.done:
                 return j + (token == proposal), None
             if token != proposal:
@@ -420,7 +467,7 @@ class GrammarRule:
     def _decide(self, logits: np.ndarray, proposal: int | None, q: np.ndarray | None) -> int:
         if not self.temperature or q is None:
             return self._choose(logits)
-        p = masked_probs(logits, allowed_tokens(self.matcher, self.vocab), self.temperature, self.filters)
+        p = masked_probs(logits, self._mask(), self.temperature, self.filters)
         keep = min(1.0, p[proposal] / max(float(q[proposal]), 1e-30))
         if self.rng.categorical(mx.array([[1 - keep, keep]], dtype=mx.float32))[0].item():
             return proposal

@@ -223,3 +223,21 @@ def test_the_closing_path_from_the_start_is_the_shortest_answer(demo, name, shor
 def test_a_schema_whose_closing_path_fits_is_answered_valid(demo):
     schema = required_keys(4)
     validate(json.loads(generate(*demo, "json: x", schema=schema, max_tokens=256, policy="ar")), schema)
+
+
+def test_where_llguidance_gives_up_mid_answer_no_answer_ends_as_if_whole(demo):
+    """A pattern past llguidance's lexer limit: after some characters its mask allows only the end, the
+    string open. The rule then takes its closing path's token, or fails by name; it never ends there."""
+    model, tokenizer = demo
+    schema = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 300)
+        try:
+            while rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None \
+                    and not rule.done:
+                pass
+        except RuntimeError as e:
+            assert "llguidance gave up on the schema mid-answer" in str(e)
+            continue
+        validate(json.loads(tokenizer.decode_clean(rule.output)), schema)
