@@ -103,7 +103,7 @@ def stream_from_args(model, tokenizer: Tokenizer, prompt: str | list[int], args:
     if args.prompt_cache is not None and args.images:
         raise ValueError("give the images or a prompt cache that already holds them, not both")
     job = prepare(model, tokenizer, prompt, args)
-    engine = BatchGenerator(model, tokenizer, args.prefill_step_size)
+    engine = BatchGenerator(model, tokenizer, args.prefill_step_size, args.kv_quantization)
     drafts = [] if args.drafts else None
     engine.insert(job, args.prompt_cache, on_step=_step_hook(drafts, args.on_step))
     with generation_device(model):

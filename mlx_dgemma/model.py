@@ -22,6 +22,7 @@ from . import kernels as device_kernels
 from . import vision
 from .cache import CanvasView, KVCache
 from .config import ModelConfig
+from .options import KVQuantization
 
 
 def row_size(x: mx.array) -> int:
@@ -445,11 +446,14 @@ class DiffusionGemma(nn.Module):
         finally:
             self.use_kernels(previous)
 
-    def make_cache(self, left_padding: list[int] | None = None) -> KVCache:
-        """An empty cache for one row, or for ``len(left_padding)`` left-padded rows."""
+    def make_cache(self, left_padding: list[int] | None = None, quantization: KVQuantization | None = None) -> KVCache:
+        """An empty cache for one row, or for ``len(left_padding)`` left-padded rows; with
+        ``quantization``, stored quantized past its start (cache.py)."""
         cfg = self.config
         windows = [cfg.sliding_window if cfg.is_sliding(i) else None for i in range(len(self.layers))]
-        return KVCache(windows, left_padding or [0], slack=cfg.canvas_length)
+        if quantization is not None:
+            quantization.check([cfg.layer_head_dim(i) for i in range(len(self.layers))])
+        return KVCache(windows, left_padding or [0], slack=cfg.canvas_length, quantization=quantization)
 
     def embed(self, ids: mx.array) -> mx.array:
         embed = self.model.decoder.embed_tokens
