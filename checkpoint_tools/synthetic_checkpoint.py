@@ -29,6 +29,7 @@ RELEASED = dict(
     vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
     num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
     num_global_key_value_heads=2, num_experts=128, top_k_experts=8, sliding_window=1024, canvas_length=256,
+    max_position_embeddings=262144,
 )
 _WIDTHS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "global_head_dim")
 ONES = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "scale", "layer_scalar")
@@ -120,6 +121,24 @@ def write_header_only(out: Path, sizes: dict, dtype: str = "bfloat16") -> Path:
 
 
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def write_converted_header_only(src: Path, out: Path, recipe: str) -> Path:
+    """What ``convert`` would write for ``src`` under ``recipe`` (config and safetensors header), with no
+    data: a sparse file, for what reads headers only (the memory check of a converted model)."""
+    from mlx_dgemma.convert import Quantization, output_specs, plan_conversion, write_config
+    from mlx_dgemma.safetensors_io import shard_header
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = plan_conversion(Path(src), Quantization.from_flags(recipe=recipe), None)
+    write_config(plan, out)
+    specs = [spec for _, group in output_specs(plan) for spec in group]
+    header = shard_header(specs)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + sum(s.nbytes for s in specs))
+    return out
 
 
 def main() -> None:

@@ -3,15 +3,23 @@ quantization of the unquantized one, logits within the bound that step gives, th
 answers unchanged at 8 bits, batched rows equal to rows alone, exact trims, the start threshold, the
 bytes held, and the errors of bad options."""
 
+import socket
+import subprocess
+import sys
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from mlx_dgemma import batch_generate, generate, load
 from mlx_dgemma.cache import KVCache, LayerCache
 from mlx_dgemma.errors import OptionError
 from mlx_dgemma.generate import DEMO_MODEL, prefill
+from mlx_dgemma.generate import main as generate_main
 from mlx_dgemma.options import KVQuantization
+from mlx_dgemma.server.__main__ import main as server_main
 
 DEMO_PROMPTS = ["sort: 42 17 85 23 61", "reverse: planet", "add: 417 85", "json: name=ada age=36 city=rome"]
 DEMO_GROUP = 32  # the demo's head dims are 32 and 64
@@ -167,3 +175,59 @@ def test_bad_kv_options_name_the_option(demo):
     with pytest.raises(OptionError, match="quantized_kv_start must be a whole number") as e:
         generate(model, tokenizer, "sort: 3 1 2", kv_bits=4, kv_group_size=32, quantized_kv_start=-1)
     assert e.value.option == "quantized_kv_start"
+
+
+def test_the_command_line_takes_the_kv_flags(demo):
+    model, tokenizer = demo
+    prompt = DEMO_PROMPTS[0]
+    flags = ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0", "--seed", "0", "--policy", "ar"]
+    result = CliRunner().invoke(generate_main, ["--prompt", prompt, *flags])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == generate(model, tokenizer, prompt, seed=0, policy="ar", kv_bits=4,
+                                             kv_group_size=DEMO_GROUP, quantized_kv_start=0).strip()
+    bad = CliRunner().invoke(generate_main, ["--prompt", prompt, "--kv-bits", "3"])
+    assert bad.exit_code == 2 and "Invalid value for '--kv-bits': '3' is not one of '4', '8'" in bad.stderr
+    bad = CliRunner().invoke(generate_main, ["--prompt", prompt, "--kv-bits", "4"])
+    lines = bad.stderr.strip().split("\n")
+    assert bad.exit_code == 1 and len(lines) == 1
+    assert lines[0] == "Error: kv_group_size 64 does not divide this model's head dim 32; take 32"
+
+
+def test_a_server_started_with_kv_bits_answers_as_the_api_does(demo):
+    """The real command (uvicorn, the openai client) started with a 4-bit KV cache answers as the API
+    does with the same KV options, on prompts where those answers are not the unquantized ones; a
+    group size the model cannot take stops it at start, in one line."""
+    import openai
+
+    model, tokenizer = demo
+    prompts = ["add: 417 85", "sort: 9 3 77 12"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mlx_dgemma.server", "--port", str(port), "--kv-bits", "4",
+                               "--kv-group-size", "32", "--quantized-kv-start", "0", "--log-level", "warning"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
+                time.sleep(0.2)
+        for prompt in prompts:
+            got = client.chat.completions.create(model="mlx-dgemma-demo", messages=[{"role": "user", "content": prompt}],
+                                                 seed=0, extra_body={"policy": "ar"})
+            want = generate(model, tokenizer, prompt, seed=0, policy="ar", kv_bits=4, kv_group_size=DEMO_GROUP,
+                            quantized_kv_start=0)
+            assert want != generate(model, tokenizer, prompt, seed=0, policy="ar")
+            assert got.choices[0].message.content == want, prompt
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    result = CliRunner().invoke(server_main, ["--kv-bits", "4"])
+    lines = result.stderr.strip().split("\n")
+    assert result.exit_code == 1 and lines == ["Error: kv_group_size 64 does not divide this model's head dim 32; "
+                                               "take 32"]
