@@ -149,8 +149,12 @@ def canvas_bytes(config: ModelConfig) -> int:
 
 def attention_bytes(config: ModelConfig, context: int, chunk: int = PREFILL_STEP_SIZE) -> int:
     """A prefill chunk's attention scores over ``context`` keys and their softmax, float32, in blocks
-    of at most ``model.ATTENTION_SCORES_ELEMENTS`` (a canvas's queries are fewer than a chunk's)."""
-    return 2 * 4 * min(config.num_attention_heads * min(chunk, context) * context, ATTENTION_SCORES_ELEMENTS)
+    of at most ``model.ATTENTION_SCORES_ELEMENTS`` (a canvas's queries are fewer than a chunk's), and
+    the chunk's hidden states, queries, keys and values around them."""
+    chunk = min(chunk, context)
+    width = max(config.layer_head_dim(i) for i in range(config.num_hidden_layers))
+    around = chunk * ((config.num_attention_heads + 2 * config.num_key_value_heads) * width + 4 * config.hidden_size)
+    return 4 * (2 * min(config.num_attention_heads * chunk * context, ATTENTION_SCORES_ELEMENTS) + around)
 
 
 def memory_need(config: ModelConfig, tensors: dict[str, TensorInfo], context: int, ranks: int = 1,
