@@ -126,6 +126,7 @@ class LayerCache:
         """Forget the first ``n`` stored positions (a row's left padding)."""
         self.keys, self.values = (tree_map(lambda a: a[..., n:, :], x) for x in (self.keys, self.values))
         self._idx -= n
+        self.appended -= n
         self.left_padding = self.left_padding - n
 
     def filter(self, rows: mx.array) -> None:

@@ -231,3 +231,23 @@ def test_a_server_started_with_kv_bits_answers_as_the_api_does(demo):
     lines = result.stderr.strip().split("\n")
     assert result.exit_code == 1 and lines == ["Error: kv_group_size 64 does not divide this model's head dim 32; "
                                                "take 32"]
+
+
+def test_a_stack_of_quantized_and_plain_prefixes_denoises_each_row_as_alone(demo):
+    """A row whose cache passed its start beside one whose cache did not (their own caches, as the
+    engine keeps them): the stacked view reads the quantized prefix dequantized, as the row alone does."""
+    from mlx_dgemma.cache import CanvasView
+
+    model, tokenizer = demo
+    C = model.config.canvas_length
+    prompts = [tokenizer.encode("sort: 42 17 85 23 61 " * 12), tokenizer.encode("reverse: planet")]
+    caches = [model.make_cache(None, kv(4, start=100)) for _ in prompts]
+    for ids, cache in zip(prompts, caches):
+        model.encode(mx.array([ids]), cache)
+    assert [cache.layers[-1].quantized for cache in caches] == [True, False]
+    canvas = mx.random.randint(0, model.config.vocab_size, (2, C), key=mx.random.key(3))
+    together = model.denoise(canvas, CanvasView.stack([cache.canvas_view(C) for cache in caches]))
+    for i, cache in enumerate(caches):
+        alone = model.denoise(canvas[i : i + 1], cache.canvas_view(C))
+        # (OpenBLAS sums rows stacked in one product in another order: test_batch.py's DENOISE_BOUND)
+        assert mx.abs(together[i] - alone[0]).max().item() <= 2e-5 * mx.abs(alone).max().item()
