@@ -32,11 +32,12 @@ RELEASED = dict(
     max_position_embeddings=262144,
 )
 # The released attention layout (a 1,024-token window, a full layer every sixth with 512-wide heads,
-# 256-wide sliding heads, a 256K context) around tiny experts and few heads, so that a 32K-token prompt
-# runs on two CPU cores: what benchmarks/long_context.py and the long-context tests run.
+# 256-wide sliding heads, a 256K context) around tiny experts and one head per layer (the released
+# model has 16, and 8 or 2 K/V heads), so that a 32K-token prompt runs on two CPU cores: what
+# benchmarks/long_context.py and the long-context tests run.
 LONG_CONTEXT = dict(
     vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+    num_attention_heads=1, num_key_value_heads=1, head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
     num_experts=4, top_k_experts=2, sliding_window=1024, canvas_length=64, max_position_embeddings=262144,
     layer_types=[SLIDING] * 5 + [FULL], pad_token_id=0, eos_token_id=1, bos_token_id=2,
 )
