@@ -31,20 +31,11 @@ from .api import (  # noqa: E402
     stream_from_args,
     stream_generate,
 )
-from .cli import command_line  # noqa: E402
+from .cli import command_line, kv_cache_options  # noqa: E402
 from .demo import DEMO_MODEL  # noqa: E402
 from .filters import check_min_p, check_top_k, check_top_p  # noqa: E402
 from .images import load_image  # noqa: E402
-from .options import (  # noqa: E402
-    KV_BITS,
-    KV_GROUP_SIZE,
-    KV_GROUP_SIZES,
-    PREFILL_STEP_SIZE,
-    QUANTIZED_KV_START,
-    GenerationArgs,
-    SamplingArgs,
-    check_schedule_scale,
-)
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_schedule_scale  # noqa: E402
 from .policy import POLICIES, Plan  # noqa: E402
 from .request import (  # noqa: E402
     PreparedRequest,
@@ -123,13 +114,7 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
                    "(the file's final newline is not part of it).")
 @click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True, callback=option(at_least(1)),
               help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
-@click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), callback=lambda c, p, v: v and int(v),
-              help="Store the KV cache at this many bits (affine, per group of --kv-group-size along the head "
-                   "dimension) [default: the activations' dtype].")
-@click.option("--kv-group-size", type=click.Choice([str(g) for g in KV_GROUP_SIZES]), default=str(KV_GROUP_SIZE),
-              show_default=True, callback=lambda c, p, v: int(v), help="Elements per quantization group of the KV cache.")
-@click.option("--quantized-kv-start", type=int, default=QUANTIZED_KV_START, show_default=True,
-              callback=option(at_least(0)), help="Positions the KV cache holds before it is quantized (with --kv-bits).")
+@kv_cache_options
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")

@@ -11,8 +11,9 @@ import os
 
 import click
 
+from ..cli import kv_cache_options
 from ..demo import DEMO_MODEL
-from ..options import KV_BITS, KV_GROUP_SIZE, KV_GROUP_SIZES, PREFILL_STEP_SIZE, QUANTIZED_KV_START, KVQuantization
+from ..options import PREFILL_STEP_SIZE, KVQuantization
 from ..validate import MAX_STEPS
 from .app import MAX_IMAGES, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS
 
@@ -32,12 +33,7 @@ POSITIVE = click.IntRange(min=1)
               help="Prompt KV caches kept for reuse (least recently used dropped first).")
 @click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True, type=POSITIVE,
               help="Prompt tokens encoded per forward.")
-@click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), callback=lambda c, p, v: v and int(v),
-              help="Store every request's KV cache at this many bits [default: the activations' dtype].")
-@click.option("--kv-group-size", type=click.Choice([str(g) for g in KV_GROUP_SIZES]), default=str(KV_GROUP_SIZE),
-              show_default=True, callback=lambda c, p, v: int(v), help="Elements per quantization group of the KV cache.")
-@click.option("--quantized-kv-start", default=QUANTIZED_KV_START, show_default=True, type=click.IntRange(min=0),
-              help="Positions a KV cache holds before it is quantized (with --kv-bits).")
+@kv_cache_options
 @click.option("--max-request-bytes", default=MAX_REQUEST_BYTES, show_default=True, type=POSITIVE,
               help="Largest request body accepted (bigger ones get 413).")
 @click.option("--max-images", default=MAX_IMAGES, show_default=True, type=click.IntRange(min=0),
