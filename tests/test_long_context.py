@@ -111,3 +111,25 @@ def test_the_benchmark_runs_at_a_tiny_size(tmp_path):
     assert figures["answers"][3]["verified_is_ar"] is True
     assert [r["kv_bits"] for r in figures["attention"]] == [32, 8, 4]
     assert len(figures["released"]) == 6
+
+
+def test_attention_in_blocks_of_queries_gives_the_same_logits(monkeypatch):
+    """Past ``ATTENTION_SCORES_ELEMENTS`` scores a pass's queries go in blocks (a prefill chunk's causal
+    mask cut with them): the encoder's and the denoiser's logits are those of one block, to the float
+    summation order of products of other row counts."""
+    from mlx_dgemma import model as model_module
+    from mlx_dgemma.generate import DEMO_MODEL
+
+    model, tokenizer = load(DEMO_MODEL)
+    ids = mx.array([tokenizer.encode("sort: 42 17 85 23 61 " * 8)])
+    canvas = mx.random.randint(0, model.config.vocab_size, (1, model.config.canvas_length), key=mx.random.key(4))
+
+    def logits():
+        cache = model.make_cache()
+        hidden = model.encode(ids, cache, return_hidden=True)
+        return model.head(hidden), model.denoise(canvas, cache)
+
+    whole = logits()
+    monkeypatch.setattr(model_module, "ATTENTION_SCORES_ELEMENTS", 4 * ids.shape[1])  # blocks of a few queries
+    for got, want in zip(logits(), whole):
+        assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
