@@ -29,6 +29,17 @@ RELEASED = dict(
     vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
     num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
     num_global_key_value_heads=2, num_experts=128, top_k_experts=8, sliding_window=1024, canvas_length=256,
+    max_position_embeddings=262144,
+)
+# The released attention layout (a 1,024-token window, a full layer every sixth with 512-wide heads,
+# 256-wide sliding heads, a 256K context) around tiny experts and one head per layer (the released
+# model has 16, and 8 or 2 K/V heads), so that a 32K-token prompt runs on two CPU cores: what
+# benchmarks/long_context.py and the long-context tests run.
+LONG_CONTEXT = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6,
+    num_attention_heads=1, num_key_value_heads=1, head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
+    num_experts=4, top_k_experts=2, sliding_window=1024, canvas_length=64, max_position_embeddings=262144,
+    layer_types=[SLIDING] * 5 + [FULL], pad_token_id=0, eos_token_id=1, bos_token_id=2,
 )
 _WIDTHS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "global_head_dim")
 ONES = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "scale", "layer_scalar")
@@ -101,6 +112,18 @@ def write_checkpoint(out: Path, sizes: dict, dtype: str = "bfloat16", seed: int 
     return out
 
 
+def write_long_context(out: Path, dtype: str = "float32", steps: int = 4) -> Path:
+    """``LONG_CONTEXT`` with random weights, the demo's tokenizer and ``steps`` denoising steps per canvas."""
+    from mlx_dgemma.demo import DEMO_MODEL
+
+    out = write_checkpoint(out, LONG_CONTEXT, dtype)
+    for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        (out / name).write_bytes((DEMO_MODEL / name).read_bytes())
+    generation = json.loads((DEMO_MODEL / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**generation, "max_denoising_steps": steps}))
+    return out
+
+
 def write_header_only(out: Path, sizes: dict, dtype: str = "bfloat16") -> Path:
     """A checkpoint whose one safetensors file has the full header and no data: a sparse file of the
     checkpoint's length (no disk is used), for what reads headers only (planning, sizes, memory checks)."""
@@ -120,6 +143,24 @@ def write_header_only(out: Path, sizes: dict, dtype: str = "bfloat16") -> Path:
 
 
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def write_converted_header_only(src: Path, out: Path, recipe: str) -> Path:
+    """What ``convert`` would write for ``src`` under ``recipe`` (config and safetensors header), with no
+    data: a sparse file, for what reads headers only (the memory check of a converted model)."""
+    from mlx_dgemma.convert import Quantization, output_specs, plan_conversion, write_config
+    from mlx_dgemma.safetensors_io import shard_header
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = plan_conversion(Path(src), Quantization.from_flags(recipe=recipe), None)
+    write_config(plan, out)
+    specs = [spec for _, group in output_specs(plan) for spec in group]
+    header = shard_header(specs)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + sum(s.nbytes for s in specs))
+    return out
 
 
 def main() -> None:

@@ -89,6 +89,10 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_to
 
     ``prompt_cache`` (``model.make_cache()``) may already hold the prompt's first ``offset`` ids, images
     placed (a server's prompt cache): only the rest is encoded, and the answer is appended to it.
+
+    ``kv_bits`` (8 or 4) stores the KV cache quantized in groups of ``kv_group_size`` once it holds
+    more than ``quantized_kv_start`` positions, as mlx-lm does (cache.py; a ``prompt_cache`` keeps the
+    setting it was made with: ``model.make_cache(None, GenerationArgs(kv_bits=...).kv_quantization)``).
     """
     yield from stream_from_args(model, tokenizer, prompt, GenerationArgs.of(max_tokens=max_tokens, **kwargs))
 
@@ -99,7 +103,7 @@ def stream_from_args(model, tokenizer: Tokenizer, prompt: str | list[int], args:
     if args.prompt_cache is not None and args.images:
         raise ValueError("give the images or a prompt cache that already holds them, not both")
     job = prepare(model, tokenizer, prompt, args)
-    engine = BatchGenerator(model, tokenizer, args.prefill_step_size)
+    engine = BatchGenerator(model, tokenizer, args.prefill_step_size, args.kv_quantization)
     drafts = [] if args.drafts else None
     engine.insert(job, args.prompt_cache, on_step=_step_hook(drafts, args.on_step))
     with generation_device(model):

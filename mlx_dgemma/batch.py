@@ -78,8 +78,9 @@ class BatchGenerator:
     """Requests in, steps out: ``insert`` queues a request, ``next`` runs one step for every row and
     returns what each committed, ``remove`` drops a row (a client that went away)."""
 
-    def __init__(self, model, tokenizer, prefill_step_size: int = PREFILL_STEP_SIZE):
+    def __init__(self, model, tokenizer, prefill_step_size: int = PREFILL_STEP_SIZE, kv_quantization=None):
         self.model, self.tokenizer, self.prefill_step_size = model, tokenizer, prefill_step_size
+        self.kv_quantization = kv_quantization  # options.KVQuantization of the caches it makes
         self._uids = itertools.count()
         self._pending: list[tuple[Row, object, Callable[[object], None] | None]] = []  # row, prefix cache, on_prefilled
         self._kinds = {"diffusion": DiffusionRows(self), "ar": AutoregressiveRows(self), "verified": VerifiedRows(self)}
@@ -127,13 +128,13 @@ class BatchGenerator:
             longest = max(len(row.job.ids) for row, _, _ in fresh)
             padding = [longest - len(row.job.ids) for row, _, _ in fresh]
             ids = mx.array([[0] * p + row.job.ids for p, (row, _, _) in zip(padding, fresh)], dtype=mx.int32)
-            cache = self.model.make_cache(padding)
+            cache = self.model.make_cache(padding, self.kv_quantization)
             self._join(fresh, cache, prefill(self.model, ids, cache, self.prefill_step_size, logits=needs_logits))
         for entry in pending:
             if any(entry is f for f in fresh):
                 continue
             row, cache, _ = entry
-            cache = cache if cache is not None else self.model.make_cache()
+            cache = cache if cache is not None else self.model.make_cache(None, self.kv_quantization)
             images = images_after(row.job.ids, row.job.vision_inputs, cache.offset, self.model.config.image_token_id)
             logits = prefill(self.model, mx.array(row.job.ids[cache.offset:]), cache, self.prefill_step_size,
                              logits=_wants_logits(row), **images)
@@ -200,7 +201,8 @@ def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens:
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
     args = [GenerationArgs.of(max_tokens=max_tokens, seed=seed, **kwargs) for seed in seeds]
-    generator = BatchGenerator(model, tokenizer, args[0].prefill_step_size if args else PREFILL_STEP_SIZE)
+    generator = BatchGenerator(model, tokenizer, args[0].prefill_step_size if args else PREFILL_STEP_SIZE,
+                               args[0].kv_quantization if args else None)
     uids = [generator.insert(prepare(model, tokenizer, p, a)) for p, a in zip(prompts, args)]
     texts = {uid: "" for uid in uids}
     with generation_device(model):

@@ -7,83 +7,161 @@ count from its first real token. The layer caches have the API of mlx-lm's ``Bat
 (``update_and_fetch``, ``offset``, ``left_padding``, ``trim``, ``filter``, ``extend``, ``state``);
 they are not mlx-lm's because importing anything from mlx_lm imports transformers (≈ 7 s here),
 and a sliding window must stay trimmable, which mlx-lm's rotating cache is not once it wraps.
+
+A cache made with a ``KVQuantization`` stores its K/V as mlx-lm's ``QuantizedKVCache`` does, a
+``(packed, scales, biases)`` triple from ``mx.quantize`` per tensor, once it holds more than
+``start`` positions; every operation below maps over the triple's arrays alike (they share every
+axis but the last). Attention reads it dequantized: on the CPU that is about 20x faster than MLX's
+quantized products over the keys (benchmarks/long_context.py), and it keeps the attention kernels
+one. The canvas view keeps the prefix quantized and its canvas room in the activations' dtype.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+from .options import KVQuantization
+
+
+def _first(a) -> mx.array:
+    """The array that speaks for a stored tensor's shape but its last axis (a triple's packed values)."""
+    return a[0] if isinstance(a, tuple) else a
+
+
+def _arrays(*tensors) -> list[mx.array]:
+    return [a for _, a in tree_flatten(list(tensors))]
+
+
+def _dequantized(a, quantization: KVQuantization | None) -> mx.array:
+    if not isinstance(a, tuple):
+        return a
+    return mx.dequantize(*a, group_size=quantization.group_size, bits=quantization.bits)
+
+
+def _quantized(a: mx.array, quantization: KVQuantization) -> tuple[mx.array, mx.array, mx.array]:
+    return tuple(mx.quantize(a, group_size=quantization.group_size, bits=quantization.bits))
+
+
+def _pad_positions(a, before: int):
+    return tree_map(lambda x: mx.pad(x, [(0, 0), (0, 0), (before, 0), (0, 0)]), a)
+
+
+def _concatenate(parts: list, axis: int = 0):
+    return tree_map(lambda *xs: mx.concatenate(xs, axis=axis), *parts)
 
 
 class LayerCache:
     """One layer's K/V for B left-padded rows, [B, kv_heads, capacity, head_dim], grown in chunks of
     ``step`` positions. ``window``: a sliding-window layer keeps at least its last ``keep``
     positions (the reference's window − 1 plus a canvas, so that trimming up to a canvas leaves
-    exactly the reference's window); older ones are dropped a chunk at a time."""
+    exactly the reference's window); older ones are dropped a chunk at a time. ``quantization``:
+    stored quantized once more than its ``start`` positions were appended (``quantized`` says so)."""
 
     step = 256
 
-    def __init__(self, left_padding: list[int], keep: int | None = None):
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+    def __init__(self, left_padding: list[int], keep: int | None = None, quantization: KVQuantization | None = None):
+        self.keys: mx.array | tuple | None = None
+        self.values: mx.array | tuple | None = None
         self.left_padding = mx.array(left_padding, dtype=mx.int32)  # physical index of each row's first token
         self.offset = mx.array([-p for p in left_padding], dtype=mx.int32)  # each row's tokens = next RoPE position
         self._idx = 0  # physical positions stored
         self.keep = keep
+        self.quantization = quantization
+        self.quantized = False
+        self.appended = 0  # positions appended and not trimmed, those dropped from a window included
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append [B, kv_heads, S, head_dim] and return every stored position (the new ones' masks
-        say which each may see)."""
+        say which each may see), dequantized if stored quantized."""
         prev, S = self._idx, keys.shape[2]
-        if self.keys is None or prev + S > self.keys.shape[2]:
-            B, H, _, D = keys.shape
+        q = self.quantization
+        if q is not None and not self.quantized and self.appended + S > q.start:
+            self.quantize()
+        if self.quantized:
+            keys, values = _quantized(keys, q), _quantized(values, q)
+        if self.keys is None or prev + S > _first(self.keys).shape[2]:
+            B, H = _first(keys).shape[:2]
             grow = -(-S // self.step) * self.step
-            room_k = mx.zeros((B, H, grow, D), keys.dtype)
-            room_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            room_k, room_v = (tree_map(lambda a: mx.zeros((B, H, grow, a.shape[3]), a.dtype), x) for x in (keys, values))
             if self.keys is None:
                 self.keys, self.values = room_k, room_v
             else:
-                self.keys = mx.concatenate([self.keys[..., :prev, :], room_k], axis=2)
-                self.values = mx.concatenate([self.values[..., :prev, :], room_v], axis=2)
+                self.keys = _concatenate([self.stored(self.keys), room_k], axis=2)
+                self.values = _concatenate([self.stored(self.values), room_v], axis=2)
         self._idx += S
+        self.appended += S
         self.offset = self.offset + S
-        self.keys[..., prev : self._idx, :] = keys
-        self.values[..., prev : self._idx, :] = values
-        fetched = self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+        def write(stored: mx.array, new: mx.array) -> None:
+            stored[..., prev : self._idx, :] = new
+
+        tree_map(write, self.keys, keys)
+        tree_map(write, self.values, values)
+        fetched = self.stored(self.keys), self.stored(self.values)
         if self.keep is not None and (drop := self._idx - self.keep) >= self.step:
-            self.keys, self.values = self.keys[..., drop:, :], self.values[..., drop:, :]
+            self.keys, self.values = (tree_map(lambda a: a[..., drop:, :], x) for x in (self.keys, self.values))
             self._idx -= drop
             self.left_padding = self.left_padding - drop
-        return fetched
+        return _dequantized(fetched[0], q), _dequantized(fetched[1], q)
+
+    def stored(self, tensor, start: int = 0):
+        """Positions ``start`` up to those stored of ``tensor`` (the keys or values, as stored)."""
+        return tree_map(lambda a: a[..., start : self._idx, :], tensor)
+
+    def quantize(self) -> None:
+        """Store the K/V quantized from now on (those stored so far too)."""
+        if self.keys is not None:  # (the room for more too: its zeros quantize to zeros)
+            self.keys, self.values = (_quantized(x, self.quantization) for x in (self.keys, self.values))
+        self.quantized = True
 
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
         self._idx -= n
+        self.appended -= n
         self.offset = self.offset - n
         return n
 
+    def drop_front(self, n: int) -> None:
+        """Forget the first ``n`` stored positions (a row's left padding)."""
+        self.keys, self.values = (tree_map(lambda a: a[..., n:, :], x) for x in (self.keys, self.values))
+        self._idx -= n
+        self.appended -= n
+        self.left_padding = self.left_padding - n
+
     def filter(self, rows: mx.array) -> None:
         if self.keys is not None:
-            self.keys, self.values = self.keys[rows], self.values[rows]
+            self.keys, self.values = (tree_map(lambda a: a[rows], x) for x in (self.keys, self.values))
         self.offset, self.left_padding = self.offset[rows], self.left_padding[rows]
 
     def extend(self, other: LayerCache) -> None:
-        """Append ``other``'s rows, left-padding the side with fewer stored positions."""
+        """Append ``other``'s rows, left-padding the side with fewer stored positions (quantized, both
+        are stored quantized)."""
+        for a, b in ((self, other), (other, self)):
+            if b.quantized and not a.quantized:
+                a.quantization = a.quantization or b.quantization
+                a.quantize()
         end = max(self._idx, other._idx)
 
-        def aligned(c: LayerCache) -> tuple[mx.array, mx.array, mx.array]:
-            pad = [(0, 0), (0, 0), (end - c._idx, 0), (0, 0)]
-            return (mx.pad(c.keys[..., : c._idx, :], pad), mx.pad(c.values[..., : c._idx, :], pad),
-                    c.left_padding + (end - c._idx))
+        def aligned(c: LayerCache) -> tuple:
+            pad = end - c._idx
+            return _pad_positions(c.stored(c.keys), pad), _pad_positions(c.stored(c.values), pad), c.left_padding + pad
 
         (k1, v1, p1), (k2, v2, p2) = aligned(self), aligned(other)
-        self.keys, self.values = mx.concatenate([k1, k2]), mx.concatenate([v1, v2])
+        self.keys, self.values = _concatenate([k1, k2]), _concatenate([v1, v2])
         self.left_padding = mx.concatenate([p1, p2])
         self.offset = mx.concatenate([self.offset, other.offset])
         self._idx = end
+        self.appended = max(self.appended, other.appended)
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+    def state(self) -> list[mx.array]:
+        return _arrays(self.stored(self.keys), self.stored(self.values))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for this layer's K/V (room for more included)."""
+        return sum(a.nbytes for a in _arrays(self.keys, self.values)) if self.keys is not None else 0
 
 
 class KVCache:
@@ -93,9 +171,10 @@ class KVCache:
     ``lengths``: each row's real tokens, i.e. the RoPE position of its next token. The last layer
     is always a full-attention one (the config forces it), so its cache speaks for the rows."""
 
-    def __init__(self, windows: list[int | None], left_padding: list[int], slack: int):
+    def __init__(self, windows: list[int | None], left_padding: list[int], slack: int,
+                 quantization: KVQuantization | None = None):
         self.windows = windows
-        self.layers = [LayerCache(left_padding, None if w is None else w - 1 + slack) for w in windows]
+        self.layers = [LayerCache(left_padding, None if w is None else w - 1 + slack, quantization) for w in windows]
         self.padded = any(p > 0 for p in left_padding)  # known on the host: masks need no sync
 
     @property
@@ -117,13 +196,19 @@ class KVCache:
     def state(self) -> list[mx.array]:
         return [a for c in self.layers if c.keys is not None for a in c.state]
 
-    def layer_keys(self, i: int) -> tuple[mx.array, mx.array]:
-        """Layer i's stored K/V, [B, kv_heads, T, head_dim] (sliding layers: the last window − 1)."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for the K/V of every layer."""
+        return sum(c.nbytes for c in self.layers)
+
+    def layer_keys(self, i: int) -> tuple:
+        """Layer i's stored K/V, [B, kv_heads, T, head_dim] (sliding layers: the last window − 1), as
+        stored: arrays, or (packed, scales, biases) triples of a quantized layer."""
         c, window = self.layers[i], self.windows[i]
         if c.keys is None:
             raise ValueError("the cache is empty: encode a prompt first")
         start = 0 if window is None else max(0, c._idx - (window - 1))
-        return c.keys[..., start : c._idx, :], c.values[..., start : c._idx, :]
+        return c.stored(c.keys, start), c.stored(c.values, start)
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` positions of every row; ValueError where that would not be exact (a
@@ -157,9 +242,7 @@ class KVCache:
         for c in out.layers:
             pad = max(0, c.left_padding.item())
             if pad and c.keys is not None:
-                c.keys, c.values = c.keys[..., pad:, :], c.values[..., pad:, :]
-                c._idx -= pad
-                c.left_padding = c.left_padding - pad
+                c.drop_front(pad)
         out.padded = False
         return out
 
@@ -211,30 +294,87 @@ class CanvasLayerView:
 
     Each denoising step writes its canvas positions' K/V into that room: all of them, or under
     active-set compaction only the ``slots`` still computed (the others keep the K/V they had when
-    last computed, which is what the still-moving positions attend to)."""
+    last computed, which is what the still-moving positions attend to). A quantized prefix stays
+    as stored (``quantized_prefix``: its K/V triples) and ``keys``/``values`` are the room alone;
+    each forward reads the prefix dequantized before the room."""
 
-    def __init__(self, keys: mx.array, values: mx.array, length: int):
-        B, H, P, D = keys.shape
-        room = mx.zeros((B, H, length, D), keys.dtype)
-        self.keys = mx.concatenate([keys, room], axis=2)
-        self.values = mx.concatenate([values, mx.zeros((B, H, length, values.shape[3]), values.dtype)], axis=2)
+    def __init__(self, keys, values, length: int, quantization: KVQuantization | None = None):
+        B, H, P, _ = _first(keys).shape
         self.prefix = P
         self.slots: mx.array | None = None  # [B, A] canvas indexes of the positions being computed
+        self.quantization = quantization
+        self.quantized_prefix = None
+        if isinstance(keys, tuple):
+            self.quantized_prefix = (keys, values)
+            # room in the dequantized width and dtype (the scales')
+            self.keys, self.values = (mx.zeros((B, H, length, packed.shape[3] * 32 // quantization.bits), scales.dtype)
+                                      for packed, scales, _ in (keys, values))
+            return
+        room = mx.zeros((B, H, length, keys.shape[3]), keys.dtype)
+        self.keys = mx.concatenate([keys, room], axis=2)
+        self.values = mx.concatenate([values, mx.zeros((B, H, length, values.shape[3]), values.dtype)], axis=2)
+
+    @property
+    def room_start(self) -> int:
+        """Where the canvas starts in ``keys``/``values``."""
+        return 0 if self.quantized_prefix is not None else self.prefix
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.slots is None:
-            self.keys[..., self.prefix :, :] = keys
-            self.values[..., self.prefix :, :] = values
+            self.keys[..., self.room_start :, :] = keys
+            self.values[..., self.room_start :, :] = values
         else:
-            index = (self.slots + self.prefix)[:, None, :, None]
+            index = (self.slots + self.room_start)[:, None, :, None]
             self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
             self.values = mx.put_along_axis(self.values, index, values, axis=2)
-        return self.keys, self.values
+        if self.quantized_prefix is None:
+            return self.keys, self.values
+        prefix_k, prefix_v = (_dequantized(x, self.quantization) for x in self.quantized_prefix)
+        return mx.concatenate([prefix_k, self.keys], axis=2), mx.concatenate([prefix_v, self.values], axis=2)
+
+    def canvas(self, row: int) -> tuple[mx.array, mx.array]:
+        """Row ``row``'s canvas K/V, [1, kv_heads, C, head_dim]."""
+        return self.keys[row : row + 1, :, self.room_start :], self.values[row : row + 1, :, self.room_start :]
 
     def select(self, rows: mx.array) -> CanvasLayerView:
         view = object.__new__(CanvasLayerView)
-        view.keys, view.values, view.prefix, view.slots = self.keys[rows], self.values[rows], self.prefix, None
+        view.__dict__.update(self.__dict__)
+        view.keys, view.values, view.slots = self.keys[rows], self.values[rows], None
+        if self.quantized_prefix is not None:
+            view.quantized_prefix = tree_map(lambda a: a[rows], self.quantized_prefix)
         return view
+
+    def dequantized(self) -> CanvasLayerView:
+        """The same view with its prefix held dequantized (the very numbers a forward reads)."""
+        if self.quantized_prefix is None:
+            return self
+        view = object.__new__(CanvasLayerView)
+        view.__dict__.update(self.__dict__)
+        prefix_k, prefix_v = (_dequantized(x, self.quantization) for x in self.quantized_prefix)
+        view.keys = mx.concatenate([prefix_k, self.keys], axis=2)
+        view.values = mx.concatenate([prefix_v, self.values], axis=2)
+        view.quantized_prefix = None
+        return view
+
+    @staticmethod
+    def stack(layers: list[CanvasLayerView], prefix: int) -> CanvasLayerView:
+        """The rows of ``layers`` in one view, each prefix left-padded to ``prefix`` positions (a
+        quantized prefix stays quantized where every layer's is)."""
+        if any(layer.quantized_prefix is None for layer in layers):
+            layers = [layer.dequantized() for layer in layers]
+        stacked = object.__new__(CanvasLayerView)
+        stacked.__dict__.update(layers[0].__dict__)
+        stacked.prefix, stacked.slots = prefix, None
+        if stacked.quantized_prefix is None:
+            stacked.keys, stacked.values = (
+                mx.concatenate([_pad_positions(getattr(layer, name), prefix - layer.prefix) for layer in layers])
+                for name in ("keys", "values"))
+            return stacked
+        stacked.keys = mx.concatenate([layer.keys for layer in layers])
+        stacked.values = mx.concatenate([layer.values for layer in layers])
+        stacked.quantized_prefix = _concatenate([_pad_positions(layer.quantized_prefix, prefix - layer.prefix)
+                                                 for layer in layers])
+        return stacked
 
 
 class CanvasView:
@@ -249,9 +389,9 @@ class CanvasView:
         self.masks: list[mx.array | None] = []
         for i, c in enumerate(cache.layers):
             keys, values = cache.layer_keys(i)
-            self.layers.append(CanvasLayerView(keys, values, length))
+            self.layers.append(CanvasLayerView(keys, values, length, c.quantization))
             if cache.padded:
-                start = c._idx - keys.shape[2]
+                start = c._idx - _first(keys).shape[2]
                 valid = mx.arange(start, c._idx)[None, :] >= c.left_padding[:, None]  # [B, P]
                 whole = mx.concatenate([valid, mx.ones((valid.shape[0], length), dtype=mx.bool_)], axis=1)
                 self.masks.append(whole[:, None, None, :])
@@ -288,8 +428,7 @@ class CanvasView:
         cache, ``caches[r]`` for row r: several rows' commits encoded in one forward."""
         for i, layer in enumerate(self.layers):
             for r, cache in enumerate(caches):
-                cache.layers[i].update_and_fetch(layer.keys[r : r + 1, :, layer.prefix :],
-                                                 layer.values[r : r + 1, :, layer.prefix :])
+                cache.layers[i].update_and_fetch(*layer.canvas(r))
 
     def select(self, rows: list[int]) -> CanvasView:
         """The same view for a subset of its rows (rows whose canvas is done stop costing compute)."""
@@ -316,18 +455,13 @@ class CanvasView:
         for i in range(len(views[0].layers)):
             layers = [v.layers[i] for v in views]
             prefix = max(layer.prefix for layer in layers)
-            keys, values, masks = [], [], []
+            masks = []
             for v, layer in zip(views, layers):
                 pad = prefix - layer.prefix
-                keys.append(mx.pad(layer.keys, [(0, 0), (0, 0), (pad, 0), (0, 0)]))
-                values.append(mx.pad(layer.values, [(0, 0), (0, 0), (pad, 0), (0, 0)]))
                 own = v.masks[i] if v.masks[i] is not None else mx.ones((layer.keys.shape[0], 1, 1, layer.prefix + length),
                                                                          dtype=mx.bool_)
                 masks.append(mx.pad(own, [(0, 0), (0, 0), (0, 0), (pad, 0)], constant_values=False))
-            stacked = object.__new__(CanvasLayerView)
-            stacked.keys, stacked.values = mx.concatenate(keys), mx.concatenate(values)
-            stacked.prefix, stacked.slots = prefix, None
-            view.layers.append(stacked)
+            view.layers.append(CanvasLayerView.stack(layers, prefix))
             padded = any(layer.prefix < prefix for layer in layers) or any(v.masks[i] is not None for v in views)
             view.masks.append(mx.concatenate(masks) if padded else None)
         return view

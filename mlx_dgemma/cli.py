@@ -110,3 +110,25 @@ def check_writable_folder(folder: Path, flag: str) -> None:
         raise ValueError(f"{flag} {folder}: {existing} is not a folder; choose another path")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {folder}: {existing} is not writable; choose another path")
+
+
+def kv_cache_options(command):
+    """``--kv-bits``, ``--kv-group-size`` and ``--quantized-kv-start`` (mlx-lm's flags), as generate and
+    the server take them: ``kv_bits`` (None or an int), ``kv_group_size`` and ``quantized_kv_start``."""
+    import click
+
+    from .options import KV_BITS, KV_GROUP_SIZE, KV_GROUP_SIZES, QUANTIZED_KV_START
+
+    options = [
+        click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), callback=lambda c, p, v: v and int(v),
+                     help="Store the KV cache at this many bits, affine per group of --kv-group-size along the "
+                          "head dimension [default: the activations' dtype]."),
+        click.option("--kv-group-size", type=click.Choice([str(g) for g in KV_GROUP_SIZES]), default=str(KV_GROUP_SIZE),
+                     show_default=True, callback=lambda c, p, v: int(v),
+                     help="Elements per quantization group of the KV cache."),
+        click.option("--quantized-kv-start", type=click.IntRange(min=0), default=QUANTIZED_KV_START, show_default=True,
+                     help="Positions a KV cache holds before it is quantized (with --kv-bits)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command

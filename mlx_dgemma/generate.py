@@ -32,7 +32,7 @@ from .api import (
     stream_generate,
 )
 from .batch import prefill
-from .cli import command_line
+from .cli import command_line, kv_cache_options
 from .demo import DEMO_MODEL
 from .filters import check_min_p, check_top_k, check_top_p
 from .images import load_image
@@ -114,6 +114,7 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
                    "(the file's final newline is not part of it).")
 @click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True, callback=option(at_least(1)),
               help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
+@kv_cache_options
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
@@ -213,7 +214,8 @@ def _generate_cli(flags: dict, group, watchdog):
     prompt = _read_prompt(flags)
     images = [load_image(path) for path in flags["image_files"]] or None  # bad files fail before the model loads
     if not flags["ignore_memory_check"]:
-        check_memory(flags["model"] or DEMO_MODEL, prompt, flags["max_tokens"], group.size() if group else 1)
+        check_memory(flags["model"] or DEMO_MODEL, prompt, flags["max_tokens"], group.size() if group else 1,
+                     flags["kv_bits"])
     dgemma, tokenizer = _load(flags, group, watchdog)
     defaults = generation_config(dgemma, tokenizer)
     args = generation_args(flags, images)

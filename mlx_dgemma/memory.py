@@ -1,6 +1,6 @@
 """Whether a checkpoint fits the device, decided before any weight is read: its weights (from the
 safetensors headers; a sharded run counts one rank's share of the experts), the KV cache at the
-requested context and a canvas's activations, against what the device can give: on Metal its
+requested context (at the KV bits asked for) and a canvas's activations, against what the device can give: on Metal its
 recommended working set, on CUDA its free memory, elsewhere the available memory (/proc/meminfo's
 MemAvailable). ``MLX_DGEMMA_DEVICE_MEMORY`` (for example ``16GB``) sets the device's memory instead."""
 
@@ -20,12 +20,15 @@ from .convert_report import format_size
 from .distributed import STACKED_EXPERTS, expert_range
 from .errors import CheckpointError, ConfigError, ConversionError, MemoryCheckError
 from .loader import VISION_KEY, ExpertSlice, map_key, read_config, resolve, weight_files
+from .model import ATTENTION_SCORES_ELEMENTS
+from .options import KV_BITS, KV_GROUP_SIZE, PREFILL_STEP_SIZE
 from .quantize import GROUP_SIZES, Quantization
 from .safetensors_io import TensorInfo, read_header
 from .validate import shown
 
 DEVICE_MEMORY_ENV = "MLX_DGEMMA_DEVICE_MEMORY"
 IGNORE_FLAG = "--ignore-memory-check"
+KV_FLAG = "--kv-bits"
 # A denoising step holds a canvas's [positions, vocabulary] float32 logits about four times over (the
 # logits, their soft-capped and tempered copies, the self-conditioning probabilities): measured 1.1 GB
 # above the weights for a 256-position canvas of the released 262144-token vocabulary.
@@ -44,14 +47,19 @@ class MemoryNeed:
     activations: int
     context: int  # tokens the KV cache is counted for
     canvas: int
+    kv_bits: int | None = None
+    attention: int = 0  # a block of attention scores: never alive with the canvas's logits (activations)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations
+        return self.weights + self.kv_cache + max(self.activations, self.attention)
 
     def describe(self) -> str:
+        kv = f" at {self.kv_bits} bits" if self.kv_bits else ""
+        what = f"a {self.canvas}-position canvas" if self.attention <= self.activations else "attention"
         return (f"{format_size(self.total)} ({format_size(self.weights)} of weights, {format_size(self.kv_cache)} of KV "
-                f"cache for {self.context} tokens, {format_size(self.activations)} for a {self.canvas}-position canvas)")
+                f"cache for {self.context} tokens{kv}, {format_size(max(self.activations, self.attention))} for "
+                f"{what})")
 
 
 def parse_size(text: str, name: str = DEVICE_MEMORY_ENV) -> int:
@@ -113,28 +121,65 @@ def _activation_itemsize(tensors: dict[str, TensorInfo]) -> int:
     return 4
 
 
-def kv_cache_bytes(config: ModelConfig, context: int, itemsize: int) -> int:
+def kv_cache_bytes(config: ModelConfig, context: int, itemsize: int, kv_bits: int | None = None,
+                   group_size: int = KV_GROUP_SIZE) -> int:
     """The encoder's cache at ``context`` tokens (a sliding layer keeps its window and a canvas, in
-    whole chunks) and the canvas view's copy of it with room for a canvas."""
-    total = 0
+    whole chunks) and the canvas view's copy of it with room for a canvas. Quantized (cache.py), the
+    view keeps the prefix as stored and only its canvas room is a copy; a forward reads one layer at
+    a time dequantized, then joined to its room: twice the largest layer's K/V in ``itemsize`` more."""
+    total, largest = 0, 0
     for layer in range(config.num_hidden_layers):
         positions = context
         if config.is_sliding(layer):
             positions = min(context, config.sliding_window - 1 + config.canvas_length + KV_CHUNK)
-        per_position = 2 * config.layer_kv_heads(layer) * config.layer_head_dim(layer) * itemsize
+        elements = 2 * config.layer_kv_heads(layer) * config.layer_head_dim(layer)  # K and V of a position
         cached = -(-positions // KV_CHUNK) * KV_CHUNK
-        total += (cached + positions + config.canvas_length) * per_position
-    return total
+        if kv_bits is None:
+            total += (cached + positions + config.canvas_length) * elements * itemsize
+            continue
+        stored = elements * kv_bits // 8 + elements // group_size * 2 * itemsize  # values, scales and biases
+        total += cached * stored + config.canvas_length * elements * itemsize
+        largest = max(largest, 2 * (positions + config.canvas_length) * elements * itemsize)
+    return total + largest
 
 
 def canvas_bytes(config: ModelConfig) -> int:
     return LOGIT_COPIES * config.canvas_length * config.vocab_size * 4
 
 
-def memory_need(config: ModelConfig, tensors: dict[str, TensorInfo], context: int, ranks: int = 1) -> MemoryNeed:
+def attention_bytes(config: ModelConfig, context: int, chunk: int = PREFILL_STEP_SIZE) -> int:
+    """A prefill chunk's attention scores over ``context`` keys and their softmax, float32, in blocks
+    of at most ``model.ATTENTION_SCORES_ELEMENTS`` (a canvas's queries are fewer than a chunk's), and
+    the chunk's hidden states, queries, keys and values around them."""
+    chunk = min(chunk, context)
+    width = max(config.layer_head_dim(i) for i in range(config.num_hidden_layers))
+    around = chunk * ((config.num_attention_heads + 2 * config.num_key_value_heads) * width + 4 * config.hidden_size)
+    return 4 * (2 * min(config.num_attention_heads * chunk * context, ATTENTION_SCORES_ELEMENTS) + around)
+
+
+def memory_need(config: ModelConfig, tensors: dict[str, TensorInfo], context: int, ranks: int = 1,
+                kv_bits: int | None = None) -> MemoryNeed:
     context = min(context, config.max_position_embeddings)
-    return MemoryNeed(weight_bytes(tensors, config, ranks), kv_cache_bytes(config, context,
-                      _activation_itemsize(tensors)), canvas_bytes(config), context, config.canvas_length)
+    kv = kv_cache_bytes(config, context, _activation_itemsize(tensors), kv_bits)
+    return MemoryNeed(weight_bytes(tensors, config, ranks), kv, canvas_bytes(config), context, config.canvas_length,
+                      kv_bits, attention_bytes(config, context))
+
+
+def largest_context(config: ModelConfig, weights: int, itemsize: int, available: int, kv_bits: int | None = None,
+                    step: int = 1024) -> int:
+    """The most tokens of context (a multiple of ``step``, up to the model's) that ``weights`` bytes of
+    weights, their KV cache at ``kv_bits`` and the activations fit in ``available`` bytes; 0 if none."""
+
+    def fits(context: int) -> bool:
+        need = kv_cache_bytes(config, context, itemsize, kv_bits) + max(canvas_bytes(config),
+                                                                          attention_bytes(config, context))
+        return weights + need <= available
+
+    low, high = 0, config.max_position_embeddings // step
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid * step) else (low, mid - 1)
+    return low * step
 
 
 def requested_context(folder: Path, config: ModelConfig, prompt: str = "", max_tokens: int | None = None) -> int:
@@ -148,14 +193,15 @@ def requested_context(folder: Path, config: ModelConfig, prompt: str = "", max_t
 
 
 def check_memory(path_or_repo: str | os.PathLike, prompt: str = "", max_tokens: int | None = None,
-                 ranks: int = 1) -> MemoryNeed | None:
+                 ranks: int = 1, kv_bits: int | None = None) -> MemoryNeed | None:
     """Raise MemoryCheckError, naming what would fit, when the model needs more than the device can
-    give; returns the need (None when the device's memory is unknown). Reads only headers and configs."""
+    give with its KV cache at ``kv_bits`` (None: the activations' dtype); returns the need (None
+    when the device's memory is unknown). Reads only headers and configs."""
     folder = resolve(path_or_repo)
     config = read_config(folder)
     tensors = _tensors(folder)
     context = requested_context(folder, config, prompt, max_tokens)
-    needed = memory_need(config, tensors, context, ranks)
+    needed = memory_need(config, tensors, context, ranks, kv_bits)
     if (device := device_memory()) is None:
         return None
     available, source = device
@@ -168,12 +214,24 @@ def check_memory(path_or_repo: str | os.PathLike, prompt: str = "", max_tokens: 
 
 def _what_fits(folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo], needed: MemoryNeed,
                available: int, ranks: int) -> str:
-    room = available - needed.kv_cache - needed.activations
+    """What would fit: a narrower KV cache alone, the largest recipe (with the widest KV cache it fits
+    with), more machines like this one."""
+    narrower = [b for b in sorted(KV_BITS, reverse=True) if needed.kv_bits is None or b < needed.kv_bits]
+    itemsize = _activation_itemsize(tensors)
+    kv = {bits: kv_cache_bytes(config, needed.context, itemsize, bits) for bits in (needed.kv_bits, *narrower)}
+
+    def fits(weights: int, bits: int | None) -> bool:
+        return weights + kv[bits] + needed.total - needed.weights - needed.kv_cache <= available
+
     options = []
-    sizes = recipe_weight_sizes(folder, config, tensors, ranks)
-    if fitting := [(name, size) for name, size in sizes if size <= room and size < needed.weights]:
-        name, size = fitting[0]
-        options.append(f"converted with --quant-predicate {name} it fits ({format_size(size)} of weights)")
+    if (bits := next((b for b in narrower if fits(needed.weights, b)), None)) is not None:
+        options.append(f"with {KV_FLAG} {bits} it fits ({format_size(kv[bits])} of KV cache)")
+    for name, size in recipe_weight_sizes(folder, config, tensors, ranks):
+        if size < needed.weights and (bits := next((b for b in kv if fits(size, b)), 0)) != 0:
+            kv_flag = "" if bits == needed.kv_bits else f" and {KV_FLAG} {bits}"
+            options.append(f"converted with --quant-predicate {name}{kv_flag} it fits ({format_size(size)} of weights)")
+            break
+    room = available - (needed.total - needed.weights)
     for n in range(ranks + 1, config.num_experts + 1):
         if weight_bytes(tensors, config, n) <= room:
             options.append(f"sharded over {n} machines like this one it fits (mlx.launch, docs/distributed.md)")

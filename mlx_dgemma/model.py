@@ -22,12 +22,19 @@ from . import kernels as device_kernels
 from . import vision
 from .cache import CanvasView, KVCache
 from .config import ModelConfig
+from .options import KVQuantization
 
 
 def row_size(x: mx.array) -> int:
     """Elements per row of a batch [B, T, ...]: the CPU kernels choose their path by it, so that a
     row computes the same numbers in a batch as alone."""
     return x.size // x.shape[0] if x.ndim >= 3 else x.size
+
+
+# Attention scores [heads, queries, keys] of one row computed at a time, at most (float32: 512 MB):
+# queries beyond it go in blocks, so that a prefill chunk or a canvas after a long prefix holds one
+# block's scores, not all of them (per row: a row splits the same in a batch as alone).
+ATTENTION_SCORES_ELEMENTS = 1 << 27
 
 
 def rms_norm_noscale(x: mx.array, eps: float) -> mx.array:
@@ -129,7 +136,14 @@ class Attention(nn.Module):
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
         B, _, T, _ = q.shape
-        out = self.kernels.attention(q, k, v, mask)  # scale 1: the Q/K norms stand in for 1/sqrt(d)
+        block = max(1, ATTENTION_SCORES_ELEMENTS // (self.n_heads * k.shape[2]))
+        if T <= block:
+            out = self.kernels.attention(q, k, v, mask)  # scale 1: the Q/K norms stand in for 1/sqrt(d)
+        else:
+            per_query = mask is not None and mask.shape[2] == T
+            out = mx.concatenate([self.kernels.attention(q[:, :, a : a + block], k, v,
+                                                         mask[:, :, a : a + block] if per_query else mask)
+                                  for a in range(0, T, block)], axis=2)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -445,11 +459,14 @@ class DiffusionGemma(nn.Module):
         finally:
             self.use_kernels(previous)
 
-    def make_cache(self, left_padding: list[int] | None = None) -> KVCache:
-        """An empty cache for one row, or for ``len(left_padding)`` left-padded rows."""
+    def make_cache(self, left_padding: list[int] | None = None, quantization: KVQuantization | None = None) -> KVCache:
+        """An empty cache for one row, or for ``len(left_padding)`` left-padded rows; with
+        ``quantization``, stored quantized past its start (cache.py)."""
         cfg = self.config
         windows = [cfg.sliding_window if cfg.is_sliding(i) else None for i in range(len(self.layers))]
-        return KVCache(windows, left_padding or [0], slack=cfg.canvas_length)
+        if quantization is not None:
+            quantization.check([cfg.layer_head_dim(i) for i in range(len(self.layers))])
+        return KVCache(windows, left_padding or [0], slack=cfg.canvas_length, quantization=quantization)
 
     def embed(self, ids: mx.array) -> mx.array:
         embed = self.model.decoder.embed_tokens

@@ -9,10 +9,41 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from .errors import OptionError
 from .validate import finite_number
 
 PREFILL_STEP_SIZE = 2048  # mlx-lm's default: prompt tokens encoded per forward
+KV_BITS = (4, 8)  # the widths a KV cache quantizes to (cache.py)
+KV_GROUP_SIZES = (32, 64, 128)  # mx.quantize's group sizes
+KV_GROUP_SIZE = 64  # mlx-lm's defaults (--kv-group-size, --quantized-kv-start)
+QUANTIZED_KV_START = 5000
 check_schedule_scale = finite_number(0, low_open=True)
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """A KV cache stored at ``bits`` per element, affine in groups of ``group_size`` along the head
+    dimension, once it holds more than ``start`` positions (mlx-lm's ``--kv-bits``,
+    ``--kv-group-size``, ``--quantized-kv-start``)."""
+
+    bits: int
+    group_size: int = KV_GROUP_SIZE
+    start: int = QUANTIZED_KV_START
+
+    def check(self, head_dims: list[int]) -> None:
+        """An OptionError naming the option that is wrong for a model of these per-layer head dims."""
+        if self.bits not in KV_BITS:
+            raise OptionError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, not {self.bits!r}", "kv_bits")
+        if self.group_size not in KV_GROUP_SIZES:
+            raise OptionError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                              f"not {self.group_size!r}", "kv_group_size")
+        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
+            raise OptionError(f"quantized_kv_start must be a whole number of tokens >= 0, not {self.start!r}",
+                              "quantized_kv_start")
+        if bad := [d for d in head_dims if d % self.group_size]:
+            fits = [g for g in KV_GROUP_SIZES if all(d % g == 0 for d in head_dims)]
+            raise OptionError(f"kv_group_size {self.group_size} does not divide this model's head dim {bad[0]}; "
+                              f"take {' or '.join(map(str, fits)) or 'no KV quantization'}", "kv_group_size")
 
 
 @dataclass(frozen=True)
@@ -82,8 +113,16 @@ class GenerationArgs:
     sampling: SamplingArgs = field(default_factory=SamplingArgs)
     prefill_step_size: int = PREFILL_STEP_SIZE
     prompt_cache: object = None  # a one-row cache holding the prompt's first ids
+    kv_bits: int | None = None  # a quantized KV cache (KVQuantization); None: the activations' dtype
+    kv_group_size: int = KV_GROUP_SIZE
+    quantized_kv_start: int = QUANTIZED_KV_START
     drafts: bool = False
     on_step: Callable | None = None
+
+    @property
+    def kv_quantization(self) -> KVQuantization | None:
+        return None if self.kv_bits is None else KVQuantization(self.kv_bits, self.kv_group_size,
+                                                                self.quantized_kv_start)
 
     @classmethod
     def of(cls, **kwargs) -> GenerationArgs:

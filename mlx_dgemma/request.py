@@ -141,6 +141,8 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
         max_tokens = len(template) + template.ends_turn
     overrides = args.sampling.overrides(defaults)  # they replace the plan's, and none is dropped
     check_step_counts(overrides.get("steps"), args.draft_steps)
+    if args.kv_quantization is not None:
+        args.kv_quantization.check([config.layer_head_dim(i) for i in range(config.num_hidden_layers)])
     if args.think and (grammar is not None or template is not None and template.render is not None):
         raise ValueError("a JSON answer is laid out from its first token and leaves no room for a "
                          "thought; drop think or the schema")

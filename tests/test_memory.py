@@ -1,6 +1,8 @@
 """The memory check before loading: what it counts is what the loader holds, a refusal names a recipe
 (or a number of machines) that fits, and nothing is refused or read where the model fits."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
@@ -179,3 +181,59 @@ def test_the_server_refuses_before_loading(monkeypatch):
     assert result.exit_code == 1
     lines = result.stderr.strip().split("\n")
     assert len(lines) == 1 and lines[0].startswith("Error: the model needs ")
+
+
+def test_256k_on_the_24gb_recipe_needs_a_quantized_kv_cache(released, monkeypatch, tmp_path):
+    """At 256K tokens the bfloat16 cache and the canvas view's copy of it (11.4 GB) do not fit beside
+    the 24 GB recipe's 15.4 GB of weights in 24 GB; the refusal names the widest KV bits that fit, and
+    at 4 bits (3.8 GB with a layer read dequantized) it is accepted."""
+    from checkpoint_tools.synthetic_checkpoint import write_converted_header_only
+
+    converted = write_converted_header_only(released, tmp_path / "mixed-24gb", "mixed-24gb")
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "24GB")
+    prompt, max_tokens = "x" * (256 * 1024 - 2048), 2048
+    with pytest.raises(MemoryCheckError) as info:
+        check_memory(converted, prompt, max_tokens)
+    message = str(info.value)
+    assert message.startswith("the model needs 28.1 GB (15.4 GB of weights, 11.4 GB of KV cache for 262144 tokens")
+    assert "; with --kv-bits 8 it fits (5.2 GB of KV cache);" in message
+    for bits, kv in ((8, "5.2 GB"), (4, "3.8 GB")):
+        need = check_memory(converted, prompt, max_tokens, kv_bits=bits)
+        assert need.context == 256 * 1024 and format_size(need.kv_cache) == kv and need.total <= 24e9
+    result = CliRunner().invoke(generate_main, ["--model", str(converted), "--prompt", "-", "--max-tokens",
+                                                str(max_tokens)], input=prompt)
+    assert result.exit_code == 1 and "with --kv-bits 8 it fits" in result.stderr.strip().split("\n")[-1]
+
+
+def test_a_quantized_kv_cache_is_counted_at_its_bits(released):
+    """Per position of a full layer (2 KV heads of 512, K and V): 4096 bytes in bfloat16; at b bits
+    2048 · b / 8 bytes and a bfloat16 scale and bias per 64. The bfloat16 plan counts the cache and the
+    canvas view's copy; the quantized one the cache, the view's canvas room and, once, the largest
+    layer read dequantized and joined to its room."""
+    config = read_config(released)
+    full = [i for i in range(config.num_hidden_layers) if not config.is_sliding(i)]
+    one = kv_cache_bytes(config, 4096, 2)  # past the sliding layers' window: only the full layers grow
+    for bits in (8, 4):
+        grown = kv_cache_bytes(config, 4096 + 256, 2, bits) - kv_cache_bytes(config, 4096, 2, bits)
+        per_position = 2048 * bits // 8 + 2048 // 64 * 4
+        assert grown == 256 * (len(full) * per_position + 2 * 4096)  # stored; the dequantized layer and its join
+    assert kv_cache_bytes(config, 4096 + 256, 2) - one == 256 * len(full) * 4096 * 2
+
+
+def test_the_readme_recipe_table_is_what_the_plan_gives(released):
+    """Each recipe's context on a Mac whose GPU gets three quarters of its memory, per KV width."""
+    import re
+
+    from mlx_dgemma.memory import _tensors, largest_context, recipe_weight_sizes
+
+    config = read_config(released)
+    sizes = dict(recipe_weight_sizes(released, config, _tensors(released)))
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `(mixed-\d+gb)` \| [^|]+ \| [^|]+ \| (.+) \|$", text, re.M)
+    assert [r[0] for r in rows] == ["mixed-16gb", "mixed-24gb", "mixed-32gb"]
+    for recipe, cells in rows:
+        want = []
+        for gib in (16, 24, 32):
+            tokens = [largest_context(config, sizes[recipe], 2, int(0.75 * gib * 2**30), b) for b in (None, 8, 4)]
+            want.append(" / ".join(f"{t // 1024}K" if t else "–" for t in tokens))
+        assert [c.strip() for c in cells.split("|")] == want, recipe

@@ -71,7 +71,7 @@ class AutoPlanner:
 
     def predictions(self, remaining: int, produced: int = 0,
                     prompt: list[int] | tuple[int, ...] = ()) -> dict[str, tuple[float, str]]:
-        p, C = self.profile, self.canvas
+        p, C = self.profile.at_prefix(len(prompt) + produced), self.canvas  # the context at hand
         expected = self.expected_tokens(produced, prompt)
         tokens = min(expected, remaining, C)
         length, steps, verified = best_draft(p, self.acceptance, C)

@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,7 +21,10 @@ CANVAS_LENGTHS = (16, 32, 64, 128, 256)
 DRAFT_LENGTHS = (2, 4, 8, 16, 32, 64, 128, 256)  # verified drafting's candidates (up to the canvas length)
 DRAFT_STEPS = (1, 2)
 # Bumped whenever the engine's speed changes enough to make cached device profiles stale.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
+# Prefix keys between the two prefixes a profile's growth with the prefix is measured at (both past the
+# sliding window, so that only the full-attention layers grow).
+SLOPE_KEYS = 2048
 
 
 @dataclass
@@ -36,6 +39,26 @@ class Profile:
     dtype: str = ""
     # One encoder forward over L tokens with next-token logits at each (verified drafting's check).
     verify_s_by_length: dict[int, float] = field(default_factory=dict)
+    # The prefix the times above are at, and the seconds each key past it adds (its full-attention
+    # layers' share): to a step of the longest canvas measured (a shorter pass: in proportion to its
+    # positions, but no less than an AR token, which reads the same keys) and to an AR token.
+    prefix: int = 0
+    step_s_per_key: float = 0.0
+    ar_s_per_key: float = 0.0
+
+    def at_prefix(self, prefix: int) -> Profile:
+        """The profile after ``prefix`` tokens of context (no faster than at its own prefix)."""
+        extra = max(0, prefix - self.prefix)
+        if not extra:
+            return self
+        longest = max(self.step_s_by_canvas)
+
+        def grown(points: dict[int, float]) -> dict[int, float]:
+            return {n: s + max(self.step_s_per_key * n / longest, self.ar_s_per_key) * extra for n, s in points.items()}
+
+        return replace(self, step_s_by_canvas=grown(self.step_s_by_canvas), prefix=prefix,
+                       verify_s_by_length=grown(self.verify_s_by_length),
+                       ar_token_s=self.ar_token_s + self.ar_s_per_key * extra)
 
     def step_s(self, canvas: int) -> float:
         """Step time at any canvas length, interpolated linearly between measured lengths."""
@@ -162,7 +185,40 @@ def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, 
     ar_run()
     ar = min(ar_run() for _ in range(repeats))
     dtype = str(model.model.decoder.norm.weight.dtype).replace("mlx.core.", "")
-    return Profile(device_name(), "measured", step_s, ar, prefix / prefill_s, dtype, verify_s)
+    step_slope, ar_slope = _slopes(model, max(step_s), steps, repeats)
+    return Profile(device_name(), "measured", step_s, ar, prefix / prefill_s, dtype, verify_s, prefix, step_slope,
+                   ar_slope)
+
+
+def _slopes(model, canvas: int, steps: int, repeats: int) -> tuple[float, float]:
+    """Seconds per prefix key of a step of ``canvas`` and of an AR token, between a prefix just past
+    the sliding window and ``SLOPE_KEYS`` more."""
+    cfg = model.config
+    ids = mx.random.randint(3, cfg.vocab_size, (1, cfg.sliding_window + cfg.canvas_length + SLOPE_KEYS),
+                           key=mx.random.key(1))
+    near = cfg.sliding_window + cfg.canvas_length
+    cache = model.make_cache()
+    times = []
+    for part in (ids[:, :near], ids[:, near:]):
+        model.encode(part, cache)
+        mx.eval(cache.state())
+        time_canvas(model, cache, 1, canvas)
+        step = min(time_canvas(model, cache, steps, canvas) for _ in range(repeats)) / steps
+        time_ar(model, cache)
+        times.append((step, min(time_ar(model, cache) for _ in range(repeats))))
+    (step0, ar0), (step1, ar1) = times
+    return max(0.0, step1 - step0) / SLOPE_KEYS, max(0.0, ar1 - ar0) / SLOPE_KEYS
+
+
+def time_ar(model, cache, tokens: int = 4) -> float:
+    """Seconds per AR token after ``cache`` (trimmed back)."""
+    token = mx.array([[5]])
+    start = time.perf_counter()
+    for _ in range(tokens):
+        token = model.next_token_logits(token, cache).argmax(-1, keepdims=True)
+        mx.eval(token)
+    cache.trim(tokens)
+    return (time.perf_counter() - start) / tokens
 
 
 def time_verify(model, cache, length: int) -> float:

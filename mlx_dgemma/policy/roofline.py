@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import FULL, ModelConfig
 from .acceptance import Acceptance, best_draft
-from .profile import CANVAS_LENGTHS, DRAFT_LENGTHS, Profile
+from .profile import CANVAS_LENGTHS, DRAFT_LENGTHS, SLOPE_KEYS, Profile
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,13 @@ def predict(device: Device | str, cfg: ModelConfig = RELEASED, bits: float | Non
               for n in DRAFT_LENGTHS}
     ar = predicted_seconds(device, forward_cost(cfg, 1, prefix, bits, denoise=False), layers)
     prefill = predicted_seconds(device, forward_cost(cfg, prefix, 0, bits, denoise=False), layers)
-    return Profile(device.name, "predicted", steps, ar, prefix / prefill, f"{bits:g}-bit", verify)
+    # growth past the prefix: between two prefixes past the sliding window, SLOPE_KEYS apart
+    near = max(prefix, cfg.sliding_window)
+    step_slope, ar_slope = ((predicted_seconds(device, forward_cost(cfg, n, near + SLOPE_KEYS, bits, denoise=n > 1), layers)
+                             - predicted_seconds(device, forward_cost(cfg, n, near, bits, denoise=n > 1), layers))
+                            / SLOPE_KEYS for n in (max(lengths), 1))
+    return Profile(device.name, "predicted", steps, ar, prefix / prefill, f"{bits:g}-bit", verify, prefix,
+                   step_slope, ar_slope)
 
 
 def predicted_table(steps: float = 16, cfg: ModelConfig = RELEASED) -> dict[str, dict[str, float]]:

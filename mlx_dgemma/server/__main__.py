@@ -11,8 +11,9 @@ import os
 
 import click
 
+from ..cli import kv_cache_options
 from ..demo import DEMO_MODEL
-from ..options import PREFILL_STEP_SIZE
+from ..options import PREFILL_STEP_SIZE, KVQuantization
 from ..validate import MAX_STEPS
 from .app import MAX_IMAGES, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS
 
@@ -32,6 +33,7 @@ POSITIVE = click.IntRange(min=1)
               help="Prompt KV caches kept for reuse (least recently used dropped first).")
 @click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True, type=POSITIVE,
               help="Prompt tokens encoded per forward.")
+@kv_cache_options
 @click.option("--max-request-bytes", default=MAX_REQUEST_BYTES, show_default=True, type=POSITIVE,
               help="Largest request body accepted (bigger ones get 413).")
 @click.option("--max-images", default=MAX_IMAGES, show_default=True, type=click.IntRange(min=0),
@@ -49,8 +51,9 @@ POSITIVE = click.IntRange(min=1)
                    "field behind it, debug each request's body in outline as it arrives.")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
                                                           "answer's KV cache need more memory than the device can give.")
-def main(model, host, port, max_tokens, max_steps, prompt_cache_size, prefill_step_size, max_request_bytes, max_images,
-         max_image_pixels, allowed_image_dir, shutdown_grace, log_level, ignore_memory_check):
+def main(model, host, port, max_tokens, max_steps, prompt_cache_size, prefill_step_size, kv_bits, kv_group_size,
+         quantized_kv_start, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, shutdown_grace, log_level,
+         ignore_memory_check):
     """Serve a DiffusionGemma model over OpenAI's (chat, completions, Responses), Anthropic's and Ollama's APIs."""
     import uvicorn
 
@@ -61,13 +64,17 @@ def main(model, host, port, max_tokens, max_steps, prompt_cache_size, prefill_st
     from .routes import create_app
     from .scheduler import Scheduler
 
+    kv = None if kv_bits is None else KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
     try:
         if not ignore_memory_check:
-            check_memory(model or DEMO_MODEL, max_tokens=max_tokens)
+            check_memory(model or DEMO_MODEL, max_tokens=max_tokens, kv_bits=kv_bits)
         dgemma, tokenizer = load(model or DEMO_MODEL)
+        if kv is not None:
+            kv.check([dgemma.config.layer_head_dim(i) for i in range(dgemma.config.num_hidden_layers)])
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    scheduler = Scheduler(dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size)
+    scheduler = Scheduler(dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size,
+                          kv_quantization=kv)
     limits = Limits(max_tokens, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, max_steps)
     server = Server(dgemma, tokenizer, model or "mlx-dgemma-demo", scheduler, limits)
 

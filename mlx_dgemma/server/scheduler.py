@@ -102,12 +102,12 @@ class Job:
 
 class Scheduler:
     def __init__(self, model, tokenizer, prompt_cache_size: int = 10, prefill_step_size: int = PREFILL_STEP_SIZE,
-                 engine: Callable = BatchGenerator):
+                 engine: Callable = BatchGenerator, kv_quantization=None):
         self.model, self.tokenizer = model, tokenizer
-        self.prefill_step_size = prefill_step_size
         self.prompt_cache = PromptCache(prompt_cache_size)
-        self._make_engine = engine
-        self.engine = self._make_engine(model, tokenizer, prefill_step_size=prefill_step_size)
+        self._make_engine = functools.partial(engine, prefill_step_size=prefill_step_size,
+                                              kv_quantization=kv_quantization)
+        self.engine = self._make_engine(model, tokenizer)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[int, Job] = {}
         self._thread: threading.Thread | None = None
@@ -192,7 +192,7 @@ class Scheduler:
                 for job in self._active.values():
                     self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
                 self._active.clear()
-                self.engine = self._make_engine(self.model, self.tokenizer, prefill_step_size=self.prefill_step_size)
+                self.engine = self._make_engine(self.model, self.tokenizer)
                 continue
             self.rounds += 1
             for response in responses:
