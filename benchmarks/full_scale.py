@@ -50,7 +50,7 @@ from mlx_dgemma.config import FULL, ModelConfig  # noqa: E402
 from mlx_dgemma.convert import Quantization  # noqa: E402
 from mlx_dgemma.loader import load_model  # noqa: E402
 from mlx_dgemma.model import DiffusionGemma  # noqa: E402
-from mlx_dgemma.request import prefill  # noqa: E402
+from mlx_dgemma.batch import prefill  # noqa: E402
 from mlx_dgemma.sampler import MxRandom, SamplerSettings  # noqa: E402
 
 GB = 1e9
