@@ -46,11 +46,11 @@ sys.path.insert(0, str(ROOT))  # checkpoint_tools/ and mlx_dgemma/ of this check
 
 from checkpoint_tools.synthetic_checkpoint import ONES, hf_config, hf_tensors  # noqa: E402
 from mlx_dgemma import drafting, policy  # noqa: E402
+from mlx_dgemma.batch import prefill  # noqa: E402
 from mlx_dgemma.config import FULL, ModelConfig  # noqa: E402
 from mlx_dgemma.convert import Quantization  # noqa: E402
 from mlx_dgemma.loader import load_model  # noqa: E402
 from mlx_dgemma.model import DiffusionGemma  # noqa: E402
-from mlx_dgemma.batch import prefill  # noqa: E402
 from mlx_dgemma.sampler import MxRandom, SamplerSettings  # noqa: E402
 
 GB = 1e9
