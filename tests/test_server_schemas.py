@@ -106,6 +106,18 @@ def test_max_tokens_below_a_schemas_shortest_answer_is_a_400_naming_it(openai_cl
     assert "max_tokens" in str(refused.value)
 
 
+def test_a_schema_llguidance_gives_up_on_is_a_400_naming_response_format(openai_client):
+    """A pattern past llguidance's lexer limit: found when the closing path is walked, and refused
+    as the schema's fault, not answered with a 500."""
+    schema = {"type": "object", "required": ["q"], "properties": {"q": {
+        "type": "string", "minLength": 1, "maxLength": 5000, "pattern": r"^$|(^(?:\S+\s+){0,99}\S+$)"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=MODEL_ID, messages=user("json: q"), extra_body={"policy": "ar"},
+            response_format={"type": "json_schema", "json_schema": {"name": "q", "schema": schema}})
+    assert caught.value.body["param"] == "response_format" and "llguidance gave up" in caught.value.body["message"]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_max_tokens_that_fits_still_ends_valid(openai_client, policy):
     """From the shortest answer the server names up: each answer a valid tree within its budget."""

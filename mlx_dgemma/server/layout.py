@@ -11,7 +11,7 @@ import json
 
 from ..grammar import JSON_OBJECT, Grammar, schema_grammar
 from ..json_schema import json_template
-from ..request import check_template_fits, grammar_stop_ids, schema_template
+from ..request import check_template_fits, closing_length, grammar_stop_ids, schema_template
 from ..template import CanvasTemplate, TemplateError, parse_template
 from ..tool_calls import check_tool, parse_tool_calls
 from .api import BadRequest
@@ -68,8 +68,10 @@ def _structured(server, job: Job, schema, max_tokens: int | None, policy: str) -
         job.redraft = lambda draft: json_template(tokenizer, schema, draft=_arguments_or_none(draft), limit=limit)
         _fits(server, job, largest, job.template_param)
         return None, None
-    return None, schema_grammar(tokenizer, schema, server.model.config.vocab_size,
-                                grammar_stop_ids(tokenizer, server.defaults))
+    vocab = server.model.config.vocab_size
+    grammar = schema_grammar(tokenizer, schema, vocab, grammar_stop_ids(tokenizer, server.defaults))
+    closing_length(grammar, vocab)  # walked here (and kept): where llguidance gives up, the schema is refused
+    return None, grammar
 
 
 def _fits(server, job: Job, template, param: str):
