@@ -380,16 +380,14 @@ class GrammarRule:
         return self._allowed
 
     def _emit(self, token: int) -> int:
-        """Take ``token``, or where llguidance gives up after it (an error, or only the end allowed though
-        the answer is not whole JSON: its lexer gave up on a pattern mid-string), the first token of a
-        closing path walked from here; a ``RuntimeError`` where none is found (an invalid answer is never
-        ended as if whole)."""
+        """Take ``token``, or where llguidance gives up after it, the first token of a closing path
+        walked from here; a ``RuntimeError`` where none is found (an invalid answer is never ended as
+        if whole)."""
         after = self.matcher.deep_copy()
         if not after.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {after.get_error()}")
         mask = None if after.is_stopped() or after.is_error() else allowed_tokens(after, self.vocab)
-        if not self.stops[token] and (after.is_error() or (mask is None or not (mask & ~self.stops).any()) and not
-                                      whole_json(self.table.tokenizer.decode_bytes(self.output + [token]))):
+        if self._gave_up(after, mask, token):
             if not (path := self._walk(self.matcher)):
                 raise RuntimeError("llguidance gave up on the schema mid-answer (its lexer's limit on a pattern), "
                                    "so no valid answer can be written; simplify the schema's patterns")
@@ -400,6 +398,16 @@ class GrammarRule:
         self.output.append(token)
         self.done = self.matcher.is_stopped() or len(self.output) >= self.max_tokens
         return token
+
+    def _gave_up(self, after: llguidance.LLMatcher, mask: np.ndarray | None, token: int) -> bool:
+        """Whether llguidance, ``token`` taken (``after``, allowing ``mask``), gave up: an error, or only
+        the end allowed though the answer is not whole JSON (its lexer gave up on a pattern mid-string)."""
+        if self.stops[token]:
+            return False
+        if after.is_error():
+            return True
+        ends_only = mask is None or not (mask & ~self.stops).any()
+        return ends_only and not whole_json(self.table.tokenizer.decode_bytes(self.output + [token]))
 
     def _guarded(self, token: int) -> int:
         """``token``, or the closing path's next one where taking ``token`` would leave no room to close."""

@@ -34,3 +34,12 @@ def checkpoints(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The bundled demo model and its tokenizer, loaded afresh for each test module."""
+    from mlx_dgemma import load
+    from mlx_dgemma.generate import DEMO_MODEL
+
+    return load(DEMO_MODEL)

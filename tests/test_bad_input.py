@@ -41,11 +41,6 @@ PROMPT = "sort: 42 17 85"
 PROFILE = Profile("test device", "measured", {16: 0.01, 256: 0.02}, ar_token_s=0.01, prefill_tok_s=100.0)
 
 
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
-
-
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file and folder under ``folder`` with a hash of its bytes: what must survive unchanged."""
     out = {}

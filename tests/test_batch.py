@@ -8,7 +8,7 @@ import pytest
 
 from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import BatchGenerator, batch_generate, generate, load, stream_generate
-from mlx_dgemma.generate import DEMO_MODEL, prefill, prepare
+from mlx_dgemma.generate import prefill, prepare
 from mlx_dgemma.options import GenerationArgs
 
 BOUND = 1e-5
@@ -164,11 +164,6 @@ def test_chunked_prefill_equals_one_forward(checkpoints):
     assert relative(a, b) <= BOUND
     for i in range(len(model.layers)):
         assert relative(whole.layer_keys(i)[0], chunked.layer_keys(i)[0]) <= BOUND
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
 
 
 DEMO_PROMPTS = ["sort: 42 17 85 23 61", "reverse: planet", "add: 417 85", "json: name=ada age=36 city=rome"]

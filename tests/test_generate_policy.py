@@ -116,9 +116,9 @@ def test_auto_expects_answers_as_long_as_the_last_ones():
     assert planner.expected_tokens(30) == 10 and planner.expected_tokens(40) == 16  # none longer: a canvas
 
 
-def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
-    """Answers to prompts that begin alike (a task's instructions, a conversation's earlier turns) say
-    how long the next one may be; a prompt like none of them gets all the recent answers."""
+def planner_of_two_answer_lengths():
+    """An auto planner that has seen 3-token answers to prompts beginning ``template + short`` and
+    40-token ones to prompts beginning ``template + long``."""
     from mlx_dgemma.config import GenerationConfig
     from mlx_dgemma.policy import AutoPlanner
 
@@ -129,6 +129,13 @@ def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
     for i in range(8):
         planner.observe_answer(3, template + short + [60 + i])
         planner.observe_answer(40, template + long + [70 + i])
+    return planner, template, short, long
+
+
+def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
+    """Answers to prompts that begin alike (a task's instructions, a conversation's earlier turns) say
+    how long the next one may be; a prompt like none of them gets all the recent answers."""
+    planner, template, short, long = planner_of_two_answer_lengths()
     assert planner.answers(template + short + [99]) == [3] * 8
     assert planner.expected_tokens(0, template + long + [99]) == 40
     assert planner.choose(64, prompt=template + short + [99]).mode == "ar"  # 3 tokens per canvas or round
@@ -278,15 +285,7 @@ def test_concurrent_auto_answers_are_each_paced_against_their_own_choice():
     """Two answers share the model's planner and choose between each other's observations: each
     canvas or block is measured against the prediction its own plan was chosen with, not against
     whatever the planner chose last."""
-    from mlx_dgemma.policy import AutoPlanner
-
-    profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
-                      verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
-    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
-    template, short, long = [2, 105, 9], [40, 41], [50, 51]
-    for i in range(8):
-        planner.observe_answer(3, template + short + [60 + i])
-        planner.observe_answer(40, template + long + [70 + i])
+    planner, template, short, long = planner_of_two_answer_lengths()
     canvas = planner.choose(64, prompt=template + long + [99])
     block = planner.choose(64, prompt=template + short + [99])  # the other answer's choice, made meanwhile
     assert (canvas.mode, block.mode) == ("diffusion", "ar")

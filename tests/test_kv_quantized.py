@@ -13,21 +13,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_dgemma import batch_generate, generate, load
+from mlx_dgemma import batch_generate, generate
 from mlx_dgemma.cache import KVCache, LayerCache
 from mlx_dgemma.errors import OptionError
-from mlx_dgemma.generate import DEMO_MODEL, prefill
 from mlx_dgemma.generate import main as generate_main
+from mlx_dgemma.generate import prefill
 from mlx_dgemma.options import KVQuantization
 from mlx_dgemma.server.__main__ import main as server_main
 
 DEMO_PROMPTS = ["sort: 42 17 85 23 61", "reverse: planet", "add: 417 85", "json: name=ada age=36 city=rome"]
 DEMO_GROUP = 32  # the demo's head dims are 32 and 64
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
 
 
 def kv(bits: int, group_size: int = DEMO_GROUP, start: int = 0) -> KVQuantization:

@@ -17,11 +17,6 @@ from mlx_dgemma.validate import MAX_STEPS
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "model.safetensors").exists(), reason="no bundled demo model")
 
 
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
-
-
 def test_a_run_holds_no_schedule_of_its_steps(demo):
     """The temperature is computed per step: starting a run of a million steps allocates nothing per step."""
     model, _ = demo

@@ -21,11 +21,6 @@ LOGITS = [[2.0, 1.0, 0.5, -1.0, 0.0, 1.5, -0.3, 0.9]]
 EPS = 8 * np.finfo(np.float32).eps
 
 
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
-
-
 def mlx_lms(logits, top_p=1.0, top_k=0, min_p=0.0):
     """mlx-lm's sampler chain (make_sampler's order) on log-probabilities, as probabilities."""
     log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

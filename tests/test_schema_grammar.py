@@ -15,9 +15,8 @@ import numpy as np
 import pydantic
 import pytest
 
-from mlx_dgemma import batch_generate, generate, load, stream_generate
+from mlx_dgemma import batch_generate, generate, stream_generate
 from mlx_dgemma.errors import TemplateError
-from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.grammar import ANY_JSON, CLOSING_CAP, GrammarRule, schema_grammar
 from mlx_dgemma.request import check_closing_fits, generation_config, grammar_stop_ids
 
@@ -78,11 +77,6 @@ FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 def validate(answer, schema):
     jsonschema.validators.validator_for(schema)(schema, format_checker=FORMATS).validate(answer)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
 
 
 def grammar(demo, schema):

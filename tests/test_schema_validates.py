@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from mlx_dgemma import generate, json_template, load
+from mlx_dgemma import generate, json_template
 from mlx_dgemma.demo.tasks import json_schema
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.template import FREE, canvas_clamps
@@ -58,11 +58,6 @@ EDGES = {
     "integer-from-floats": {"type": "integer", "minimum": 0.5, "maximum": 1e19},
 }
 CASES = [*USED.items(), *EDGES.items(), *TOOLS.items()]
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
 
 
 def template_and_schema(tokenizer, case):

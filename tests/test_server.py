@@ -38,11 +38,6 @@ CONTEXT = json.loads((DEMO_MODEL / "config.json").read_text())["text_config"]["m
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
-
-
-@pytest.fixture(scope="module")
 def short_context(tmp_path_factory):
     """The demo with a context of 1024 (the same weights): a prompt that fills it encodes in a second."""
     folder = tmp_path_factory.mktemp("demo-1024") / "demo"

@@ -35,14 +35,6 @@ RESPONSES_WEATHER = {"type": "function", **{k: WEATHER["function"][k] for k in (
 
 
 @pytest.fixture(scope="module")
-def demo():
-    from mlx_dgemma import load
-    from mlx_dgemma.generate import DEMO_MODEL
-
-    return load(DEMO_MODEL)
-
-
-@pytest.fixture(scope="module")
 def server(demo):
     with serving(*demo, max_request_bytes=MAX_BODY) as url:
         yield url

@@ -19,12 +19,12 @@ from mlx_dgemma import infill
 from mlx_dgemma.images import ImageError, load_image
 from mlx_dgemma.template import TemplateError
 
-from .test_server import CONTEXT, MODEL_ID, SORT, demo, serving  # noqa: F401
+from .test_server import CONTEXT, MODEL_ID, SORT, serving
 from .test_server_hostile import post, raw_post_timeout
 
 
 @pytest.fixture(scope="module")
-def server(demo):  # noqa: F811
+def server(demo):
     with serving(*demo) as url:
         yield url
 
@@ -46,7 +46,7 @@ def test_an_infill_past_the_context_is_refused_before_its_hole_is_built(server, 
     assert took < 1
 
 
-def test_infill_through_the_api_is_refused_before_its_hole_is_built(demo):  # noqa: F811
+def test_infill_through_the_api_is_refused_before_its_hole_is_built(demo):
     model, tokenizer = demo
     with pytest.raises(TemplateError, match=f"past the model's context of {CONTEXT} positions; ask for at most"):
         infill(model, tokenizer, "sort: 42 ", " 85", max_fill=10**12)

@@ -87,14 +87,6 @@ def check_structured(result, model, expected) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo():
-    from mlx_dgemma import load
-    from mlx_dgemma.generate import DEMO_MODEL
-
-    return load(DEMO_MODEL)
-
-
-@pytest.fixture(scope="module")
 def server(demo):
     with serving(*demo) as url:
         yield url

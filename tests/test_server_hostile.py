@@ -28,7 +28,7 @@ from PIL import Image
 from mlx_dgemma.server.__main__ import main
 from mlx_dgemma.validate import MAX_STEPS
 
-from .test_server import CONTEXT, MODEL_ID, SORT, chat, demo, health, raw_post, serving, short_context  # noqa: F401
+from .test_server import CONTEXT, MODEL_ID, SORT, chat, health, raw_post, serving, short_context  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG = 7990  # a 7990x7990 PNG: 64 MB of pixels in 62 KB of file
@@ -65,13 +65,13 @@ def image_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(demo):  # noqa: F811
+def server(demo):
     with serving(*demo, max_request_bytes=4 << 20) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def allowing_server(demo, image_dir):  # noqa: F811
+def allowing_server(demo, image_dir):
     with serving(*demo, image_dir=image_dir) as url:
         yield url
 
@@ -127,7 +127,7 @@ def test_steps_are_bounded_by_the_servers_limit(server, client):
     assert_still_serving(client)
 
 
-def test_max_steps_is_the_servers_not_the_checkpoints(demo):  # noqa: F811
+def test_max_steps_is_the_servers_not_the_checkpoints(demo):
     """The demo's max_denoising_steps is 24, its default; a server allowing 30 runs 30 and refuses 31."""
     assert demo[0].generation_config.max_denoising_steps == 24
     with serving(*demo, max_steps=30) as url:

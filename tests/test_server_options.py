@@ -11,8 +11,7 @@ import ollama
 import openai
 import pytest
 
-from mlx_dgemma import generate, load
-from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma import generate
 from mlx_dgemma.options import GenerationArgs, SamplingArgs
 from mlx_dgemma.policy import PLANNERS
 from mlx_dgemma.server import scheduler
@@ -23,11 +22,6 @@ from .test_server import MODEL_ID, serving
 
 PROMPT = "add: 417 85"
 POLICIES = ["reference", "fast", "ar", "verified", "auto"]
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from .test_schema_grammar import Everyday, Tree
 from .test_server import (
     MODEL_ID,
     PERSON,
-    demo,  # noqa: F401 (a fixture)
     serving,
 )
 
@@ -24,7 +23,7 @@ PERSON_TOOL = {"type": "function", "function": {"name": "person", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def server(demo):  # noqa: F811
+def server(demo):
     with serving(*demo) as url:
         yield url
 

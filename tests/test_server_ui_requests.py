@@ -14,7 +14,7 @@ import pytest
 
 from mlx_dgemma.server.request_log import ITEMS_SHOWN, TEXT_SHOWN, outline
 
-from .test_server import CONTEXT, MODEL_ID, SORT, demo, serving, short_context  # noqa: F401 (fixtures)
+from .test_server import CONTEXT, MODEL_ID, SORT, serving, short_context  # noqa: F401 (fixtures)
 
 ANSWER = "17 23 42 61 85"  # the demo's answer to SORT at seed 3
 # A template that writes the request's tools before the conversation (as tool-trained checkpoints' do).
@@ -33,7 +33,7 @@ def user(text):
 
 
 @pytest.fixture(scope="module")
-def demo_server(demo):  # noqa: F811
+def demo_server(demo):
     with serving(*demo) as url:  # the default limits: a 32 MiB body
         yield url
 
@@ -56,7 +56,7 @@ def near_the_end(tokenizer, context: int, left: int) -> tuple[str, int]:
     return text, len(tokenizer.encode(text))
 
 
-def test_tools_a_template_does_not_render_count_for_nothing(demo_server, demo):  # noqa: F811
+def test_tools_a_template_does_not_render_count_for_nothing(demo_server, demo):
     model, tokenizer = demo
     client = ollama.Client(host=demo_server, timeout=60)
     assert "tools" not in client.show(MODEL_ID).capabilities  # the demo's template writes no tools
@@ -69,7 +69,7 @@ def test_tools_a_template_does_not_render_count_for_nothing(demo_server, demo): 
         tokenizer.apply_chat_template(user(SORT), tokenize=True))
 
 
-def test_tools_a_template_renders_count_and_are_refused_before_rendering(demo):  # noqa: F811
+def test_tools_a_template_renders_count_and_are_refused_before_rendering(demo):
     model, tokenizer = demo
     twin = with_template(tokenizer, TOOLS_FIRST)
     with serving(model, twin) as url:
@@ -87,7 +87,7 @@ def test_tools_a_template_renders_count_and_are_refused_before_rendering(demo): 
             "the text of the messages and tools is "), caught.value.error
 
 
-def test_a_prompt_the_template_makes_too_long_is_refused_before_tokenizing(demo):  # noqa: F811
+def test_a_prompt_the_template_makes_too_long_is_refused_before_tokenizing(demo):
     model, tokenizer = demo
     limit = max_text_chars(model, tokenizer)
     with serving(model, with_template(tokenizer, TENFOLD)) as url:

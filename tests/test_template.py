@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_dgemma import generate, infill, json_template, load, parse_template, stream_generate
+from mlx_dgemma import generate, infill, json_template, parse_template, stream_generate
 from mlx_dgemma.denoise import denoise_canvas
 from mlx_dgemma.generate import DEMO_MODEL, main
 from mlx_dgemma.sampler import Clamp, MxRandom, SamplerSettings
@@ -33,11 +33,6 @@ SCHEMA = {
     },
     "required": ["name", "age"],
 }
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
 
 
 def fixed_positions(template, tokenizer, model):

@@ -19,9 +19,8 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from checkpoint_tools import train_demo
-from mlx_dgemma import generate, load, stream_generate
+from mlx_dgemma import generate, stream_generate
 from mlx_dgemma.errors import PromptError
-from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.json_schema import json_template
 from mlx_dgemma.request import prompt_ids
 from mlx_dgemma.tokenizer import BUILTIN_CHAT_TEMPLATE, TextStream
@@ -32,11 +31,6 @@ THOUGHT = "the numbers, smallest first"
 TEMPLATE = "<|channel>thought\n" + THOUGHT + "<channel|>sorted:{{fill:8}}"  # a thought, then the answer
 NO_SWITCH = ("{{ bos_token }}{% for m in messages %}{{ '<|turn>' + m['role'] + '\n' }}{{ m['content'] | trim }}"
              "{{ '<turn|>\n' }}{% endfor %}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}")  # no switch
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -16,16 +16,11 @@ from mlx_dgemma.config import GenerationConfig, ModelConfig
 from mlx_dgemma.demo.eval import instances
 from mlx_dgemma.demo.tasks import TASKS, json_schema
 from mlx_dgemma.filters import sampling_probs
-from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
+from mlx_dgemma.generate import prompt_ids
 from mlx_dgemma.model import DiffusionGemma
 from mlx_dgemma.sampler import MxRandom, SamplerSettings
 
 from .test_model_parity import FP32_BOUND, rel_err
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(DEMO_MODEL)
 
 
 def test_cache_trim_is_exact_on_full_and_sliding_layers(checkpoints):
