@@ -180,6 +180,16 @@ class Router(nn.Module):
         return idx, weights * self.per_expert_scale[idx]
 
 
+def gather_operand(x: mx.array) -> mx.array:
+    """x [N, in] as the [N, 1, in] a sorted gather product takes, with the strides of its own shape.
+
+    CUDA's sorted gather_mm (and Metal's before mlx 0.32.1) reads the rows' leading dimension from the
+    operand's second-to-last stride: ``x[:, None]`` has stride 1 there (an inserted axis), and a slice's
+    single row may keep its parent's row stride. A reshape of a row-contiguous array is given the strides
+    of its new shape; x must be one (the experts pass a gather's output, or an elementwise op's)."""
+    return x.reshape(x.shape[0], 1, x.shape[-1])
+
+
 class ExpertLinear(nn.Module):
     """One linear map per expert, weight [E, out, in]; tokens arrive sorted by expert."""
 
@@ -188,8 +198,9 @@ class ExpertLinear(nn.Module):
         self.weight = mx.zeros((experts, outputs, inputs))
 
     def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
-        """x [N, 1, in] through expert ``idx[n]`` each, with gather_mm (fast on Metal/CUDA)."""
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+        """x [N, in] through expert ``idx[n]`` each, with gather_mm (fast on Metal/CUDA)."""
+        y = mx.gather_mm(gather_operand(x), self.weight.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=True)
+        return y.reshape(x.shape[0], -1)
 
     def segments(self, x: mx.array, counts: list[int]) -> mx.array:
         """x [N, in] in runs of ``counts[e]`` rows for expert e: one BLAS product per expert."""
@@ -214,8 +225,10 @@ class QuantizedExpertLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
-        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=idx, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=True)
+        y = mx.gather_qmm(gather_operand(x), self.weight, self.scales, self.get("biases"), rhs_indices=idx,
+                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                          sorted_indices=True)
+        return y.reshape(x.shape[0], -1)
 
     def segments(self, x: mx.array, counts: list[int]) -> mx.array:
         biases = self.get("biases")
@@ -288,9 +301,9 @@ class Experts(nn.Module):
                                        * gate_up[..., self.inner :], counts)
 
     def _ffn_gather(self, xs: mx.array, sorted_idx: mx.array, row_copies: int) -> mx.array:
-        gate_up = self.gate_up_proj(xs[:, None, :], sorted_idx)
+        gate_up = self.gate_up_proj(xs, sorted_idx)
         h = self._gelu(gate_up[..., : self.inner], row_copies) * gate_up[..., self.inner :]
-        return self.down_proj(h, sorted_idx)[:, 0]
+        return self.down_proj(h, sorted_idx)
 
     def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None,
                        row_copies: int) -> mx.array:

@@ -111,3 +111,59 @@ def assert_float32_close(got, want, terms):
     got, want = np.array(got), np.array(want)
     bound = terms * np.finfo(np.float32).eps * np.abs(want).max()
     assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, size = [], itemsize
+    for n in reversed(shape):
+        strides.append(size)
+        size *= n
+    return tuple(reversed(strides))
+
+
+@pytest.fixture
+def expert_operands(monkeypatch):
+    """Every left operand the experts hand gather_mm / gather_qmm in a forward, evaluated, with the strides
+    MLX gives it (the buffer protocol shows a view's strides, as a GPU kernel reads them)."""
+    seen = []
+
+    def recording(product):
+        def wrapper(x, *args, **kwargs):
+            seen.append(x)
+            return product(x, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(mx, "gather_mm", recording(mx.gather_mm))
+    monkeypatch.setattr(mx, "gather_qmm", recording(mx.gather_qmm))
+    return seen
+
+
+def assert_arrays_of_their_own(operands):
+    """CUDA's sorted gather_mm (and Metal's before mlx 0.32.1) takes a row-contiguous operand's
+    second-to-last stride for its rows' leading dimension: an operand must hold the strides of its own
+    shape (an axis inserted into another array has stride 1 there)."""
+    assert operands
+    for x in operands:
+        mx.eval(x)
+        view = memoryview(x)
+        assert view.strides == c_strides(x.shape, x.itemsize), (x.shape, view.strides)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_expert_products_get_operands_of_their_own(checkpoints, expert_operands, quantized):
+    """The accelerator kernels' expert products, on a prefill, a denoising step and an AR token."""
+    import mlx.nn as nn
+
+    model, _ = load(checkpoints("mixed"))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % 32 == 0)
+    model.use_kernels(kernels.MLX)
+    sizes = PRESETS["mixed"]
+    rng = np.random.default_rng(0)
+    cache = model.make_cache()
+    model.encode(mx.array(rng.integers(3, sizes["vocab_size"], (1, 9))), cache)
+    mx.eval(model.denoise(mx.array(rng.integers(0, sizes["vocab_size"], (1, sizes["canvas_length"]))), cache))
+    mx.eval(model.next_token_logits(mx.array([[5]]), cache))
+    assert_arrays_of_their_own(expert_operands)
