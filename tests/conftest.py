@@ -9,7 +9,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # One switch for every parity suite: DGEMMA_TEST_DEVICE=gpu runs MLX on Metal or CUDA and the
-# reference on the matching torch device (mps / cuda); the default is cpu for both.
+# reference on the matching torch device (mps / cuda); the default is cpu for both. On CUDA, MLX
+# multiplies float32 in TF32 (10 mantissa bits) unless MLX_ENABLE_TF32=0, read once when mlx loads:
+# the suite's float32 bounds are float32's, so it is off (torch's matmuls are float32 by default).
+if os.environ.get("DGEMMA_TEST_DEVICE", "cpu") == "gpu":
+    os.environ.setdefault("MLX_ENABLE_TF32", "0")
 from mlx_dgemma import fast_blas  # noqa: E402
 
 fast_blas.load()  # before mlx.core loads: MLX's matmuls then use OpenBLAS where it is installed

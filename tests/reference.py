@@ -16,10 +16,16 @@ def torch_device() -> torch.device:
     if os.environ.get("DGEMMA_TEST_DEVICE", "cpu") != "gpu":
         return torch.device("cpu")
     if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 as MLX's
         return torch.device("cuda")
     if torch.backends.mps.is_available():
         return torch.device("mps")
     raise RuntimeError("DGEMMA_TEST_DEVICE=gpu but torch sees neither CUDA nor MPS")
+
+
+def on_reference(values, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` (a list, numpy or MLX array) as a tensor on the reference's device."""
+    return torch.as_tensor(np.asarray(values), dtype=dtype, device=torch_device())
 
 
 def load_reference(path, dtype: torch.dtype = torch.float32) -> DiffusionGemmaForBlockDiffusion:

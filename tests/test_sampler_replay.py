@@ -82,7 +82,7 @@ class ReplayRandom:
         self.used += 1
         assert recorded == kind, f"draw {self.used}: we asked for {kind}, the reference drew {recorded}"
         assert value.numel() == int(np.prod(shape)) and (vocab is None or vocab == high)
-        return mx.array(value.reshape(shape).numpy().astype(np.int32))
+        return mx.array(value.reshape(shape).cpu().numpy().astype(np.int32))
 
     def canvas(self, shape, vocab):
         return self._next("uniform", shape, vocab)
@@ -117,7 +117,7 @@ def run_reference(path, max_tokens, seed=1234, prompt=PROMPT):
     streamer = DraftRecorder()
     torch.manual_seed(seed)
     with recorded_draws() as draws:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, streamer=streamer)
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_tokens, streamer=streamer)
     return out.sequences[0, len(prompt):].tolist(), streamer.canvases, float(out.tokens_per_forward[0]), draws
 
 

@@ -32,7 +32,7 @@ from mlx_dgemma.images import (
 )
 from mlx_dgemma.vision import has_vision, image_features
 
-from .reference import ReferenceSession, load_reference
+from .reference import ReferenceSession, load_reference, on_reference, torch_device
 from .test_sampler_replay import DraftRecorder, ReplayRandom, recorded_draws
 from .tokenizer_files import train_sentencepiece, write_sentencepiece, write_tokenizer_json
 
@@ -142,8 +142,8 @@ def test_vision_features_match_the_reference(vision_checkpoint):
         inputs = preprocess(pictures, model.image_processor)
         with torch.no_grad():
             expected = ref.model.encoder.get_image_features(
-                torch.tensor(inputs["pixel_values"]), torch.tensor(inputs["image_position_ids"]),
-                return_dict=True).pooler_output.numpy()
+                on_reference(inputs["pixel_values"]), on_reference(inputs["image_position_ids"]),
+                return_dict=True).pooler_output.cpu().numpy()
         ours = image_features(model, inputs["pixel_values"], inputs["image_position_ids"])
         assert ours.shape == expected.shape == (sum(inputs["num_soft_tokens_per_image"]), SIZES["hidden_size"])
         assert rel_err(ours, expected) <= FP32_BOUND
@@ -160,8 +160,8 @@ def test_bfloat16_vision_features_are_as_close_as_the_reference_own(checkpoints)
     for dtype in (torch.float32, torch.bfloat16):
         with torch.no_grad():
             expected[dtype] = load_reference(path, dtype).model.encoder.get_image_features(
-                torch.tensor(inputs["pixel_values"]), torch.tensor(inputs["image_position_ids"]),
-                return_dict=True).pooler_output.float().numpy()
+                on_reference(inputs["pixel_values"]), on_reference(inputs["image_position_ids"]),
+                return_dict=True).pooler_output.float().cpu().numpy()
     assert rel_err(ours, expected[torch.bfloat16]) <= 5e-2
     assert rel_err(ours, expected[torch.float32]) <= 1.5 * rel_err(expected[torch.bfloat16], expected[torch.float32])
 
@@ -217,9 +217,9 @@ def test_replayed_generation_with_two_images_matches_the_reference(tame_chat_che
     torch.manual_seed(1234)
     with recorded_draws() as draws:
         out = reference.generate(
-            torch.tensor([ids]), pixel_values=torch.tensor(inputs["pixel_values"]),
-            image_position_ids=torch.tensor(inputs["image_position_ids"]),
-            mm_token_type_ids=torch.tensor([[int(i == IMAGE) for i in ids]]), max_new_tokens=2 * C, streamer=streamer)
+            on_reference([ids]), pixel_values=on_reference(inputs["pixel_values"]),
+            image_position_ids=on_reference(inputs["image_position_ids"]),
+            mm_token_type_ids=on_reference([[int(i == IMAGE) for i in ids]]), max_new_tokens=2 * C, streamer=streamer)
     expected = out.sequences[0, len(ids):].tolist()
 
     rng = ReplayRandom(draws)
@@ -240,17 +240,17 @@ def test_next_token_logits_with_an_image_match_the_reference(vision_checkpoint):
     ids = expand_image_tokens(prompt_with_images(1), inputs["num_soft_tokens_per_image"], IMAGE, BOI, EOI)
     with torch.no_grad():
         ref.encode([ids], **vision)  # fills the cache; the hidden states come from a second, cache-free pass
-        types_ = torch.tensor([[int(i == IMAGE) for i in ids]])
+        types_ = on_reference([[int(i == IMAGE) for i in ids]])
         masks = ref.model.model.encoder.create_masks_for_generate(
-            config=ref.model.config, inputs_embeds=torch.empty(1, len(ids), 0),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.bool), cache=None,
-            position_ids=torch.arange(len(ids))[None], mm_token_type_ids=types_)
+            config=ref.model.config, inputs_embeds=torch.empty(1, len(ids), 0, device=torch_device()),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.bool, device=torch_device()), cache=None,
+            position_ids=on_reference(np.arange(len(ids)))[None], mm_token_type_ids=types_)
         hidden = ref.model.model.encoder(
-            input_ids=torch.tensor([ids]), attention_mask=masks, position_ids=torch.arange(len(ids))[None],
-            pixel_values=torch.tensor(inputs["pixel_values"]), image_position_ids=torch.tensor(inputs["image_position_ids"]),
+            input_ids=on_reference([ids]), attention_mask=masks, position_ids=on_reference(np.arange(len(ids)))[None],
+            pixel_values=on_reference(inputs["pixel_values"]), image_position_ids=on_reference(inputs["image_position_ids"]),
             mm_token_type_ids=types_).last_hidden_state[:, -1]
         cap = ref.model.config.text_config.final_logit_softcapping
-        expected = (cap * torch.tanh(ref.model.lm_head(hidden) / cap)).numpy()
+        expected = (cap * torch.tanh(ref.model.lm_head(hidden) / cap)).cpu().numpy()
     ours = model.next_token_logits(mx.array([ids]), model.make_cache(), **vision)
     assert rel_err(ours, expected) <= FP32_BOUND
 
