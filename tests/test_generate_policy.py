@@ -162,9 +162,11 @@ def test_auto_learns_each_answers_length(pattern):
     PLANNERS.set(model, None)
 
 
-def test_auto_switches_plans_between_canvases_and_rounds(pattern):
+def test_auto_switches_plans_between_canvases_and_rounds(pattern, monkeypatch):
     """Whatever auto switches between, the cache holds exactly what was emitted: every AR block and
-    verified round after a switch continues the text as greedy decoding of everything before it would."""
+    verified round after a switch continues the text as greedy decoding of everything before it would.
+    No stop ids: whether a random checkpoint's answer meets one within the script depends on float32
+    rounding (another BLAS, another device), and the script must run to its end."""
     from mlx_dgemma.config import GenerationConfig
     from mlx_dgemma.policy import AutoPlanner, DraftRequest, make_plan
 
@@ -179,6 +181,7 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern):
             return replace(plan, policy="auto").overridden(overrides or {})
 
     model, tokenizer = pattern
+    monkeypatch.setattr(model, "generation_config", replace(model.generation_config, eos_token_id=[]))
     profile = Profile("any", "measured", {16: 0.01}, ar_token_s=0.01, prefill_tok_s=1e3)
     script = ["verified", "verified", "reference", "verified", "ar", "verified", "fast", "ar"]
     PLANNERS.set(model, Scripted(script, GenerationConfig(max_denoising_steps=4), 16, profile))
