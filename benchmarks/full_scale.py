@@ -14,7 +14,9 @@ policy and the peak memory, then deletes its files (also on an error, Ctrl-C or 
 ``--in-memory`` writes nothing: random weights are made on the default device and quantized there,
 layer by layer (the GPU run, where a 50 GB checkpoint fits neither the disk nor the time).
 ``--sweep`` adds the denoising step time at 16..256 positions and the AR token rate, beside what
-``policy.predict`` gives for ``--predict-device`` at the model's own bits per weight.
+``policy.predict`` gives for ``--predict-device`` at the model's own bits per weight and the time the
+measurement takes per predicted time (``x roofline``). ``--width N`` runs a small model instead of the
+released shapes (``benchmarks/gpu_suite.sh --dry-run``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # checkpoint_tools/ and mlx_dgemma/ of this checkout, also in the child processes
 
-from checkpoint_tools.synthetic_checkpoint import ONES, hf_config, hf_tensors  # noqa: E402
+from checkpoint_tools.synthetic_checkpoint import ONES, hf_config, hf_tensors, scaled_sizes  # noqa: E402
 from mlx_dgemma import drafting, policy  # noqa: E402
 from mlx_dgemma.batch import prefill  # noqa: E402
 from mlx_dgemma.config import FULL, ModelConfig  # noqa: E402
@@ -257,23 +259,30 @@ def sweep(model, prompt: mx.array, device: str | None, repeats: int, canvas: int
                               draft_lengths=drafts)
     bits = bits_per_weight(model)
     predicted = policy.predict(device, model.config, bits=bits, prefix=prompt.shape[1]) if device else None
-    head = f"{'':<18}{'measured':>12}" + (f"{'predicted (' + device + ')':>24}" if predicted else "")
+    head = f"{'':<20}{'measured':>12}" + (f"{'predicted (' + device + ')':>24}{'x roofline':>12}" if predicted else "")
     lines = [f"sweep: {measured.device}, {bits:.2f} bits per weight", head]
 
-    def row(label: str, ours: float, theirs: float | None, unit: str) -> str:
-        text = f"{label:<18}{ours:>9.2f} {unit:<3}"
-        return text + (f"{theirs:>20.2f} {unit}" if theirs is not None else "")
+    def row(label: str, ours: float, theirs: float | None, unit: str, slower: float | None = None) -> str:
+        text = f"{label:<20}{ours:>9.2f} {unit:<5}"
+        if theirs is None:
+            return text
+        return text + f"{theirs:>18.2f} {unit:<5}" + (f"{slower:>10.2f}x" if slower is not None else "")
 
-    lines.append(row("AR", measured.ar_tok_s, predicted.ar_tok_s if predicted else None, "tok/s"))
-    lines.append(row("prefill", measured.prefill_tok_s, predicted.prefill_tok_s if predicted else None, "tok/s"))
+    def rate(label: str, ours: float, theirs: float | None) -> str:  # tok/s: the roofline's times ours
+        return row(label, ours, theirs, "tok/s", theirs / ours if theirs else None)
+
+    def time(label: str, ours_s: float, theirs_s: float | None) -> str:
+        return row(label, ours_s * 1e3, theirs_s * 1e3 if theirs_s else None, "ms", ours_s / theirs_s if theirs_s else None)
+
+    lines.append(rate("AR", measured.ar_tok_s, predicted.ar_tok_s if predicted else None))
+    lines.append(rate("prefill", measured.prefill_tok_s, predicted.prefill_tok_s if predicted else None))
     for c in canvases:
-        lines.append(row(f"step at {c}", measured.step_s(c) * 1e3, predicted.step_s(c) * 1e3 if predicted else None,
-                         "ms"))
+        lines.append(time(f"step at {c}", measured.step_s(c), predicted.step_s(c) if predicted else None))
     lines.append(row(f"crossover at {canvases[-1]}", measured.crossover_steps(canvases[-1]),
                      predicted.crossover_steps(canvases[-1]) if predicted else None, "steps"))
     ours = measured.step_s(length) + measured.verify_s(length)
     theirs = predicted.step_s(length) + predicted.verify_s(length) if predicted else None
-    lines.append(row(f"round of {length}, 1 step", ours * 1e3, theirs * 1e3 if theirs else None, "ms"))
+    lines.append(time(f"round of {length}, 1 step", ours, theirs))
     return lines
 
 
@@ -312,6 +321,9 @@ def check_disk(work_dir: Path, needed: int) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=policy.RELEASED.num_hidden_layers)
+    p.add_argument("--width", type=int, default=None,
+                   help="not the released shapes: a small model, every width of the pattern preset times this "
+                        "(a dry run of the script in seconds)")
     p.add_argument("--recipe", choices=RECIPES, default="mixed", help="the converter's recipe; none: unquantized")
     p.add_argument("--bits", type=int, default=4, help="the converter's --q-bits")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -335,6 +347,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--layers must be 1..{policy.RELEASED.num_hidden_layers}, got {args.layers}")
     if not 1 <= args.canvas <= policy.RELEASED.canvas_length or not 1 <= args.draft_length <= args.canvas:
         p.error("--canvas must be 1..256 and --draft-length 1..--canvas")
+    if args.width is not None and not 1 <= args.width <= 64:
+        p.error(f"--width must be 1..64, got {args.width}")
+    if args.width is not None and args.recipe != "none" and args.width % 8:
+        p.error(f"--width {args.width} with --recipe {args.recipe}: quantizing needs a multiple of 8 (widths in groups "
+                "of 64), or --recipe none")
     return args
 
 
@@ -345,9 +362,10 @@ def main(argv: list[str] | None = None) -> None:
         print(stage.line(), flush=True)
         run_policies(model, args)
         return
-    sizes = released_sizes(args.layers)
+    sizes = released_sizes(args.layers) if args.width is None else scaled_sizes(args.layers, args.width)
     label = "unquantized" if args.recipe == "none" else f"{args.recipe} {args.bits}-bit"
-    print(f"full_scale: released text shapes, {args.layers} layer(s), {label}, source {args.dtype}; "
+    shapes = "released text shapes" if args.width is None else f"the pattern preset's shapes x {args.width}"
+    print(f"full_scale: {shapes}, {args.layers} layer(s), {label}, source {args.dtype}; "
           f"device {mx.default_device()}; BLAS: {fast_blas.describe()}", flush=True)
     if args.in_memory:
         model, stage = random_model(sizes, args.recipe, args.bits, args.dtype)

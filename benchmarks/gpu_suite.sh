@@ -10,8 +10,10 @@
 #
 # MLX for CUDA comes from wheels in .whl/ when that folder exists (installed into /tmp/site, which
 # goes first on PYTHONPATH); otherwise the installed mlx is used. --dry-run: the same steps on the
-# CPU at 2 layers and short canvases (unquantized in float32), to check the script where there is no GPU. Exits non-zero if
-# any step failed; every step runs regardless.
+# CPU in seconds, to check the script where there is no GPU (tests/test_full_scale.py runs it): the parity
+# tests collected, not run (the CPU suite runs them), and a small model of the released layout (2 layers,
+# widths of the pattern preset x 8) for every benchmark. Exits non-zero if any step failed; every step
+# runs regardless.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,8 +34,9 @@ if ((dry_run)); then
     export DGEMMA_TEST_DEVICE=cpu
     layers=2
     unquantized=float32  # MLX's CPU matmuls are fast in float32 only
-    runs=(--prompt 8 --ar-tokens 2 --steps 1 --canvas 16 --draft-length 8 --repeats 1)
-    parity_limit=900 run_limit=900
+    runs=(--width 8 --prompt 8 --ar-tokens 2 --steps 1 --canvas 16 --draft-length 8 --repeats 1)
+    parity_only=(--collect-only)
+    parity_limit=300 run_limit=300
 else
     if [[ -d .whl ]]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -44,6 +47,7 @@ else
     layers=30
     unquantized=bfloat16
     runs=(--prompt 64 --ar-tokens 16 --steps 8 --canvas 256 --draft-length 32 --warmup --repeats 2)
+    parity_only=()
     parity_limit=240 run_limit=150
 fi
 
@@ -69,7 +73,7 @@ step() {  # step NAME LIMIT COMMAND...: run it under a time limit, note a failur
 }
 
 step "parity tests (DGEMMA_TEST_DEVICE=$DGEMMA_TEST_DEVICE)" "$parity_limit" \
-    python3 -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_ar_parity.py \
+    python3 -m pytest -q -p no:cacheprovider "${parity_only[@]}" tests/test_model_parity.py tests/test_ar_parity.py \
     tests/test_sampler_replay.py tests/test_device_paths.py
 step "full_scale: $layers layers, $unquantized" "$run_limit" \
     python3 benchmarks/full_scale.py --in-memory --layers "$layers" --recipe none --dtype "$unquantized" \

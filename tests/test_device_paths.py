@@ -1,5 +1,8 @@
-"""The Metal/CUDA kernels, run on the CPU: MLX's gather_mm experts and MLX's vocabulary math must
-give what the CPU kernels (per-expert BLAS products, numpy transcendentals) give."""
+"""The Metal/CUDA kernels must give what the CPU kernels (per-expert BLAS products, numpy
+transcendentals) give: on a CPU both run there; with DGEMMA_TEST_DEVICE=gpu the accelerator kernels run
+on the GPU and the CPU kernels on MLX's CPU stream."""
+
+import contextlib
 
 import mlx.core as mx
 import numpy as np
@@ -15,19 +18,34 @@ def forward(model, prompt, canvas, sc=None):
     return np.array(model.denoise(mx.array(canvas), cache, sc))
 
 
+@contextlib.contextmanager
+def on_the_cpu(model):
+    """The CPU kernels on MLX's CPU stream, whatever the default device."""
+    with mx.stream(mx.cpu), model.kernels_in_use(kernels.CPU):
+        yield
+
+
+@contextlib.contextmanager
+def on_the_accelerator(model):
+    """The accelerator kernels on the default device (the CPU's, where there is no GPU)."""
+    with model.kernels_in_use(kernels.MLX):
+        yield
+
+
 @pytest.mark.parametrize("preset", ["pattern", "mixed"])
 def test_accelerator_paths_match_cpu_paths(checkpoints, preset):
     model, _ = load(checkpoints(preset))
+    assert model.kernels is kernels.for_device()
     sizes = PRESETS[preset]
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, sizes["vocab_size"], (1, 11))
     canvas = rng.integers(0, sizes["vocab_size"], (1, sizes["canvas_length"]))
-    cpu = forward(model, prompt, canvas)
-    cpu_sc = forward(model, prompt, canvas, mx.array(cpu / 0.7))
-    assert model.kernels is kernels.CPU
-    model.use_kernels(kernels.MLX)
-    accelerator = forward(model, prompt, canvas)
-    accelerator_sc = forward(model, prompt, canvas, mx.array(cpu / 0.7))
+    with on_the_cpu(model):
+        cpu = forward(model, prompt, canvas)
+        cpu_sc = forward(model, prompt, canvas, mx.array(cpu / 0.7))
+    with on_the_accelerator(model):
+        accelerator = forward(model, prompt, canvas)
+        accelerator_sc = forward(model, prompt, canvas, mx.array(cpu / 0.7))
     for a, b in ((cpu, accelerator), (cpu_sc, accelerator_sc)):
         assert np.abs(a - b).max() / np.abs(b).max() < 1e-5
 
@@ -35,9 +53,10 @@ def test_accelerator_paths_match_cpu_paths(checkpoints, preset):
 def test_generation_is_the_same_on_both_paths(checkpoints):
     model, tokenizer = load(checkpoints("small", tame=True))
     prompt = [2, 10, 11, 12, 13, 14, 15]
-    cpu = [r.tokens for r in stream_generate(model, tokenizer, prompt, 24, seed=5)]
-    model.use_kernels(kernels.MLX)
-    accelerator = [r.tokens for r in stream_generate(model, tokenizer, prompt, 24, seed=5)]
+    with on_the_cpu(model):
+        cpu = [r.tokens for r in stream_generate(model, tokenizer, prompt, 24, seed=5)]
+    with on_the_accelerator(model):
+        accelerator = [r.tokens for r in stream_generate(model, tokenizer, prompt, 24, seed=5)]
     assert cpu == accelerator
 
 

@@ -6,7 +6,7 @@ re-chooses as it generates). The names the rest of the package imports are re-ex
 from .acceptance import Acceptance, best_draft
 from .auto import EXPLORE_EVERY, EXPLORE_WITHIN, PLANNERS, AutoPlanner, Planners, auto_planner, make_plan
 from .plan import POLICIES, DraftRequest, Plan
-from .profile import CANVAS_LENGTHS, Profile, cached_profile, measure, profile_cache_path, time_canvas
+from .profile import CANVAS_LENGTHS, DRAFT_LENGTHS, Profile, cached_profile, measure, profile_cache_path, time_canvas
 from .roofline import (
     KNOWN_DEVICES,
     RELEASED,
@@ -19,7 +19,7 @@ from .roofline import (
 )
 
 __all__ = [
-    "CANVAS_LENGTHS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "KNOWN_DEVICES", "PLANNERS", "POLICIES", "RELEASED",
+    "CANVAS_LENGTHS", "DRAFT_LENGTHS", "EXPLORE_EVERY", "EXPLORE_WITHIN", "KNOWN_DEVICES", "PLANNERS", "POLICIES", "RELEASED",
     "Acceptance", "AutoPlanner", "Planners", "Cost", "DraftRequest", "Plan", "Profile", "auto_planner", "best_draft", "cached_profile", "forward_cost",
     "make_plan", "measure", "parameter_count", "predict", "predicted_seconds", "predicted_table",
     "profile_cache_path", "time_canvas",
