@@ -5,6 +5,8 @@ sampled, each prompt alone (``stream_generate``, with its commits' token ids) an
     python benchmarks/golden_answers.py /tmp/before.json     # on one tree
     python benchmarks/golden_answers.py /tmp/after.json      # on another, on the same machine
     cmp /tmp/before.json /tmp/after.json
+    python benchmarks/golden_answers.py --device cpu /tmp/cpu.json
+    python benchmarks/golden_answers.py --device gpu /tmp/gpu.json --against /tmp/cpu.json   # benchmarks/gpu_suite.sh
 
 Two trees' files are compared on the same machine only: another BLAS kernel may round a logit the
 other way and pick another token, so the file is not a test's expected output. ``auto`` runs on a
@@ -26,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 from mlx_dgemma import fast_blas  # noqa: E402
 
 fast_blas.load()
+
+import mlx.core as mx  # noqa: E402
 
 from mlx_dgemma import BatchGenerator, load, stream_generate  # noqa: E402
 from mlx_dgemma.demo import DEMO_MODEL  # noqa: E402
@@ -100,7 +104,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="the JSON file to write")
     parser.add_argument("-n", type=int, default=3, help="prompts per demo task (default 3)")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default=None, help="MLX's device (default: its default)")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another run's file: name every answer that differs from it, and exit 1 if any does")
     a = parser.parse_args()
+    if a.device is not None:
+        mx.set_default_device(getattr(mx, a.device))
     AutoPlanner._pace = lambda self, *args: None  # measured seconds would make auto's choices vary by run
     model, tokenizer = load(DEMO_MODEL)
     requests = cases(a.n)
@@ -110,8 +119,15 @@ def main() -> None:
     differ = [name for name in answers["alone"]
               if answers["alone"][name]["text"] != answers["together"][name]["text"]
               and not name.startswith("auto") and "-auto" not in name]
-    print(f"{len(requests)} requests alone and together -> {a.out}; batched text differs from alone "
-          f"(auto aside: its planner learns from every answer) for {len(differ)}: {differ}")
+    print(f"{len(requests)} requests alone and together on {mx.default_device()} -> {a.out}; batched text differs "
+          f"from alone (auto aside: its planner learns from every answer) for {len(differ)}: {differ}")
+    if a.against is not None:
+        theirs = json.loads(a.against.read_text())
+        changed = [f"{how}/{name}" for how in answers for name in answers[how]
+                   if answers[how][name] != theirs.get(how, {}).get(name)]
+        print(f"against {a.against}: {len(changed)} of {2 * len(requests)} answers differ"
+              + (f": {changed}" if changed else ""))
+        sys.exit(1 if changed else 0)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU run, in one go (under 10 minutes on an NVIDIA H200 with mlx-cuda-13):
 #   1. the parity tests on CUDA against the transformers reference on CUDA (DGEMMA_TEST_DEVICE=gpu);
-#   2. benchmarks/full_scale.py at 30 layers, bfloat16, random weights made in GPU memory;
-#   3. the same at 4 bits (mixed recipe), quantized in GPU memory;
+#   2. the demo's answers under every policy, alone and batched, on the GPU against MLX's CPU
+#      (benchmarks/golden_answers.py; float32 products in TF32, as a user's MLX computes them there);
+#   3. benchmarks/full_scale.py at 30 layers, bfloat16, random weights made in GPU memory;
+#   4. the same at 4 bits (mixed recipe), quantized in GPU memory;
 # each printing AR tok/s, step ms at 16..256 positions, a verified round and the crossover, beside
 # what policy.py predicts for --device (default H200).
 #
@@ -36,6 +38,7 @@ if ((dry_run)); then
     unquantized=float32  # MLX's CPU matmuls are fast in float32 only
     runs=(--width 8 --prompt 8 --ar-tokens 2 --steps 1 --canvas 16 --draft-length 8 --repeats 1)
     parity_only=(--collect-only)
+    answers=(-n 1) accelerator=cpu
     parity_limit=300 run_limit=300
 else
     if [[ -d .whl ]]; then
@@ -48,6 +51,7 @@ else
     unquantized=bfloat16
     runs=(--prompt 64 --ar-tokens 16 --steps 8 --canvas 256 --draft-length 32 --warmup --repeats 2)
     parity_only=()
+    answers=(-n 3) accelerator=gpu
     parity_limit=240 run_limit=150
 fi
 
@@ -75,6 +79,12 @@ step() {  # step NAME LIMIT COMMAND...: run it under a time limit, note a failur
 step "parity tests (DGEMMA_TEST_DEVICE=$DGEMMA_TEST_DEVICE)" "$parity_limit" \
     python3 -m pytest -q -p no:cacheprovider "${parity_only[@]}" tests/test_model_parity.py tests/test_ar_parity.py \
     tests/test_sampler_replay.py tests/test_device_paths.py
+answers_dir=$(mktemp -d)
+trap 'rm -rf "$answers_dir"' EXIT
+step "demo answers: $accelerator against cpu" "$run_limit" bash -c \
+    'python3 benchmarks/golden_answers.py "${@:2}" --device cpu "$1/cpu.json" &&
+     python3 benchmarks/golden_answers.py "${@:2}" --device "$0" "$1/accelerator.json" \
+        --against "$1/cpu.json"' "$accelerator" "$answers_dir" "${answers[@]}"
 step "full_scale: $layers layers, $unquantized" "$run_limit" \
     python3 benchmarks/full_scale.py --in-memory --layers "$layers" --recipe none --dtype "$unquantized" \
     "${runs[@]}" --sweep --predict-device "$device"

@@ -95,6 +95,7 @@ def test_gpu_suite_dry_run():
     lines = run.stdout.split("\n")
     assert lines[-2] == "gpu_suite: all steps passed"
     assert any(re.fullmatch(r"[1-9]\d* tests collected in .*", line) for line in lines)
+    assert any(re.fullmatch(r"against .*cpu\.json: 0 of [1-9]\d* answers differ", line) for line in lines)
     assert sum("predicted (H200)" in line for line in lines) == 2  # bfloat16 (float32 here) and 4-bit
     number = r"\s+\d+\.\d\d"
     for row, unit, ratio in (("AR", "tok/s", True), ("prefill", "tok/s", True), ("step at 16", "ms", True),
