@@ -10,8 +10,8 @@
 #
 #   benchmarks/gpu_suite.sh [--device H200] [--dry-run]
 #
-# MLX for CUDA comes from wheels in .whl/ when that folder exists (installed into /tmp/site, which
-# goes first on PYTHONPATH); otherwise the installed mlx is used. --dry-run: the same steps on the
+# MLX for CUDA comes from /tmp/site when benchmarks/device_wheels.sh installed it there (it goes first on
+# PYTHONPATH; DEVELOPERS.md); otherwise the installed mlx is used. --dry-run: the same steps on the
 # CPU in seconds, to check the script where there is no GPU (tests/test_full_scale.py runs it): the parity
 # tests collected, not run (the CPU suite runs them), and a small model of the released layout (2 layers,
 # widths of the pattern preset x 8) for every benchmark. Exits non-zero if any step failed; every step
@@ -41,11 +41,7 @@ if ((dry_run)); then
     answers=(-n 1) accelerator=cpu
     parity_limit=300 run_limit=300
 else
-    if [[ -d .whl ]]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl || { echo "gpu_suite: installing .whl/ failed" >&2; exit 1; }
-        export PYTHONPATH="/tmp/site:$PYTHONPATH"
-    fi
+    [[ -d /tmp/site ]] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
     export DGEMMA_TEST_DEVICE=gpu
     layers=30
     unquantized=bfloat16
