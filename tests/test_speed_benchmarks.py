@@ -1,0 +1,77 @@
+"""benchmarks/reference_speed.py at a small preset's shapes: what they
+time and print, never how fast anything is."""
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import reference_speed  # noqa: E402
+
+from checkpoint_tools.random_checkpoint import PRESETS  # noqa: E402
+from mlx_dgemma.policy import Profile  # noqa: E402
+
+PRESET = "pattern"  # the released 5:1 layer pattern, canvas 16
+LAYERS = PRESETS[PRESET]["num_hidden_layers"]
+QUICK = ["--preset", PRESET, "--dtype", "float32", "--prompt", "8", "--canvas", "16", "--draft-length", "8",
+         "--repeats", "1"]
+
+
+ROWS = ["AR", "prefill", "step at 16", "crossover at 16", "round of 8, 1 step"]
+
+
+def test_reference_speed_prints_the_sweeps_rows_beside_mlx(capsys):
+    reference_speed.main([*QUICK, "--steps", "2", "--ar-tokens", "2", "--mlx", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "reference: torch cpu, float32; MLX: " in out
+    for label in ROWS:
+        line = next((line for line in out.splitlines() if line.startswith(label + " ")), None)
+        assert line is not None, label
+        figures = [float(x) for x in re.findall(r"-?[0-9]+\.[0-9]+", line.removeprefix(label))]
+        assert len(figures) == (2 if label.startswith("crossover") else 3), line  # reference, MLX, speed-up
+        assert all(math.isfinite(f) and f > 0 for f in figures), line
+
+
+def test_reference_times_each_denoising_step_of_its_own_loop():
+    """One generate() at N steps gives N step times; the timing wrapper is gone afterwards."""
+    import torch
+
+    sizes = dict(PRESETS[PRESET])
+    model = reference_speed.reference_model(sizes, "float32", torch.device("cpu"))
+    reference = reference_speed.Reference(model, 8, torch.device("cpu"))
+    with torch.no_grad():
+        assert reference.step_s(16, 3) > 0
+    assert "_denoising_step" not in vars(model)
+
+
+def test_speed_up_is_reference_seconds_over_mlx_seconds():
+    reference = Profile("torch", "measured", {16: 0.04}, ar_token_s=0.01, prefill_tok_s=100.0,
+                        verify_s_by_length={8: 0.02}, prefix=8)
+    mlx = Profile("mlx", "measured", {16: 0.01}, ar_token_s=0.02, prefill_tok_s=400.0,
+                  verify_s_by_length={8: 0.01}, prefix=8)
+    lines = reference_speed.table(reference, mlx, [16], 8)
+    speed_up = {line.split("  ")[0]: line.split()[-1] for line in lines[2:]}
+    assert speed_up == {"AR": "0.50x", "prefill": "4.00x", "step at 16": "4.00x", "crossover at 16": "steps",
+                        "round of 8, 1 step": "2.67x"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--canvas", "300"], "--canvas must be 1..256"),
+    (["--canvas", "16", "--draft-length", "32"], "--draft-length 1..--canvas"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+])
+def test_reference_speed_refuses_bad_options(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        reference_speed.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_layers_out_of_range_are_refused():
+    args = reference_speed.parse_args(["--layers", "31"])
+    with pytest.raises(SystemExit, match="--layers must be 1..30, got 31"):
+        reference_speed.sizes_from(args)
