@@ -1,4 +1,4 @@
-"""benchmarks/reference_speed.py at a small preset's shapes: what they
+"""benchmarks/reference_speed.py and benchmarks/profile_step.py at a small preset's shapes: what they
 time and print, never how fast anything is."""
 
 import math
@@ -6,11 +6,14 @@ import re
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import full_scale  # noqa: E402
+import profile_step  # noqa: E402
 import reference_speed  # noqa: E402
 
 from checkpoint_tools.random_checkpoint import PRESETS  # noqa: E402
@@ -20,6 +23,57 @@ PRESET = "pattern"  # the released 5:1 layer pattern, canvas 16
 LAYERS = PRESETS[PRESET]["num_hidden_layers"]
 QUICK = ["--preset", PRESET, "--dtype", "float32", "--prompt", "8", "--canvas", "16", "--draft-length", "8",
          "--repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def mlx_model():
+    model, _ = full_scale.random_model(dict(PRESETS[PRESET]), "none", 4, "float32")
+    return model
+
+
+@pytest.fixture(scope="module")
+def forwards(mlx_model):
+    return profile_step.profiles(mlx_model, prompt=8, canvas=16, draft_length=8, repeats=1)
+
+
+def test_profile_times_every_part_of_every_layer(forwards):
+    step, verify, ar = forwards
+    layer_parts = {part for _, part in profile_step.LAYER_PARTS}
+    outside = {"embedding", "final norm", "vocabulary head"}
+    self_conditioning = {"self-conditioning signal", "self-conditioning MLP"}
+    for forward, model_parts in ((step, outside | self_conditioning), (verify, outside), (ar, outside)):
+        expected = {(i, part) for i in range(LAYERS) for part in layer_parts} | {(None, p) for p in model_parts}
+        assert set(forward.parts_s) == expected, forward.name
+        assert all(math.isfinite(s) and s >= 0 for s in forward.parts_s.values()), forward.name
+        # The parts are timed inside the run they belong to: together no longer than it.
+        assert 0 <= forward.other_s and sum(forward.by_part().values()) <= forward.barriers_s
+        assert forward.whole_s > 0
+
+
+def test_the_profiled_forward_is_the_models_own(mlx_model):
+    """The parts are timed in place: the same logits as the forward with no barrier, and nothing of the
+    timing left on the model afterwards."""
+    cache = mlx_model.make_cache()
+    mlx_model.encode(mx.arange(3, 11)[None], cache)
+    view = cache.canvas_view(16)
+    canvas = mx.arange(20, 36)[None]
+    plain = mlx_model.denoise(canvas, view)
+    seconds = {}
+    with profile_step.parts_timed(mlx_model, seconds):
+        timed = mlx_model.denoise(canvas, view)
+    assert len(seconds) == LAYERS * len({p for _, p in profile_step.LAYER_PARTS}) + 4  # no self-conditioning
+    assert mx.array_equal(plain, timed).item()
+    assert not [m for m in mlx_model.modules() if any(isinstance(v, profile_step._Timed) for v in vars(m).values())]
+    assert not any(isinstance(v, profile_step._Timed) for v in vars(mlx_model).values())
+
+
+def test_profile_step_prints_each_forward_by_part_and_layer(capsys, tmp_path):
+    profile_step.main([*QUICK, "--json", str(tmp_path / "profile.json")])
+    out = capsys.readouterr().out
+    for name in ("denoising step of 16 positions", "verifying pass of 8 tokens", "AR token"):
+        assert f"\n{name}: " in out
+    assert len(re.findall(r"^ +5 full +(?: +[0-9.]+){7}$", out, re.M)) == 3  # the full layer's row, each forward
+    assert (tmp_path / "profile.json").read_text().count('"whole_s"') == 3
 
 
 ROWS = ["AR", "prefill", "step at 16", "crossover at 16", "round of 8, 1 step"]
