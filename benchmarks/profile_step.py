@@ -28,6 +28,7 @@ from contextlib import contextmanager  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import full_scale  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from shapes import add_shape_options, describe, sizes_from  # noqa: E402
 
@@ -196,8 +197,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import full_scale
-
     args = parse_args(argv)
     sizes = sizes_from(args)
     quantized = "unquantized" if args.recipe == "none" else f"{args.recipe} {args.bits}-bit"

@@ -34,8 +34,22 @@ import copy  # noqa: E402
 import gc  # noqa: E402
 import time  # noqa: E402
 
+import full_scale  # noqa: E402
 import mlx.core as mx  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 from shapes import add_shape_options, describe, sizes_from  # noqa: E402
+from transformers import (  # noqa: E402
+    DiffusionGemmaConfig,
+    DiffusionGemmaForBlockDiffusion,
+    DiffusionGemmaTextConfig,
+    DynamicCache,
+    Gemma4VisionConfig,
+)
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # noqa: E402
+    DiffusionGemmaGenerationConfig,
+    EntropyBoundSamplerConfig,
+)
 
 from checkpoint_tools.random_checkpoint import SMALL_VISION  # noqa: E402
 from mlx_dgemma import policy  # noqa: E402
@@ -45,8 +59,6 @@ TOP_LEVEL = ("canvas_length", "image_token_id", "boi_token_id", "eoi_token_id")
 
 
 def torch_device(name: str):
-    import torch
-
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available() or name == "mps" and not torch.backends.mps.is_available():
@@ -57,17 +69,6 @@ def torch_device(name: str):
 def reference_model(sizes: dict, dtype: str, device):
     """The reference ``DiffusionGemmaForBlockDiffusion`` at ``sizes``, random (its own init) and made on
     ``device`` in ``dtype``; the vision tower it always builds is the tiny one of the text presets."""
-    import torch
-    from transformers import (
-        DiffusionGemmaConfig,
-        DiffusionGemmaForBlockDiffusion,
-        DiffusionGemmaTextConfig,
-        Gemma4VisionConfig,
-    )
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-        DiffusionGemmaGenerationConfig,
-        EntropyBoundSamplerConfig,
-    )
 
     text = {k: v for k, v in sizes.items() if k not in TOP_LEVEL}
     text.update(pad_token_id=0, eos_token_id=1, bos_token_id=2)
@@ -86,8 +87,6 @@ def reference_model(sizes: dict, dtype: str, device):
 
 
 def synchronize(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -104,28 +103,18 @@ class Reference:
     """The reference model after a prompt: its figures, timed on its device."""
 
     def __init__(self, model, prompt_tokens: int, device):
-        import torch
-        from transformers import DynamicCache
-
         self.model, self.device = model, device
-        self.torch, self._cache_class = torch, DynamicCache
         vocab = model.config.text_config.vocab_size
-        generator = torch.Generator().manual_seed(7)
-        self.prompt = torch.randint(3, vocab, (1, prompt_tokens), generator=generator).to(device)
-        self.prompt_cache = self.encode(self.prompt)
+        self.prompt = torch.randint(3, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(7)).to(device)
+        self.prompt_cache = DynamicCache(config=model.config.text_config)
+        self.encode(self.prompt, self.prompt_cache)
 
-    def positions(self, start: int, count: int):
-        return self.torch.arange(start, start + count, device=self.device)[None]
-
-    def encode(self, ids, cache=None):
-        """``ids`` encoded into ``cache`` (a new one by default), which is returned."""
-        cache = cache if cache is not None else self._cache_class(config=self.model.config.text_config)
-        with self.torch.no_grad():
-            start = cache.get_seq_length()
-            self.last_hidden = self.model.model.encoder(input_ids=ids, cache=cache,
-                                                        position_ids=self.positions(start, ids.shape[1])
-                                                        ).last_hidden_state
-        return cache
+    @torch.no_grad()
+    def encode(self, ids, cache):
+        """The encoder over ``ids`` after what ``cache`` holds (appended to it): the final-normed hidden states."""
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        return self.model.model.encoder(input_ids=ids, cache=cache, position_ids=positions).last_hidden_state
 
     def timed(self, fn) -> float:
         synchronize(self.device)
@@ -135,7 +124,7 @@ class Reference:
         return time.perf_counter() - start
 
     def prefill_s(self) -> float:
-        return self.timed(lambda: self.encode(self.prompt))
+        return self.timed(lambda: self.encode(self.prompt, DynamicCache(config=self.model.config.text_config)))
 
     def step_s(self, canvas: int, steps: int) -> float:
         """The mean seconds of the denoising steps of one ``generate()`` of a canvas of ``canvas``
@@ -167,33 +156,27 @@ class Reference:
         cap = self.model.config.text_config.final_logit_softcapping
 
         def decode():
-            nonlocal token, cache
+            nonlocal token
             for _ in range(tokens):
-                cache = self.encode(token, cache)
-                logits = self.model.lm_head(self.last_hidden[:, -1]).float()
-                token = (cap * self.torch.tanh(logits / cap)).argmax(-1, keepdim=True)
+                logits = self.model.lm_head(self.encode(token, cache)[:, -1]).float()
+                token = (cap * torch.tanh(logits / cap)).argmax(-1, keepdim=True)
                 synchronize(self.device)  # as MLX's AR loop evaluates each token
 
         return self.timed(decode) / tokens
 
     def verify_s(self, length: int) -> float:
         cache = copy.deepcopy(self.prompt_cache)
-        ids = self.torch.randint(3, self.model.config.text_config.vocab_size, (1, length),
-                                 generator=self.torch.Generator().manual_seed(length)).to(self.device)
+        ids = torch.randint(3, self.model.config.text_config.vocab_size, (1, length),
+                            generator=torch.Generator().manual_seed(length)).to(self.device)
+        return self.timed(lambda: self.model.lm_head(self.encode(ids, cache)).argmax(-1).tolist())
 
-        def check():
-            self.encode(ids, cache)
-            self.model.lm_head(self.last_hidden).argmax(-1).tolist()
-
-        return self.timed(check)
-
+    @torch.no_grad()
     def profile(self, canvases: list[int], steps: int, repeats: int, ar_tokens: int,
                 draft_lengths: list[int]) -> policy.Profile:
-        with self.torch.no_grad():
-            steps_s = {c: best_s(lambda c=c: self.step_s(c, steps), repeats) for c in canvases}
-            ar = best_s(lambda: self.ar_token_s(ar_tokens), repeats)
-            prefill = best_s(self.prefill_s, repeats)
-            verify = {n: best_s(lambda n=n: self.verify_s(n), repeats) for n in draft_lengths}
+        steps_s = {c: best_s(lambda c=c: self.step_s(c, steps), repeats) for c in canvases}
+        ar = best_s(lambda: self.ar_token_s(ar_tokens), repeats)
+        prefill = best_s(self.prefill_s, repeats)
+        verify = {n: best_s(lambda n=n: self.verify_s(n), repeats) for n in draft_lengths}
         dtype = str(self.model.dtype).removeprefix("torch.")
         return policy.Profile(f"torch {self.device}", "measured", steps_s, ar, self.prompt.shape[1] / prefill, dtype,
                               verify, self.prompt.shape[1])
@@ -230,8 +213,6 @@ def table(reference: policy.Profile, mlx: policy.Profile | None, canvases: list[
 def measure_mlx(sizes: dict, args: argparse.Namespace, canvases: list[int]) -> policy.Profile:
     """``policy.measure`` (full_scale.py's sweep) of the model made in memory at the same shapes and
     dtype, unquantized; the model is freed before the reference is made."""
-    import full_scale
-
     model, stage = full_scale.random_model(sizes, "none", 4, args.dtype)
     print(stage.line(), flush=True)
     profile = policy.measure(model, prefix=args.prompt, canvases=canvases, repeats=args.repeats,
@@ -263,9 +244,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch
-    import transformers
-
     args = parse_args(argv)
     sizes = sizes_from(args)
     canvases = [c for c in policy.CANVAS_LENGTHS if c <= args.canvas] or [args.canvas]
