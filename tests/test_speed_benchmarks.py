@@ -91,6 +91,20 @@ def test_reference_speed_prints_the_sweeps_rows_beside_mlx(capsys):
         assert all(math.isfinite(f) and f > 0 for f in figures), line
 
 
+def test_the_reference_has_the_shapes_mlx_runs_at():
+    """At the released shapes (made on the meta device: no memory) the reference holds what the
+    checkpoint full_scale.py makes holds, tensor for tensor: the decoder's weights (the encoder's are
+    tied to them) and both sets of layer scalars."""
+    import torch
+
+    sizes = full_scale.released_sizes(30)
+    model = reference_speed.reference_model(sizes, "bfloat16", torch.device("meta"))
+    own = {name: tuple(p.shape) for name, p in model.model.decoder.named_parameters(prefix="model.decoder")}
+    own.update({name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("layer_scalar")})
+    assert own == dict(full_scale.hf_tensors(sizes))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 def test_reference_times_each_denoising_step_of_its_own_loop():
     """One generate() at N steps gives N step times; the timing wrapper is gone afterwards."""
     import torch
