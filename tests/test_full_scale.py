@@ -96,9 +96,13 @@ def test_gpu_suite_dry_run():
     assert lines[-2] == "gpu_suite: all steps passed"
     assert any(re.fullmatch(r"[1-9]\d* tests collected in .*", line) for line in lines)
     assert any(re.fullmatch(r"against .*cpu\.json: 0 of [1-9]\d* answers differ", line) for line in lines)
-    assert sum("predicted (H200)" in line for line in lines) == 2  # bfloat16 (float32 here) and 4-bit
+    sweeps = [i for i, line in enumerate(lines) if line.startswith("sweep: ")]
+    assert len(sweeps) == 2  # bfloat16 (float32 here) and 4-bit
     number = r"\s+\d+\.\d\d"
-    for row, unit, ratio in (("AR", "tok/s", True), ("prefill", "tok/s", True), ("step at 16", "ms", True),
-                             ("crossover at 16", "steps", False)):
-        pattern = row + 2 * f"{number} {unit}" + (f"{number}x" if ratio else "")  # measured, predicted, x roofline
-        assert sum(bool(re.fullmatch(pattern, line.rstrip())) for line in lines) == 2, row
+    for start in sweeps:
+        assert "predicted (H200)" in lines[start + 1]
+        rows = [("AR", "tok/s", True), ("prefill", "tok/s", True), ("step at 16", "ms", True),
+                ("crossover at 16", "steps", False)]
+        for line, (row, unit, ratio) in zip(lines[start + 2:], rows):
+            pattern = row + 2 * f"{number} {unit}" + (f"{number}x" if ratio else "")  # measured, predicted, x roofline
+            assert re.fullmatch(pattern, line.rstrip()), line
