@@ -19,8 +19,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_dgemma import distributed
+from mlx_dgemma.experts import Experts
 from mlx_dgemma.loader import load_model
-from mlx_dgemma.model import Experts
 from mlx_dgemma.safetensors_io import read_header, read_tensor
 
 ROOT = Path(__file__).resolve().parents[1]

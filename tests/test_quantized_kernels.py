@@ -8,7 +8,8 @@ import mlx.nn as nn
 import pytest
 
 from mlx_dgemma import kernels
-from mlx_dgemma.model import Experts, Linear
+from mlx_dgemma.experts import Experts
+from mlx_dgemma.model import Linear
 
 # float32 products of the same dequantized weights: differences are summation order only
 TOLERANCE = 1e-4

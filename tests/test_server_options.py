@@ -92,8 +92,9 @@ def test_a_filter_to_one_token_is_greedy_through_each_api(clients, demo, api, po
     answer, per policy and API; the same temperature unfiltered gives the sampled one."""
     model, tokenizer = demo
     narrow = {"top_p": 1e-6} if api == "responses" else {"top_k": 1}
-    before = planner_kept(model)
+    before = planner_kept(model)  # each answer from the same planner: a verified row moves its acceptance
     filtered = ask(clients, api, 4, 32, policy=policy, temperature=1.7, **narrow)
+    planner_set(model, before)
     sampled = ask(clients, api, 4, 32, policy=policy, temperature=1.7)
     planner_set(model, before)
     greedy = generate(model, tokenizer, PROMPT, 32, seed=4, policy=policy, temperature=0)
