@@ -92,7 +92,7 @@ def check_temperature(value, name: str) -> None:
     """0, or from ``MIN_TEMPERATURE`` to ``TEMPERATURE_LIMIT`` (NaN, infinities and denormals give NaN canvases)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or not math.isfinite(value) or not (value == 0 or MIN_TEMPERATURE <= value <= TEMPERATURE_LIMIT):
-        raise ValueError(f"{name} must be 0 or a number from {MIN_TEMPERATURE:g} to {TEMPERATURE_LIMIT:g}, "
+        raise ValueError(f"{name} must be 0 or a finite number from {MIN_TEMPERATURE:g} to {TEMPERATURE_LIMIT:g}, "
                          f"got {shown(value)}")
 
 
