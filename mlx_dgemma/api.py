@@ -119,6 +119,8 @@ def _responses(engine, job: PreparedRequest, prompt_tps: float, drafts: list | N
     text, thought, tokens, steps = "", "", [], 0
     while len(engine):
         for r in engine.next():
+            if r.error is not None:
+                raise r.error
             text, tokens, steps = text + r.text, tokens + r.tokens, steps + r.steps
             if job.thought is not None:
                 thought += job.thought.add(r.tokens, final=r.finish_reason is not None)

@@ -72,6 +72,7 @@ class BatchResponse:
     plan: Plan | None = None  # the plan the commit was made under (auto re-plans)
     ends_block: bool = True  # False: an autoregressive token inside its block (a canvas's worth, or auto's choice)
     non_pad: int = 0  # non-pad tokens the commit computed, past max_tokens too (the reference's tokens per forward)
+    error: Exception | None = None  # the row failed: it is out of the engine, nothing else is set
 
 
 class BatchGenerator:
@@ -154,7 +155,14 @@ class BatchGenerator:
         """Start ``row``'s next canvas, block or round in its plan's kind, from its own ``cache`` (and
         the next-token ``logits`` after it)."""
         row.started = time.perf_counter()
-        self._kinds[row.plan.mode].add(row, cache, logits)
+        try:
+            self._kinds[row.plan.mode].add(row, cache, logits)
+        except Exception as e:  # (a kind takes a row in only once all of its own work is done)
+            self.fail(row, e)
+
+    def fail(self, row: Row, error: Exception) -> None:
+        """End ``row`` with ``error`` (the kind has let it go): the others go on."""
+        self._out.append(BatchResponse(row.uid, [], "", None, 0, row.plan, error=error))
 
     def replan(self, row: Row) -> None:
         """An auto row that goes on: its next plan, from what the planner knows by now."""
@@ -208,5 +216,7 @@ def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens:
     with generation_device(model):
         while len(generator):
             for response in generator.next():
+                if response.error is not None:
+                    raise response.error
                 texts[response.uid] += response.text
     return [texts[uid] for uid in uids]

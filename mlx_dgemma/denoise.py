@@ -36,24 +36,33 @@ def step_batch(model, view: CanvasView, batch: RunBatch) -> CanvasView | None:
     return view.select(kept) if len(kept) < before else view
 
 
-def step_compacted(model, view: CanvasView, runs: list[CompactedRun]) -> tuple[CanvasView | None, list[int]]:
+def step_compacted(model, view: CanvasView, runs: list[CompactedRun]
+                   ) -> tuple[CanvasView | None, list[int], dict[int, Exception]]:
     """One denoising step of runs under active-set compaction (the rows of ``view``, in order; a run
     may be at its first step while the others are not); returns the view of the rows that go on
-    (None when none does) and their indexes."""
+    (None when none does), their indexes, and the runs whose own step raised (index -> the error;
+    they go on no more, the others as they would alone)."""
     inputs = [run.inputs() for run in runs]
     tokens, self_conditioning, self_conditioning_probs, active, conditioned = _stack(inputs, runs[0].length)
     logits = model.denoise(tokens, view, self_conditioning, self_conditioning_probs, active,
                            self_conditioned_rows=conditioned)
-    pending = []
+    pending, failed = [], {}
     for i, run in enumerate(runs):
-        pending += run.advance(logits[i : i + 1, : inputs[i][0].shape[1]])
+        try:
+            pending += run.advance(logits[i : i + 1, : inputs[i][0].shape[1]])
+        except Exception as e:
+            failed[i] = e
     mx.eval(pending)
-    for run in runs:
-        run.settle()
-    keep = [i for i, run in enumerate(runs) if run.result is None]
+    for i, run in enumerate(runs):
+        if i not in failed:
+            try:
+                run.settle()
+            except Exception as e:
+                failed[i] = e
+    keep = [i for i, run in enumerate(runs) if run.result is None and i not in failed]
     if not keep:
-        return None, keep
-    return (view.select(keep) if len(keep) < len(runs) else view), keep
+        return None, keep, failed
+    return (view.select(keep) if len(keep) < len(runs) else view), keep, failed
 
 
 def _stack(inputs, length: int):
@@ -113,6 +122,8 @@ def denoise_canvas(
             view = step_batch(model, view, batch)
     else:
         while view is not None:
-            view, _ = step_compacted(model, view, [run])
+            view, _, failed = step_compacted(model, view, [run])
+            if failed:
+                raise failed[0]
     return run.result
 

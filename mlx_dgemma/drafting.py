@@ -299,11 +299,12 @@ class Round:
         return self.known is not None and self.kept < self.length - 1
 
 
-def verify_rounds(model, rows: list[DraftRow], settings: DraftSettings) -> list[Round]:
+def verify_rounds(model, rows: list[DraftRow], settings: DraftSettings) -> list[Round | Exception]:
     """One round for each row after its known token: draft (from its leftover), verify, keep, trim.
     The drafts have one length (``settings.length``): one forward per draft step and one verifying
     pass for all the rows; each row keeps what it keeps. The rows' caches and rules move on; their
-    known tokens and leftovers are the rounds' to set."""
+    known tokens and leftovers are the rounds' to set. A row whose rule raises gets its exception in
+    place of its round."""
     length = settings.length
     befores = [len(row.rule.output) for row in rows]
     q = [None] * len(rows)
@@ -323,7 +324,11 @@ def verify_rounds(model, rows: list[DraftRow], settings: DraftSettings) -> list[
     rounds = []
     for i, (row, before) in enumerate(zip(rows, befores)):
         tokens = drafted[i].tolist()
-        kept, next_known = row.rule.follow(logits[i], tokens[1:], None if q[i] is None else q[i][1:])
+        try:
+            kept, next_known = row.rule.follow(logits[i], tokens[1:], None if q[i] is None else q[i][1:])
+        except Exception as e:  # this row's rule (its grammar) failed: the others keep their rounds
+            rounds.append(e)
+            continue
         row.cache.trim(length - 1 - kept)
         rounds.append(Round(row.rule.output[before:], next_known, length, kept, forwards, tokens[kept + 2:]))
     return rounds

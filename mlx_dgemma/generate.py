@@ -36,7 +36,7 @@ from .cli import command_line, kv_cache_options
 from .demo import DEMO_MODEL
 from .filters import check_min_p, check_top_k, check_top_p
 from .images import load_image
-from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_schedule_scale
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_prefill_step_size, check_schedule_scale
 from .policy import POLICIES, Plan
 from .request import (
     PreparedRequest,
@@ -112,7 +112,8 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
               help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
                    "(the file's final newline is not part of it).")
-@click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True, callback=option(at_least(1)),
+@click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True,
+              callback=option(check_prefill_step_size),
               help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
 @kv_cache_options
 @click.option("--schema", "schema_file", type=click.Path(dir_okay=False),

@@ -381,15 +381,17 @@ class GrammarRule:
 
     def _emit(self, token: int) -> int:
         """Take ``token``, or where llguidance gives up after it, the first token of a closing path
-        walked from here; a ``RuntimeError`` where none is found (an invalid answer is never ended as
-        if whole)."""
+        walked from here; a ``TemplateError`` where none is found or llguidance refuses a token its
+        mask allowed (an invalid answer is never ended as if whole)."""
         after = self.matcher.deep_copy()
         if not after.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {after.get_error()}")
+            reason = _one_line(after.get_error().partition("\n")[0])  # (the rest is llguidance's state dump)
+            raise TemplateError(f"llguidance gave up on the schema mid-answer ({reason}); "
+                                "simplify the schema's patterns")
         mask = None if after.is_stopped() or after.is_error() else allowed_tokens(after, self.vocab)
         if self._gave_up(after, mask, token):
             if not (path := self._walk(self.matcher)):
-                raise RuntimeError("llguidance gave up on the schema mid-answer (its lexer's limit on a pattern), "
+                raise TemplateError("llguidance gave up on the schema mid-answer (its lexer's limit on a pattern), "
                                    "so no valid answer can be written; simplify the schema's patterns")
             token, self.path, self.path_age, mask = path[0], path[1:], 0, None
             after = self.matcher.deep_copy()

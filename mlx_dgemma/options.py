@@ -10,9 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from .errors import OptionError
-from .validate import finite_number
+from .validate import finite_number, integer_in
 
 PREFILL_STEP_SIZE = 2048  # mlx-lm's default: prompt tokens encoded per forward
+MAX_PREFILL_STEP_SIZE = 1 << 20  # past any context: a step this long is the whole prompt in one forward
+check_prefill_step_size = integer_in(1, MAX_PREFILL_STEP_SIZE)
 KV_BITS = (4, 8)  # the widths a KV cache quantizes to (cache.py)
 KV_GROUP_SIZES = (32, 64, 128)  # mx.quantize's group sizes
 KV_GROUP_SIZE = 64  # mlx-lm's defaults (--kv-group-size, --quantized-kv-start)

@@ -18,7 +18,7 @@ from .errors import OptionError
 from .filters import filtering
 from .grammar import CLOSING_CAP, Grammar, first_closing_path, schema_grammar
 from .images import ImageInputs, image_inputs
-from .options import GenerationArgs
+from .options import GenerationArgs, check_prefill_step_size
 from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan
 from .sampler import MxRandom, Random
 from .template import CanvasTemplate, TemplateError, as_template, canvas_clamps
@@ -141,6 +141,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
         max_tokens = len(template) + template.ends_turn
     overrides = args.sampling.overrides(defaults)  # they replace the plan's, and none is dropped
     check_step_counts(overrides.get("steps"), args.draft_steps)
+    check_prefill_step_size(args.prefill_step_size, "prefill_step_size")
     if args.kv_quantization is not None:
         args.kv_quantization.check([config.layer_head_dim(i) for i in range(config.num_hidden_layers)])
     if args.think and (grammar is not None or template is not None and template.render is not None):

@@ -39,7 +39,7 @@ from .filters import (
     filtering,
     sampling_probs,
 )
-from .validate import check_entropy_bound, check_temperature, check_temperatures
+from .validate import MAX_STEPS, check_entropy_bound, check_temperature, check_temperatures, integer_in
 
 
 class Random(Protocol):
@@ -116,8 +116,7 @@ class SamplerSettings:
             raise ValueError(f"stability threshold must be an integer >= 0, got {self.stability_threshold!r}")
         if not self.confidence_threshold > 0:
             raise ValueError(f"confidence threshold must be > 0, got {self.confidence_threshold}")
-        if not isinstance(self.freeze_after, int) or self.freeze_after < 0:
-            raise ValueError(f"freeze_after must be an integer >= 0, got {self.freeze_after!r}")
+        integer_in(0, MAX_STEPS)(self.freeze_after, "freeze_after")  # (past a canvas's steps, nothing freezes)
         check_temperature(self.draw_temperature, "temperature")
         check_top_p(self.top_p, "top_p")
         check_top_k(self.top_k, "top_k")

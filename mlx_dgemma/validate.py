@@ -14,6 +14,9 @@ import numpy as np
 from .errors import PromptError
 
 MIN_TEMPERATURE = 1e-4  # below it, soft-capped logits / T overflow float32 and the canvas turns to NaN
+# Above it, soft-capped logits (within +-30) / T are uniform draws already; far above, T overflows float32
+# and the canvas turns to NaN.
+TEMPERATURE_LIMIT = 1e4
 SEED_LIMIT = 1 << 64  # mx.random.key takes an unsigned 64-bit seed
 # Denoising steps a canvas may be given: 10x the released checkpoint's 48, each a forward of the decoder.
 MAX_STEPS = 512
@@ -41,6 +44,16 @@ def at_least(minimum: int) -> Callable[[object, str], None]:
             raise ValueError(f"{name} must be an integer, got {shown(value)}")
         if value < minimum:
             raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+    return check
+
+
+def integer_in(low: int, high: int) -> Callable[[object, str], None]:
+    """A check of an integer from ``low`` to ``high`` (a value past the bound reaches MLX's int32 or
+    a loop as long as it)."""
+    def check(value, name: str) -> None:
+        if not is_int(value) or not low <= value <= high:
+            raise ValueError(f"{name} must be an integer from {low} to {high}, got {shown(value)}")
 
     return check
 
@@ -76,10 +89,11 @@ def check_seed(seed, name: str = "seed") -> None:
 
 
 def check_temperature(value, name: str) -> None:
-    """Finite, and 0 or at least ``MIN_TEMPERATURE`` (NaN, infinities and denormals give NaN canvases)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) \
-            or not (value == 0 or value >= MIN_TEMPERATURE):
-        raise ValueError(f"{name} must be 0 or a finite number of at least {MIN_TEMPERATURE:g}, got {shown(value)}")
+    """0, or from ``MIN_TEMPERATURE`` to ``TEMPERATURE_LIMIT`` (NaN, infinities and denormals give NaN canvases)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value) or not (value == 0 or MIN_TEMPERATURE <= value <= TEMPERATURE_LIMIT):
+        raise ValueError(f"{name} must be 0 or a finite number from {MIN_TEMPERATURE:g} to {TEMPERATURE_LIMIT:g}, "
+                         f"got {shown(value)}")
 
 
 def check_temperatures(t_min, t_max) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import BatchGenerator, batch_generate, generate, load, stream_generate
+from mlx_dgemma.errors import TemplateError
 from mlx_dgemma.generate import prefill, prepare
 from mlx_dgemma.options import GenerationArgs
 
@@ -434,3 +435,29 @@ def test_auto_rows_switch_kinds_in_the_batch_and_give_what_they_give_alone(demo,
         assert {"diffusion", "ar", "verified"} <= set(modes)
     finally:
         PLANNERS.set(model, saved)
+
+
+# A schema llguidance gives up on at its first tokens (its lexer's limit on the pattern).
+GIVES_UP = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}
+
+
+@pytest.mark.parametrize("policy, bad", [("ar", {"schema": GIVES_UP}), ("verified", {"schema": GIVES_UP}),
+                                         ("reference", {"schema": GIVES_UP})])
+def test_a_row_whose_step_fails_ends_alone(demo, policy, bad):
+    """The failing row's response carries its one-line error; the healthy row beside it gives its answer alone."""
+    model, tokenizer = demo
+    healthy = {"max_tokens": 40, "policy": policy, "seed": 3}
+    alone = generate(model, tokenizer, "sort: 42 17 85 23 61", **healthy)
+    engine = BatchGenerator(model, tokenizer)
+    good = engine.insert(prepare(model, tokenizer, "sort: 42 17 85 23 61", GenerationArgs.of(**healthy)))
+    failing = engine.insert(prepare(model, tokenizer, "hello", GenerationArgs.of(max_tokens=64, policy=policy, **bad)))
+    text, errors = "", {}
+    while len(engine):
+        for r in engine.next():
+            if r.error is not None:
+                errors[r.uid] = r.error
+            elif r.uid == good:
+                text += r.text
+    assert text == alone
+    assert list(errors) == [failing] and isinstance(errors[failing], TemplateError)
+    assert "llguidance gave up on the schema mid-answer" in str(errors[failing]) and "\n" not in str(errors[failing])

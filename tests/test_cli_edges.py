@@ -358,3 +358,15 @@ def test_fuse_errors_name_save_path(tmp_path):
     line = one_line(cli("fuse", "--adapter-path", tmp_path / "none", "--save-path", DEMO_MODEL, "--force"),
                     "is the source checkpoint", "--save-path")
     assert json.loads((DEMO_MODEL / "config.json").read_text())
+
+
+def test_a_schema_llguidance_gives_up_on_mid_answer_is_one_line(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}))
+    result = cli("generate", "--schema", schema, "-p", "hello", "-m", 64, "--policy", "ar")
+    one_line(result, "llguidance gave up on the schema mid-answer", "simplify the schema's patterns")
+    assert result.stdout.strip() == ""  # nothing half-written
+
+
+def test_a_prefill_step_past_its_bound_is_one_line():
+    one_line(cli("generate", "--prefill-step-size", 10 ** 30), "--prefill-step-size must be an integer from 1 to 1048576")

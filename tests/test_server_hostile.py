@@ -461,3 +461,40 @@ def test_hostile_requests_keep_the_servers_memory_bounded(tmp_path, big_png):
     finally:
         server.process.send_signal(signal.SIGTERM)
         server.wait(10)
+
+
+# A schema llguidance gives up on in the worker's first steps (its lexer's limit on the pattern).
+GIVES_UP = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": GIVES_UP}}},
+     "response_format"),
+    ("/v1/responses", {"input": "hello", "text": {"format": {"type": "json_schema", "name": "x", "schema": GIVES_UP}}},
+     "text.format"),
+    ("/v1/messages", {"max_tokens": 64, "tools": [{"name": "f", "input_schema": {
+        "type": "object", "required": ["s"], "properties": {"s": GIVES_UP}}}], "tool_choice": {"type": "tool", "name": "f"}},
+     None),  # (Anthropic's error shape names no field)
+    ("/api/chat", {"format": GIVES_UP, "stream": False}, None),  # (Ollama's error is its message alone)
+])
+def test_a_row_that_fails_in_the_worker_ends_alone(server, client, path, body, param):
+    """A 400 naming the API's schema field in one line, while a request beside it is answered as alone."""
+    with ThreadPoolExecutor(1) as pool:
+        healthy = pool.submit(assert_still_serving, client)
+        status, error, _ = post(server, {**ask("hello"), **body}, path, 60)
+        healthy.result(timeout=60)
+    message = error.get("message") or error.get("error", {}).get("message") if isinstance(error, dict) else error
+    assert status == 400 and "llguidance gave up on the schema mid-answer" in str(message), error
+    assert "\n" not in str(message) and (param is None or error.get("param") == param), error
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/chat/completions", {"freeze_after": 2147483648}, "freeze_after must be an integer from 0 to 512"),
+    ("/api/chat", {"options": {"freeze_after": 2147483648}, "stream": False},
+     "options.freeze_after must be an integer from 0 to 512"),
+    ("/v1/messages", {"max_tokens": 8, "freeze_after": 10 ** 30}, "freeze_after must be an integer from 0 to 512"),
+])
+def test_freeze_after_is_bounded_by_the_field_sent(server, client, path, body, message):
+    status, error, _ = post(server, {**ask("hello"), **body}, path)
+    assert status == 400 and message in json.dumps(error), error
+    assert_still_serving(client)

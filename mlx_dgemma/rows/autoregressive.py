@@ -79,25 +79,38 @@ class AutoregressiveRows:
             return
         tokens = mx.concatenate([state.token for state in self.rows])
         logits = self.engine.model.next_token_logits(tokens, self.cache)
-        following = [self._pick(state, logits[i : i + 1]) if state.rule is None and not _ends(state) else None
-                     for i, state in enumerate(self.rows)]
+        following, failed = [], {}
+        for i, state in enumerate(self.rows):
+            try:
+                following.append(self._pick(state, logits[i : i + 1])
+                                 if state.rule is None and not _ends(state) else None)
+            except Exception as e:
+                following.append(None)
+                failed[i] = e
         mx.async_eval([f for f in following if f is not None])
         keep, leaving = [], []
         for i, (state, token) in enumerate(zip(self.rows, tokens[:, 0].tolist())):
-            went = self._ruled_token(state, logits[i]) if state.rule is not None else self._free_token(state, token)
+            try:
+                if i in failed:
+                    raise failed[i]
+                went = self._ruled_token(state, logits[i]) if state.rule is not None else self._free_token(state, token)
+                if went == "on":
+                    state.token = following[i] if state.rule is None else state.token
+                elif went == "switch":  # an auto row's block is done: another block stays in the group
+                    row = state.row
+                    self.engine.replan(row)
+                    if row.plan.mode == "ar":
+                        row.started = time.perf_counter()
+                        self._new_block(state)
+                        state.token = self._pick(state, logits[i : i + 1])
+                        went = "on"
+                    else:
+                        leaving.append((row, self._take(i), logits[i : i + 1]))
+            except Exception as e:  # this row's own part of the step: it alone ends
+                self.engine.fail(state.row, e)
+                continue
             if went == "on":
                 keep.append(i)
-                state.token = following[i] if state.rule is None else state.token
-            elif went == "switch":  # an auto row's block is done: another block stays in the group
-                row = state.row
-                self.engine.replan(row)
-                if row.plan.mode == "ar":
-                    row.started = time.perf_counter()
-                    self._new_block(state)
-                    state.token = self._pick(state, logits[i : i + 1])
-                    keep.append(i)
-                else:
-                    leaving.append((row, self._take(i), logits[i : i + 1]))
         self._keep(keep)
         for row, cache, row_logits in leaving:
             self.engine.enter(row, cache, row_logits)

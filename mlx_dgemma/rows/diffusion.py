@@ -53,17 +53,18 @@ class _Lane:
         if self.batch is not None:
             self.batch.add([state.run])
 
-    def step(self, model) -> tuple[list[_Canvases], CanvasView]:
+    def step(self, model) -> tuple[list[_Canvases], CanvasView, dict[int, Exception]]:
         """One denoising step of every row; those whose canvases committed leave the lane. Returns the
-        rows as they were and the view of their prefixes (the commits encode through it)."""
-        rows, before = self.rows, self.view
+        rows as they were, the view of their prefixes (the commits encode through it) and the rows
+        whose own step raised (index -> the error; they left the lane)."""
+        rows, before, failed = self.rows, self.view, {}
         if self.batch is not None:
             view = step_batch(model, self.view, self.batch)
             keep = [i for i, state in enumerate(rows) if state.run.result is None]
         else:
-            view, keep = step_compacted(model, self.view, [state.run for state in rows])
+            view, keep, failed = step_compacted(model, self.view, [state.run for state in rows])
         self.rows, self.view = [rows[i] for i in keep], view
-        return rows, before
+        return rows, before, failed
 
     def leave(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
@@ -100,15 +101,24 @@ class DiffusionRows:
 
     def step(self) -> None:
         """A denoising step of every row (a canvas starts where none runs); commits are emitted."""
-        for state in self.rows:
+        for state in list(self.rows):
             if state.run is None:
-                self._start_canvas(state)
+                try:
+                    self._start_canvas(state)
+                except Exception as e:  # (a lane takes the run in last, once it is made)
+                    self._fail(state, e)
         for key, lane in list(self.lanes.items()):
-            rows, view = lane.step(self.engine.model)
+            rows, view, failed = lane.step(self.engine.model)
             if not lane.rows:
                 del self.lanes[key]
-            if len(lane.rows) < len(rows):
+            for i, error in failed.items():
+                self._fail(rows[i], error)
+            if len(lane.rows) + len(failed) < len(rows):
                 self._commit(rows, view)
+
+    def _fail(self, state: _Canvases, error: Exception) -> None:
+        self.rows.remove(state)
+        self.engine.fail(state.row, error)
 
     def _start_canvas(self, state: _Canvases) -> None:
         row, model = state.row, self.engine.model
@@ -128,8 +138,16 @@ class DiffusionRows:
         rows that go on encode them, together (their next canvases start at the next step; an auto
         row's next plan starts from the logits after it), finished ones leave."""
         model = self.engine.model
-        results = {i: state.run.result for i, state in enumerate(rows) if state.run.result is not None}
-        going_on = [i for i in results if not self._committed(rows[i])]
+        results = {i: state.run.result for i, state in enumerate(rows)
+                   if state.run is not None and state.run.result is not None}
+        going_on = []
+        for i in results:
+            try:
+                if not self._committed(rows[i]):
+                    going_on.append(i)
+            except Exception as e:  # this row's own commit: it alone ends
+                if rows[i] in self.rows:
+                    self._fail(rows[i], e)
         if not going_on:
             return
         hidden = any(rows[i].row.planner is not None for i in going_on)

@@ -67,7 +67,14 @@ class VerifiedRows:
             settings = DraftSettings(max(map(_draft_length, states)), steps, temperature)
             rounds = drafting.verify_rounds(self.engine.model, [state.draft for state in states], settings)
             for state, done in zip(states, rounds):
-                self._after_round(state, done)
+                try:
+                    if isinstance(done, Exception):
+                        raise done
+                    self._after_round(state, done)
+                except Exception as e:  # this row's own part of the round: it alone ends
+                    if state in self.rows:
+                        self.rows.remove(state)
+                    self.engine.fail(state.row, e)
 
     def _after_round(self, state: _Verifying, done: Round) -> None:
         row, draft, planner = state.row, state.draft, state.row.planner

@@ -13,7 +13,7 @@ import click
 
 from ..cli import kv_cache_options
 from ..demo import DEMO_MODEL
-from ..options import PREFILL_STEP_SIZE, KVQuantization
+from ..options import MAX_PREFILL_STEP_SIZE, PREFILL_STEP_SIZE, KVQuantization
 from ..validate import MAX_STEPS
 from .app import MAX_IMAGES, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS
 
@@ -31,7 +31,8 @@ POSITIVE = click.IntRange(min=1)
               help="Most denoising steps a request may ask for (each is a forward of the decoder).")
 @click.option("--prompt-cache-size", default=10, show_default=True, type=click.IntRange(min=0),
               help="Prompt KV caches kept for reuse (least recently used dropped first).")
-@click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True, type=POSITIVE,
+@click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True,
+              type=click.IntRange(1, MAX_PREFILL_STEP_SIZE),
               help="Prompt tokens encoded per forward.")
 @kv_cache_options
 @click.option("--max-request-bytes", default=MAX_REQUEST_BYTES, show_default=True, type=POSITIVE,

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..batch import BatchGenerator, BatchResponse, warm_up
-from ..errors import PromptError, TemplateError
+from ..errors import OptionError, PromptError, TemplateError
 from ..options import PREFILL_STEP_SIZE, GenerationArgs
 from ..request import generation_device, prepare
 from ..template import CanvasTemplate
@@ -188,9 +188,9 @@ class Scheduler:
                 continue
             try:
                 responses = self.engine.next()
-            except Exception as e:  # the engine is in an unknown state: fail its rows, start afresh
+            except Exception as e:  # a shared forward failed (no one row's): the engine is in an unknown state
                 for job in self._active.values():
-                    self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
+                    self._send(job, Event(error=RequestFailed(f"generation failed: {one_line(e)}", status=500)))
                 self._active.clear()
                 self.engine = self._make_engine(self.model, self.tokenizer)
                 continue
@@ -198,12 +198,14 @@ class Scheduler:
             for response in responses:
                 job = self._active.get(response.uid)
                 try:
+                    if response.error is not None:  # the engine ended this row alone
+                        raise response.error
                     self._route(response)
                 except Exception as e:  # this request's answer could not be made; the others go on
                     if self._active.pop(response.uid, None) is not None and response.finish_reason is None:
                         self.engine.remove(response.uid)  # (a no-op for a row already gone)
                     if job is not None:
-                        self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
+                        self._send(job, Event(error=failure(job, e)))
 
     def _start(self, job: Job) -> None:
         """Make ``job`` ready (request.prepare) and insert its row with the prefix of its prompt the
@@ -228,13 +230,8 @@ class Scheduler:
             thought = job.think and free and not drafting
             job.thought = TextStream(self.tokenizer, prepared.stop_ids, thought=True) if thought else None
             uid = self.engine.insert(prepared, cache, keep)
-        except ValueError as e:  # a prompt, template or setting the model cannot take
-            param = (job.template_param if isinstance(e, TemplateError)
-                     else job.prompt_param if isinstance(e, PromptError) else getattr(e, "option", None))
-            self._send(job, Event(error=RequestFailed(str(e), param=param)))
-            return
-        except Exception as e:
-            self._send(job, Event(error=RequestFailed(f"generation failed: {e}", status=500)))
+        except Exception as e:  # (request.prepare refuses what the model cannot take with a ValueError)
+            self._send(job, Event(error=failure(job, e, bad_input=ValueError)))
             return
         self._active[uid] = job
 
@@ -284,6 +281,24 @@ class Scheduler:
             job.loop.call_soon_threadsafe(job.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
+
+
+def failure(job: Job, e: Exception, bad_input: tuple[type, ...] = (TemplateError, PromptError, OptionError)
+            ) -> RequestFailed:
+    """What the client of ``job`` is told of ``e``: a prompt, template (a schema's grammar included)
+    or setting the model cannot take (``bad_input``) is a 400 naming the request's field; anything
+    else is a 500."""
+    if isinstance(e, bad_input):
+        param = (job.template_param if isinstance(e, TemplateError)
+                 else job.prompt_param if isinstance(e, PromptError) else getattr(e, "option", None))
+        return RequestFailed(one_line(e), param=param)
+    return RequestFailed(f"generation failed: {one_line(e)}", status=500)
+
+
+def one_line(e: Exception) -> str:
+    """``e``'s message as an error shows it: its first line, cut short."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return lines[0] if len(lines[0]) <= 300 else lines[0][:297] + "..."
 
 
 def _cache_key(ids: list[int], vision_inputs: dict, image_token_id: int | None) -> list:

@@ -19,6 +19,7 @@ from ..validate import (
     check_steps,
     check_temperature,
     finite_number,
+    integer_in,
     is_number,
 )
 from .api import BadRequest
@@ -74,7 +75,7 @@ def _checks(defaults, canvas: int, max_steps: int) -> dict:
     return {"seed": check_seed, "policy": policy, "temperature": temperature, "top_p": check_top_p,
             "top_k": check_top_k, "min_p": check_min_p, "steps": lambda value, name: check_steps(value, name, max_steps),
             "entropy_bound": check_entropy_bound, "temp_min": check_temperature, "temp_max": check_temperature,
-            "schedule_scale": check_schedule_scale, "freeze_after": at_least(0), "draft_length": draft_length,
+            "schedule_scale": check_schedule_scale, "freeze_after": lambda value, name: integer_in(0, max_steps)(value, name), "draft_length": draft_length,
             "draft_steps": lambda value, name: check_steps(value, name, max_steps),
             "expected_steps": finite_number(1, max(steps, max_steps), high_open=False),
             "repetition_penalty": check_repetition_penalty, "presence_penalty": check_penalty,
