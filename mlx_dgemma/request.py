@@ -181,6 +181,8 @@ def _layout(model, tokenizer: Tokenizer, args: GenerationArgs, defaults: Generat
         return as_template(tokenizer, args.template, limit=limit), None
     if args.template is not None:
         raise TemplateError("give a template or a schema, not both")
+    if isinstance(args.schema, Grammar):  # compiled already (the server compiles it as it admits the request)
+        return None, args.schema
     template = schema_template(tokenizer, args.schema, args.policy, limit, args.max_tokens)
     if template is not None:
         return template, None

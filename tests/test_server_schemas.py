@@ -11,6 +11,8 @@ import ollama
 import openai
 import pytest
 
+from mlx_dgemma import grammar
+
 from .test_schema_grammar import Everyday, Tree
 from .test_server import (
     MODEL_ID,
@@ -163,3 +165,25 @@ def test_ollama_stop_never_cuts_a_format_answer(server, stream):
     else:
         text = client.chat(**kwargs).message.content
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_schema_is_compiled_once_and_its_hostile_pattern_is_never_backtracked(openai_client, monkeypatch):
+    """``^(a?){n}a{n}$`` takes Python's re 2**n steps to match: the pattern's example is built from its
+    parse tree instead (test_string_examples), so the answer comes and it is valid; and the grammar the
+    server compiles as it admits the request is the one the worker answers with, not compiled again."""
+    compiled = []
+
+    class Counted(grammar.Grammar):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            compiled.append(self)
+
+    monkeypatch.setattr(grammar, "Grammar", Counted)
+    schema = {"type": "object", "required": ["q"], "additionalProperties": False,
+              "properties": {"q": {"type": "string", "pattern": "^(a?){60}a{60}$"}}}
+    reply = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=user("json: q"), seed=0, extra_body={"policy": "ar"}, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "q", "schema": schema}})
+    (answer,) = json.loads(reply.choices[0].message.content).values()  # (checked by hand: re would backtrack)
+    assert set(answer) == {"a"} and 60 <= len(answer) <= 120
+    assert len(compiled) == 1

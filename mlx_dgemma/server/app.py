@@ -212,7 +212,7 @@ class Server:
             if template is not None or grammar is not None or job.redraft is not None:
                 job.stop = []  # stop strings are for free text: they never cut a structured answer
             if grammar is not None:
-                schema = grammar.schema
+                schema = grammar  # (compiled here, once: the worker takes it as it is)
                 try:
                     check_closing_fits(grammar, self.model.config.vocab_size, max_tokens)
                 except TemplateError as e:
