@@ -6,6 +6,7 @@ token; everyday pydantic models under every policy."""
 import datetime
 import enum
 import json
+import re
 import uuid
 from typing import Optional, Union
 
@@ -131,10 +132,43 @@ def test_grammar_rows_batched_equal_themselves_alone(demo):
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}, "then": {}}, "if"),
     ({"not": {"type": "string"}}, "not"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
 ])
 def test_what_no_grammar_enforces_is_refused_by_name(demo, schema, keyword):
     with pytest.raises(TemplateError, match=f'cannot be enforced: .*"{keyword}"'):
         generate(*demo, "json: x", schema=schema, policy="ar")
+
+
+@pytest.mark.parametrize("schema, path, lower", [
+    ({"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4}, "$", 1),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"],
+      "minProperties": 3}, "$", 2),  # (b may be left out, and the other keys repeat)
+    ({"anyOf": [{"type": "object", "patternProperties": {"^x": {}}, "additionalProperties": False,
+                 "minProperties": 2}, {"type": "null"}]}, "$.anyOf[0]", 1),
+])
+def test_a_min_properties_that_repeated_keys_could_meet_is_refused_by_name(demo, schema, path, lower):
+    """llguidance lets a key of additionalProperties or patternProperties repeat: with minProperties 4,
+    {"color": "da", "name": "ada", "year": "rda", "color": "dda"} was an answer (three keys once parsed)."""
+    with pytest.raises(TemplateError, match=rf"minProperties at {re.escape(path)} is .* lower minProperties to {lower}$"):
+        grammar(demo, schema)
+
+
+def test_a_min_properties_its_required_properties_meet_is_answered_with_as_many_keys(demo):
+    """Three required properties and one key more: that key is none of them, so four keys once parsed."""
+    model, tokenizer = demo
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in "abc"}, "required": list("abc"),
+              "additionalProperties": {"type": "string"}, "minProperties": 4}
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 200)
+        while rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None \
+                and not rule.done:
+            pass
+        text = tokenizer.decode_clean(rule.output)
+        pairs = json.loads(text, object_pairs_hook=list)
+        assert len(dict(pairs)) >= 4, text
+        validate(dict(pairs), schema)
 
 
 def test_a_budget_shorter_than_the_closing_path_is_refused_before_any_forward(demo):

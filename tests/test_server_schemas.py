@@ -187,3 +187,12 @@ def test_a_schema_is_compiled_once_and_its_hostile_pattern_is_never_backtracked(
     (answer,) = json.loads(reply.choices[0].message.content).values()  # (checked by hand: re would backtrack)
     assert set(answer) == {"a"} and 60 <= len(answer) <= 120
     assert len(compiled) == 1
+
+
+def test_a_min_properties_repeated_keys_could_meet_is_a_400_naming_response_format(openai_client):
+    schema = {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4}
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.completions.create(
+            model=MODEL_ID, prompt="json: color name year", max_tokens=64, extra_body={"response_format": {
+                "type": "json_schema", "json_schema": {"name": "m", "schema": schema}}})
+    assert caught.value.body["param"] == "response_format" and "minProperties at $ is 4" in caught.value.body["message"]
