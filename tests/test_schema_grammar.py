@@ -171,6 +171,26 @@ def test_a_min_properties_its_required_properties_meet_is_answered_with_as_many_
         validate(dict(pairs), schema)
 
 
+@pytest.mark.parametrize("schema, loop", [
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "#/$defs/a → #/$defs/a"),
+    ({"$ref": "#", "title": "t"}, "# → #"),
+    ({"type": "object", "required": ["x"], "properties": {"x": {"$ref": "#/$defs/b"}},
+      "$defs": {"b": {"$ref": "#/$defs/c"}, "c": {"description": "d", "$ref": "#/$defs/b"}}},
+     "#/$defs/b → #/$defs/c → #/$defs/b"),
+])
+def test_a_ref_that_leads_back_to_itself_is_refused_by_name(demo, schema, loop):
+    """It never describes a value (llguidance's grammar ended the answer before it began, refused as if
+    a pattern were to blame)."""
+    with pytest.raises(TemplateError, match=rf"^\$ref at \$\S* leads back to itself \({re.escape(loop)}\) and "
+                                            "never describes a value;"):
+        grammar(demo, schema)
+
+
+def test_a_ref_back_to_a_schema_that_describes_a_value_is_answered(demo):
+    schema = {"type": "object", "required": ["k"], "properties": {"k": {"type": "integer"}, "t": {"$ref": "#"}}}
+    validate(json.loads(generate(*demo, "json: k=3", schema=schema, max_tokens=64, policy="ar")), schema)
+
+
 def test_a_budget_shorter_than_the_closing_path_is_refused_before_any_forward(demo):
     schema = SCHEMAS["formats"]
     shortest = len(GrammarRule(grammar(demo, schema), demo[0].config.vocab_size, 10_000).path)
@@ -224,15 +244,29 @@ def required_keys(n: int) -> dict:
 def test_a_schema_whose_closing_path_is_past_the_cap_is_refused(demo):
     """300 required keys of 22 characters: the shortest answer is longer than CLOSING_CAP tokens on the
     demo's tokenizer, so no closing path is found; such a schema would be answered unguarded and cut at
-    max_tokens mid-string."""
+    max_tokens mid-string. No max_tokens helps, so none is asked for."""
     model, tokenizer = demo
     schema = required_keys(300)
     assert len(tokenizer.encode(json.dumps({k: 0 for k in schema["required"]}))) > CLOSING_CAP
     for policy in ("ar", "reference"):
-        with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, more than max_tokens 256; raise"):
+        with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within, "
+                                                "so no max_tokens fits it; lower its minLength or minItems, or make "
+                                                "fewer of its keys required$"):
             generate(*demo, "json: x", schema=schema, max_tokens=256, policy=policy)
     with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within"):
         check_closing_fits(grammar(demo, schema), model.config.vocab_size, CLOSING_CAP + 88)  # past the demo's context
+
+
+def test_a_schema_whose_shortest_answer_cannot_fit_the_context_says_so(demo):
+    """A shortest answer within the closing cap, but past what the 8192-position context leaves after a
+    6000-token prompt: raising max_tokens would not help, and the error does not ask for it."""
+    model, tokenizer = demo
+    schema = {"type": "string", "minLength": 3000}
+    shortest = len(GrammarRule(grammar(demo, schema), model.config.vocab_size, CLOSING_CAP).path)
+    assert shortest < CLOSING_CAP
+    with pytest.raises(TemplateError, match=rf"takes {shortest} tokens, more than the 2\d\d\d the model's context "
+                                            "leaves after the prompt, so no max_tokens fits it;"):
+        generate(*demo, "x" * 6000, schema=schema, max_tokens=32, policy="ar")
 
 
 @pytest.mark.parametrize("name, shortest", [

@@ -196,3 +196,30 @@ def test_a_min_properties_repeated_keys_could_meet_is_a_400_naming_response_form
             model=MODEL_ID, prompt="json: color name year", max_tokens=64, extra_body={"response_format": {
                 "type": "json_schema", "json_schema": {"name": "m", "schema": schema}}})
     assert caught.value.body["param"] == "response_format" and "minProperties at $ is 4" in caught.value.body["message"]
+
+
+@pytest.mark.parametrize("parameters", [{"type": "integer"}, {"properties": {"a": {"type": "string"}}}])
+def test_a_tool_whose_parameters_are_no_object_schema_is_a_400_naming_tools(openai_client, server, parameters):
+    """A call's arguments are an object: such a forced tool was answered with "input": 88."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=MODEL_ID, messages=user("json: 88"), max_tokens=32, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "n", "parameters": parameters}}])
+    assert caught.value.body["param"] == "tools" and 'parameters must be a JSON schema of type "object"' in \
+        caught.value.body["message"]
+    client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.BadRequestError, match='of type "object"'):
+        client.messages.create(model=MODEL_ID, messages=user("json: 88"), max_tokens=32,
+                               tools=[{"name": "n", "input_schema": parameters}], tool_choice={"type": "tool", "name": "n"})
+
+
+def test_a_schema_no_max_tokens_fits_is_a_400_naming_response_format(openai_client):
+    """A string of at least a million characters: no budget fits the context, so raising max_tokens is not
+    what the error asks for."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=MODEL_ID, messages=user("json: x"), max_tokens=64, response_format={"type": "json_schema",
+            "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 1_000_000}}})
+    message = caught.value.body["message"]
+    assert caught.value.body["param"] == "response_format" and "so no max_tokens fits it" in message
+    assert "raise max_tokens" not in message
