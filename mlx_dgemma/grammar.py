@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import string
+import urllib.parse
 import weakref
 from dataclasses import dataclass
 
@@ -138,11 +139,13 @@ def _shortest_grammar(schema, llt: llguidance.LLTokenizer) -> str | None:
 
 
 def _check_shape(schema) -> None:
-    """Refuse, before compiling, an enum of more than ``MAX_CHOICES`` values and JSON nested deeper than
-    ``MAX_NESTING`` (llguidance's compiler would give up on it with a recursion error)."""
-    stack = [(schema, "$", 0)]
+    """Refuse, before compiling, an enum of more than ``MAX_CHOICES`` values, JSON nested deeper than
+    ``MAX_NESTING`` (llguidance's compiler would give up on it with a recursion error), a
+    ``minProperties`` that repeated keys could meet (``_check_distinct_keys``) and a ``$ref`` that leads
+    back to itself (``_check_ref_loops``)."""
+    stack, refs = [(schema, "$", 0, False)], []
     while stack:
-        node, path, depth = stack.pop()
+        node, path, depth, value = stack.pop()  # (value: inside an enum, const, default or example)
         if depth > MAX_NESTING:
             raise TemplateError(f"schema at {path[:60]}…: nested deeper than {MAX_NESTING} levels; flatten it")
         if isinstance(node, dict):
@@ -150,9 +153,76 @@ def _check_shape(schema) -> None:
             if isinstance(values, list) and len(values) > MAX_CHOICES:
                 raise TemplateError(f"enum at {path} has {len(values)} values, more than the {MAX_CHOICES} a schema "
                                     "takes; use a pattern or fewer values")
-            stack.extend((v, f"{path}.{k}", depth + 1) for k, v in node.items() if isinstance(v, (dict, list)))
+            if not value:
+                _check_distinct_keys(node, path)
+                if isinstance(node.get("$ref"), str):
+                    refs.append((path, node["$ref"]))
+            stack.extend((v, f"{path}.{k}", depth + 1, value or k in _VALUES) for k, v in node.items()
+                         if isinstance(v, (dict, list)))
         elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node) if isinstance(v, (dict, list)))
+            stack.extend((v, f"{path}[{i}]", depth + 1, value) for i, v in enumerate(node) if isinstance(v, (dict, list)))
+    _check_ref_loops(schema, refs)
+
+
+_VALUES = ("enum", "const", "default", "examples")  # keywords whose values are JSON, not schemas
+
+
+def _check_distinct_keys(schema: dict, path: str) -> None:
+    """llguidance writes each of an object's ``properties`` at most once but lets a key of
+    ``additionalProperties`` or ``patternProperties`` repeat ({"a": 1, "a": 2} parses to one key): a
+    ``minProperties`` is met for certain only by the required properties and one key more."""
+    least, kind = schema.get("minProperties"), schema.get("type", "object")
+    if not isinstance(least, int) or least <= 1 or "object" not in (kind if isinstance(kind, list) else [kind]):
+        return
+    if schema.get("additionalProperties") is False and not schema.get("patternProperties"):
+        return  # every key is one of its properties
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    distinct = len({k for k in required if isinstance(k, str) and k in properties})
+    if least > distinct + 1:
+        raise TemplateError(f"minProperties at {path} is {least}, but keys past its required properties may repeat "
+                            f"(llguidance does not keep them distinct) and parse to fewer; make {least - 1} of its keys "
+                            f"required properties, or lower minProperties to {distinct + 1}")
+
+
+_ONLY_A_REF = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
+               "examples"}  # a schema with no other keyword says nothing but its $ref
+
+
+def _check_ref_loops(schema, refs: list[tuple[str, str]]) -> None:
+    """Refuse a ``$ref`` (``refs``: where each is, and what it says) whose chain of schemas that are only
+    a ``$ref`` comes back round: it never describes a value (llguidance's grammar would end the answer
+    before it starts). Each reference is followed once."""
+    settled: set[str] = set()
+    for path, ref in refs:
+        chain: list[str] = []
+        while ref.startswith("#") and ref not in settled:
+            if ref in chain:
+                loop = " → ".join(chain[chain.index(ref):] + [ref])
+                raise TemplateError(f"$ref at {path} leads back to itself ({loop[:120]}) and never describes a value; "
+                                    "replace one of those references with the schema it stands for")
+            chain.append(ref)
+            target = _pointed(schema, ref)
+            if not isinstance(target, dict) or not isinstance(target.get("$ref"), str) or set(target) - _ONLY_A_REF:
+                break
+            ref = target["$ref"]
+        settled.update(chain)
+
+
+def _pointed(schema, ref: str):
+    """What the local reference ``ref`` (``#`` or ``#/a/b``) points to in ``schema``, or None."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None  # (an anchor: llguidance resolves it)
+    node = schema
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _one_line(message) -> str:

@@ -108,7 +108,7 @@ class GenerationArgs:
     profile: object = None  # policy.Profile
     expected_steps: float | None = None
     template: object = None  # text with {{fill:N}} holes or a template.CanvasTemplate
-    schema: object = None  # a JSON schema the answer validates against ({}: any JSON value); see grammar.py
+    schema: object = None  # a JSON schema the answer validates against ({}: any JSON value) or its grammar.Grammar
     images: list | None = None  # paths or PIL images, or an images.ImageInputs
     draft_length: int | None = None
     draft_steps: int | None = None

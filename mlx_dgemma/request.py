@@ -80,9 +80,14 @@ def check_prompt_fits(ids: list[int], config, max_tokens: int = 1, name: str = "
                           f"it does not fit the model's context of {context} tokens")
     canvases = -(-max_tokens // canvas)
     if len(ids) + canvases * canvas > context:
-        room = (context - len(ids)) // canvas * canvas
         raise PromptError(f"{name} of {max_tokens} takes {canvases} canvases of {canvas} after the {len(ids)}-token "
-                          f"prompt, past the model's context of {context} tokens; ask for at most {room}")
+                          f"prompt, past the model's context of {context} tokens; ask for at most "
+                          f"{answer_room(ids, config)}")
+
+
+def answer_room(ids: list[int], config) -> int:
+    """The most tokens an answer may take after ``ids``: the whole canvases the context leaves."""
+    return (config.max_position_embeddings - len(ids)) // config.canvas_length * config.canvas_length
 
 
 def check_step_counts(steps, draft_steps, names=("steps", "draft_steps")) -> None:
@@ -161,6 +166,7 @@ def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
         raise OptionError(f"templates decode greedily under {plan.policy}; drop the temperature, the filters and "
                           "the penalties, or take a diffusion policy", _given(args, ("temperature", *_FILTERS, *_PENALTIES)))
     if grammar is not None:
+        check_closing_room(grammar, config.vocab_size, answer_room(ids, config))
         check_closing_fits(grammar, config.vocab_size, max_tokens)
     if plan.mode == "verified":
         DraftSettings(plan.draft_length, plan.draft_steps, temperature).check(config.canvas_length)
@@ -182,6 +188,8 @@ def _layout(model, tokenizer: Tokenizer, args: GenerationArgs, defaults: Generat
         return as_template(tokenizer, args.template, limit=limit), None
     if args.template is not None:
         raise TemplateError("give a template or a schema, not both")
+    if isinstance(args.schema, Grammar):  # compiled already (the server compiles it as it admits the request)
+        return None, args.schema
     template = schema_template(tokenizer, args.schema, args.policy, limit, args.max_tokens)
     if template is not None:
         return template, None
@@ -222,18 +230,35 @@ def closing_length(grammar: Grammar, vocab: int) -> int | None:
     return None if path is None else len(path)
 
 
+_SHORTER = "lower its minLength or minItems, or make fewer of its keys required"
+
+
+def check_closing_room(grammar: Grammar, vocab: int, room: int) -> None:
+    """A ``TemplateError`` when the schema's closing path (grammar.py) takes more than ``room``, the tokens
+    the model's context leaves after the prompt (or is not found within ``CLOSING_CAP`` tokens): then no
+    ``max_tokens`` would keep the answer valid at its end."""
+    shortest = _found_closing_length(grammar, vocab)
+    if shortest > room:
+        raise TemplateError(f"the schema's shortest answer takes {shortest} tokens, more than the {room} the model's "
+                            f"context leaves after the prompt, so no max_tokens fits it; {_SHORTER}, or shorten the "
+                            "prompt")
+
+
 def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
-    """A ``TemplateError`` when even the schema's closing path (grammar.py) takes more than ``max_tokens``,
-    or is not found within ``CLOSING_CAP`` tokens: then nothing would keep the answer valid at its end."""
+    """A ``TemplateError`` when the schema's closing path takes more than ``max_tokens`` (or is not found
+    within ``CLOSING_CAP`` tokens): then nothing would keep the answer valid at its end."""
+    shortest = _found_closing_length(grammar, vocab)
+    if shortest > max_tokens:
+        raise TemplateError(f"the schema's shortest answer takes {shortest} tokens, more than max_tokens {max_tokens}; "
+                            "raise max_tokens")
+
+
+def _found_closing_length(grammar: Grammar, vocab: int) -> int:
     shortest = closing_length(grammar, vocab)
-    if shortest is not None and shortest <= max_tokens:
-        return
-    if shortest is None and max_tokens >= CLOSING_CAP:
+    if shortest is None:
         raise TemplateError(f"the schema's shortest answer takes more than {CLOSING_CAP} tokens, the most an answer "
-                            "is closed within; make fewer of its keys required")
-    taken = f"more than {CLOSING_CAP}" if shortest is None else shortest
-    raise TemplateError(f"the schema's shortest answer takes {taken} tokens, more than max_tokens {max_tokens}; "
-                        "raise max_tokens")
+                            f"is closed within, so no max_tokens fits it; {_SHORTER}")
+    return shortest
 
 
 _FILTERS = ("top_p", "top_k", "min_p")

@@ -2,8 +2,9 @@
 each ``patternProperties`` key), and a few values of each format llguidance checks itself. A closing
 path (grammar.py) tries them where a string cannot end yet: a pattern such as
 ``^[A-Z0-9_]+(_DEVICE|_LAYOUT)$`` is not closed by always taking the narrowest next character, but is
-by writing ``0_DEVICE``. Each example is checked against its pattern here and against the grammar
-where it is tried, so one that is wrong is only not taken.
+by writing ``0_DEVICE``. Each example is built from the pattern's parse tree in linear time (it is
+never matched by a backtracking engine: a schema is the client's input) and is checked against the
+grammar where it is tried, so one that is wrong is only not taken.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 import string
 import warnings
+from dataclasses import dataclass
 from re import _constants as sre
 from re import _parser as sre_parse
 
@@ -36,12 +38,18 @@ class _Unsupported(Exception):
 
 def shortest_match(pattern: str) -> str | None:
     """A shortest string ``pattern`` matches (searched, as JSON Schema reads a pattern), or None where
-    the pattern uses what this does not follow (backreferences, flags) or Python cannot read it."""
+    the pattern uses what this does not follow (backreferences, lookarounds, word boundaries, case
+    folding) or Python cannot read it. The string is built from the pattern's parse tree, each node
+    once and no string past ``MAX_EXAMPLE``, so the work is linear in the pattern: it is never matched
+    against the pattern (Python's backtracking takes exponential time on patterns such as
+    ``^(a?){30}a{30}$``); llguidance checks it where it is tried."""
     with warnings.catch_warnings():  # (Python's warnings on what a later version will read otherwise)
         warnings.simplefilter("ignore")
         try:
-            text = _sequence(sre_parse.parse(pattern))
-            return text if len(text) <= MAX_EXAMPLE and re.search(pattern, text) else None
+            parsed = sre_parse.parse(pattern)
+            if parsed.state.flags & _FOLDING:
+                return None
+            return _sequence(parsed).text
         except (re.error, _Unsupported, RecursionError, OverflowError, ValueError):
             return None
 
@@ -72,21 +80,56 @@ def string_examples(schema) -> list[str]:
     return sorted(found, key=len)
 
 
-def _sequence(items) -> str:
-    return "".join(_node(op, arg) for op, arg in items)
+@dataclass(frozen=True)
+class _Piece:
+    """The shortest text of part of a pattern, and whether it holds a start anchor (nothing may come
+    before it) or an end anchor (nothing may come after it)."""
+
+    text: str = ""
+    start: bool = False
+    end: bool = False
+
+    def then(self, other: _Piece) -> _Piece:
+        if (other.start and self.text) or (self.end and other.text):
+            raise _Unsupported("an anchor inside the text")
+        if len(self.text) + len(other.text) > MAX_EXAMPLE:
+            raise _Unsupported("longer than MAX_EXAMPLE")
+        return _Piece(self.text + other.text, self.start or other.start, self.end or other.end)
+
+    def times(self, count: int) -> _Piece:
+        if count == 0:
+            return _Piece()
+        if count > 1 and self.text and (self.start or self.end):
+            raise _Unsupported("an anchor inside the text")
+        if len(self.text) * count > MAX_EXAMPLE:  # (worked out before the text is built)
+            raise _Unsupported("longer than MAX_EXAMPLE")
+        return _Piece(self.text * count, self.start, self.end)
 
 
-def _node(op, arg) -> str:
+_FOLDING = sre.SRE_FLAG_IGNORECASE | sre.SRE_FLAG_LOCALE  # (a class's members would be case-folded)
+_STARTS = (sre.AT_BEGINNING, sre.AT_BEGINNING_STRING)
+_ENDS = (sre.AT_END, sre.AT_END_STRING)
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)  # (possessive ones and atomic groups give back nothing: not followed)
+
+
+def _sequence(items) -> _Piece:
+    piece = _Piece()
+    for op, arg in items:
+        piece = piece.then(_node(op, arg))
+    return piece
+
+
+def _node(op, arg) -> _Piece:
     if op is sre.LITERAL:
-        return chr(arg)
+        return _Piece(chr(arg))
     if op is sre.NOT_LITERAL:
-        return next(c for c in CHARACTERS if ord(c) != arg)
+        return _Piece(next(c for c in CHARACTERS if ord(c) != arg))
     if op is sre.ANY:
-        return CHARACTERS[0]
+        return _Piece(CHARACTERS[0])
     if op is sre.IN:
-        return _member(arg)
-    if op is sre.AT or op in (sre.ASSERT, sre.ASSERT_NOT):
-        return ""  # anchors; lookarounds are left to the check against the pattern
+        return _Piece(_member(arg))
+    if op is sre.AT and arg in _STARTS + _ENDS:
+        return _Piece(start=arg in _STARTS, end=arg in _ENDS)
     if op is sre.BRANCH:
         choices = []
         for branch in arg[1]:
@@ -95,17 +138,15 @@ def _node(op, arg) -> str:
             except _Unsupported:
                 continue
         if not choices:
-            raise _Unsupported
-        return min(choices, key=len)
+            raise _Unsupported("no branch")
+        return min(choices, key=lambda p: (len(p.text), p.start + p.end))
     if op is sre.SUBPATTERN:
+        if arg[1] & _FOLDING:
+            raise _Unsupported("case folding")
         return _sequence(arg[3])
-    if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT)):
+    if op in _REPEATS:
         low, _, item = arg
-        if low > MAX_EXAMPLE:
-            raise _Unsupported
-        return _sequence(item) * low
-    if op is getattr(sre, "ATOMIC_GROUP", None):
-        return _sequence(arg)
+        return _sequence(item).times(low) if low else _Piece()
     raise _Unsupported(op)
 
 

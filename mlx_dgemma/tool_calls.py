@@ -159,6 +159,17 @@ def check_tool(tool: dict) -> None:
     name = function.get("name")
     if not isinstance(name, str) or not _KEY.fullmatch(name):
         raise TemplateError(f"tool name {name!r} must be letters, digits, '_', '.' or '-'")
+    check_parameters(function)
+
+
+def check_parameters(function: dict) -> None:
+    """A ``TemplateError`` unless ``function``'s parameters are a schema of type object, or none (a
+    call's arguments are an object; OpenAI and Anthropic refuse other tools alike)."""
+    parameters = function.get("parameters")
+    if parameters and parameters.get("type") != "object":
+        raise TemplateError(f"tool {str(function.get('name'))[:40]!r}: parameters must be a JSON schema of type "
+                            f"\"object\" (a call's arguments are an object), got type "
+                            f"{json.dumps(parameters.get('type'))[:40]}")
 
 
 def forced_call_template(tokenizer, tool: dict, limit: int | None = None, draft: Any = None) -> CanvasTemplate:

@@ -6,6 +6,7 @@ token; everyday pydantic models under every policy."""
 import datetime
 import enum
 import json
+import re
 import uuid
 from typing import Optional, Union
 
@@ -131,10 +132,63 @@ def test_grammar_rows_batched_equal_themselves_alone(demo):
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}, "then": {}}, "if"),
     ({"not": {"type": "string"}}, "not"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
 ])
 def test_what_no_grammar_enforces_is_refused_by_name(demo, schema, keyword):
     with pytest.raises(TemplateError, match=f'cannot be enforced: .*"{keyword}"'):
         generate(*demo, "json: x", schema=schema, policy="ar")
+
+
+@pytest.mark.parametrize("schema, path, lower", [
+    ({"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4}, "$", 1),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"],
+      "minProperties": 3}, "$", 2),  # (b may be left out, and the other keys repeat)
+    ({"anyOf": [{"type": "object", "patternProperties": {"^x": {}}, "additionalProperties": False,
+                 "minProperties": 2}, {"type": "null"}]}, "$.anyOf[0]", 1),
+])
+def test_a_min_properties_that_repeated_keys_could_meet_is_refused_by_name(demo, schema, path, lower):
+    """llguidance lets a key of additionalProperties or patternProperties repeat: with minProperties 4,
+    {"color": "da", "name": "ada", "year": "rda", "color": "dda"} was an answer (three keys once parsed)."""
+    with pytest.raises(TemplateError, match=rf"minProperties at {re.escape(path)} is .* lower minProperties to {lower}$"):
+        grammar(demo, schema)
+
+
+def test_a_min_properties_its_required_properties_meet_is_answered_with_as_many_keys(demo):
+    """Three required properties and one key more: that key is none of them, so four keys once parsed."""
+    model, tokenizer = demo
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in "abc"}, "required": list("abc"),
+              "additionalProperties": {"type": "string"}, "minProperties": 4}
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 200)
+        while rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None \
+                and not rule.done:
+            pass
+        text = tokenizer.decode_clean(rule.output)
+        pairs = json.loads(text, object_pairs_hook=list)
+        assert len(dict(pairs)) >= 4, text
+        validate(dict(pairs), schema)
+
+
+@pytest.mark.parametrize("schema, loop", [
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "#/$defs/a → #/$defs/a"),
+    ({"$ref": "#", "title": "t"}, "# → #"),
+    ({"type": "object", "required": ["x"], "properties": {"x": {"$ref": "#/$defs/b"}},
+      "$defs": {"b": {"$ref": "#/$defs/c"}, "c": {"description": "d", "$ref": "#/$defs/b"}}},
+     "#/$defs/b → #/$defs/c → #/$defs/b"),
+])
+def test_a_ref_that_leads_back_to_itself_is_refused_by_name(demo, schema, loop):
+    """It never describes a value (llguidance's grammar ended the answer before it began, refused as if
+    a pattern were to blame)."""
+    with pytest.raises(TemplateError, match=rf"^\$ref at \$\S* leads back to itself \({re.escape(loop)}\) and "
+                                            "never describes a value;"):
+        grammar(demo, schema)
+
+
+def test_a_ref_back_to_a_schema_that_describes_a_value_is_answered(demo):
+    schema = {"type": "object", "required": ["k"], "properties": {"k": {"type": "integer"}, "t": {"$ref": "#"}}}
+    validate(json.loads(generate(*demo, "json: k=3", schema=schema, max_tokens=64, policy="ar")), schema)
 
 
 def test_a_budget_shorter_than_the_closing_path_is_refused_before_any_forward(demo):
@@ -190,15 +244,29 @@ def required_keys(n: int) -> dict:
 def test_a_schema_whose_closing_path_is_past_the_cap_is_refused(demo):
     """300 required keys of 22 characters: the shortest answer is longer than CLOSING_CAP tokens on the
     demo's tokenizer, so no closing path is found; such a schema would be answered unguarded and cut at
-    max_tokens mid-string."""
+    max_tokens mid-string. No max_tokens helps, so none is asked for."""
     model, tokenizer = demo
     schema = required_keys(300)
     assert len(tokenizer.encode(json.dumps({k: 0 for k in schema["required"]}))) > CLOSING_CAP
     for policy in ("ar", "reference"):
-        with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, more than max_tokens 256; raise"):
+        with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within, "
+                                                "so no max_tokens fits it; lower its minLength or minItems, or make "
+                                                "fewer of its keys required$"):
             generate(*demo, "json: x", schema=schema, max_tokens=256, policy=policy)
     with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within"):
         check_closing_fits(grammar(demo, schema), model.config.vocab_size, CLOSING_CAP + 88)  # past the demo's context
+
+
+def test_a_schema_whose_shortest_answer_cannot_fit_the_context_says_so(demo):
+    """A shortest answer within the closing cap, but past what the 8192-position context leaves after a
+    6000-token prompt: raising max_tokens would not help, and the error does not ask for it."""
+    model, tokenizer = demo
+    schema = {"type": "string", "minLength": 3000}
+    shortest = len(GrammarRule(grammar(demo, schema), model.config.vocab_size, CLOSING_CAP).path)
+    assert shortest < CLOSING_CAP
+    with pytest.raises(TemplateError, match=rf"takes {shortest} tokens, more than the 2\d\d\d the model's context "
+                                            "leaves after the prompt, so no max_tokens fits it;"):
+        generate(*demo, "x" * 6000, schema=schema, max_tokens=32, policy="ar")
 
 
 @pytest.mark.parametrize("name, shortest", [

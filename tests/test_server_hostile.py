@@ -271,8 +271,9 @@ def test_schemas_that_cannot_be_enforced_are_400s(server, client, body, param, m
      {"type": "object", "properties": {}, "required": ["city"]}),
     (schema_body({"type": "string", "enum": ["a", 1]}), None),
     (schema_body(nested_arrays(19)), None),
-    (ask(SORT, tools=[{"type": "function", "function": {"name": "f", "parameters": nested_arrays(19)}}],
-         tool_choice="required"), nested_arrays(19)),
+    (ask(SORT, tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": nested_arrays(19)}, "required": ["a"]}}}], tool_choice="required"),
+     {"type": "object", "properties": {"a": nested_arrays(19)}, "required": ["a"]}),
 ], ids=["required-not-a-property", "tool-required", "enum-of-two-types", "nested-arrays", "tool-nested-arrays"])
 def test_schemas_no_canvas_template_takes_are_answered_by_their_grammar(server, client, body, schema):
     """A required key that is no property (any value, as JSON Schema says), an enum whose values are

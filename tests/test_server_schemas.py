@@ -11,6 +11,8 @@ import ollama
 import openai
 import pytest
 
+from mlx_dgemma import grammar
+
 from .test_schema_grammar import Everyday, Tree
 from .test_server import (
     MODEL_ID,
@@ -163,3 +165,61 @@ def test_ollama_stop_never_cuts_a_format_answer(server, stream):
     else:
         text = client.chat(**kwargs).message.content
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_schema_is_compiled_once_and_its_hostile_pattern_is_never_backtracked(openai_client, monkeypatch):
+    """``^(a?){n}a{n}$`` takes Python's re 2**n steps to match: the pattern's example is built from its
+    parse tree instead (test_string_examples), so the answer comes and it is valid; and the grammar the
+    server compiles as it admits the request is the one the worker answers with, not compiled again."""
+    compiled = []
+
+    class Counted(grammar.Grammar):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            compiled.append(self)
+
+    monkeypatch.setattr(grammar, "Grammar", Counted)
+    schema = {"type": "object", "required": ["q"], "additionalProperties": False,
+              "properties": {"q": {"type": "string", "pattern": "^(a?){60}a{60}$"}}}
+    reply = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=user("json: q"), seed=0, extra_body={"policy": "ar"}, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "q", "schema": schema}})
+    (answer,) = json.loads(reply.choices[0].message.content).values()  # (checked by hand: re would backtrack)
+    assert set(answer) == {"a"} and 60 <= len(answer) <= 120
+    assert len(compiled) == 1
+
+
+def test_a_min_properties_repeated_keys_could_meet_is_a_400_naming_response_format(openai_client):
+    schema = {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4}
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.completions.create(
+            model=MODEL_ID, prompt="json: color name year", max_tokens=64, extra_body={"response_format": {
+                "type": "json_schema", "json_schema": {"name": "m", "schema": schema}}})
+    assert caught.value.body["param"] == "response_format" and "minProperties at $ is 4" in caught.value.body["message"]
+
+
+@pytest.mark.parametrize("parameters", [{"type": "integer"}, {"properties": {"a": {"type": "string"}}}])
+def test_a_tool_whose_parameters_are_no_object_schema_is_a_400_naming_tools(openai_client, server, parameters):
+    """A call's arguments are an object: such a forced tool was answered with "input": 88."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=MODEL_ID, messages=user("json: 88"), max_tokens=32, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "n", "parameters": parameters}}])
+    assert caught.value.body["param"] == "tools" and 'parameters must be a JSON schema of type "object"' in \
+        caught.value.body["message"]
+    client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.BadRequestError, match='of type "object"'):
+        client.messages.create(model=MODEL_ID, messages=user("json: 88"), max_tokens=32,
+                               tools=[{"name": "n", "input_schema": parameters}], tool_choice={"type": "tool", "name": "n"})
+
+
+def test_a_schema_no_max_tokens_fits_is_a_400_naming_response_format(openai_client):
+    """A string of at least a million characters: no budget fits the context, so raising max_tokens is not
+    what the error asks for."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(
+            model=MODEL_ID, messages=user("json: x"), max_tokens=64, response_format={"type": "json_schema",
+            "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 1_000_000}}})
+    message = caught.value.body["message"]
+    assert caught.value.body["param"] == "response_format" and "so no max_tokens fits it" in message
+    assert "raise max_tokens" not in message

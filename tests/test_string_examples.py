@@ -2,6 +2,7 @@
 shortest match of its pattern, with the length worked out by hand from the pattern."""
 
 import re
+import tracemalloc
 import warnings
 
 import pytest
@@ -25,9 +26,41 @@ def test_a_pattern_gives_a_shortest_string_it_matches(pattern, length):
     assert '"' not in example and "\\" not in example
 
 
-@pytest.mark.parametrize("pattern", [r"(a)\1", "(", "[z-a]", "x" * 300])
+@pytest.mark.parametrize("pattern", [r"(a)\1", "(", "[z-a]", "x" * 300, "(?=a)a", r"a\bb", "(?i)[^a]", "(?i:[^a])",
+                                     "a*+a", "(?>a*)a", "a^b", "a$b", "(a|$)b", "(^x){2}"])
 def test_what_is_not_followed_or_not_a_pattern_gives_none(pattern):
     assert shortest_match(pattern) is None
+
+
+@pytest.mark.parametrize("pattern, example", [("^a|b$", "a"), ("(a$)*x", "x"), ("(^){2}x", "x"), ("x$y?", "x"),
+                                              ("^$", ""), ("(^a)", "a")])
+def test_anchors_inside_a_pattern_are_followed(pattern, example):
+    assert shortest_match(pattern) == example and re.search(pattern, example)
+
+
+def test_a_pattern_that_backtracks_exponentially_gives_its_example_without_being_matched(monkeypatch):
+    # Python's re takes 2**n steps to match a**n against this pattern (seconds at n = 26, holding the
+    # GIL); the example is built from the parse tree, and no re function that matches is called.
+    def matched(*args, **kwargs):
+        raise AssertionError("the pattern was matched with re")
+
+    for name in ("search", "match", "fullmatch", "compile"):
+        monkeypatch.setattr(re, name, matched)
+    assert shortest_match("^(a?){60}a{60}$") == "a" * 60
+
+
+@pytest.mark.parametrize("depth, count", [(4, 110), (5, 256)])
+def test_a_nested_counted_repetition_is_measured_before_it_is_built(depth, count):
+    # a{110} nested four deep is 110**4 characters (146 MB) if built; the example is refused once its
+    # length passes MAX_EXAMPLE (256 characters), so nothing much larger is ever allocated.
+    pattern = "^" + "(?:" * depth + "a" + f"{{{count}}})" * depth + "$"
+    tracemalloc.start()
+    try:
+        assert shortest_match(pattern) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
 
 
 def test_every_string_constraint_of_a_schema_gives_its_examples_shortest_first():

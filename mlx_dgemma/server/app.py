@@ -32,9 +32,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .. import validate
 from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..options import GenerationArgs
-from ..request import PromptError, check_closing_fits, check_prompt_fits, closing_length, generation_config
+from ..request import PromptError, answer_room, check_closing_fits, check_prompt_fits, closing_length, generation_config
 from ..template import CanvasTemplate, TemplateError, infill_template
-from ..tool_calls import CALL_OPEN, parse_tool_calls
+from ..tool_calls import CALL_OPEN, check_parameters, parse_tool_calls
 from ..vision import has_vision
 from . import reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
@@ -212,7 +212,7 @@ class Server:
             if template is not None or grammar is not None or job.redraft is not None:
                 job.stop = []  # stop strings are for free text: they never cut a structured answer
             if grammar is not None:
-                schema = grammar.schema
+                schema = grammar  # (compiled here, once: the worker takes it as it is)
                 try:
                     check_closing_fits(grammar, self.model.config.vocab_size, max_tokens)
                 except TemplateError as e:
@@ -236,6 +236,10 @@ class Server:
                     and isinstance(function.get("parameters", {}), (dict, type(None)))):
                 raise BadRequest('each tool must be {"type": "function", "function": {"name": ..., "parameters": '
                                  '{a JSON schema}}}', param="tools")
+            try:
+                check_parameters(function)
+            except TemplateError as e:
+                raise BadRequest(str(e), param="tools") from None
         choice = body.get("tool_choice", "auto" if tools else "none")
         if choice == "none":
             return [], None
@@ -402,8 +406,7 @@ class Server:
         """``max_tokens``, or the server's default (at least ``default_at_least``) cut to the whole canvases
         the prompt leaves room for (``_check_ids`` made sure one fits); with ``cap``, ``max_tokens`` is
         cut to them too."""
-        canvas = self.model.config.canvas_length
-        room = (self.context - len(ids)) // canvas * canvas
+        room = answer_room(ids, self.model.config)
         if max_tokens is None:
             return min(max(self.max_tokens, default_at_least), room)
         if cap:

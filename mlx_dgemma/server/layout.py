@@ -11,7 +11,7 @@ import json
 
 from ..grammar import JSON_OBJECT, Grammar, schema_grammar
 from ..json_schema import json_template
-from ..request import check_template_fits, closing_length, grammar_stop_ids, schema_template
+from ..request import answer_room, check_closing_room, check_template_fits, grammar_stop_ids, schema_template
 from ..template import CanvasTemplate, TemplateError, parse_template
 from ..tool_calls import check_tool, parse_tool_calls
 from .api import BadRequest
@@ -70,7 +70,9 @@ def _structured(server, job: Job, schema, max_tokens: int | None, policy: str) -
         return None, None
     vocab = server.model.config.vocab_size
     grammar = schema_grammar(tokenizer, schema, vocab, grammar_stop_ids(tokenizer, server.defaults))
-    closing_length(grammar, vocab)  # walked here (and kept): where llguidance gives up, the schema is refused
+    # The closing path, walked here (and kept): a schema llguidance gives up on, or whose shortest answer
+    # no max_tokens fits in the context, is refused.
+    check_closing_room(grammar, vocab, answer_room(job.ids, server.model.config))
     return None, grammar
 
 

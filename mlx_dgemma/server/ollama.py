@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..grammar import ANY_JSON
 from ..vision import has_vision
 from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
 from .app import Server
@@ -206,8 +205,8 @@ def _effort(think) -> str | None:
 def _response_format(value) -> dict | None:
     if value in (None, ""):
         return None
-    if value == "json":  # any JSON value
-        return {"type": "json_schema", "json_schema": {"name": "json", "schema": ANY_JSON}}
+    if value == "json":  # any object, as Ollama answers it
+        return {"type": "json_object"}
     if isinstance(value, dict):
         return {"type": "json_schema", "json_schema": {"name": "format", "schema": value}}
     raise BadRequest(f'format must be "json" or a JSON schema, got {json.dumps(value)[:40]}', param="format")
