@@ -16,6 +16,7 @@ from ..demo import DEMO_MODEL
 from ..options import MAX_PREFILL_STEP_SIZE, PREFILL_STEP_SIZE, KVQuantization
 from ..validate import MAX_STEPS
 from .app import MAX_IMAGES, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS
+from .routes import ALLOWED_ORIGINS, create_app
 
 SHUTDOWN_GRACE = 3.0  # seconds requests in flight get to finish after SIGTERM
 POSITIVE = click.IntRange(min=1)
@@ -25,6 +26,9 @@ POSITIVE = click.IntRange(min=1)
 @click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
+@click.option("--allowed-origins", default=",".join(ALLOWED_ORIGINS), show_default=True,
+              callback=lambda c, p, v: [origin.strip() for origin in v.split(",") if origin.strip()],
+              help="Comma-separated origins whose browser pages may call the server (CORS); * allows any.")
 @click.option("--max-tokens", type=POSITIVE,
               help="Default max_tokens of a request [default: the checkpoint's max_new_tokens].")
 @click.option("--max-steps", default=MAX_STEPS, show_default=True, type=click.IntRange(1, MAX_STEPS),
@@ -52,7 +56,7 @@ POSITIVE = click.IntRange(min=1)
                    "field behind it, debug each request's body in outline as it arrives.")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
                                                           "answer's KV cache need more memory than the device can give.")
-def main(model, host, port, max_tokens, max_steps, prompt_cache_size, prefill_step_size, kv_bits, kv_group_size,
+def main(model, host, port, allowed_origins, max_tokens, max_steps, prompt_cache_size, prefill_step_size, kv_bits, kv_group_size,
          quantized_kv_start, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, shutdown_grace, log_level,
          ignore_memory_check):
     """Serve a DiffusionGemma model over OpenAI's (chat, completions, Responses), Anthropic's and Ollama's APIs."""
@@ -62,7 +66,6 @@ def main(model, host, port, max_tokens, max_steps, prompt_cache_size, prefill_st
     from ..memory import check_memory
     from . import request_log
     from .app import Limits, Server
-    from .routes import create_app
     from .scheduler import Scheduler
 
     kv = None if kv_bits is None else KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
@@ -96,7 +99,7 @@ def main(model, host, port, max_tokens, max_steps, prompt_cache_size, prefill_st
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     request_log.log.addHandler(handler)
     request_log.log.setLevel(log_level.upper())
-    Uvicorn(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level)).run()
+    Uvicorn(uvicorn.Config(create_app(server, allowed_origins), host=host, port=port, log_level=log_level)).run()
     # MLX 0.32 can abort at interpreter exit once a thread that ran attention on the CPU has ended:
     # everything is answered and closed by now, so the process ends here.
     os._exit(0)

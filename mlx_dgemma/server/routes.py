@@ -1,8 +1,11 @@
-"""The server's routes: OpenAI's, the Responses API's, Anthropic's and Ollama's, on one app."""
+"""The server's routes: OpenAI's, the Responses API's, Anthropic's and Ollama's, on one app, each
+answering browsers of the allowed origins (CORS: a preflight ``OPTIONS`` and the headers on every reply)."""
 
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.routing import Route
 
@@ -10,9 +13,13 @@ from . import anthropic, ollama, openai_api, responses
 from .api import error_response
 from .app import Server
 
+ALLOWED_ORIGINS = ("*",)  # mlx-lm's default: a page of any origin may call the server
 
-def create_app(server: Server) -> Starlette:
-    """The starlette app of ``server``; its scheduler's worker runs while the app does."""
+
+def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS) -> Starlette:
+    """The starlette app of ``server``; its scheduler's worker runs while the app does. A browser page
+    whose origin is in ``allowed_origins`` (``"*"``: any) may call every route; any other gets no CORS
+    headers, and its preflight a 400."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -39,4 +46,5 @@ def create_app(server: Server) -> Starlette:
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         *openai_api.routes(server), *responses.routes(server), *anthropic.routes(server), *ollama.routes(server),
-    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found}, middleware=[
+        Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])])
