@@ -30,7 +30,7 @@ from pathlib import Path  # noqa: E402
 
 import full_scale  # noqa: E402
 import mlx.core as mx  # noqa: E402
-from shapes import add_shape_options, describe, sizes_from  # noqa: E402
+from shapes import add_shape_options, describe, require_positive, sizes_from  # noqa: E402
 
 from mlx_dgemma.config import FULL  # noqa: E402
 
@@ -190,9 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="repeats of each forward (best is kept)")
     p.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
-    for name in ("prompt", "canvas", "draft_length", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require_positive(p, args, ("prompt", "canvas", "draft_length", "repeats"))
     return args
 
 

@@ -38,7 +38,7 @@ import full_scale  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from shapes import add_shape_options, describe, sizes_from  # noqa: E402
+from shapes import add_shape_options, describe, require_positive, sizes_from  # noqa: E402
 from transformers import (  # noqa: E402
     DiffusionGemmaConfig,
     DiffusionGemmaForBlockDiffusion,
@@ -237,9 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.canvas <= 256 or not 1 <= args.draft_length <= args.canvas:
         p.error(f"--canvas must be 1..256 and --draft-length 1..--canvas, got {args.canvas} and {args.draft_length}")
-    for name in ("prompt", "ar_tokens", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require_positive(p, args, ("prompt", "ar_tokens", "steps", "repeats"))
     return args
 
 

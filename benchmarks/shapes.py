@@ -20,6 +20,13 @@ def add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 
 
+def require_positive(p: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """``p.error`` naming the first of the integer options ``names`` that is under 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
 def sizes_from(args: argparse.Namespace) -> dict:
     if args.preset is not None:
         return dict(PRESETS[args.preset])
