@@ -41,6 +41,8 @@ from .filters import (
 )
 from .validate import MAX_STEPS, check_entropy_bound, check_temperature, check_temperatures, integer_in
 
+_check_freeze_after = integer_in(0, MAX_STEPS)  # (past a canvas's steps, nothing freezes)
+
 
 class Random(Protocol):
     """The sampler's source of randomness; each call returns an int array of ``shape``."""
@@ -116,7 +118,7 @@ class SamplerSettings:
             raise ValueError(f"stability threshold must be an integer >= 0, got {self.stability_threshold!r}")
         if not self.confidence_threshold > 0:
             raise ValueError(f"confidence threshold must be > 0, got {self.confidence_threshold}")
-        integer_in(0, MAX_STEPS)(self.freeze_after, "freeze_after")  # (past a canvas's steps, nothing freezes)
+        _check_freeze_after(self.freeze_after, "freeze_after")
         check_temperature(self.draw_temperature, "temperature")
         check_top_p(self.top_p, "top_p")
         check_top_k(self.top_k, "top_k")

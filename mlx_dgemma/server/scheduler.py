@@ -283,7 +283,7 @@ class Scheduler:
             pass
 
 
-def failure(job: Job, e: Exception, bad_input: tuple[type, ...] = (TemplateError, PromptError, OptionError)
+def failure(job: Job, e: Exception, bad_input: type | tuple[type, ...] = (TemplateError, PromptError, OptionError)
             ) -> RequestFailed:
     """What the client of ``job`` is told of ``e``: a prompt, template (a schema's grammar included)
     or setting the model cannot take (``bad_input``) is a 400 naming the request's field; anything
