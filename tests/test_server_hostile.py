@@ -214,6 +214,36 @@ def test_costly_templates_and_text_are_refused_while_health_answers(server, clie
     assert_still_serving(client)
 
 
+def test_bodies_are_parsed_off_the_event_loop(server, client, monkeypatch):
+    """A body's JSON is parsed (and scanned for NaN) on the prepare threads: while one parse is held,
+    /health answers (on the loop, the held parse would hold it too)."""
+    from mlx_dgemma.server import app
+
+    entered, release, threads = threading.Event(), threading.Event(), []
+
+    def held_parse(body):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(30)
+        return parse_body(body)
+
+    parse_body = app.parse_body
+    monkeypatch.setattr(app, "parse_body", held_parse)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post, server, ask(SORT, seed=3, max_tokens=8), "/v1/chat/completions", 60)
+        try:
+            assert entered.wait(30)
+            assert health(server)["status"] == "ok"  # (urllib's timeout: 10 s)
+            assert not held.done()
+        finally:
+            release.set()
+        status, reply, _ = held.result()
+    assert status == 200, reply
+    assert len(threads) == 1 and threads[0].startswith("mlx-dgemma-prepare"), threads
+    monkeypatch.undo()
+    assert_still_serving(client)
+
+
 # -- 6. what gave 500s ------------------------------------------------------------------------------
 
 UNICODE = "holds text that is not valid Unicode"

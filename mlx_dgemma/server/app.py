@@ -7,9 +7,10 @@ A request becomes the prompt's ids and one ``options.GenerationArgs`` (settings.
 which the worker makes ready and runs.
 A request is read and checked here (the body's size, its JSON, the model, every setting, the prompt
 against the context, the template or schema, the images), so anything wrong gets OpenAI's error shape
-with a 4xx status before the worker sees it. Everything past reading the body (rendering, tokenizing,
-building templates, decoding images) runs on a small thread pool, each part bounded by a limit checked
-before it starts (docs/server.md, "Limits and hostile input"): the event loop stays free to answer.
+with a 4xx status before the worker sees it. Everything past reading the body (parsing its JSON,
+rendering, tokenizing, building templates, decoding images) runs on a small thread pool, each part
+bounded by a limit checked before it starts (docs/server.md, "Limits and hostile input"): the event
+loop stays free to answer.
 The worker's events come back as one JSON reply or as server-sent events, a chunk per committed canvas.
 """
 
@@ -102,9 +103,8 @@ class Server:
         """Read, translate and check ``request``'s body, run it, and answer in ``api``'s shape."""
         number = next(self._numbers)
         try:
-            body = await self.read_body(request)
-            request_log.arrived(number, request.url.path, body)
-            prepared = await asyncio.get_running_loop().run_in_executor(self._preparing, self._prepare, api, body)
+            body = await self.read_body(request, number)
+            prepared = await self.off_loop(self._prepare, api, body)
             if prepared is None:
                 return api.empty()
             job, reply = prepared
@@ -121,9 +121,8 @@ class Server:
         the chat template), as ``{"input_tokens": n}``; errors in ``api``'s shape."""
         number = next(self._numbers)
         try:
-            body = await self.read_body(request)
-            request_log.arrived(number, request.url.path, body)
-            count = await asyncio.get_running_loop().run_in_executor(self._preparing, self._count, api, body)
+            body = await self.read_body(request, number)
+            count = await self.off_loop(self._count, api, body)
             return JSONResponse({"input_tokens": count})
         except BadRequest as e:
             return self._refused(number, request, api, e)
@@ -154,10 +153,16 @@ class Server:
 
     # -- reading a request -------------------------------------------------------------------------
 
-    async def read_body(self, request: Request) -> dict:
+    async def off_loop(self, function, *args):
+        """``function(*args)`` on the prepare threads: the event loop answers others meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._preparing, function, *args)
+
+    async def read_body(self, request: Request, number: int | None = None) -> dict:
+        """``request``'s body as a JSON object, read on the event loop up to the size limit and parsed
+        off it (``number``: the request's in the log, where it is outlined once parsed)."""
         limit = self.limits.max_request_bytes
-        too_big = BadRequest(f"the request body is over the server's limit of {limit} bytes",
-                             code="request_too_large", status=413)
+        too_big = BadRequest(f"the request body is over the server's limit of {limit} bytes; send less, or "
+                             "start the server with a larger --max-request-bytes", code="request_too_large", status=413)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
@@ -166,16 +171,7 @@ class Server:
             body += chunk
             if len(body) > limit:
                 raise too_big
-        try:
-            data = json.loads(body, parse_constant=_NotJson)
-        except (ValueError, RecursionError) as e:  # (bad UTF-8, an integer past Python's digit limit, deep nesting)
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise BadRequest("the request body must be a JSON object")
-        for key, value in data.items():  # Python's reader takes NaN and Infinity; a reply that echoes one cannot be written
-            if bad := next((v for v in leaves(value) if isinstance(v, _NotJson)), None):
-                raise BadRequest(f"{key} holds {bad}, which is not JSON; send a number or null", param=key)
-        return data
+        return await self.off_loop(_parsed, body, number, request.url.path)
 
     def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS,
              cap_max_tokens: bool = False) -> tuple[Job, Reply]:
@@ -518,6 +514,28 @@ def _check_supported(body: dict, chat: bool) -> None:
 
 class _NotJson(str):
     """What Python's JSON reader makes of NaN, Infinity and -Infinity here: their name, to be refused."""
+
+
+def _parsed(body: bytes, number: int | None, path: str) -> dict:
+    data = parse_body(body)
+    if number is not None:
+        request_log.arrived(number, path, data)
+    return data
+
+
+def parse_body(body: bytes) -> dict:
+    """A request body as a JSON object, refused with a 400 unless it is one (NaN and Infinity included,
+    which Python's reader takes)."""
+    try:
+        data = json.loads(body, parse_constant=_NotJson)
+    except (ValueError, RecursionError) as e:  # (bad UTF-8, an integer past Python's digit limit, deep nesting)
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    for key, value in data.items():  # a reply that echoes NaN or Infinity cannot be written
+        if bad := next((v for v in leaves(value) if isinstance(v, _NotJson)), None):
+            raise BadRequest(f"{key} holds {bad}, which is not JSON; send a number or null", param=key)
+    return data
 
 
 def _check_text(body: dict) -> None:
