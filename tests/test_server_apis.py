@@ -148,6 +148,18 @@ def test_ollama_takes_an_editors_stop_strings(ollama_client):
     assert ollama_chat(ollama_client, options={"stop": stop}).message.content == ANSWER[: ANSWER.index(" 42")]
 
 
+
+def test_ollama_takes_sixteen_long_stop_strings(ollama_client):
+    """Sixteen stop strings of 3,000 characters (each read once per character of the answer): none
+    occurs, and the answer is whole; the last one occurs, and it ends the answer, streamed or not."""
+    stop = ["7" * 2999 + chr(ord("a") + i) for i in range(15)]
+    assert ollama_chat(ollama_client, options={"stop": stop + ["9" * 3000]}).message.content == ANSWER
+    cut = ANSWER[: ANSWER.index(" 42")]
+    assert ollama_chat(ollama_client, options={"stop": stop + [" 42"]}).message.content == cut
+    chunks = ollama_chat(ollama_client, options={"stop": stop + [" 42"]}, stream=True)
+    assert "".join(c.message.content for c in chunks) == cut
+
+
 def test_ollama_tool_call(ollama_client):
     for stream in (False, True):
         reply = ollama_chat(ollama_client, "weather in oslo", seed=0, tools=[WEATHER], options={"template": CALL},

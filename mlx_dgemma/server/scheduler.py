@@ -31,6 +31,7 @@ from ..request import generation_device, prepare
 from ..template import CanvasTemplate
 from ..tokenizer import TextStream
 from .prompt_cache import PromptCache
+from .stop_strings import StopStrings
 
 
 class RequestFailed(Exception):
@@ -91,6 +92,7 @@ class Job:
     # the worker's state
     thought: TextStream | None = None
     text: str = ""  # the engine's text of the answer so far
+    stop_strings: StopStrings | None = None  # its stop and held strings, read as it grows
     sent: int = 0
     completion_tokens: int = 0  # tokens committed, padding not counted
     cached_tokens: int | None = None
@@ -229,6 +231,7 @@ class Scheduler:
             free = args.template is None or getattr(args.template, "render", None) is None
             thought = job.think and free and not drafting
             job.thought = TextStream(self.tokenizer, prepared.stop_ids, thought=True) if thought else None
+            job.stop_strings = StopStrings(job.stop, job.hold)
             uid = self.engine.insert(prepared, cache, keep)
         except Exception as e:  # (request.prepare refuses what the model cannot take with a ValueError)
             self._send(job, Event(error=failure(job, e, bad_input=ValueError)))
@@ -251,8 +254,8 @@ class Scheduler:
             job.text = job.text[: -len(job.tail)]
         reasoning = job.thought.add(tokens, final=finish is not None) if job.thought else ""
         stop_sequence = None
-        if (cut := _find_any(job.text, job.stop, max(0, job.sent - _longest(job.stop)))) is not None:
-            stop_sequence = next(n for n in job.stop if job.text.startswith(n, cut))
+        if (found := job.stop_strings.read(job.text)) is not None:
+            cut, stop_sequence = found
             job.text, finish = job.text[:cut], "stop"
         if finish is not None:
             del self._active[response.uid]
@@ -267,7 +270,7 @@ class Scheduler:
                     return
         if job.redraft is not None:
             return  # a draft's text is not the answer
-        end = len(job.text) if finish else 0 if job.whole else _sendable(job.text, job.stop + job.hold)
+        end = len(job.text) if finish else 0 if job.whole else job.stop_strings.sendable()
         usage = Usage(len(job.ids), job.completion_tokens, job.cached_tokens or 0)
         event = Event(job.text[job.sent:end], reasoning, finish, usage, stop_sequence=stop_sequence)
         job.sent = max(job.sent, end)
@@ -315,25 +318,3 @@ def _cache_key(ids: list[int], vision_inputs: dict, image_token_id: int | None) 
             digest = next(digests)
         key.append(digest if token == image_token_id else token)
     return key
-
-
-def _find_any(text: str, needles: list[str], start: int = 0) -> int | None:
-    found = [i for n in needles if n and (i := text.find(n, start)) >= 0]
-    return min(found) if found else None
-
-
-def _longest(needles: list[str]) -> int:
-    return max(map(len, needles), default=0)
-
-
-def _sendable(text: str, held: list[str]) -> int:
-    """How much of ``text`` may go out now: up to a held string (a tool call) it contains, and not
-    the end of it that might begin a held or stop string."""
-    end = len(text) if (found := _find_any(text, held)) is None else found
-    keep = end
-    for needle in held:
-        for k in range(min(len(needle) - 1, end), 0, -1):
-            if text.endswith(needle[:k], 0, end):
-                keep = min(keep, end - k)
-                break
-    return keep
