@@ -352,6 +352,23 @@ def test_default_max_tokens_is_cut_to_whole_canvases(short_context):  # noqa: F8
     assert error["message"].endswith("ask for at most 32")
 
 
+@pytest.mark.parametrize("num_predict", [50_000_000, 10**12])
+def test_an_infills_num_predict_past_the_context_is_refused_at_once(server, client, demo, num_predict):
+    """A hole is generated whole: Ollama's num_predict, elsewhere a cap, is a 400 naming its bound here
+    (cut to the context instead, it was a hole of 32,000 positions: minutes on a released model)."""
+    body = {"model": MODEL_ID, "prompt": "sort: 42 ", "suffix": " 85", "stream": False,
+            "options": {"num_predict": num_predict}}
+    status, error, _ = post(server, body, "/api/generate")
+    assert status == 400, error
+    model, tokenizer = demo
+    prompt, suffix = len(tokenizer.encode("sort: 42 ")), len(tokenizer.encode(" 85", add_special_tokens=False))
+    canvas = model.config.canvas_length
+    room = (CONTEXT - prompt) // canvas * canvas - suffix  # whole canvases after the prompt, less the suffix
+    assert error == (f"options.num_predict is {num_predict}, but the model's context of {CONTEXT} leaves room for at "
+                     f"most {room} before the {suffix}-token suffix after the {prompt}-token prompt")
+    assert_still_serving(client)
+
+
 @pytest.mark.parametrize("seed", [-1, 2**64])
 def test_a_seed_out_of_range_is_refused_by_name(server, seed):
     status, error, _ = post(server, {**ask(SORT), "seed": seed})

@@ -214,7 +214,7 @@ class Server:
                 except TemplateError as e:
                     raise BadRequest(str(e), param=max_key) from None
         else:
-            template, max_tokens = self._infill(job, body, suffix, max_tokens, cap_max_tokens)
+            template, max_tokens = self._infill(job, body, suffix, max_tokens)
         job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=schema,
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
@@ -364,12 +364,12 @@ class Server:
             raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
         return ids
 
-    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None,
-                cap: bool = False) -> tuple[CanvasTemplate, int]:
-        """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default, or with
-        ``cap`` when ``max_tokens`` is more, what the context leaves next to the suffix, the default at
-        most the server's), then the suffix clamped at the end of its last canvas; the worker takes the
-        suffix off the answer (``Job.tail``)."""
+    def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None) -> tuple[CanvasTemplate, int]:
+        """The prompt is the prefix: the answer is a hole of at least ``max_tokens`` (by default the
+        server's, cut to what the context leaves next to the suffix), then the suffix clamped at the end
+        of its last canvas; the worker takes the suffix off the answer (``Job.tail``). A hole is
+        generated whole, so ``max_tokens`` is no cap here, even for an API whose limit is one (Ollama's
+        ``num_predict``): more than the context leaves is refused, not a hole the size of the context."""
         if body.get("template") is not None or (typed(body, "response_format", dict, None) or {}).get(
                 "type", "text") != "text":
             raise BadRequest("give one of suffix, template and response_format", param="suffix")
@@ -384,8 +384,6 @@ class Server:
         room = left - tail
         if max_tokens is None:
             max_tokens = min(self.max_tokens, room)
-        elif cap:
-            max_tokens = min(max_tokens, room)
         elif max_tokens > room:  # refused before the hole is built: it would take max_tokens positions
             raise BadRequest(f"max_tokens is {max_tokens}, but the model's context of {self.context} leaves room "
                              f"for at most {room} before the {tail}-token suffix after the {len(ids)}-token "
