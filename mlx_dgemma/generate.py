@@ -273,6 +273,9 @@ def _read_template(tokenizer, template_file: str | None, schema_file: str | None
         raise TemplateError(f"{path} is not JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except RecursionError:
         raise TemplateError(f"{path} is nested too deeply to read; flatten the schema") from None
+    except ValueError:  # (an integer past Python's digit limit, whose message is advice for Python code)
+        raise TemplateError(f"{path} holds an integer of more than {sys.get_int_max_str_digits()} digits, which "
+                            "cannot be read; write it as a number of fewer digits") from None
 
 
 if __name__ == "__main__":

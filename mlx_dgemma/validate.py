@@ -43,7 +43,7 @@ def at_least(minimum: int) -> Callable[[object, str], None]:
         if not is_int(value):
             raise ValueError(f"{name} must be an integer, got {shown(value)}")
         if value < minimum:
-            raise ValueError(f"{name} must be at least {minimum}, got {value}")
+            raise ValueError(f"{name} must be at least {minimum}, got {shown(value)}")
 
     return check
 

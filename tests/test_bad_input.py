@@ -386,6 +386,14 @@ def test_deep_nesting_is_refused_by_place(demo, tmp_path):
     one_line_error(run_generate("--schema", str(path)), "nested deeper than 128 levels")  # (its grammar's limit)
 
 
+def test_a_schema_file_with_an_integer_past_pythons_digits(tmp_path):
+    path = tmp_path / "digits.json"
+    path.write_text('{"type": "integer", "maximum": ' + "9" * 5000 + "}")
+    text = one_line_error(run_generate("--schema", str(path)),
+                          f"{path} holds an integer of more than {sys.get_int_max_str_digits()} digits")
+    assert "set_int_max_str_digits" not in text
+
+
 def test_a_template_file_that_is_not_utf8(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes(b"1 {{fill:3}} \xff 9")

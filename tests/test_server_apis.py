@@ -181,7 +181,7 @@ def test_ollama_errors(ollama_client):
     for kwargs, status, message in [
         ({"model": "llama3"}, 404, "the model \"llama3\" does not exist; this server serves 'demo'"),
         ({"options": {"num_predict": 0}}, 400, "options.num_predict must be at least 1, got 0"),
-        ({"options": {"temperature": 5}}, 400, "options.temperature must be between 0 and 2, got 5"),
+        ({"options": {"temperature": 5}}, 400, "options.temperature must be 0 or a finite number from 0.0001 to 2, got 5"),
         ({"options": {"stop": ["x"] * 17}}, 400, "options.stop must be a non-empty string or a list of at most 16"),
         ({"format": {"type": "string", "not": {"pattern": "[a-z]+"}}}, 400, '"not"'),
         ({"messages": user("sort: 1 2 " * (CONTEXT // 8))}, 400, "does not fit the model's context"),

@@ -118,12 +118,16 @@ def body_error(reply) -> tuple[str, str | None]:
 
 
 @pytest.mark.parametrize("path, body, param, message", [
-    ("/v1/responses", {"input": SORT, "metadata": {"a": float("nan")}}, "metadata",
-     "metadata holds NaN, which is not JSON"),
+    ("/v1/responses", {"input": SORT, "metadata": {"a": float("nan")}}, "metadata.a",
+     "metadata.a is NaN, which is not JSON; send a number or null"),
     ("/v1/responses", {"input": SORT, "parallel_tool_calls": float("nan")}, "parallel_tool_calls",
-     "parallel_tool_calls holds NaN"),
+     "parallel_tool_calls is NaN"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": SORT}], "user": float("-inf")}, "user",
-     "user holds -Infinity"),
+     "user is -Infinity"),
+    ("/api/generate", {"prompt": "x", "stream": False, "options": {"temperature": float("nan")}}, None,
+     "options.temperature is NaN, which is not JSON"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": float("inf")}]}]},
+     "messages[0].content[0].text", "messages[0].content[0].text is Infinity"),
     ("/v1/responses", {"input": [
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": 5}]}]}, "input",
@@ -144,9 +148,14 @@ def body_error(reply) -> tuple[str, str | None]:
      f"max_tokens of {CONTEXT} takes"),
     ("/api/generate", {"prompt": 5, "stream": False}, None, "prompt must be a string"),
     ("/api/generate", {"prompt": "x", "system": ["a"], "stream": False}, None, "system must be a string"),
-], ids=["nan-metadata", "nan-parallel", "inf-user", "call-output-text", "instructions", "anthropic-tool-choice",
+    ("/v1/messages/count_tokens", {"system": "\ud800", "messages": [{"role": "user", "content": "hi"}]}, None,
+     "system holds text that is not valid Unicode"),
+    ("/v1/messages/count_tokens", {"system": "be brief", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": 5, "content": "x"}]},
+     None, "messages[2] must be an object with a role"),
+], ids=["nan-metadata", "nan-parallel", "inf-user", "nan-ollama-option", "inf-deep", "call-output-text", "instructions", "anthropic-tool-choice",
         "tool-result-image", "anthropic-system", "max-completion-tokens", "anthropic-max-tokens", "ollama-prompt",
-        "ollama-system"])
+        "ollama-system", "count-tokens-system", "count-tokens-index"])
 def test_hostile_fields_are_named_as_the_client_sent_them(server, path, body, param, message):
     # (json.dumps writes NaN, -Infinity and lone surrogates as a hostile client would)
     status, reply = raw_post_timeout(server, path, json.dumps(body).encode(), 10)

@@ -5,6 +5,7 @@ subprocess servers where signals or memory are checked."""
 
 import base64
 import json
+import logging
 import os
 import signal
 import socket
@@ -282,7 +283,7 @@ def schema_body(schema: dict) -> dict:
 
 
 @pytest.mark.parametrize("body, param, message", [
-    (schema_body({"const": float("nan")}), "response_format", "not JSON"),  # (sent as NaN, which Python's JSON reads)
+    (schema_body({"const": float("nan")}), "response_format.json_schema.schema.const", "not JSON"),  # (sent as NaN)
     (schema_body({"enum": list(range(100_000))}), "response_format", "has 100000 values, more than the 10000"),
     (schema_body({"type": "object", "properties": {"k" * 3_000_000: {"type": "null"}}}), "response_format",
      TOO_LONG),
@@ -546,3 +547,35 @@ def test_freeze_after_is_bounded_by_the_field_sent(server, client, path, body, m
     status, error, _ = post(server, {**ask("hello"), **body}, path)
     assert status == 400 and message in json.dumps(error), error
     assert_still_serving(client)
+
+
+LONG_TEXT = "x" * (2 << 20)  # (the server's body limit here is 4 MiB)
+TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"policy": LONG_TEXT}, "policy", "policy must be one of "),
+    ({"response_format": {"type": LONG_TEXT}}, "response_format", "response_format type must be text, json_object or "
+                                                             "json_schema, got "),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": LONG_TEXT}}}, "tool_choice",
+     "tool_choice must be 'none', 'auto', 'required' or name one of the tools, got "),
+    ({"draft_length": int("9" * 4000)}, "draft_length", "draft_length must be an integer from 1 to the model's "),
+], ids=["policy", "response-format-type", "tool-choice-name", "draft-length"])
+def test_an_error_shows_a_short_cut_of_the_value(server, caplog, body, param, message):
+    """A value of megabytes comes back (and goes to the log) as its first few dozen characters."""
+    caplog.set_level(logging.INFO, logger="mlx_dgemma.server")
+    status, error, _ = post(server, {**ask(SORT), **body})
+    assert status == 400 and error["param"] == param and error["message"].startswith(message), error["message"][:300]
+    assert len(error["message"]) < 300 and ("'xxx" in error["message"] or "999" in error["message"])
+    (logged,) = [r.getMessage() for r in caplog.records if "refused with 400" in r.getMessage()]
+    assert len(logged) < 400 and error["message"] in logged
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"temperature": 1e-308}, "temperature must be 0 or a finite number from 0.0001 to 2, got 1e-308"),
+    ({"schedule_scale": 1e308}, "schedule_scale 1e+308: the temperature schedule they make cannot be used ("),
+    ({"temp_min": 0.5, "temp_max": 0.25}, "temp_min 0.5, temp_max 0.25: the temperature schedule they make cannot"),
+], ids=["temperature", "schedule-scale", "temp-min-over-max"])
+def test_numeric_options_name_their_bound_and_the_field_sent(server, body, message):
+    status, error, _ = post(server, {**ask(SORT), **body})
+    assert status == 400 and error["param"] == next(iter(body)) and error["message"].startswith(message), error

@@ -133,8 +133,9 @@ class Server:
         return api.error_reply(e)
 
     def _count(self, api: Api, body: dict) -> int:
+        _check_text(body)  # (by the field the client sent)
         body, _ = api.translate(body)
-        _check_text(body)
+        api.translated = True  # (errors from here on use the API's names)
         self._check_model(body.get("model"))
         tools, forced = self._tools(body)
         return len(self._chat_prompt(body, tools if tools and not forced else None)[0])
@@ -182,7 +183,7 @@ class Server:
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = typed(body, max_key, int, None)
         if max_tokens is not None and max_tokens < 1:
-            raise BadRequest(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
+            raise BadRequest(f"{max_key} must be at least 1, got {validate.shown(max_tokens)}", param=max_key)
         stop = typed(body, "stop", (str, list), None) or []
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
@@ -253,7 +254,7 @@ class Server:
         named = [t for t in tools if t["function"]["name"] == name]
         if not named:
             raise BadRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, "
-                             f"got {json.dumps(choice)}", param="tool_choice")
+                             f"got {validate.shown(choice)}", param="tool_choice")
         return tools, named[0]
 
     def _chat_prompt(self, body: dict, tools: list[dict] | None, think: bool = False) -> tuple[list[int], dict]:
@@ -530,10 +531,26 @@ def parse_body(body: bytes) -> dict:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
-    for key, value in data.items():  # a reply that echoes NaN or Infinity cannot be written
-        if bad := next((v for v in leaves(value) if isinstance(v, _NotJson)), None):
-            raise BadRequest(f"{key} holds {bad}, which is not JSON; send a number or null", param=key)
+    if any(isinstance(v, _NotJson) for v in leaves(data)):  # a reply that echoes NaN or Infinity cannot be written
+        field, bad = _not_json(data)
+        raise BadRequest(f"{field} is {bad}, which is not JSON; send a number or null", param=field)
     return data
+
+
+def _not_json(data: dict) -> tuple[str, str]:
+    """The first NaN or Infinity in ``data`` and the field that holds it, named as the client sent it
+    (``options.temperature``, ``messages[0].content``; a long key cut)."""
+    stack = [(data, "")]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, _NotJson):
+            return field, value
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in reversed(list(items)):
+            name = f"[{key}]" if isinstance(value, list) else (
+                f"{'.' if field else ''}{key if len(key) <= 40 else key[:37] + '...'}")
+            stack.append((item, field + name))
+    raise AssertionError("no NaN or Infinity in data")
 
 
 def _check_text(body: dict) -> None:

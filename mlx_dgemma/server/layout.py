@@ -14,6 +14,7 @@ from ..json_schema import json_template
 from ..request import answer_room, check_closing_room, check_template_fits, grammar_stop_ids, schema_template
 from ..template import CanvasTemplate, TemplateError, parse_template
 from ..tool_calls import check_tool, parse_tool_calls
+from ..validate import shown
 from .api import BadRequest
 from .scheduler import Job
 
@@ -29,7 +30,7 @@ def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens:
     if sum(x is not None for x in (text, forced, None if kind == "text" else kind)) > 1:
         raise BadRequest("give one of template, response_format and a forced tool call", param="response_format")
     if kind not in ("text", "json_object", "json_schema"):
-        raise BadRequest(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+        raise BadRequest(f"response_format type must be text, json_object or json_schema, got {shown(kind)}",
                          param="response_format")
     param = "template" if text is not None else "tools" if forced is not None else "response_format"
     job.template_param = param

@@ -13,6 +13,7 @@ from ..options import SamplingArgs, check_schedule_scale
 from ..policy import POLICIES
 from ..sampler import SamplerSettings
 from ..validate import (
+    MIN_TEMPERATURE,
     at_least,
     check_entropy_bound,
     check_seed,
@@ -21,6 +22,7 @@ from ..validate import (
     finite_number,
     integer_in,
     is_number,
+    shown,
 )
 from .api import BadRequest
 
@@ -58,19 +60,20 @@ def _checks(defaults, canvas: int, max_steps: int) -> dict:
     """Body field -> its check (value, name); ``max_steps`` bounds steps and draft steps."""
     steps = defaults.max_denoising_steps
 
-    def temperature(value, name):
-        if is_number(value) and not 0 <= value <= MAX_TEMPERATURE:
-            raise ValueError(f"{name} must be between 0 and {MAX_TEMPERATURE}, got {value}")
-        check_temperature(value, name)
+    def temperature(value, name):  # (validate.check_temperature's bounds, OpenAI's top)
+        if not (is_number(value) and (value == 0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE)):
+            raise ValueError(f"{name} must be 0 or a finite number from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE}, "
+                             f"got {shown(value)}")
 
     def policy(value, name):
-        if value not in POLICIES:
-            raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {value!r}")
+        if not isinstance(value, str) or value not in POLICIES:
+            raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {shown(value)}")
 
     def draft_length(value, name):
         at_least(1)(value, name)
         if value > canvas:
-            raise ValueError(f"{name} must be an integer from 1 to the model's canvas length {canvas}, got {value}")
+            raise ValueError(f"{name} must be an integer from 1 to the model's canvas length {canvas}, "
+                             f"got {shown(value)}")
 
     return {"seed": check_seed, "policy": policy, "temperature": temperature, "top_p": check_top_p,
             "top_k": check_top_k, "min_p": check_min_p, "steps": lambda value, name: check_steps(value, name, max_steps),
@@ -105,6 +108,8 @@ def request_options(body: dict, defaults, canvas: int, max_steps: int) -> dict:
         sampling = SamplingArgs(**{name: options[name] for name in schedule})
         try:
             SamplerSettings.from_generation_config(defaults, **sampling.overrides(defaults))
-        except ValueError as e:
-            raise BadRequest(str(e), param=schedule[0]) from None
+        except ValueError as e:  # (its message names the CLI's flags and the scaled temperatures)
+            given = ", ".join(f"{name} {shown(options[name])}" for name in schedule)
+            raise BadRequest(f"{given}: the temperature schedule they make cannot be used ({e})",
+                             param=schedule[0]) from None
     return options
