@@ -43,7 +43,9 @@ class Reply:
     stream: bool
     include_usage: bool
     tools: bool  # tool calls in the answer are parsed out ("auto")
-    forced_tool: str | None  # the function a forced call's arguments are for
+    # The functions a forced call is to: one (the answer is its arguments) or several (the answer is
+    # tool_calls.call_choice_schema's {"name", "arguments"}); none where no call is forced.
+    forced: tuple[str, ...]
     id: str = ""
     prompt_tokens: int = 0
 

@@ -34,7 +34,7 @@ from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_i
 from ..options import GenerationArgs
 from ..request import PromptError, answer_room, check_closing_fits, check_prompt_fits, closing_length, generation_config
 from ..template import CanvasTemplate, TemplateError, infill_template
-from ..tool_calls import CALL_OPEN, check_parameters, parse_tool_calls
+from ..tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_calls
 from ..vision import has_vision
 from . import reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
@@ -222,12 +222,13 @@ class Server:
         job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=schema,
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
-                      forced["function"]["name"] if forced else None,
+                      tuple(t["function"]["name"] for t in forced or ()),
                       id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
         return job, reply
 
     def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
-        """The request's tools (none with tool_choice "none") and the one a forced call is to."""
+        """The request's tools (none with tool_choice "none") and those a forced call is to (one of them:
+        tool_choice "required", or the one it names), or None."""
         tools = typed(body, "tools", list, None) or []
         for tool in tools:
             function = tool.get("function") if isinstance(tool, dict) else None
@@ -248,17 +249,14 @@ class Server:
         if not tools:
             raise BadRequest("tool_choice needs tools", param="tool_choice")
         if choice == "required":
-            if len(tools) > 1:
-                raise BadRequest("tool_choice 'required' is supported with one tool; name the function instead",
-                                 param="tool_choice")
-            return tools, tools[0]
+            return tools, tools
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         named = [t for t in tools if t["function"]["name"] == name]
         if not named:
             raise BadRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, "
                              f"got {json.dumps(choice)}", param="tool_choice")
-        return tools, named[0]
+        return tools, named[:1]
 
     def _chat_prompt(self, body: dict, tools: list[dict] | None, think: bool = False) -> tuple[list[int], dict]:
         """The messages' ids through the chat template (``think``: with its thinking switch on), and their
@@ -425,8 +423,14 @@ class Server:
         content = event.content if content is None else content
         reasoning = event.reasoning if reasoning is None else reasoning
         calls, finish = [], event.finish_reason
-        if reply.forced_tool is not None:
-            calls, content = [(reply.forced_tool, content)], ""
+        if len(reply.forced) == 1:
+            calls, content = [(reply.forced[0], content)], ""
+        elif reply.forced:
+            try:
+                call = chosen_call(content)
+                calls, content = [(call.name, json.dumps(call.arguments))], ""
+            except ValueError:  # (an answer the grammar cut short: its text stays, where the client can see it)
+                pass
         elif reply.tools:
             try:
                 content, parsed = parse_tool_calls(content)

@@ -62,7 +62,7 @@ class OpenAI(Api):
         if not reply.chat:
             return {"index": 0, "text": event.content, "logprobs": None, "finish_reason": event.finish_reason}
         delta, finish = {}, event.finish_reason
-        if finish is not None and (reply.tools or reply.forced_tool):
+        if finish is not None and (reply.tools or reply.forced):
             # Tool-call text was held back until the end: now it becomes tool_calls.
             last = self.server.answer(event, reply)
             delta, finish = {k: v for k, v in self._message(last).items() if v}, last.finish
