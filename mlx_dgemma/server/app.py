@@ -70,12 +70,19 @@ class Limits:
 class Server:
     """The endpoints, for requests within ``limits``."""
 
-    def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, limits: Limits = Limits()):
+    def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, limits: Limits = Limits(),
+                 options: dict | None = None, chat_template_args: dict | None = None):
+        """``options``: the generation options a request that does not set them gets (by body field name,
+        the server's --temp, --top-p...: checked as a request's are, a ``BadRequest`` naming the field);
+        ``chat_template_args``: the chat template's arguments for every request (``enable_thinking``:
+        thinking on unless a request turns it off)."""
         from PIL.Image import DecompressionBombWarning
 
         self.model, self.tokenizer, self.model_id, self.scheduler = model, tokenizer, model_id, scheduler
         self.defaults = generation_config(model, tokenizer)
         self.limits = limits
+        self.options = request_options(options or {}, self.defaults, model.config.canvas_length, limits.max_steps)
+        self.chat_template_args = chat_template_args or {}
         self.max_tokens = limits.max_tokens or self.defaults.max_new_tokens
         self.context = model.config.max_position_embeddings
         # No token is longer than the vocabulary's longest: text longer than that many per position
@@ -191,12 +198,14 @@ class Server:
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(f"stop must be a non-empty string or a list of at most {max_stop}", param="stop")
-        options = request_options(body, self.defaults, self.model.config.canvas_length, self.limits.max_steps)
+        options = {**self.options, **request_options(body, self.defaults, self.model.config.canvas_length,
+                                                     self.limits.max_steps)}
 
         tools, forced = self._tools(body) if chat else ([], None)
         suffix = None if chat else typed(body, "suffix", str, None) or None
         # A JSON answer (a schema, json_object, a forced call) starts at once: no thought before it.
-        think = reasoning.thinks(body, chat, self.tokenizer.renders_thinking) and forced is None and (
+        think = reasoning.thinks(body, chat, self.tokenizer.renders_thinking,
+                                 self.chat_template_args.get("enable_thinking", False)) and forced is None and (
             typed(body, "response_format", dict, None) or {}).get("type", "text") == "text"
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None, think) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
@@ -282,7 +291,8 @@ class Server:
                              f"{self.limits.max_image_pixels} accepted; scale them down", param="messages")
         extra = {"tools": tools} if tools else {}
         try:  # (enable_thinking given either way: a template whose default is on is off unless asked)
-            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, enable_thinking=think, **extra)
+            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, **{
+                **self.chat_template_args, "enable_thinking": think}, **extra)
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         self._check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
