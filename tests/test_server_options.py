@@ -284,3 +284,54 @@ def test_bad_server_flags_are_refused_by_name(flags, status, message):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == status and message in done.stderr, done.stderr
     assert done.stderr.strip().split("\n")[-1].startswith("Error: ")
+
+
+# -- n: several choices -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["reference", "fast", "ar", "verified"])
+def test_n_choices_are_the_request_at_seed_plus_their_index(clients, demo, policy):
+    """Run as one batch, choice i is the answer the same request alone gets at seed + i (generate's):
+    reproducible, and different from each other; streamed, each choice's deltas carry its index."""
+    model, tokenizer = demo
+    client = clients["openai"]
+    settings = {"policy": policy, "temperature": 0.7}
+    before = planner_kept(model)
+    reply = client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5, max_tokens=32, n=3,
+                                           temperature=0.7, extra_body={"policy": policy})
+    planner_set(model, before)
+    texts = [choice.message.content for choice in reply.choices]
+    assert [choice.index for choice in reply.choices] == [0, 1, 2] and len(set(texts)) > 1
+    alone = [client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5 + i, max_tokens=32,
+                                            temperature=0.7, extra_body={"policy": policy}) for i in range(3)]
+    planner_set(model, before)
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert texts == [generate(model, tokenizer, PROMPT, 32, seed=5 + i, **settings) for i in range(3)]
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    planner_set(model, before)
+    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5, max_tokens=32, n=3,
+                                                 temperature=0.7, extra_body={"policy": policy}, stream=True,
+                                                 stream_options={"include_usage": True}))
+    planner_set(model, before)
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    finishes = [c.choices[0].index for c in chunks if len(c.choices) == 1 and c.choices[0].finish_reason]
+    assert streamed == texts and sorted(finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    completions = client.completions.create(model=MODEL_ID, prompt=PROMPT, seed=5, max_tokens=16, n=2,
+                                            extra_body={"policy": policy})
+    assert [c.text for c in completions.choices] == [
+        client.completions.create(model=MODEL_ID, prompt=PROMPT, seed=5 + i, max_tokens=16,
+                                  extra_body={"policy": policy}).choices[0].text for i in range(2)]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"n": 9}, "n must be from 1 to 8, the choices this server runs for one request, got 9"),
+    ({"n": 0}, "n must be from 1 to 8, the choices this server runs for one request, got 0"),
+    ({"n": "2"}, 'n must be of type int, got "2"'),
+])
+def test_n_past_its_bound_is_a_400_naming_it(clients, body, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), max_tokens=8,
+                                                  extra_body=body)
+    assert caught.value.body["param"] == "n" and caught.value.body["message"] == message

@@ -48,6 +48,7 @@ class Reply:
     forced: tuple[str, ...]
     id: str = ""
     prompt_tokens: int = 0
+    n: int = 1  # choices (OpenAI's n), each its own job
 
 
 @dataclass
@@ -88,6 +89,11 @@ class Api:
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
         raise NotImplementedError
+
+    def replies(self, answers: list[Answer], reply: Reply) -> dict:
+        """The reply of a request's whole answers, one per choice (only OpenAI's APIs take ``n``)."""
+        (answer,) = answers
+        return self.reply(answer, reply)
 
     def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
         raise NotImplementedError

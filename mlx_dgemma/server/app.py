@@ -16,6 +16,7 @@ The worker's events come back as one JSON reply or as server-sent events, a chun
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import secrets
@@ -46,10 +47,11 @@ MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64:
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
+MAX_CHOICES = 8  # n: the choices of one request, each a row of the worker's batch
 # OpenAI parameters this server does not honour, each with the value that leaves it off: clients
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
-UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
+UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
                "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "web_search_options": None}
@@ -114,12 +116,12 @@ class Server:
             prepared = await asyncio.get_running_loop().run_in_executor(self._preparing, self._prepare, api, body)
             if prepared is None:
                 return api.empty()
-            job, reply = prepared
-            events = self.scheduler.submit(job)
+            jobs, reply = prepared
+            queues = [self.scheduler.submit(job) for job in jobs]
             if reply.stream:
-                return StreamingResponse(self._streamed(api, job, events, reply, request), media_type=api.stream_type,
+                return StreamingResponse(self._streamed(api, jobs, queues, reply, request), media_type=api.stream_type,
                                          headers={"Cache-Control": "no-cache"})
-            return JSONResponse(api.reply(await self._whole(job, events, reply, request), reply))
+            return JSONResponse(api.replies(await self._wholes(jobs, queues, reply, request), reply))
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
@@ -152,7 +154,7 @@ class Server:
             raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
                              f"'{self.model_id}'", param="model", code="model_not_found", status=404)
 
-    def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
+    def _prepare(self, api: Api, body: dict) -> tuple[list[Job], Reply] | None:
         _check_text(body)  # (by the field the client sent)
         translated = api.translate(body)
         api.translated = True
@@ -185,10 +187,15 @@ class Server:
         return data
 
     def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS,
-             cap_max_tokens: bool = False) -> tuple[Job, Reply]:
+             cap_max_tokens: bool = False) -> tuple[list[Job], Reply]:
+        """The request's jobs, one per choice (``n``), and how to shape their answers."""
         _check_supported(body, chat)
         self._check_model(body.get("model"))
         stream = typed(body, "stream", bool, False)
+        n = typed(body, "n", int, 1)
+        if not 1 <= n <= MAX_CHOICES:
+            raise BadRequest(f"n must be from 1 to {MAX_CHOICES}, the choices this server runs for one request, "
+                             f"got {n}", param="n")
         stream_options = typed(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = typed(body, max_key, int, None)
@@ -232,8 +239,8 @@ class Server:
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
                       tuple(t["function"]["name"] for t in forced or ()),
-                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
-        return job, reply
+                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids), n=n)
+        return [job, *(_choice(job, i) for i in range(1, n))], reply
 
     def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
         """The request's tools (none with tool_choice "none") and those a forced call is to (one of them:
@@ -449,6 +456,18 @@ class Server:
                 pass
         return Answer(content, reasoning, calls, "tool_calls" if calls else finish, event.usage, event.stop_sequence)
 
+    async def _wholes(self, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply,
+                      request: Request) -> list[Answer]:
+        """Each choice's whole answer; one that fails ends the others."""
+        tasks = [asyncio.ensure_future(self._whole(job, events, reply, request)) for job, events in zip(jobs, queues)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for job, task in zip(jobs, tasks):
+                job.cancel()
+                task.cancel()
+            raise
+
     async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request) -> Answer:
         content, reasoning = "", ""
         async for event in self._events(events, request):
@@ -461,12 +480,15 @@ class Server:
         job.cancel()
         raise BadRequest("the client went away", status=499)
 
-    async def _streamed(self, api: Api, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
+    async def _streamed(self, api: Api, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply,
+                        request: Request):
+        events = self._events(queues[0], request) if len(queues) == 1 else self._choices(queues, request)
         try:
-            async for chunk in api.stream(self._events(events, request), reply):
+            async for chunk in api.stream(events, reply):
                 yield chunk
         finally:  # the client went away mid-answer (a finished job's cancel changes nothing)
-            job.cancel()
+            for job in jobs:
+                job.cancel()
 
     async def text_pieces(self, events: AsyncIterator[Event], reply: Reply):
         """A stream's answer as its text pieces (the thought's as ``Thought`` pieces, before the text of
@@ -495,6 +517,28 @@ class Server:
             if event.error is not None or event.finish_reason is not None:
                 return
 
+    @staticmethod
+    async def _choices(queues: list[asyncio.Queue], request: Request) -> AsyncIterator[Event]:
+        """The events of a request's choices as they come, each marked with its choice (``Event.choice``),
+        until every choice has finished, one has failed, or the client has gone away."""
+        waiting = {asyncio.ensure_future(events.get()): i for i, events in enumerate(queues)}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                if not done and await request.is_disconnected():
+                    return
+                for task in sorted(done, key=waiting.get):
+                    event = task.result()
+                    event.choice = waiting.pop(task)
+                    yield event
+                    if event.error is not None:
+                        return
+                    if event.finish_reason is None:
+                        waiting[asyncio.ensure_future(queues[event.choice].get())] = event.choice
+        finally:
+            for task in waiting:
+                task.cancel()
+
 
 class Thought(str):
     """A piece of a stream's thought (``Server.text_pieces``)."""
@@ -509,6 +553,14 @@ async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.2
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 return None
+
+
+def _choice(job: Job, index: int) -> Job:
+    """Choice ``index`` of a request with ``n`` > 1: its first choice's job at seed + ``index`` (modulo
+    2**64), or unseeded as the first is; so each choice is the answer the request alone gets at that seed."""
+    seed = job.args.seed
+    return dataclasses.replace(job, args=dataclasses.replace(
+        job.args, seed=None if seed is None else (seed + index) % validate.SEED_LIMIT))
 
 
 def _check(check, value, name: str, *args) -> None:
