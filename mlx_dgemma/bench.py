@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from .cli import command_line
+from .cli import command_line, several_values
 from .policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas
 from .validate import at_least, option, writable_file
 
@@ -264,31 +264,13 @@ def plot(r: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-class _Several(click.Option):
-    """An option that takes every value up to the next option: ``--prefix 64 1024 8192``."""
-
-    def add_to_parser(self, parser, ctx):
-        super().add_to_parser(parser, ctx)
-        option = parser._long_opt.get(self.opts[0])
-        take_one = option.process
-
-        def take_all(value, state):
-            values = [value]
-            while state.rargs and not state.rargs[0].startswith("-"):
-                values.append(state.rargs.pop(0))
-            for v in values:
-                take_one(v, state)
-
-        option.process = take_all
-
-
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", required=True, help="Checkpoint folder or Hub id.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
               help="Write the figures here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
               help="Write a PNG plot here.")
-@click.option("--prefix", cls=_Several, type=int, multiple=True, default=[64], show_default=True,
+@click.option("--prefix", cls=several_values(), type=int, multiple=True, default=[64], show_default=True,
               callback=option(lambda values, name: [at_least(1)(v, name) for v in values]),
               help="Prompt tokens before the canvas; several (--prefix 64 1024 8192) add a sweep over prompt lengths.")
 @click.option("--repeats", default=2, show_default=True, callback=option(at_least(1)),

@@ -112,6 +112,52 @@ def check_writable_folder(folder: Path, flag: str) -> None:
         raise ValueError(f"{flag} {folder}: {existing} is not writable; choose another path")
 
 
+def several_values():
+    """The ``cls`` of a Click option (with ``multiple=True``) that takes every value up to the next
+    option, as argparse's ``nargs="+"``: ``--prefix 64 1024 8192``; repeating the flag adds more."""
+    import click
+
+    class Several(click.Option):
+        def add_to_parser(self, parser, ctx):
+            super().add_to_parser(parser, ctx)
+            option = parser._long_opt.get(self.opts[0])
+            take_one = option.process
+
+            def take_all(value, state):
+                values = [value]
+                while state.rargs and not state.rargs[0].startswith("-"):
+                    values.append(state.rargs.pop(0))
+                for v in values:
+                    take_one(v, state)
+
+            option.process = take_all
+
+    return Several
+
+
+def sampling_options(command):
+    """``--temp``, ``--top-p``, ``--min-p`` and ``--top-k`` (mlx-lm's flags): ``temperature``, ``top_p``,
+    ``min_p`` and ``top_k``, each None when not given (generate's sampling; the server's default for a
+    request that does not set it)."""
+    import click
+
+    from .filters import check_min_p, check_top_k, check_top_p
+    from .validate import check_temperature, option
+
+    options = [
+        click.option("--temp", "temperature", type=float, callback=option(check_temperature),
+                     help="Sampling temperature: ar and verified draw tokens at it [default: 0, greedy]; diffusion "
+                          "draws each position at it times the schedule's temperature [default: 1, the schedule's; "
+                          "0: greedy]."),
+        click.option("--top-p", type=float, callback=option(check_top_p), help="Sampling top-p [default: 1, off]."),
+        click.option("--min-p", type=float, callback=option(check_min_p), help="Sampling min-p [default: 0, off]."),
+        click.option("--top-k", type=int, callback=option(check_top_k), help="Sampling top-k [default: 0, off]."),
+    ]
+    for add in reversed(options):
+        command = add(command)
+    return command
+
+
 def kv_cache_options(command):
     """``--kv-bits``, ``--kv-group-size`` and ``--quantized-kv-start`` (mlx-lm's flags), as generate and
     the server take them: ``kv_bits`` (None or an int), ``kv_group_size`` and ``quantized_kv_start``."""

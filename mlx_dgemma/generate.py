@@ -32,9 +32,8 @@ from .api import (
     stream_generate,
 )
 from .batch import prefill
-from .cli import command_line, kv_cache_options
+from .cli import command_line, kv_cache_options, sampling_options, several_values
 from .demo import DEMO_MODEL
-from .filters import check_min_p, check_top_k, check_top_p
 from .images import load_image
 from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_prefill_step_size, check_schedule_scale
 from .policy import POLICIES, Plan
@@ -91,7 +90,9 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 @click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
 @click.option("--think", is_flag=True, help="Thinking on (the chat template's switch): the thought goes to stderr "
                                             "as it comes, the answer to stdout.")
-@click.option("--verbose", is_flag=True, help="Print statistics after the text.")
+@click.option("--verbose", type=click.BOOL, is_flag=False, flag_value=True, default=False, metavar="[BOOL]",
+              help="Print statistics after the text: --verbose alone or True, or False (mlx-lm's syntax; T, F, "
+                   "yes, no, 1, 0 too) [default: False].")
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
 @click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
               help="reference: the generation config; auto: the policy this device runs fastest (measured once, "
@@ -101,12 +102,7 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
               help="verified: canvas positions per draft, the known next token included [default: the policy's].")
 @click.option("--draft-steps", type=int, callback=option(check_steps),
               help="verified: denoising steps per draft [default: the policy's].")
-@click.option("--temp", "temperature", type=float, callback=option(check_temperature),
-              help="Sampling temperature: ar and verified draw tokens at it [default: 0, greedy]; diffusion draws "
-                   "each position at it times the schedule's temperature [default: 1, the schedule's; 0: greedy].")
-@click.option("--top-p", type=float, callback=option(check_top_p), help="Sampling top-p [default: 1, off].")
-@click.option("--min-p", type=float, callback=option(check_min_p), help="Sampling min-p [default: 0, off].")
-@click.option("--top-k", type=int, callback=option(check_top_k), help="Sampling top-k [default: 0, off].")
+@sampling_options
 @click.option("--schedule-scale", type=float, callback=option(check_schedule_scale),
               help="Factor on the denoising temperature schedule (--temp-min/--temp-max or the checkpoint's).")
 @click.option("--template", "template_file", type=click.Path(dir_okay=False),
@@ -120,8 +116,8 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
-@click.option("--image", "image_files", multiple=True, metavar="PATH",
-              help="Image to go with the prompt (repeatable; a checkpoint with a vision tower).")
+@click.option("--image", "image_files", cls=several_values(), multiple=True, metavar="PATH...",
+              help="Images to go with the prompt (a checkpoint with a vision tower).")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where it needs more memory than the "
                                                           "device can give (see docs/quantization.md).")
 @command_line

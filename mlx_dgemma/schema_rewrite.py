@@ -13,6 +13,8 @@ validator's check:
   or present and the schema holds".
 
 Everything else goes through as written; what llguidance cannot enforce it refuses by name.
+``rebased`` places a schema inside another (a tool's parameters in the union of a forced call's
+tools), its local ``$ref`` pointers moved with it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,18 @@ def _rewrite_dependencies(schema: dict, depth: int) -> None:
             rules.append({"anyOf": [{"properties": {key: False}}, present]})
     if rules:
         schema["allOf"] = schema.get("allOf", []) + rules
+
+
+def rebased(schema, pointer: str, depth: int = 0):
+    """``schema`` as placed at JSON pointer ``pointer`` (``/anyOf/0``) inside another: each local
+    ``$ref`` (``#``, ``#/$defs/X``) made to point from there, so its own ``$defs`` are still found."""
+    if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        return schema
+    out = _subschemas(schema, lambda sub, d: rebased(sub, pointer, d), depth)
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + pointer + ref[1:]
+    return out
 
 
 def required_only(schema, depth: int = 0):

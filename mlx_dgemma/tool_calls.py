@@ -8,7 +8,9 @@ where ARGS is a JSON-like object with bare keys and strings between ``<|"|>`` de
 ``parse_tool_calls`` reads those (and plain JSON arguments) into ``(name, arguments)`` pairs and
 returns the rest of the text as the answer's content. ``forced_call_template`` lays out one call of a
 given tool as a canvas template, its arguments the JSON template of the tool's parameter schema, so a
-forced call (``tool_choice`` naming a function) always parses and validates.
+forced call (``tool_choice`` naming a function) always parses and validates. A call forced to any of
+several tools (``tool_choice`` "required") is a JSON value of ``call_choice_schema``, the name then
+its tool's arguments, which ``chosen_call`` reads.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .json_schema import check_required, json_template
+from .schema_rewrite import rebased
 from .template import CanvasTemplate, TemplateError
 
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
@@ -192,3 +195,25 @@ def forced_call_template(tokenizer, tool: dict, limit: int | None = None, draft:
     tail = tokenizer.encode(CALL_CLOSE, add_special_tokens=False)
     holes = [(start + len(head), hole) for start, hole in arguments.holes]
     return CanvasTemplate(head + arguments.tokens + tail, holes, render=arguments.render)
+
+
+def call_choice_schema(tools: list[dict]) -> dict:
+    """The JSON schema of one call of any of ``tools`` (OpenAI tools, each checked by ``check_tool``):
+    ``{"name": NAME, "arguments": {...}}``, NAME one of the tools' and the arguments valid for its
+    parameters. The name comes first, so a grammar settles which tool before its arguments."""
+    choices = []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        choices.append({"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                        "properties": {"name": {"const": function["name"]},
+                                       "arguments": rebased(parameters, f"/anyOf/{i}/properties/arguments")}})
+    return {"anyOf": choices}
+
+
+def chosen_call(text: str) -> ToolCall:
+    """The call in an answer of ``call_choice_schema`` (a ``ValueError`` where the text is not one)."""
+    value = json.loads(text)
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)):
+        raise ValueError(f"expected {{\"name\": ..., \"arguments\": {{...}}}}, got {text[:40]!r}")
+    return ToolCall(value["name"], value["arguments"])

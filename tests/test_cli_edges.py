@@ -370,3 +370,20 @@ def test_a_schema_llguidance_gives_up_on_mid_answer_is_one_line(tmp_path):
 
 def test_a_prefill_step_past_its_bound_is_one_line():
     one_line(cli("generate", "--prefill-step-size", 10 ** 30), "--prefill-step-size must be an integer from 1 to 1048576")
+
+
+def test_python_m_mlx_dgemma_runs_each_command_by_name():
+    """mlx-lm's ``python -m mlx_lm generate``: the same run as ``python -m mlx_dgemma.generate`` (here
+    with mlx-lm's ``--verbose False``); no command or an unknown one is a usage error (2)."""
+    flags = ["--max-tokens", "8", "--seed", "0"]
+    by_name = subprocess.run([sys.executable, "-m", "mlx_dgemma", "generate", *flags, "--verbose", "False"],
+                             capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert by_name.returncode == 0, by_name.stderr
+    assert by_name.stdout == cli("generate", *flags).stdout and by_name.stdout.strip()
+    helped = subprocess.run([sys.executable, "-m", "mlx_dgemma", "convert", "--help"], capture_output=True, text=True,
+                            cwd=ROOT, env=ENV)
+    assert helped.returncode == 0 and "Usage: python -m mlx_dgemma.convert" in helped.stdout
+    for args, message in (([], "usage: python -m mlx_dgemma {generate,"), (["chat"], "Error: no command 'chat'")):
+        done = subprocess.run([sys.executable, "-m", "mlx_dgemma", *args], capture_output=True, text=True, cwd=ROOT,
+                              env=ENV)
+        assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -151,13 +151,24 @@ def test_view_redraws_in_place_on_a_terminal(chat_model):
     assert f"{ACCEPTED}a" in third and f"{FIXED}b" in third and f"{FIXED}d" in third and "2 fixed" in third
 
 
-def test_cli_verbose_prints_statistics(chat_checkpoint, chat_model):
+@pytest.mark.parametrize("flag", [["--verbose"], ["--verbose", "True"], ["--verbose", "T"]])
+def test_cli_verbose_prints_statistics(chat_checkpoint, chat_model, flag):
     _, tokenizer = chat_model
-    result = invoke(chat_checkpoint, "--verbose")
+    result = invoke(chat_checkpoint, *flag)
     assert result.exit_code == 0
     assert f"Prompt: {len(prompt_ids(tokenizer, PROMPT))} tokens" in result.output
     assert f"Denoising steps per canvas: {STEPS} {STEPS} {STEPS}; {C / STEPS:.2f} tokens per forward" in result.output
     assert "Peak memory:" in result.output
+
+
+def test_cli_verbose_false_is_the_text_alone(chat_checkpoint):
+    """mlx-lm's ``--verbose False`` (or F): what no --verbose prints."""
+    quiet = invoke(chat_checkpoint)
+    assert quiet.exit_code == 0 and "Prompt:" not in quiet.output
+    for value in ("False", "F"):
+        assert invoke(chat_checkpoint, "--verbose", value).output == quiet.output
+    refused = invoke(chat_checkpoint, "--verbose", "maybe")
+    assert refused.exit_code == 2 and "'maybe' is not a valid boolean" in refused.output
 
 
 @pytest.mark.parametrize("args, prompt_ids_kwargs", [

@@ -1,5 +1,5 @@
 """The server as the clients people use read it: llm with llm-ollama, langchain-ollama, the OpenAI
-Agents SDK, instructor and pydantic-ai against a real uvicorn server serving the bundled demo, each
+Agents SDK, instructor, pydantic-ai and smolagents against a real uvicorn server serving the bundled demo, each
 in its plain, streamed, structured and tool cases (the official openai, ollama and anthropic clients
 are driven in test_server.py and test_server_apis.py). Judged on protocol: a plain answer is the demo's
 (``generate``'s) at the same seed, a structured one an instance of the client's own model, a tool call
@@ -10,6 +10,7 @@ answers it with through a JSON schema (None where only its type is known)."""
 
 import asyncio
 import json
+import logging
 
 import instructor
 import openai
@@ -31,6 +32,7 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.output import NativeOutput
 from pydantic_ai.providers.ollama import OllamaProvider
 from pydantic_ai.providers.openai import OpenAIProvider
+from smolagents import ActionStep, OpenAIServerModel, ToolCallingAgent, tool
 
 from mlx_dgemma import generate
 from mlx_dgemma.server.ollama import digest
@@ -309,3 +311,36 @@ def test_pydantic_ai_tool_call(server, streamed):
     assert isinstance(output, str)
     kinds = [part.part_kind for message in messages for part in message.parts]
     assert kinds == ["user-prompt", "tool-call", "tool-return", "text"]
+
+
+# -- smolagents ---------------------------------------------------------------------------------------
+
+def test_smolagents_tool_calling_agent_takes_a_step(server, caplog):
+    """ToolCallingAgent sends its tools and final_answer with tool_choice "required" on every step: the
+    step's call is one of them, with arguments of the tool's types, and nothing is refused."""
+    calls = []
+
+    @tool
+    def get_weather(city: str, days: int) -> str:
+        """The weather in a city for some days.
+
+        Args:
+            city: The city.
+            days: How many days ahead.
+        """
+        calls.append((city, days))
+        return "sunny"
+
+    caplog.set_level(logging.INFO, logger="mlx_dgemma.server")
+    model = OpenAIServerModel(MODEL_ID, api_base=server + "/v1", api_key="none", max_tokens=64, seed=0)
+    agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=1, verbosity_level=0)
+    agent.run("weather in oslo for 3 days", max_steps=1)
+    step = next(s for s in agent.memory.steps if isinstance(s, ActionStep))
+    assert step.error is None and len(step.tool_calls) == 1
+    (call,) = step.tool_calls
+    assert call.name in ("get_weather", "final_answer")
+    if call.name == "get_weather":
+        check_calls(calls)
+    else:
+        assert isinstance(call.arguments["answer"], str) and not calls
+    assert not [r.getMessage() for r in caplog.records if r.name == "mlx_dgemma.server" and "refused" in r.getMessage()]

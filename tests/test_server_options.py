@@ -3,15 +3,24 @@
 client cannot set them); the same body and seed give what ``generate`` gives under every policy,
 temperature included; the sampling filters arrive through each API's own fields."""
 
+import contextlib
 import copy
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from dataclasses import fields
+from pathlib import Path
 
 import anthropic
 import ollama
 import openai
 import pytest
 
-from mlx_dgemma import generate
+from mlx_dgemma import generate, load
+from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.options import GenerationArgs, SamplingArgs
 from mlx_dgemma.policy import PLANNERS
 from mlx_dgemma.server import scheduler
@@ -185,3 +194,144 @@ def test_a_setting_a_template_cannot_take_is_a_400_naming_it(clients):
         clients["ollama"].chat(model=MODEL_ID, messages=user(PROMPT),
                                options={"policy": "verified", "top_k": 3, "template": "{{fill:4}}"})
     assert caught.value.status_code == 400 and "templates decode greedily under verified" in caught.value.error
+
+
+# -- the server's command line: mlx-lm's flags for the defaults of requests ---------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def command_line_server(*flags: str):
+    """``python -m mlx_dgemma server FLAGS`` on a free port: its base URL once it answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "server", "--port", str(port), *flags],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield url, process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def demo_adapters(tmp_path_factory):
+    """LoRA adapters on the demo, a few Adam steps away from it (so they change its answers)."""
+    from mlx_dgemma.adapters import apply_fine_tune
+    from mlx_dgemma.loader import load_model
+
+    from .test_train import LORA, adam_steps, write_adapters
+
+    model = load_model(DEMO_MODEL)
+    apply_fine_tune(model, "lora", 2, LORA)
+    adam_steps(model)
+    model.eval()
+    folder = tmp_path_factory.mktemp("adapters")
+    write_adapters(model, folder, 2)
+    return folder
+
+
+def test_the_servers_flags_are_the_defaults_of_requests_that_omit_them(demo, demo_adapters):
+    """mlx-lm's server flags, in its value syntax: a request that omits temperature, top_k and
+    reasoning gets --temp, --top-k and --chat-template-args' enable_thinking, on the model with
+    --adapter-path's adapters; that is, the answer of the same request with those fields sent to a
+    server of the adapted model. A field the request sends is its own."""
+    flags = ["--temp", "0.7", "--top-k", "5", "--adapter-path", str(demo_adapters), "--log-level", "INFO",
+             "--chat-template-args", '{"enable_thinking": true}']
+    asked = dict(model="default_model", messages=user(PROMPT), seed=1, max_tokens=32)  # (either server's)
+    with command_line_server(*flags) as (url, process):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        defaulted = client.chat.completions.create(**asked)
+        own = client.chat.completions.create(**asked, temperature=0, extra_body={"top_k": 0})
+    adapted = load(DEMO_MODEL, adapter_path=demo_adapters)
+    with serving(*adapted) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        sent = client.chat.completions.create(**asked, temperature=0.7, reasoning_effort="high", extra_body={"top_k": 5})
+        greedy = client.chat.completions.create(**asked, temperature=0, reasoning_effort="high", extra_body={"top_k": 0})
+        plain = client.chat.completions.create(**asked)
+    assert (defaulted.choices[0].message, defaulted.usage) == (sent.choices[0].message, sent.usage)
+    assert (own.choices[0].message, own.usage) == (greedy.choices[0].message, greedy.usage)
+    assert defaulted.usage.prompt_tokens > plain.usage.prompt_tokens  # the thinking switch is in the prompt
+    assert defaulted.choices[0].message.content != plain.choices[0].message.content
+    with serving(*demo) as url:  # the adapters change the answer
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        unadapted = client.chat.completions.create(**asked)
+    assert unadapted.choices[0].message.content != plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("flags, status, message", [
+    (["--temp", "3"], 1, "--temp: temperature must be between 0 and 2, got 3"),
+    (["--chat-template-args", "[1]"], 2, "must be a JSON object"),
+    (["--chat-template-args", '{"tools": []}'], 2, "tools is set by each request"),
+    (["--log-level", "LOUD"], 2, "'LOUD' is not one of"),
+])
+def test_bad_server_flags_are_refused_by_name(flags, status, message):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "mlx_dgemma", "server", "--port", "1", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == status and message in done.stderr, done.stderr
+    assert done.stderr.strip().split("\n")[-1].startswith("Error: ")
+
+
+# -- n: several choices -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["reference", "fast", "ar", "verified"])
+def test_n_choices_are_the_request_at_seed_plus_their_index(clients, demo, policy):
+    """Run as one batch, choice i is the answer the same request alone gets at seed + i (generate's):
+    reproducible, and different from each other; streamed, each choice's deltas carry its index."""
+    model, tokenizer = demo
+    client = clients["openai"]
+    settings = {"policy": policy, "temperature": 0.7}
+    before = planner_kept(model)
+    reply = client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5, max_tokens=32, n=3,
+                                           temperature=0.7, extra_body={"policy": policy})
+    planner_set(model, before)
+    texts = [choice.message.content for choice in reply.choices]
+    assert [choice.index for choice in reply.choices] == [0, 1, 2] and len(set(texts)) > 1
+    alone = [client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5 + i, max_tokens=32,
+                                            temperature=0.7, extra_body={"policy": policy}) for i in range(3)]
+    planner_set(model, before)
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert texts == [generate(model, tokenizer, PROMPT, 32, seed=5 + i, **settings) for i in range(3)]
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    planner_set(model, before)
+    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5, max_tokens=32, n=3,
+                                                 temperature=0.7, extra_body={"policy": policy}, stream=True,
+                                                 stream_options={"include_usage": True}))
+    planner_set(model, before)
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    finishes = [c.choices[0].index for c in chunks if len(c.choices) == 1 and c.choices[0].finish_reason]
+    assert streamed == texts and sorted(finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    completions = client.completions.create(model=MODEL_ID, prompt=PROMPT, seed=5, max_tokens=16, n=2,
+                                            extra_body={"policy": policy})
+    assert [c.text for c in completions.choices] == [
+        client.completions.create(model=MODEL_ID, prompt=PROMPT, seed=5 + i, max_tokens=16,
+                                  extra_body={"policy": policy}).choices[0].text for i in range(2)]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"n": 9}, "n must be from 1 to 8, the choices this server runs for one request, got 9"),
+    ({"n": 0}, "n must be from 1 to 8, the choices this server runs for one request, got 0"),
+    ({"n": "2"}, 'n must be of type int, got "2"'),
+])
+def test_n_past_its_bound_is_a_400_naming_it(clients, body, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), max_tokens=8,
+                                                  extra_body=body)
+    assert caught.value.body["param"] == "n" and caught.value.body["message"] == message

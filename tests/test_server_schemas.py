@@ -1,7 +1,8 @@
 """Structured output as clients ask for it, against the demo server: pydantic models through openai's
 ``.parse`` and ollama's ``format``, schemas no canvas template takes, ``json_object``; stop strings and
 ``max_tokens`` with a schema or a forced tool in every API, streamed and not: valid JSON or a 400 naming
-the field; a forced call's arguments drafted as ``response_format``'s are."""
+the field; a forced call's arguments drafted as ``response_format``'s are; a call forced to any of
+several tools, under every policy and in every API that has tool_choice."""
 
 import json
 
@@ -17,6 +18,7 @@ from .test_schema_grammar import Everyday, Tree
 from .test_server import (
     MODEL_ID,
     PERSON,
+    WEATHER,
     serving,
 )
 
@@ -223,3 +225,45 @@ def test_a_schema_no_max_tokens_fits_is_a_400_naming_response_format(openai_clie
     message = caught.value.body["message"]
     assert caught.value.body["param"] == "response_format" and "so no max_tokens fits it" in message
     assert "raise max_tokens" not in message
+
+
+TOOLS = [WEATHER, PERSON_TOOL]
+
+
+def check_call(name, arguments):
+    """A call to one of ``TOOLS`` whose arguments validate against that tool's parameters."""
+    (tool,) = [t for t in TOOLS if t["function"]["name"] == name]
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("policy", ["reference", "fast", "ar", "verified", "auto"])
+def test_required_with_several_tools_calls_one_of_them(openai_client, server, policy):
+    kwargs = dict(model=MODEL_ID, seed=0, max_tokens=64, extra_body={"policy": policy})
+    asked = user("weather in paris for 3 days")
+    whole = openai_client.chat.completions.create(messages=asked, tools=TOOLS, tool_choice="required", **kwargs)
+    choice = whole.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_call(call.function.name, json.loads(call.function.arguments))
+    chunks = list(openai_client.chat.completions.create(messages=asked, tools=TOOLS, tool_choice="required",
+                                                        stream=True, **kwargs))
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [(call.function.name,
+                                                                             call.function.arguments)]
+
+    responses_tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    response = openai_client.responses.create(model=MODEL_ID, input=asked, tools=responses_tools,
+                                              tool_choice="required", max_output_tokens=64,
+                                              extra_body={"seed": 0, "policy": policy})
+    (item,) = response.output
+    assert item.type == "function_call"
+    check_call(item.name, json.loads(item.arguments))
+
+    client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=120)
+    message = client.messages.create(
+        model=MODEL_ID, messages=asked, max_tokens=64, tool_choice={"type": "any"},
+        tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS],
+        extra_body={"seed": 0, "policy": policy})
+    (block,) = message.content
+    assert block.type == "tool_use" and message.stop_reason == "tool_use"
+    check_call(block.name, block.input)

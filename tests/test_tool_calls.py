@@ -1,11 +1,17 @@
-"""Gemma 4 tool calls: parsed out of an answer, and forced through a canvas template."""
+"""Gemma 4 tool calls: parsed out of an answer, forced through a canvas template, and forced to any
+of several tools through the grammar of their union."""
 
+import json
+
+import jsonschema
 import pytest
 
 from mlx_dgemma import load
 from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma.grammar import schema_grammar
+from mlx_dgemma.request import generation_config, grammar_stop_ids
 from mlx_dgemma.template import FREE, TemplateError
-from mlx_dgemma.tool_calls import ToolCall, forced_call_template, parse_tool_calls
+from mlx_dgemma.tool_calls import ToolCall, call_choice_schema, chosen_call, forced_call_template, parse_tool_calls
 
 Q = '<|"|>'
 
@@ -66,3 +72,35 @@ def test_tools_whose_call_could_not_validate_are_refused():
     for tool in ("f", {"type": "function", "function": "f"}, {"function": {"name": "f", "parameters": [1]}}):
         with pytest.raises(TemplateError, match='a tool is {"type": "function", "function"'):
             forced_call_template(tokenizer, tool)
+
+
+def test_a_call_to_any_of_several_tools_is_one_tools_name_and_its_arguments():
+    """The union's grammar takes exactly the calls that name one of the tools with arguments valid
+    against that tool's own schema (jsonschema's verdict on the tool as the client sent it: a $ref
+    into its own $defs still resolves once the schema sits inside the union)."""
+    model, tokenizer = load(DEMO_MODEL)
+    answer = {"type": "function", "function": {"name": "final_answer", "parameters": {
+        "type": "object", "required": ["answer"], "properties": {"answer": {"$ref": "#/$defs/Short"}},
+        "$defs": {"Short": {"type": "string", "maxLength": 5}}}}}
+    clock = {"type": "function", "function": {"name": "clock"}}
+    tools = [GET_WEATHER, answer, clock]
+    grammar = schema_grammar(tokenizer, call_choice_schema(tools), model.config.vocab_size,
+                             grammar_stop_ids(tokenizer, generation_config(model, tokenizer)))
+    calls = [("get_weather", {"city": "Oslo", "days": 3}), ("get_weather", {"city": "Oslo"}),
+             ("get_weather", {"city": "Oslo", "days": 9}), ("final_answer", {"answer": "42"}),
+             ("final_answer", {"answer": "too long"}), ("final_answer", {"city": "Oslo", "days": 3}),
+             ("clock", {}), ("alarm", {})]
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    verdicts = []
+    for name, arguments in calls:
+        text = json.dumps({"name": name, "arguments": arguments})
+        matcher = grammar.matcher()
+        taken = all(matcher.consume_token(i) for i in tokenizer.encode(text, add_special_tokens=False))
+        valid = name in schemas and jsonschema.Draft202012Validator(schemas[name]).is_valid(arguments)
+        verdicts.append(taken and not matcher.is_error())
+        assert verdicts[-1] == valid, text
+        if valid:
+            assert chosen_call(text) == ToolCall(name, arguments)
+    assert verdicts == [True, True, False, True, False, False, True, False]
+    with pytest.raises(ValueError, match="expected"):
+        chosen_call('{"name": "clock"}')

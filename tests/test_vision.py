@@ -274,8 +274,11 @@ def test_image_prompt_through_the_cli(chat_checkpoint, tmp_path):
         files.append(tmp_path / f"picture{i}.png")
         image.save(files[-1])
     args = ["--model", str(chat_checkpoint), "--prompt", "sort: 7 3", "--max-tokens", str(2 * C), "--seed", "5"]
-    result = CliRunner().invoke(main, args + ["--image", str(files[0]), "--image", str(files[1]), "--verbose"])
+    # mlx-lm's syntax (the paths after one --image), and the flag repeated: the same run.
+    result = CliRunner().invoke(main, args + ["--image", str(files[0]), str(files[1]), "--verbose"])
     assert result.exit_code == 0, result.output
+    repeated = CliRunner().invoke(main, args + ["--image", str(files[0]), "--image", str(files[1])])
+    assert result.stdout.startswith(repeated.stdout.rstrip("\n") + "\n")
     model, tokenizer = load(chat_checkpoint)
     expected = generate(model, tokenizer, "sort: 7 3", 2 * C, seed=5, images=[str(f) for f in files])
     assert expected and result.stdout.startswith(expected + "\n")

@@ -6,12 +6,13 @@ then end with a 503 ("shutting down") and the process exits. A second signal exi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
 import click
 
-from ..cli import kv_cache_options
+from ..cli import kv_cache_options, sampling_options
 from ..demo import DEMO_MODEL
 from ..options import MAX_PREFILL_STEP_SIZE, PREFILL_STEP_SIZE, KVQuantization
 from ..validate import MAX_STEPS
@@ -20,6 +21,23 @@ from .routes import ALLOWED_ORIGINS, create_app
 
 SHUTDOWN_GRACE = 3.0  # seconds requests in flight get to finish after SIGTERM
 POSITIVE = click.IntRange(min=1)
+# The chat template's arguments the server sets itself for every request (and the renderer's own).
+OWN_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "tools", "tokenize", "bos_token", "template")
+SAMPLING_FLAGS = {"temperature": "--temp", "top_p": "--top-p", "min_p": "--min-p", "top_k": "--top-k"}
+
+
+def _chat_template_args(context, parameter, value: str) -> dict:
+    try:
+        args = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(args, dict):
+        raise click.BadParameter(f'must be a JSON object such as \'{{"enable_thinking": true}}\', not {value[:40]}')
+    if own := [name for name in OWN_TEMPLATE_ARGS if name in args]:
+        raise click.BadParameter(f"{own[0]} is set by each request; leave it out")
+    if not isinstance(args.get("enable_thinking", False), bool):
+        raise click.BadParameter(f"enable_thinking must be true or false, not {json.dumps(args['enable_thinking'])[:40]}")
+    return args
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,6 +47,11 @@ POSITIVE = click.IntRange(min=1)
 @click.option("--allowed-origins", default=",".join(ALLOWED_ORIGINS), show_default=True,
               callback=lambda c, p, v: [origin.strip() for origin in v.split(",") if origin.strip()],
               help="Comma-separated origins whose browser pages may call the server (CORS); * allows any.")
+@click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
+@sampling_options
+@click.option("--chat-template-args", default="{}", show_default=True, callback=_chat_template_args,
+              help='JSON object of arguments for the chat template, e.g. \'{"enable_thinking": true}\' (thinking '
+                   "on unless a request turns it off).")
 @click.option("--max-tokens", type=POSITIVE,
               help="Default max_tokens of a request [default: the checkpoint's max_new_tokens].")
 @click.option("--max-steps", default=MAX_STEPS, show_default=True, type=click.IntRange(1, MAX_STEPS),
@@ -51,12 +74,13 @@ POSITIVE = click.IntRange(min=1)
 @click.option("--shutdown-grace", default=SHUTDOWN_GRACE, show_default=True, type=click.FloatRange(min=0),
               help="Seconds requests in flight get to finish after SIGTERM before they end with a 503.")
 @click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False),
               help="Log level: info logs each request uvicorn answers and each refusal with its reason and the "
                    "field behind it, debug each request's body in outline as it arrives.")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
                                                           "answer's KV cache need more memory than the device can give.")
-def main(model, host, port, allowed_origins, max_tokens, max_steps, prompt_cache_size, prefill_step_size, kv_bits, kv_group_size,
+def main(model, host, port, allowed_origins, adapter_path, temperature, top_p, min_p, top_k, chat_template_args,
+         max_tokens, max_steps, prompt_cache_size, prefill_step_size, kv_bits, kv_group_size,
          quantized_kv_start, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, shutdown_grace, log_level,
          ignore_memory_check):
     """Serve a DiffusionGemma model over OpenAI's (chat, completions, Responses), Anthropic's and Ollama's APIs."""
@@ -65,6 +89,7 @@ def main(model, host, port, allowed_origins, max_tokens, max_steps, prompt_cache
     from ..loader import load
     from ..memory import check_memory
     from . import request_log
+    from .api import BadRequest
     from .app import Limits, Server
     from .scheduler import Scheduler
 
@@ -72,7 +97,10 @@ def main(model, host, port, allowed_origins, max_tokens, max_steps, prompt_cache
     try:
         if not ignore_memory_check:
             check_memory(model or DEMO_MODEL, max_tokens=max_tokens, kv_bits=kv_bits)
-        dgemma, tokenizer = load(model or DEMO_MODEL)
+        dgemma, tokenizer = load(model or DEMO_MODEL, adapter_path=adapter_path)
+        if chat_template_args.get("enable_thinking") and not tokenizer.renders_thinking:
+            raise ValueError("--chat-template-args: this model's chat template has no thinking switch "
+                             "(enable_thinking); leave it out")
         if kv is not None:
             kv.check([dgemma.config.layer_head_dim(i) for i in range(dgemma.config.num_hidden_layers)])
     except ValueError as e:
@@ -80,7 +108,12 @@ def main(model, host, port, allowed_origins, max_tokens, max_steps, prompt_cache
     scheduler = Scheduler(dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size,
                           kv_quantization=kv)
     limits = Limits(max_tokens, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, max_steps)
-    server = Server(dgemma, tokenizer, model or "mlx-dgemma-demo", scheduler, limits)
+    options = {name: value for name, value in dict(temperature=temperature, top_p=top_p, min_p=min_p,
+                                                   top_k=top_k).items() if value is not None}
+    try:
+        server = Server(dgemma, tokenizer, model or "mlx-dgemma-demo", scheduler, limits, options, chat_template_args)
+    except BadRequest as e:  # a default a request could not send either (--temp 3: over OpenAI's 2)
+        raise click.ClickException(f"{SAMPLING_FLAGS.get(e.param, e.param)}: {e}") from None
 
     class Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):

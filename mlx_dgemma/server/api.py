@@ -43,9 +43,12 @@ class Reply:
     stream: bool
     include_usage: bool
     tools: bool  # tool calls in the answer are parsed out ("auto")
-    forced_tool: str | None  # the function a forced call's arguments are for
+    # The functions a forced call is to: one (the answer is its arguments) or several (the answer is
+    # tool_calls.call_choice_schema's {"name", "arguments"}); none where no call is forced.
+    forced: tuple[str, ...]
     id: str = ""
     prompt_tokens: int = 0
+    n: int = 1  # choices (OpenAI's n), each its own job
 
 
 @dataclass
@@ -86,6 +89,11 @@ class Api:
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
         raise NotImplementedError
+
+    def replies(self, answers: list[Answer], reply: Reply) -> dict:
+        """The reply of a request's whole answers, one per choice (only OpenAI's APIs take ``n``)."""
+        (answer,) = answers
+        return self.reply(answer, reply)
 
     def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
         raise NotImplementedError

@@ -17,6 +17,7 @@ The worker's events come back as one JSON reply or as server-sent events, a chun
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import secrets
@@ -35,7 +36,7 @@ from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_i
 from ..options import GenerationArgs
 from ..request import PromptError, answer_room, check_closing_fits, check_prompt_fits, closing_length, generation_config
 from ..template import CanvasTemplate, TemplateError, infill_template
-from ..tool_calls import CALL_OPEN, check_parameters, parse_tool_calls
+from ..tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_calls
 from ..vision import has_vision
 from . import reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
@@ -47,10 +48,11 @@ MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64:
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
+MAX_CHOICES = 8  # n: the choices of one request, each a row of the worker's batch
 # OpenAI parameters this server does not honour, each with the value that leaves it off: clients
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
-UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
+UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
                "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "web_search_options": None}
@@ -71,12 +73,19 @@ class Limits:
 class Server:
     """The endpoints, for requests within ``limits``."""
 
-    def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, limits: Limits = Limits()):
+    def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, limits: Limits = Limits(),
+                 options: dict | None = None, chat_template_args: dict | None = None):
+        """``options``: the generation options a request that does not set them gets (by body field name,
+        the server's --temp, --top-p...: checked as a request's are, a ``BadRequest`` naming the field);
+        ``chat_template_args``: the chat template's arguments for every request (``enable_thinking``:
+        thinking on unless a request turns it off)."""
         from PIL.Image import DecompressionBombWarning
 
         self.model, self.tokenizer, self.model_id, self.scheduler = model, tokenizer, model_id, scheduler
         self.defaults = generation_config(model, tokenizer)
         self.limits = limits
+        self.options = request_options(options or {}, self.defaults, model.config.canvas_length, limits.max_steps)
+        self.chat_template_args = chat_template_args or {}
         self.max_tokens = limits.max_tokens or self.defaults.max_new_tokens
         self.context = model.config.max_position_embeddings
         # No token is longer than the vocabulary's longest: text longer than that many per position
@@ -107,12 +116,12 @@ class Server:
             prepared = await self.off_loop(self._prepare, api, body)
             if prepared is None:
                 return api.empty()
-            job, reply = prepared
-            events = self.scheduler.submit(job)
+            jobs, reply = prepared
+            queues = [self.scheduler.submit(job) for job in jobs]
             if reply.stream:
-                return StreamingResponse(self._streamed(api, job, events, reply, request), media_type=api.stream_type,
+                return StreamingResponse(self._streamed(api, jobs, queues, reply, request), media_type=api.stream_type,
                                          headers={"Cache-Control": "no-cache"})
-            return JSONResponse(api.reply(await self._whole(job, events, reply, request), reply))
+            return JSONResponse(api.replies(await self._wholes(jobs, queues, reply, request), reply))
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
@@ -145,7 +154,7 @@ class Server:
             raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
                              f"'{self.model_id}'", param="model", code="model_not_found", status=404)
 
-    def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
+    def _prepare(self, api: Api, body: dict) -> tuple[list[Job], Reply] | None:
         _check_text(body)  # (by the field the client sent)
         translated = api.translate(body)
         api.translated = True
@@ -175,10 +184,15 @@ class Server:
         return await self.off_loop(_parsed, body, number, request.url.path)
 
     def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS,
-             cap_max_tokens: bool = False) -> tuple[Job, Reply]:
+             cap_max_tokens: bool = False) -> tuple[list[Job], Reply]:
+        """The request's jobs, one per choice (``n``), and how to shape their answers."""
         _check_supported(body, chat)
         self._check_model(body.get("model"))
         stream = typed(body, "stream", bool, False)
+        n = typed(body, "n", int, 1)
+        if not 1 <= n <= MAX_CHOICES:
+            raise BadRequest(f"n must be from 1 to {MAX_CHOICES}, the choices this server runs for one request, "
+                             f"got {n}", param="n")
         stream_options = typed(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = typed(body, max_key, int, None)
@@ -188,12 +202,14 @@ class Server:
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(f"stop must be a non-empty string or a list of at most {max_stop}", param="stop")
-        options = request_options(body, self.defaults, self.model.config.canvas_length, self.limits.max_steps)
+        options = {**self.options, **request_options(body, self.defaults, self.model.config.canvas_length,
+                                                     self.limits.max_steps)}
 
         tools, forced = self._tools(body) if chat else ([], None)
         suffix = None if chat else typed(body, "suffix", str, None) or None
         # A JSON answer (a schema, json_object, a forced call) starts at once: no thought before it.
-        think = reasoning.thinks(body, chat, self.tokenizer.renders_thinking) and forced is None and (
+        think = reasoning.thinks(body, chat, self.tokenizer.renders_thinking,
+                                 self.chat_template_args.get("enable_thinking", False)) and forced is None and (
             typed(body, "response_format", dict, None) or {}).get("type", "text") == "text"
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None, think) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
@@ -219,12 +235,13 @@ class Server:
         job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=schema,
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
         reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
-                      forced["function"]["name"] if forced else None,
-                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
-        return job, reply
+                      tuple(t["function"]["name"] for t in forced or ()),
+                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids), n=n)
+        return [job, *(_choice(job, i) for i in range(1, n))], reply
 
     def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
-        """The request's tools (none with tool_choice "none") and the one a forced call is to."""
+        """The request's tools (none with tool_choice "none") and those a forced call is to (one of them:
+        tool_choice "required", or the one it names), or None."""
         tools = typed(body, "tools", list, None) or []
         for tool in tools:
             function = tool.get("function") if isinstance(tool, dict) else None
@@ -245,17 +262,14 @@ class Server:
         if not tools:
             raise BadRequest("tool_choice needs tools", param="tool_choice")
         if choice == "required":
-            if len(tools) > 1:
-                raise BadRequest("tool_choice 'required' is supported with one tool; name the function instead",
-                                 param="tool_choice")
-            return tools, tools[0]
+            return tools, tools
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         named = [t for t in tools if t["function"]["name"] == name]
         if not named:
             raise BadRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, "
                              f"got {validate.shown(choice)}", param="tool_choice")
-        return tools, named[0]
+        return tools, named[:1]
 
     def _chat_prompt(self, body: dict, tools: list[dict] | None, think: bool = False) -> tuple[list[int], dict]:
         """The messages' ids through the chat template (``think``: with its thinking switch on), and their
@@ -281,7 +295,8 @@ class Server:
                              f"{self.limits.max_image_pixels} accepted; scale them down", param="messages")
         extra = {"tools": tools} if tools else {}
         try:  # (enable_thinking given either way: a template whose default is on is off unless asked)
-            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, enable_thinking=think, **extra)
+            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, **{
+                **self.chat_template_args, "enable_thinking": think}, **extra)
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         self._check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
@@ -420,8 +435,14 @@ class Server:
         content = event.content if content is None else content
         reasoning = event.reasoning if reasoning is None else reasoning
         calls, finish = [], event.finish_reason
-        if reply.forced_tool is not None:
-            calls, content = [(reply.forced_tool, content)], ""
+        if len(reply.forced) == 1:
+            calls, content = [(reply.forced[0], content)], ""
+        elif reply.forced:
+            try:
+                call = chosen_call(content)
+                calls, content = [(call.name, json.dumps(call.arguments))], ""
+            except ValueError:  # (an answer the grammar cut short: its text stays, where the client can see it)
+                pass
         elif reply.tools:
             try:
                 content, parsed = parse_tool_calls(content)
@@ -429,6 +450,18 @@ class Server:
             except ValueError:  # a malformed call stays in the text, where the client can see it
                 pass
         return Answer(content, reasoning, calls, "tool_calls" if calls else finish, event.usage, event.stop_sequence)
+
+    async def _wholes(self, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply,
+                      request: Request) -> list[Answer]:
+        """Each choice's whole answer; one that fails ends the others."""
+        tasks = [asyncio.ensure_future(self._whole(job, events, reply, request)) for job, events in zip(jobs, queues)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for job, task in zip(jobs, tasks):
+                job.cancel()
+                task.cancel()
+            raise
 
     async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request) -> Answer:
         content, reasoning = "", ""
@@ -442,12 +475,15 @@ class Server:
         job.cancel()
         raise BadRequest("the client went away", status=499)
 
-    async def _streamed(self, api: Api, job: Job, events: asyncio.Queue, reply: Reply, request: Request):
+    async def _streamed(self, api: Api, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply,
+                        request: Request):
+        events = self._events(queues[0], request) if len(queues) == 1 else self._choices(queues, request)
         try:
-            async for chunk in api.stream(self._events(events, request), reply):
+            async for chunk in api.stream(events, reply):
                 yield chunk
         finally:  # the client went away mid-answer (a finished job's cancel changes nothing)
-            job.cancel()
+            for job in jobs:
+                job.cancel()
 
     async def text_pieces(self, events: AsyncIterator[Event], reply: Reply):
         """A stream's answer as its text pieces (the thought's as ``Thought`` pieces, before the text of
@@ -476,6 +512,28 @@ class Server:
             if event.error is not None or event.finish_reason is not None:
                 return
 
+    @staticmethod
+    async def _choices(queues: list[asyncio.Queue], request: Request) -> AsyncIterator[Event]:
+        """The events of a request's choices as they come, each marked with its choice (``Event.choice``),
+        until every choice has finished, one has failed, or the client has gone away."""
+        waiting = {asyncio.ensure_future(events.get()): i for i, events in enumerate(queues)}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                if not done and await request.is_disconnected():
+                    return
+                for task in sorted(done, key=waiting.get):
+                    event = task.result()
+                    event.choice = waiting.pop(task)
+                    yield event
+                    if event.error is not None:
+                        return
+                    if event.finish_reason is None:
+                        waiting[asyncio.ensure_future(queues[event.choice].get())] = event.choice
+        finally:
+            for task in waiting:
+                task.cancel()
+
 
 class Thought(str):
     """A piece of a stream's thought (``Server.text_pieces``)."""
@@ -490,6 +548,14 @@ async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.2
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 return None
+
+
+def _choice(job: Job, index: int) -> Job:
+    """Choice ``index`` of a request with ``n`` > 1: its first choice's job at seed + ``index`` (modulo
+    2**64), or unseeded as the first is; so each choice is the answer the request alone gets at that seed."""
+    seed = job.args.seed
+    return dataclasses.replace(job, args=dataclasses.replace(
+        job.args, seed=None if seed is None else (seed + index) % validate.SEED_LIMIT))
 
 
 def _check(check, value, name: str, *args) -> None:

@@ -1,8 +1,10 @@
 """The answer's layout a request asks for: a text ``template``, a JSON schema (``response_format``,
 Ollama's ``format``) or a forced tool call. Under a diffusion policy a schema the canvas template
 expresses (and that fits ``max_tokens``) is a canvas template whose holes a free draft sizes
-(``Job.redraft``); every other schema is followed by its grammar (grammar.py). A forced call is the
-JSON of its tool's parameters, drafted and laid out exactly as that schema's ``response_format``.
+(``Job.redraft``); every other schema is followed by its grammar (grammar.py). A call forced to one
+tool is the JSON of its parameters, drafted and laid out exactly as that schema's ``response_format``;
+a call to any of several (``tool_choice`` "required") follows the grammar of their union, the tool's
+name then its arguments (tool_calls.call_choice_schema).
 """
 
 from __future__ import annotations
@@ -13,16 +15,16 @@ from ..grammar import JSON_OBJECT, Grammar, schema_grammar
 from ..json_schema import json_template
 from ..request import answer_room, check_closing_room, check_template_fits, grammar_stop_ids, schema_template
 from ..template import CanvasTemplate, TemplateError, parse_template
-from ..tool_calls import check_tool, parse_tool_calls
+from ..tool_calls import call_choice_schema, check_tool, parse_tool_calls
 from ..validate import shown
 from .api import BadRequest
 from .scheduler import Job
 
 
-def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens: int | None,
+def answer_layout(server, job: Job, body: dict, forced: list[dict] | None, max_tokens: int | None,
                   policy: str) -> tuple[CanvasTemplate | None, Grammar | None]:
     """The job's template, draft-then-template or schema, from ``template``, ``response_format`` or a
-    forced call; returns the schema's grammar where the answer follows one (its closing path is
+    call forced to one of ``forced``; returns the schema's grammar where the answer follows one (its closing path is
     checked against max_tokens once that is settled)."""
     text = typed(body, "template", str, None)
     response_format = typed(body, "response_format", dict, None) or {"type": "text"}
@@ -39,8 +41,10 @@ def answer_layout(server, job: Job, body: dict, forced: dict | None, max_tokens:
             server._check_length(len(text), "the template", "template")
             return _fits(server, job, parse_template(server.tokenizer, text, server.context), param), None
         elif forced is not None:
-            check_tool(forced)
-            schema = forced["function"].get("parameters") or {"type": "object", "properties": {}}
+            for tool in forced:
+                check_tool(tool)
+            schema = (forced[0]["function"].get("parameters") or {"type": "object", "properties": {}}
+                      if len(forced) == 1 else call_choice_schema(forced))
             server._check_length(sum(map(len, strings(schema))), "the tool's parameters", "tools")
             return _structured(server, job, schema, max_tokens, policy)
         elif kind == "json_schema":

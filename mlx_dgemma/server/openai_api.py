@@ -26,25 +26,37 @@ class OpenAI(Api):
         return body, self.chat
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
-        if reply.chat:
-            choice = {"index": 0, "message": {"role": "assistant", **self._message(answer)}, "logprobs": None,
-                      "finish_reason": answer.finish}
-        else:
-            choice = {"index": 0, "text": answer.content, "logprobs": None, "finish_reason": answer.finish}
-        return {**self._head(reply, chunk=False), "choices": [choice], "usage": _usage(answer.usage)}
+        return self.replies([answer], reply)
+
+    def replies(self, answers: list[Answer], reply: Reply) -> dict:
+        """A completion of ``n`` choices: their usage together, the prompt counted once (as OpenAI's)."""
+        choices = []
+        for index, answer in enumerate(answers):
+            if reply.chat:
+                choices.append({"index": index, "message": {"role": "assistant", **self._message(answer)},
+                                "logprobs": None, "finish_reason": answer.finish})
+            else:
+                choices.append({"index": index, "text": answer.content, "logprobs": None,
+                                "finish_reason": answer.finish})
+        return {**self._head(reply, chunk=False), "choices": choices, "usage": _usage(*(a.usage for a in answers))}
 
     async def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
+        """Chunks of each choice's deltas as they come (``Event.choice`` its index); the usage of all
+        once the last has finished."""
         head = self._head(reply, chunk=True)
         if reply.chat:
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None}]})
+            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None} for i in range(reply.n)]})
+        usages = {}
         async for event in events:
             if event.error is not None:
                 yield _sse(error_body(str(event.error), event.error.status, event.error.param))
                 break
             yield _sse({**head, "choices": [self._delta(event, reply)]})
-            if event.finish_reason is not None and reply.include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(event.usage)})
+            if event.finish_reason is not None:
+                usages[event.choice] = event.usage
+                if reply.include_usage and len(usages) == reply.n:
+                    yield _sse({**head, "choices": [], "usage": _usage(*usages.values())})
         yield "data: [DONE]\n\n"
 
     @staticmethod
@@ -60,9 +72,9 @@ class OpenAI(Api):
 
     def _delta(self, event: Event, reply: Reply) -> dict:
         if not reply.chat:
-            return {"index": 0, "text": event.content, "logprobs": None, "finish_reason": event.finish_reason}
+            return {"index": event.choice, "text": event.content, "logprobs": None, "finish_reason": event.finish_reason}
         delta, finish = {}, event.finish_reason
-        if finish is not None and (reply.tools or reply.forced_tool):
+        if finish is not None and (reply.tools or reply.forced):
             # Tool-call text was held back until the end: now it becomes tool_calls.
             last = self.server.answer(event, reply)
             delta, finish = {k: v for k, v in self._message(last).items() if v}, last.finish
@@ -72,7 +84,7 @@ class OpenAI(Api):
             delta["content"] = event.content
         if event.reasoning:
             delta["reasoning_content"] = event.reasoning
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": event.choice, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def _head(self, reply: Reply, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if reply.chat else "text_completion"
@@ -91,11 +103,13 @@ def routes(server: Server) -> list[Route]:
             Route("/v1/completions", completions, methods=["POST"])]
 
 
-def _usage(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
+def _usage(first: Usage, *others: Usage) -> dict:
+    """The usage of a request's choices together: the prompt counted once (OpenAI's), the completions summed."""
+    completion = sum(u.completion_tokens for u in (first, *others))
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in (first, *others))}}
 
 
 def _sse(data: dict) -> str:

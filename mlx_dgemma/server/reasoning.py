@@ -26,10 +26,13 @@ def effort(body: dict) -> str | None:
     return value
 
 
-def thinks(body: dict, chat: bool, renders_thinking: bool) -> bool:
-    """Whether the request turns thinking on; a 400 where it cannot be."""
+def thinks(body: dict, chat: bool, renders_thinking: bool, default: bool = False) -> bool:
+    """Whether the request turns thinking on (``default``: the server's, for a chat request that does
+    not say); a 400 where it cannot be."""
     value = effort(body)
-    if value is None or value in OFF:
+    if value is None:
+        return default and chat
+    if value in OFF:
         return False
     if not chat:
         raise BadRequest("reasoning needs the chat template: send messages to the chat endpoint, or leave "

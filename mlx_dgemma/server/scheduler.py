@@ -65,6 +65,7 @@ class Event:
     usage: Usage | None = None  # (None only on an error)
     error: RequestFailed | None = None
     stop_sequence: str | None = None  # the stop string that ended the answer
+    choice: int = 0  # which of the request's choices (OpenAI's n) it belongs to
 
 
 @dataclass
