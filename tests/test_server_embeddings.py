@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import threading
+import time
+import urllib.request
 
 import numpy as np
 import ollama
@@ -21,7 +23,7 @@ from mlx_dgemma.embeddings import embed
 from mlx_dgemma.server.embeddings import MAX_INPUTS, MAX_REQUEST_TOKENS
 
 from .test_batch import BOUND, relative
-from .test_server import CONTEXT, MODEL_ID, SORT, raw_post, serving, short_context  # noqa: F401 (a fixture)
+from .test_server import CONTEXT, MODEL_ID, SORT, health, raw_post, serving, short_context  # noqa: F401 (a fixture)
 
 TEXTS = [SORT, "reverse: planet", "add: 417 85", "json: name=ada age=36 city=rome"]
 
@@ -154,6 +156,20 @@ def test_a_failed_embedding_is_a_500_and_generation_goes_on(demo, client, monkey
     answer = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": SORT}],
                                             max_tokens=64, seed=3).choices[0].message.content
     assert answer == generate(*demo, SORT, max_tokens=64, seed=3)
+
+
+def test_a_client_that_goes_away_stops_its_embedding(server):
+    before = health(server)
+    # Four texts as long as the context: four forwards of four chunks each, seconds of work.
+    body = json.dumps({"model": MODEL_ID, "input": [[2] * CONTEXT] * 4}).encode()
+    request = urllib.request.Request(server + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(TimeoutError):
+        urllib.request.urlopen(request, timeout=1)  # (it goes away after a second)
+    deadline = time.monotonic() + 60
+    while (now := health(server))["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, "the embedding was not cancelled"
+        time.sleep(0.05)
+    assert now["embedding"] == 0 and now["finished"] == before["finished"]
 
 
 OPENAI_BAD = [

@@ -79,7 +79,7 @@ class Embeddings:
             else:
                 ids = text
                 if bad := [i for i in ids if not 0 <= i < vocab]:
-                    raise BadRequest(f"{name} holds token id {bad[0]}, outside the vocabulary (0..{vocab - 1})",
+                    raise BadRequest(f"{name} holds token id {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})",
                                      param=field)
             if len(ids) > context:
                 if not truncate:
