@@ -49,14 +49,16 @@ def short_context(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(model, tokenizer, model_id: str = MODEL_ID, allowed_origins=("*",), **server_options):
-    """A real uvicorn server for ``model`` on a free loopback port: its base URL while it runs."""
+def serving(model, tokenizer, model_id: str = MODEL_ID, allowed_origins=("*",), log_level: str = "warning",
+            **server_options):
+    """A real uvicorn server for ``model`` on a free loopback port: its base URL while it runs (``log_level``
+    "info" logs every request's status to ``uvicorn.access``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = create_app(Server(model, tokenizer, model_id, Scheduler(model, tokenizer, prompt_cache_size=4),
                             Limits(**server_options)), allowed_origins)
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

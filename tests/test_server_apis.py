@@ -418,8 +418,10 @@ def test_unknown_routes_answer_in_their_apis_error_shape(server):
         "type": "not_found_error", "message": "no route GET /v1/messages/batches"}})
     assert get("/v1/messages") == (405, {"type": "error", "error": {
         "type": "invalid_request_error", "message": "/v1/messages does not take GET; send POST"}})
+    status, body = get("/v1/audio/speech")
+    assert status == 404 and body["error"]["message"] == "no route GET /v1/audio/speech"
     status, body = get("/v1/embeddings")
-    assert status == 404 and body["error"]["message"] == "no route GET /v1/embeddings"
+    assert status == 405 and body["error"]["message"] == "/v1/embeddings does not take GET; send POST"
 
 
 @pytest.mark.parametrize("path, shape", [

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -41,8 +42,11 @@ from ..vision import has_vision
 from . import reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
 from .layout import answer_layout, leaves, strings, typed
-from .scheduler import Event, Job, Scheduler
+from .scheduler import EmbeddingJob, Event, Job, Scheduler
 from .settings import request_options
+
+if TYPE_CHECKING:
+    from .embeddings import Embeddings
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
 MAX_IMAGES = 8  # image parts in one request
@@ -133,6 +137,28 @@ class Server:
             body = await self.read_body(request, number)
             count = await self.off_loop(self._count, api, body)
             return JSONResponse({"input_tokens": count})
+        except BadRequest as e:
+            return self._refused(number, request, api, e)
+
+    async def embed(self, request: Request, api: Embeddings) -> Response:
+        """Embed the texts of ``request``'s body on the worker; ``api`` (embeddings.py) reads them, checked
+        and tokenized on the prepare threads, and shapes the answer and errors."""
+        number = next(self._numbers)
+        try:
+            body = await self.read_body(request)
+            request_log.arrived(number, request.url.path, body)
+            _check_text(body)
+            rows = await asyncio.get_running_loop().run_in_executor(self._preparing, api.rows, body)
+            if not rows:
+                return JSONResponse(api.reply([], rows))  # (Ollama's way of loading a model)
+            job = EmbeddingJob(rows)
+            result = await _next_event(self.scheduler.submit(job), request)
+            if result is None:
+                job.cancel()
+                raise BadRequest("the client went away", status=499)
+            if isinstance(result, Event):
+                raise BadRequest(str(result.error), param=result.error.param, status=result.error.status)
+            return JSONResponse(api.reply(result, rows))
         except BadRequest as e:
             return self._refused(number, request, api, e)
 

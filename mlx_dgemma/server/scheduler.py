@@ -9,22 +9,26 @@ Each request has its own thought-channel decoder, stop strings and text held bac
 tool call may be starting); a request whose client went away is removed from the engine before the
 next round.
 A JSON answer may take two generations: a free draft, then the schema's template sized by the draft.
+An embedding request (``EmbeddingJob``) is encoded apart from the engine's rows (embeddings.py), a chunk
+between rounds, so that generation goes on while it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import hashlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
 
 from ..batch import BatchGenerator, BatchResponse, warm_up
+from ..embeddings import embedding_steps
 from ..errors import OptionError, PromptError, TemplateError
 from ..options import PREFILL_STEP_SIZE, GenerationArgs
 from ..request import generation_device, prepare
@@ -103,16 +107,32 @@ class Job:
         self.cancelled = True
 
 
+@dataclass
+class EmbeddingJob:
+    """Texts to embed (their token ids, none empty): their vectors (float32 [N, hidden_size], in order)
+    or an ``Event`` with the error arrive on ``events``."""
+
+    rows: list[list[int]]
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: bool = False
+    steps: Generator[None, None, np.ndarray] | None = None  # the worker's: the encoding under way
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class Scheduler:
     def __init__(self, model, tokenizer, prompt_cache_size: int = 10, prefill_step_size: int = PREFILL_STEP_SIZE,
                  engine: Callable = BatchGenerator, kv_quantization=None):
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.prefill_step_size = model, tokenizer, prefill_step_size
         self.prompt_cache = PromptCache(prompt_cache_size)
         self._make_engine = functools.partial(engine, prefill_step_size=prefill_step_size,
                                               kv_quantization=kv_quantization)
         self.engine = self._make_engine(model, tokenizer)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[int, Job] = {}
+        self._embedding: collections.deque[EmbeddingJob] = collections.deque()  # the first is encoding
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._closed = False
@@ -140,7 +160,7 @@ class Scheduler:
             self._stopped.wait()
             self._thread = None
 
-    def submit(self, job: Job) -> asyncio.Queue:
+    def submit(self, job: Job | EmbeddingJob) -> asyncio.Queue:
         """Queue ``job``; its events arrive on the returned queue of the running event loop."""
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         if self._closed:
@@ -150,8 +170,9 @@ class Scheduler:
         return job.events
 
     def status(self) -> dict:
-        return {"active": len(self._active), "waiting": self._inbox.qsize(), "rounds": self.rounds,
-                "finished": self.finished, "cancelled": self.cancelled, "prompt_cache": len(self.prompt_cache)}
+        return {"active": len(self._active), "embedding": len(self._embedding), "waiting": self._inbox.qsize(),
+                "rounds": self.rounds, "finished": self.finished, "cancelled": self.cancelled,
+                "prompt_cache": len(self.prompt_cache)}
 
     # -- the worker's side ---------------------------------------------------------------------------
 
@@ -162,17 +183,18 @@ class Scheduler:
 
     def _serve(self) -> None:
         while True:
-            new: list[Job | None] = []
+            new: list[Job | EmbeddingJob | None] = []
             try:  # wait while idle; between rounds, take whatever has arrived
-                new.append(self._inbox.get(block=not self._active))
+                new.append(self._inbox.get(block=not self._active and not self._embedding))
                 while True:
                     new.append(self._inbox.get_nowait())
             except queue.Empty:
                 pass
             if None in new:
-                for job in [*self._active.values(), *(j for j in new if j is not None)]:
+                for job in [*self._active.values(), *self._embedding, *(j for j in new if j is not None)]:
                     self._send(job, Event(error=SHUTTING_DOWN))
                 self._active.clear()
+                self._embedding.clear()
                 self._stopped.set()
                 # MLX 0.32 aborts the process at exit once a thread that ran attention on the CPU has
                 # ended; the worker stays, failing whatever still comes (a daemon thread, it ends with
@@ -181,12 +203,16 @@ class Scheduler:
                     if (job := self._inbox.get()) is not None:
                         self._send(job, Event(error=SHUTTING_DOWN))
             for job in new:
-                self._start(job)
+                if isinstance(job, EmbeddingJob):
+                    self._embedding.append(job)
+                else:
+                    self._start(job)
             for uid, job in list(self._active.items()):
                 if job.cancelled:
                     self.engine.remove(uid)
                     del self._active[uid]
                     self.cancelled += 1
+            self._embed()
             if not self._active:
                 continue
             try:
@@ -239,6 +265,26 @@ class Scheduler:
             return
         self._active[uid] = job
 
+    def _embed(self) -> None:
+        """One chunk of the oldest embedding request; at its end, its vectors go to its client."""
+        while self._embedding and self._embedding[0].cancelled:
+            self._embedding.popleft()
+            self.cancelled += 1
+        if not self._embedding:
+            return
+        job = self._embedding[0]
+        try:
+            if job.steps is None:
+                job.steps = embedding_steps(self.model, job.rows, self.tokenizer.bos_token_id, self.prefill_step_size)
+            next(job.steps)
+        except StopIteration as done:
+            self._embedding.popleft()
+            self.finished += 1
+            self._send(job, done.value)
+        except Exception as e:  # this request's forward failed; its cache was its own, generation goes on
+            self._embedding.popleft()
+            self._send(job, Event(error=RequestFailed(f"embedding failed: {one_line(e)}", status=500)))
+
     def _route(self, response: BatchResponse) -> None:
         job = self._active.get(response.uid)
         if job is None:
@@ -280,7 +326,7 @@ class Scheduler:
         self.finished += finish is not None
         self._send(job, event)
 
-    def _send(self, job: Job, event: Event) -> None:
+    def _send(self, job: Job | EmbeddingJob, event: Event | np.ndarray) -> None:
         try:
             job.loop.call_soon_threadsafe(job.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is shutting down
