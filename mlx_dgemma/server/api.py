@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse, Response
 
+from ..scoring import TokenLogprob
 from .scheduler import Event, Usage
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit (Api.max_stop)
@@ -46,6 +47,8 @@ class Reply:
     forced_tool: str | None  # the function a forced call's arguments are for
     id: str = ""
     prompt_tokens: int = 0
+    logprobs: bool = False  # the answer's log-probabilities go with it
+    echoes: list[str] | None = None  # (completions' echo) each prompt's text, which its choice starts with
 
 
 @dataclass
@@ -59,6 +62,10 @@ class Answer:
     finish: str
     usage: Usage | None = None
     stop_sequence: str | None = None  # the stop string that ended it
+    # With logprobs (scoring.py): the answer's tokens', the prompt's (with echo), and what drew the tokens.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    sampled_from: str | None = None
 
 
 class Api:
@@ -86,6 +93,10 @@ class Api:
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
         raise NotImplementedError
+
+    def replies(self, answers: list[Answer], reply: Reply) -> dict:
+        """The reply to a request of several prompts (only completions take more than one)."""
+        return self.reply(answers[0], reply)
 
     def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
         raise NotImplementedError

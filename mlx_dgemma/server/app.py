@@ -33,6 +33,7 @@ from .. import validate
 from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..options import GenerationArgs
 from ..request import PromptError, answer_room, check_closing_fits, check_prompt_fits, closing_length, generation_config
+from ..scoring import MAX_TOP_LOGPROBS
 from ..template import CanvasTemplate, TemplateError, infill_template
 from ..tool_calls import CALL_OPEN, check_parameters, parse_tool_calls
 from ..vision import has_vision
@@ -46,10 +47,11 @@ MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64:
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
+MAX_PROMPTS = 64  # prompts in one completions request (each a row of the engine's batch)
 # OpenAI parameters this server does not honour, each with the value that leaves it off: clients
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
-UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
+UNSUPPORTED = {"n": 1, "best_of": 1, "logit_bias": {},
                "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "web_search_options": None}
@@ -107,24 +109,28 @@ class Server:
             prepared = await asyncio.get_running_loop().run_in_executor(self._preparing, self._prepare, api, body)
             if prepared is None:
                 return api.empty()
-            job, reply = prepared
-            events = self.scheduler.submit(job)
+            jobs, reply = prepared
+            queues = [self.scheduler.submit(job) for job in jobs]  # (the worker's next round takes them together)
             if reply.stream:
-                return StreamingResponse(self._streamed(api, job, events, reply, request), media_type=api.stream_type,
-                                         headers={"Cache-Control": "no-cache"})
-            return JSONResponse(api.reply(await self._whole(job, events, reply, request), reply))
+                return StreamingResponse(self._streamed(api, jobs[0], queues[0], reply, request),
+                                         media_type=api.stream_type, headers={"Cache-Control": "no-cache"})
+            return JSONResponse(api.replies(await self._answers(jobs, queues, reply, request), reply))
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
     async def count_tokens(self, request: Request, api: Api) -> Response:
         """The prompt tokens ``request``'s body would be answered from (its messages and tools through
         the chat template), as ``{"input_tokens": n}``; errors in ``api``'s shape."""
+        return await self.worked(request, api, lambda body: {"input_tokens": self._count(api, body)})
+
+    async def worked(self, request: Request, api: Api, work) -> Response:
+        """``work(body)``'s JSON for ``request``'s body, worked out on the preparing threads (no model
+        forward: the worker's are its own); errors in ``api``'s shape."""
         number = next(self._numbers)
         try:
             body = await self.read_body(request)
             request_log.arrived(number, request.url.path, body)
-            count = await asyncio.get_running_loop().run_in_executor(self._preparing, self._count, api, body)
-            return JSONResponse({"input_tokens": count})
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(self._preparing, work, body))
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
@@ -145,12 +151,31 @@ class Server:
             raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
                              f"'{self.model_id}'", param="model", code="model_not_found", status=404)
 
-    def _prepare(self, api: Api, body: dict) -> tuple[Job, Reply] | None:
+    def _prepare(self, api: Api, body: dict) -> tuple[list[Job], Reply] | None:
+        """The request's jobs (a completions request's prompt array: one per prompt) and its reply."""
         _check_text(body)  # (by the field the client sent)
         translated = api.translate(body)
         api.translated = True
-        return None if translated is None else self._job(*translated, max_stop=api.max_stop,
-                                                               cap_max_tokens=api.caps_max_tokens)
+        if translated is None:
+            return None
+        body, chat = translated
+        prompts = [None] if chat else _prompts(body)
+        if len(prompts) > 1 and typed(body, "stream", bool, False):
+            raise BadRequest("stream takes one prompt; send each prompt in a request of its own, or stream false",
+                             param="stream")
+        jobs, echoes = [], []
+        for i, prompt in enumerate(prompts):
+            try:
+                job, reply = self._job(body if chat else {**body, "prompt": prompt}, chat, max_stop=api.max_stop,
+                                       cap_max_tokens=api.caps_max_tokens)
+            except BadRequest as e:
+                if len(prompts) == 1 or e.param != "prompt":
+                    raise
+                raise BadRequest(f"prompt[{i}]: {e}", "prompt", e.code, e.status) from None
+            jobs.append(job)
+            echoes.append(reply.echoes[0] if reply.echoes else None)
+        reply.echoes = echoes if reply.echoes else None
+        return jobs, reply
 
     # -- reading a request -------------------------------------------------------------------------
 
@@ -185,8 +210,10 @@ class Server:
         stream_options = typed(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = typed(body, max_key, int, None)
-        if max_tokens is not None and max_tokens < 1:
-            raise BadRequest(f"{max_key} must be at least 1, got {max_tokens}", param=max_key)
+        top, echo = _logprobs(body, chat)
+        if max_tokens is not None and max_tokens < (0 if echo else 1):
+            scored = "" if chat else " (0 with echo true: the prompt alone)"
+            raise BadRequest(f"{max_key} must be at least 1{scored}, got {max_tokens}", param=max_key)
         stop = typed(body, "stop", (str, list), None) or []
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
@@ -201,7 +228,15 @@ class Server:
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None, think) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
         job = Job(ids, GenerationArgs(), stop=stop, hold=[CALL_OPEN] if tools and not forced else [],
-                  whole=forced is not None, prompt_param="messages" if chat else "prompt", think=think)
+                  whole=forced is not None, prompt_param="messages" if chat else "prompt", think=think,
+                  logprobs=top, echo=echo, stream=stream)
+        reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
+                      forced["function"]["name"] if forced else None,
+                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids),
+                      logprobs=top is not None, echoes=[self._echo(body, ids)] if echo else None)
+        if max_tokens == 0:  # the prompt scored, nothing generated (a stop, a suffix or a layout has no answer to shape)
+            job.args = GenerationArgs.of(**options, max_tokens=0)
+            return job, reply
         schema = None
         if suffix is None:
             template, grammar = answer_layout(self, job, body, forced, max_tokens, options.get("policy", "reference"))
@@ -221,10 +256,13 @@ class Server:
             template, max_tokens = self._infill(job, body, suffix, max_tokens, cap_max_tokens)
         job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=schema,
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
-        reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
-                      forced["function"]["name"] if forced else None,
-                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids))
         return job, reply
+
+    def _echo(self, body: dict, ids: list[int]) -> str:
+        """The text echoed before a completion: the prompt as sent, or its ids' text."""
+        prompt = body.get("prompt")
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
     def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
         """The request's tools (none with tool_choice "none") and the one a forced call is to."""
@@ -435,15 +473,31 @@ class Server:
                 pass
         return Answer(content, reasoning, calls, "tool_calls" if calls else finish, event.usage, event.stop_sequence)
 
+    async def _answers(self, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply,
+                       request: Request) -> list[Answer]:
+        """Each job's whole answer; a failure of one ends the others."""
+        try:
+            return list(await asyncio.gather(*(self._whole(job, events, reply, request)
+                                               for job, events in zip(jobs, queues))))
+        finally:  # (a finished job's cancel changes nothing)
+            for job in jobs:
+                job.cancel()
+
     async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request) -> Answer:
-        content, reasoning = "", ""
+        content, reasoning, logprobs, prompt_logprobs = "", "", [], None
         async for event in self._events(events, request):
             if event.error is not None:
                 raise BadRequest(str(event.error), param=event.error.param, status=event.error.status)
             content += event.content
             reasoning += event.reasoning
+            logprobs += event.logprobs or []
+            prompt_logprobs = event.prompt_logprobs or prompt_logprobs
             if event.finish_reason is not None:
-                return self.answer(event, reply, content, reasoning)
+                answer = self.answer(event, reply, content, reasoning)
+                if job.logprobs is not None:
+                    answer.logprobs, answer.prompt_logprobs = logprobs, prompt_logprobs
+                    answer.sampled_from = event.sampled_from
+                return answer
         job.cancel()
         raise BadRequest("the client went away", status=499)
 
@@ -504,6 +558,43 @@ def _check(check, value, name: str, *args) -> None:
             check(value, name, *args)
         except ValueError as e:
             raise BadRequest(str(e), param=name) from None
+
+
+def _prompts(body: dict) -> list:
+    """A completions request's prompts: a string, a list of token ids, or a list of either (one choice
+    each, at most ``MAX_PROMPTS``); a list of one string is that string."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"prompt holds {len(prompt)} prompts, more than the {MAX_PROMPTS} one request takes; "
+                         "send them in several requests", param="prompt")
+    return prompt
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """The most likely tokens a request's log-probabilities give per position (None: no log-probabilities),
+    and whether a completion echoes its prompt: chat's ``logprobs`` (true or false) and ``top_logprobs``,
+    completions' ``logprobs`` (the number) and ``echo``."""
+    if chat:
+        if typed(body, "echo", bool, False):
+            raise BadRequest("echo is for completions; leave it out or send false", param="echo")
+        on, top = typed(body, "logprobs", bool, False), typed(body, "top_logprobs", int, None)
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
+        if top and not on:
+            raise BadRequest("top_logprobs needs logprobs true", param="top_logprobs")
+        return (top or 0) if on else None, False
+    if body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("top_logprobs is for chat completions; on completions, logprobs is the number of most "
+                         "likely tokens", param="top_logprobs")
+    top = body.get("logprobs")
+    if top is False:
+        top = None
+    if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_TOP_LOGPROBS):
+        raise BadRequest(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens given "
+                         f"per position), got {json.dumps(top)[:40]}", param="logprobs")
+    return top, typed(body, "echo", bool, False)
 
 
 def _check_supported(body: dict, chat: bool) -> None:

@@ -1,4 +1,4 @@
-"""The server's routes: OpenAI's, the Responses API's, Anthropic's and Ollama's, on one app, each
+"""The server's routes: OpenAI's, the Responses API's, Anthropic's, Ollama's and vLLM's tokenizer's, on one app, each
 answering browsers of the allowed origins (CORS: a preflight ``OPTIONS`` and the headers on every reply)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from . import anthropic, ollama, openai_api, responses
+from . import anthropic, ollama, openai_api, responses, tokenize
 from .api import error_response
 from .app import Server
 
@@ -46,5 +46,6 @@ def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS) -> Starlette:
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         *openai_api.routes(server), *responses.routes(server), *anthropic.routes(server), *ollama.routes(server),
+        *tokenize.routes(server),
     ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found}, middleware=[
         Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])])
