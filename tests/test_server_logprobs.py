@@ -131,3 +131,30 @@ def test_the_tokenizer_endpoints_tokenize_as_the_server(served, demo):
 def test_bad_values_are_refused_by_name(served, path, body, param, message):
     status, reply = raw_post(served, path, json.dumps(body).encode())
     assert status == 400 and reply["error"]["param"] == param and reply["error"]["message"].startswith(message), reply
+
+
+def test_a_stop_string_cuts_the_entries_with_the_text(client, demo):
+    _, tokenizer = demo
+    kwargs = dict(model=MODEL_ID, prompt=chat_ids(tokenizer, SORT), max_tokens=64, seed=3, logprobs=0)
+    whole = client.completions.create(**kwargs).choices[0]
+    assert whole.text == "17 23 42 61 85"
+    cut = client.completions.create(stop=[" 61"], **kwargs).choices[0]
+    assert cut.text == "17 23 42" and cut.finish_reason == "stop"
+    assert "".join(cut.logprobs.tokens) == cut.text  # (the demo's tokens are characters)
+    assert cut.logprobs.token_logprobs == whole.logprobs.token_logprobs[: len(cut.text)]
+
+
+def test_a_streamed_echo_gives_the_whole_ones_text_and_entries(client, demo):
+    _, tokenizer = demo
+    kwargs = dict(model=MODEL_ID, prompt=chat_ids(tokenizer, SORT), max_tokens=64, seed=3, logprobs=2, echo=True)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
+    assert "".join(c.text for c in chunks) == whole.text
+    entries = [(token, logprob, offset) for c in chunks if c.logprobs for token, logprob, offset in
+               zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.text_offset)]
+    assert [e[0] for e in entries] == whole.logprobs.tokens
+    assert [e[2] for e in entries] == whole.logprobs.text_offset
+    prompt = len(kwargs["prompt"])  # scored in one piece either way: the same numbers
+    assert [e[1] for e in entries[:prompt]] == whole.logprobs.token_logprobs[:prompt]
+    assert max(abs(a - b) for (_, a, _), b in zip(entries[prompt:], whole.logprobs.token_logprobs[prompt:])) \
+        <= PIECES_BOUND
