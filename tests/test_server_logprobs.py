@@ -125,6 +125,8 @@ def test_the_tokenizer_endpoints_tokenize_as_the_server(served, demo):
      "top_logprobs", "top_logprobs must be from 0 to 20, got 21"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
      "top_logprobs needs logprobs true"),
+    ("/v1/responses", {"input": "x", "top_logprobs": 3}, "top_logprobs",
+     "top_logprobs is not supported on the Responses API"),
     ("/tokenize", {"text": "x"}, "prompt", "prompt must be the text to tokenize"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens", "tokens must be a list of token ids from 0 to 347"),
 ])
