@@ -50,14 +50,17 @@ def short_context(tmp_path_factory):
 
 @contextlib.contextmanager
 def serving(model, tokenizer, model_id: str = MODEL_ID, allowed_origins=("*",), log_level: str = "warning",
-            **server_options):
+            statuses: list | None = None, **server_options):
     """A real uvicorn server for ``model`` on a free loopback port: its base URL while it runs (``log_level``
-    "info" logs every request's status to ``uvicorn.access``)."""
+    "info" logs every request's status to ``uvicorn.access``). Each answer's (path, status) is appended to
+    ``statuses`` when given."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = create_app(Server(model, tokenizer, model_id, Scheduler(model, tokenizer, prompt_cache_size=4),
                             Limits(**server_options)), allowed_origins)
+    if statuses is not None:
+        app = recording(app, statuses)
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
@@ -70,6 +73,19 @@ def serving(model, tokenizer, model_id: str = MODEL_ID, allowed_origins=("*",), 
     finally:
         uv.should_exit = True
         thread.join(timeout=10)
+
+
+def recording(app, statuses: list):
+    """``app``, appending each answer's (path, status) to ``statuses``."""
+    async def recorded(scope, receive, send):
+        async def sent(message):
+            if message["type"] == "http.response.start":
+                statuses.append((scope["path"], message["status"]))
+            await send(message)
+
+        await app(scope, receive, sent if scope["type"] == "http" else send)
+
+    return recorded
 
 
 @pytest.fixture(scope="module")

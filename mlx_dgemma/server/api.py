@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse, Response
 
+from ..scoring import TokenLogprob
 from .scheduler import Event, Usage
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit (Api.max_stop)
@@ -48,7 +49,9 @@ class Reply:
     forced: tuple[str, ...]
     id: str = ""
     prompt_tokens: int = 0
-    n: int = 1  # choices (OpenAI's n), each its own job
+    n: int = 1  # choices (OpenAI's n) per prompt, each its own job
+    logprobs: bool = False  # the answer's log-probabilities go with it
+    echoes: list[str] | None = None  # (completions' echo) each choice's prompt text, which the choice starts with
 
 
 @dataclass
@@ -62,6 +65,10 @@ class Answer:
     finish: str
     usage: Usage | None = None
     stop_sequence: str | None = None  # the stop string that ended it
+    # With logprobs (scoring.py): the answer's tokens', the prompt's (with echo), and what drew the tokens.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    sampled_from: str | None = None
 
 
 class Api:
@@ -91,7 +98,8 @@ class Api:
         raise NotImplementedError
 
     def replies(self, answers: list[Answer], reply: Reply) -> dict:
-        """The reply of a request's whole answers, one per choice (only OpenAI's APIs take ``n``)."""
+        """The reply of a request's whole answers, one per choice (only OpenAI's APIs take ``n`` and several
+        prompts)."""
         (answer,) = answers
         return self.reply(answer, reply)
 

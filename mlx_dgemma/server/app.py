@@ -36,6 +36,7 @@ from .. import validate
 from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..options import GenerationArgs
 from ..request import PromptError, answer_room, check_closing_fits, check_prompt_fits, closing_length, generation_config
+from ..scoring import MAX_TOP_LOGPROBS
 from ..template import CanvasTemplate, TemplateError, infill_template
 from ..tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_calls
 from ..vision import has_vision
@@ -53,10 +54,11 @@ MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
 MAX_CHOICES = 8  # n: the choices of one request, each a row of the worker's batch
+MAX_PROMPTS = 64  # a completions request's prompts, times n: its choices (each a row of the engine's batch)
 # OpenAI parameters this server does not honour, each with the value that leaves it off: clients
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
-UNSUPPORTED = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
+UNSUPPORTED = {"best_of": 1, "logit_bias": {},
                "suffix": "", "functions": [],
                "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "web_search_options": None}
@@ -132,11 +134,15 @@ class Server:
     async def count_tokens(self, request: Request, api: Api) -> Response:
         """The prompt tokens ``request``'s body would be answered from (its messages and tools through
         the chat template), as ``{"input_tokens": n}``; errors in ``api``'s shape."""
+        return await self.worked(request, api, lambda body: {"input_tokens": self._count(api, body)})
+
+    async def worked(self, request: Request, api: Api, work) -> Response:
+        """``work(body)``'s JSON for ``request``'s body, worked out on the preparing threads (no model
+        forward: the worker's are its own); errors in ``api``'s shape."""
         number = next(self._numbers)
         try:
             body = await self.read_body(request, number)
-            count = await self.off_loop(self._count, api, body)
-            return JSONResponse({"input_tokens": count})
+            return JSONResponse(await self.off_loop(work, body))
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
@@ -145,10 +151,8 @@ class Server:
         and tokenized on the prepare threads, and shapes the answer and errors."""
         number = next(self._numbers)
         try:
-            body = await self.read_body(request)
-            request_log.arrived(number, request.url.path, body)
-            _check_text(body)
-            rows = await asyncio.get_running_loop().run_in_executor(self._preparing, api.rows, body)
+            body = await self.read_body(request, number)
+            rows = await self.off_loop(_embedding_rows, api, body)
             if not rows:
                 return JSONResponse(api.reply([], rows))  # (Ollama's way of loading a model)
             job = EmbeddingJob(rows)
@@ -181,11 +185,34 @@ class Server:
                              f"'{self.model_id}'", param="model", code="model_not_found", status=404)
 
     def _prepare(self, api: Api, body: dict) -> tuple[list[Job], Reply] | None:
+        """The request's jobs (``n`` choices of each prompt, a completions request's prompt array taking
+        several, in order) and its reply."""
         _check_text(body)  # (by the field the client sent)
         translated = api.translate(body)
         api.translated = True
-        return None if translated is None else self._job(*translated, max_stop=api.max_stop,
-                                                               cap_max_tokens=api.caps_max_tokens)
+        if translated is None:
+            return None
+        body, chat = translated
+        prompts = [None] if chat else _prompts(body)
+        if len(prompts) > 1 and typed(body, "stream", bool, False):
+            raise BadRequest("stream takes one prompt; send each prompt in a request of its own, or stream false",
+                             param="stream")
+        jobs, echoes = [], []
+        for i, prompt in enumerate(prompts):
+            try:
+                choices, reply = self._job(body if chat else {**body, "prompt": prompt}, chat, max_stop=api.max_stop,
+                                           cap_max_tokens=api.caps_max_tokens)
+            except BadRequest as e:
+                if len(prompts) == 1 or e.param != "prompt":
+                    raise
+                raise BadRequest(f"prompt[{i}]: {e}", "prompt", e.code, e.status) from None
+            if len(jobs) + len(choices) > MAX_PROMPTS:
+                raise BadRequest(f"{len(prompts)} prompts of n {reply.n} choices each are more than the {MAX_PROMPTS} "
+                                 "choices one request takes; send fewer prompts or a smaller n", param="n")
+            jobs += choices
+            echoes += reply.echoes or []
+        reply.echoes = echoes or None
+        return jobs, reply
 
     # -- reading a request -------------------------------------------------------------------------
 
@@ -222,8 +249,10 @@ class Server:
         stream_options = typed(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = typed(body, max_key, int, None)
-        if max_tokens is not None and max_tokens < 1:
-            raise BadRequest(f"{max_key} must be at least 1, got {validate.shown(max_tokens)}", param=max_key)
+        top, echo = _logprobs(body, chat)
+        if max_tokens is not None and max_tokens < (0 if echo else 1):
+            scored = "" if chat else " (0 with echo true: the prompt alone)"
+            raise BadRequest(f"{max_key} must be at least 1{scored}, got {validate.shown(max_tokens)}", param=max_key)
         stop = typed(body, "stop", (str, list), None) or []
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
@@ -240,7 +269,15 @@ class Server:
         ids, vision_inputs = (self._chat_prompt(body, tools if tools and not forced else None, think) if chat
                               else (self._text_prompt(body, empty=suffix is not None), {}))
         job = Job(ids, GenerationArgs(), stop=stop, hold=[CALL_OPEN] if tools and not forced else [],
-                  whole=forced is not None, prompt_param="messages" if chat else "prompt", think=think)
+                  whole=forced is not None, prompt_param="messages" if chat else "prompt", think=think,
+                  logprobs=top, echo=echo, stream=stream)
+        reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
+                      tuple(t["function"]["name"] for t in forced or ()),
+                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids), n=n,
+                      logprobs=top is not None, echoes=[self._echo(body, ids)] * n if echo else None)
+        if max_tokens == 0:  # the prompt scored, nothing generated (a stop, a suffix or a layout has no answer to shape)
+            job.args = GenerationArgs.of(**options, max_tokens=0)
+            return [job, *(_choice(job, i) for i in range(1, n))], reply
         schema = None
         if suffix is None:
             template, grammar = answer_layout(self, job, body, forced, max_tokens, options.get("policy", "reference"))
@@ -260,10 +297,13 @@ class Server:
             template, max_tokens = self._infill(job, body, suffix, max_tokens)
         job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=schema,
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
-        reply = Reply(chat, stream, bool(stream_options.get("include_usage")), bool(tools) and not forced,
-                      tuple(t["function"]["name"] for t in forced or ()),
-                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids), n=n)
         return [job, *(_choice(job, i) for i in range(1, n))], reply
+
+    def _echo(self, body: dict, ids: list[int]) -> str:
+        """The text echoed before a completion: the prompt as sent, or its ids' text."""
+        prompt = body.get("prompt")
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
     def _tools(self, body: dict) -> tuple[list[dict], dict | None]:
         """The request's tools (none with tool_choice "none") and those a forced call is to (one of them:
@@ -490,14 +530,20 @@ class Server:
             raise
 
     async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request) -> Answer:
-        content, reasoning = "", ""
+        content, reasoning, logprobs, prompt_logprobs = "", "", [], None
         async for event in self._events(events, request):
             if event.error is not None:
                 raise BadRequest(str(event.error), param=event.error.param, status=event.error.status)
             content += event.content
             reasoning += event.reasoning
+            logprobs += event.logprobs or []
+            prompt_logprobs = event.prompt_logprobs or prompt_logprobs
             if event.finish_reason is not None:
-                return self.answer(event, reply, content, reasoning)
+                answer = self.answer(event, reply, content, reasoning)
+                if job.logprobs is not None:
+                    answer.logprobs, answer.prompt_logprobs = logprobs, prompt_logprobs
+                    answer.sampled_from = event.sampled_from
+                return answer
         job.cancel()
         raise BadRequest("the client went away", status=499)
 
@@ -593,6 +639,43 @@ def _check(check, value, name: str, *args) -> None:
             raise BadRequest(str(e), param=name) from None
 
 
+def _prompts(body: dict) -> list:
+    """A completions request's prompts: a string, a list of token ids, or a list of either (one choice
+    each, at most ``MAX_PROMPTS``); a list of one string is that string."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"prompt holds {len(prompt)} prompts, more than the {MAX_PROMPTS} one request takes; "
+                         "send them in several requests", param="prompt")
+    return prompt
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """The most likely tokens a request's log-probabilities give per position (None: no log-probabilities),
+    and whether a completion echoes its prompt: chat's ``logprobs`` (true or false) and ``top_logprobs``,
+    completions' ``logprobs`` (the number) and ``echo``."""
+    if chat:
+        if typed(body, "echo", bool, False):
+            raise BadRequest("echo is for completions; leave it out or send false", param="echo")
+        on, top = typed(body, "logprobs", bool, False), typed(body, "top_logprobs", int, None)
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
+        if top and not on:
+            raise BadRequest("top_logprobs needs logprobs true", param="top_logprobs")
+        return (top or 0) if on else None, False
+    if body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("top_logprobs is for chat completions; on completions, logprobs is the number of most "
+                         "likely tokens", param="top_logprobs")
+    top = body.get("logprobs")
+    if top is False:
+        top = None
+    if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_TOP_LOGPROBS):
+        raise BadRequest(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens given "
+                         f"per position), got {json.dumps(top)[:40]}", param="logprobs")
+    return top, typed(body, "echo", bool, False)
+
+
 def _check_supported(body: dict, chat: bool) -> None:
     for key, off in UNSUPPORTED.items():
         value = body.get(key)
@@ -643,6 +726,11 @@ def _not_json(data: dict) -> tuple[str, str]:
                 f"{'.' if field else ''}{key if len(key) <= 40 else key[:37] + '...'}")
             stack.append((item, field + name))
     raise AssertionError("no NaN or Infinity in data")
+
+
+def _embedding_rows(api: Embeddings, body: dict) -> list[list[int]]:
+    _check_text(body)
+    return api.rows(body)
 
 
 def _check_text(body: dict) -> None:

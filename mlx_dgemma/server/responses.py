@@ -17,7 +17,7 @@ from .app import Server, Thought
 from .scheduler import RequestFailed
 from .settings import SETTINGS
 
-PASSED = ("model", "top_logprobs", "parallel_tool_calls", "template", *SETTINGS)  # read as the chat body reads them
+PASSED = ("model", "parallel_tool_calls", "template", *SETTINGS)  # read as the chat body reads them
 
 
 class Responses(Api):
@@ -39,6 +39,9 @@ class Responses(Api):
                                  "conversation in input", param=key)
         if body.get("background"):
             raise BadRequest("background is not supported by this server; leave it out", param="background")
+        if body.get("top_logprobs") not in (None, 0):  # (chat completions give them)
+            raise BadRequest("top_logprobs is not supported on the Responses API by this server; leave it out or send "
+                             "0, or ask chat completions for logprobs", param="top_logprobs")
         messages, self.origins = [], []
         if (instructions := body.get("instructions")) is not None:
             if not isinstance(instructions, str):

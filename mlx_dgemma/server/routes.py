@@ -1,5 +1,6 @@
-"""The server's routes: OpenAI's, the Responses API's, Anthropic's, Ollama's and the embeddings', on one app, each
-answering browsers of the allowed origins (CORS: a preflight ``OPTIONS`` and the headers on every reply)."""
+"""The server's routes: OpenAI's, the Responses API's, Anthropic's, Ollama's, the embeddings' and vLLM's
+tokenizer's, on one app, each answering browsers of the allowed origins (CORS: a preflight ``OPTIONS`` and the
+headers on every reply)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from . import anthropic, embeddings, ollama, openai_api, responses
+from . import anthropic, embeddings, ollama, openai_api, responses, tokenize
 from .api import error_response
 from .app import Server
 
@@ -46,6 +47,6 @@ def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS) -> Starlette:
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         *openai_api.routes(server), *responses.routes(server), *anthropic.routes(server), *ollama.routes(server),
-        *embeddings.routes(server),
+        *embeddings.routes(server), *tokenize.routes(server),
     ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found}, middleware=[
         Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])])

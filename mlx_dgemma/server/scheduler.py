@@ -11,6 +11,9 @@ next round.
 A JSON answer may take two generations: a free draft, then the schema's template sized by the draft.
 An embedding request (``EmbeddingJob``) is encoded apart from the engine's rows (embeddings.py), a chunk
 between rounds, so that generation goes on while it runs.
+A request for log-probabilities has a ``scoring.Scorer`` of its own that encodes its prompt and then
+its answer's committed tokens (at each event in a stream, else once at the end); one whose
+``max_tokens`` is 0 is its prompt scored, nothing generated.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..embeddings import embedding_steps
 from ..errors import OptionError, PromptError, TemplateError
 from ..options import PREFILL_STEP_SIZE, GenerationArgs
 from ..request import generation_device, prepare
+from ..scoring import Scorer, TokenLogprob
 from ..template import CanvasTemplate
 from ..tokenizer import TextStream
 from .prompt_cache import PromptCache
@@ -70,6 +74,11 @@ class Event:
     error: RequestFailed | None = None
     stop_sequence: str | None = None  # the stop string that ended the answer
     choice: int = 0  # which of the request's choices (OpenAI's n) it belongs to
+    # With logprobs: those of the tokens committed since the last event (scoring.py), the prompt's on
+    # the first event with echo, and at the end what drew the tokens ("encoder", "denoiser" or both).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    sampled_from: str | None = None
 
 
 @dataclass
@@ -91,6 +100,9 @@ class Job:
     prompt_param: str | None = None
     template_param: str | None = None
     think: bool = False  # the thought channel is handed out (apart from the answer)
+    logprobs: int | None = None  # the answer's log-probabilities, with this many most likely tokens (None: none)
+    echo: bool = False  # with logprobs, the prompt's too
+    stream: bool = False  # log-probabilities go with every event (else with the last)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: bool = False
@@ -101,6 +113,10 @@ class Job:
     sent: int = 0
     completion_tokens: int = 0  # tokens committed, padding not counted
     cached_tokens: int | None = None
+    scorer: Scorer | None = None
+    unscored: list[int] = field(default_factory=list)  # committed tokens the scorer has not taken yet
+    prompt_logprobs: list[TokenLogprob] | None = None  # (echo) for the first event
+    modes: set[str] = field(default_factory=set)  # the plans' kinds the answer was committed under
 
     def cancel(self) -> None:
         """The client went away: the worker drops the request before its next round."""
@@ -243,6 +259,12 @@ class Scheduler:
             self.cancelled += 1
             return
         try:
+            if job.args.max_tokens == 0:  # the prompt alone, scored
+                self._score_prompt(job, job.ids)
+                self.finished += 1
+                self._send(job, Event(finish_reason="length", usage=Usage(len(job.ids), 0, 0),
+                                      prompt_logprobs=job.prompt_logprobs))
+                return
             drafting = job.redraft is not None
             args = replace(job.args, template=None) if drafting else job.args
             prepared = prepare(self.model, self.tokenizer, job.ids, args)
@@ -259,6 +281,7 @@ class Scheduler:
             thought = job.think and free and not drafting
             job.thought = TextStream(self.tokenizer, prepared.stop_ids, thought=True) if thought else None
             job.stop_strings = StopStrings(job.stop, job.hold)
+            self._score_prompt(job, prepared.ids, prepared.vision_inputs)
             uid = self.engine.insert(prepared, cache, keep)
         except Exception as e:  # (request.prepare refuses what the model cannot take with a ValueError)
             self._send(job, Event(error=failure(job, e, bad_input=ValueError)))
@@ -285,6 +308,15 @@ class Scheduler:
             self._embedding.popleft()
             self._send(job, Event(error=RequestFailed(f"embedding failed: {one_line(e)}", status=500)))
 
+    def _score_prompt(self, job: Job, ids: list[int], vision_inputs: dict | None = None) -> None:
+        """With logprobs, a scorer for the job's answer that has encoded the prompt (the prompt's
+        log-probabilities kept for its first event, with echo)."""
+        if job.logprobs is None:
+            return
+        job.scorer, job.unscored, job.modes = Scorer(self.model, job.logprobs, self.prefill_step_size), [], set()
+        scored = job.scorer.add(ids, **(vision_inputs or {}))
+        job.prompt_logprobs = scored if job.echo else None
+
     def _route(self, response: BatchResponse) -> None:
         job = self._active.get(response.uid)
         if job is None:
@@ -292,6 +324,10 @@ class Scheduler:
         tokens, finish = response.tokens, response.finish_reason  # (the engine cuts them at max_tokens)
         pad = self.tokenizer.pad_token_id
         job.completion_tokens += sum(t != pad for t in tokens)
+        if job.scorer is not None:
+            job.unscored += tokens
+            if response.plan is not None:
+                job.modes.add(response.plan.mode)
         if finish == "length" and tokens and tokens[-1] == pad:
             # The text ended before the limit (padding is no part of the answer, nor of its usage): the
             # client is told the answer is whole, not cut.
@@ -320,6 +356,11 @@ class Scheduler:
         end = len(job.text) if finish else 0 if job.whole else job.stop_strings.sendable()
         usage = Usage(len(job.ids), job.completion_tokens, job.cached_tokens or 0)
         event = Event(job.text[job.sent:end], reasoning, finish, usage, stop_sequence=stop_sequence)
+        if job.scorer is not None and (job.stream or finish is not None):
+            event.logprobs, job.unscored = job.scorer.add(job.unscored), []
+            event.prompt_logprobs, job.prompt_logprobs = job.prompt_logprobs, None
+            if finish is not None:
+                event.sampled_from = sampled_from(job.modes)
         job.sent = max(job.sent, end)
         if finish is not None and job.thought is not None:
             usage.reasoning_tokens = self.tokenizer.thought_tokens(job.thought.tokens, job.thought.stop_ids)
@@ -343,6 +384,14 @@ def failure(job: Job, e: Exception, bad_input: type | tuple[type, ...] = (Templa
                  else job.prompt_param if isinstance(e, PromptError) else getattr(e, "option", None))
         return RequestFailed(one_line(e), param=param)
     return RequestFailed(f"generation failed: {one_line(e)}", status=500)
+
+
+def sampled_from(modes: set[str]) -> str:
+    """What drew an answer's tokens, by the kinds of plan they were committed under: the encoder
+    (autoregressive decoding, and verified drafting, whose exact sampling keeps its distribution),
+    the denoiser (diffusion canvases), or both (auto moving between them)."""
+    drawers = {"denoiser" if mode == "diffusion" else "encoder" for mode in modes}
+    return " and ".join(sorted(drawers, reverse=True)) or "encoder"
 
 
 def one_line(e: Exception) -> str:
