@@ -155,7 +155,7 @@ def answer(model, tokenizer, entry: Entry, policy: str, args) -> dict:
     """One generation: its outcome (validated, invalid, unchecked, refused, error), text, tokens, finish."""
     out = {"dataset": entry.dataset, "file": entry.path.name, "policy": policy}
     responses = stream_generate(model, tokenizer, entry.prompt, max_tokens=args.max_tokens, schema=entry.schema,
-                                policy=policy, seed=args.seed)
+                                policy=policy, seed=args.seed, temperature=args.temperature)
     text, last = "", None
     try:
         for last in responses:
@@ -184,11 +184,12 @@ def policy_table(answers: list[dict], policies) -> list[dict]:
     return out
 
 
-def decode(model, tokenizer, prompt: str, schema, max_tokens: int, seed: int) -> tuple[list[int], float]:
+def decode(model, tokenizer, prompt: str, schema, max_tokens: int, seed: int, temperature: float | None = None
+           ) -> tuple[list[int], float]:
     """An autoregressive answer's tokens and its decoding seconds (after the prompt's prefill)."""
     tokens, last = [], None
     for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, schema=schema, policy="ar",
-                                seed=seed):
+                                seed=seed, temperature=temperature):
         tokens += last.tokens
     return tokens, last.generation_tokens / last.generation_tps
 
@@ -210,8 +211,10 @@ def grammar_cost(model, tokenizer, entries: list[Entry], args) -> dict:
                           GenerationArgs(schema=entry.schema, policy="ar", max_tokens=args.max_tokens))
         except ValueError:
             continue
-        tokens, seconds = decode(model, tokenizer, entry.prompt, entry.schema, args.max_tokens, args.seed)
-        free_tokens, free_seconds = decode(model, tokenizer, entry.prompt, None, args.max_tokens, args.seed)
+        tokens, seconds = decode(model, tokenizer, entry.prompt, entry.schema, args.max_tokens, args.seed,
+                                 args.temperature)
+        free_tokens, free_seconds = decode(model, tokenizer, entry.prompt, None, args.max_tokens, args.seed,
+                                           args.temperature)
         sums.update(structured_tokens=len(tokens), structured_s=seconds, free_tokens=len(free_tokens),
                     free_s=free_seconds)
         masks, rules = replay(job.grammar, tokens, vocab, args.max_tokens)
@@ -266,7 +269,9 @@ def ms(x: float | None) -> str:
 
 def markdown(result: dict) -> str:
     load = "/".join(f"{x:.1f}" for x in result["load_average"]["start"])
-    lines = [f"llguidance {result['llguidance']}, max_tokens {result['args']['max_tokens']}, {result['blas']}, "
+    temperature = result["args"]["temperature"]
+    lines = [f"llguidance {result['llguidance']}, max_tokens {result['args']['max_tokens']}, temperature "
+             f"{'default' if temperature is None else temperature}, {result['blas']}, "
              f"load average at the start {load}", "",
              "| dataset | schemas | this project | by template | llguidance | llguidance only | this project only "
              "| shortest answer too long | compile p50 / p99 ms |",
@@ -307,6 +312,7 @@ def main():
     p.add_argument("--sample", type=int, default=100, help="schemas drawn for the answers under each policy")
     p.add_argument("--seed", type=int, default=0, help="draws the sample and seeds each generation")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, help="of every answer (default: the model's own)")
     p.add_argument("--policy", action="append", choices=POLICIES, help="repeat for several (default: all four)")
     p.add_argument("--cost-schemas", type=int, default=10, help="schemas the per-token cost is measured on")
     p.add_argument("--json", type=Path, help="write every figure, each schema's verdicts and each invalid answer here")
