@@ -155,7 +155,7 @@ def answer(model, tokenizer, entry: Entry, policy: str, args) -> dict:
     """One generation: its outcome (validated, invalid, unchecked, refused, error), text, tokens, finish."""
     out = {"dataset": entry.dataset, "file": entry.path.name, "policy": policy}
     responses = stream_generate(model, tokenizer, entry.prompt, max_tokens=args.max_tokens, schema=entry.schema,
-                                policy=policy, seed=args.seed)
+                                policy=policy, seed=args.seed, temperature=args.temperature)
     text, last = "", None
     try:
         for last in responses:
@@ -184,11 +184,12 @@ def policy_table(answers: list[dict], policies) -> list[dict]:
     return out
 
 
-def decode(model, tokenizer, prompt: str, schema, max_tokens: int, seed: int) -> tuple[list[int], float]:
+def decode(model, tokenizer, prompt: str, schema, max_tokens: int, seed: int, temperature: float | None = None
+           ) -> tuple[list[int], float]:
     """An autoregressive answer's tokens and its decoding seconds (after the prompt's prefill)."""
     tokens, last = [], None
     for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, schema=schema, policy="ar",
-                                seed=seed):
+                                seed=seed, temperature=temperature):
         tokens += last.tokens
     return tokens, last.generation_tokens / last.generation_tps
 
@@ -199,7 +200,7 @@ def grammar_cost(model, tokenizer, entries: list[Entry], args) -> dict:
     replaying each structured answer, the ms per token of the mask alone and of the grammar rule
     (mask, choice, closing-path guard, consuming the token)."""
     vocab = model.config.vocab_size
-    sums = Counter()
+    sums, mask_times, rule_times = Counter(), [], []
     taken = 0
     progress = tqdm(total=args.cost_schemas, desc="grammar cost", file=sys.stderr)
     for entry in entries:
@@ -210,12 +211,16 @@ def grammar_cost(model, tokenizer, entries: list[Entry], args) -> dict:
                           GenerationArgs(schema=entry.schema, policy="ar", max_tokens=args.max_tokens))
         except ValueError:
             continue
-        tokens, seconds = decode(model, tokenizer, entry.prompt, entry.schema, args.max_tokens, args.seed)
-        free_tokens, free_seconds = decode(model, tokenizer, entry.prompt, None, args.max_tokens, args.seed)
+        tokens, seconds = decode(model, tokenizer, entry.prompt, entry.schema, args.max_tokens, args.seed,
+                                 args.temperature)
+        free_tokens, free_seconds = decode(model, tokenizer, entry.prompt, None, args.max_tokens, args.seed,
+                                           args.temperature)
         sums.update(structured_tokens=len(tokens), structured_s=seconds, free_tokens=len(free_tokens),
                     free_s=free_seconds)
-        mask_s, rule_s = replay(job.grammar, tokens, vocab, args.max_tokens)
-        sums.update(mask_s=mask_s, rule_s=rule_s)
+        masks, rules = replay(job.grammar, tokens, vocab, args.max_tokens)
+        sums.update(mask_s=sum(masks), rule_s=sum(rules))
+        mask_times += masks
+        rule_times += rules
         taken += 1
         progress.update()
     progress.close()
@@ -226,29 +231,32 @@ def grammar_cost(model, tokenizer, entries: list[Entry], args) -> dict:
     per = {k: v * 1e3 for k, v in per.items()}
     return {"schemas": taken, "structured_tokens": sums["structured_tokens"], "free_tokens": sums["free_tokens"],
             "ms_per_token": per, "structured_over_free": per["structured"] / per["free"],
-            "rule_over_free": per["rule"] / per["free"]}
+            "rule_over_free": per["rule"] / per["free"],
+            "per_token_ms": {"mask": [percentile(mask_times, q) * 1e3 for q in (50, 99)],
+                             "rule": [percentile(rule_times, q) * 1e3 for q in (50, 99)]}}
 
 
-def replay(grammar, tokens: list[int], vocab: int, max_tokens: int) -> tuple[float, float]:
-    """Seconds of ``allowed_tokens`` over ``tokens``, and of ``GrammarRule.step`` given logits that pick
-    each token in turn (the host's whole work per token of a grammar row)."""
-    matcher, mask_s = grammar.matcher(), 0.0
+def replay(grammar, tokens: list[int], vocab: int, max_tokens: int) -> tuple[list[float], list[float]]:
+    """Seconds of ``allowed_tokens`` at each of ``tokens``, and of ``GrammarRule.step`` given logits that
+    pick each token in turn (the host's whole work per token of a grammar row: mask, choice, the search
+    for a closing path after the token)."""
+    matcher, masks = grammar.matcher(), []
     for token in tokens:
         if matcher.is_stopped():
             break
         tic = time.perf_counter()
         allowed_tokens(matcher, vocab)
-        mask_s += time.perf_counter() - tic
+        masks.append(time.perf_counter() - tic)
         matcher.consume_token(token)
-    rule, rule_s = GrammarRule(grammar, vocab, max_tokens), 0.0
+    rule, rules = GrammarRule(grammar, vocab, max_tokens), []
     for token in tokens:
         logits = mx.zeros((vocab,)).at[token].add(1.0)
         mx.eval(logits)
         tic = time.perf_counter()
         if rule.step(logits) is None:
             break
-        rule_s += time.perf_counter() - tic
-    return mask_s, rule_s
+        rules.append(time.perf_counter() - tic)
+    return masks, rules
 
 
 def pct(x: float) -> str:
@@ -261,7 +269,9 @@ def ms(x: float | None) -> str:
 
 def markdown(result: dict) -> str:
     load = "/".join(f"{x:.1f}" for x in result["load_average"]["start"])
-    lines = [f"llguidance {result['llguidance']}, max_tokens {result['args']['max_tokens']}, {result['blas']}, "
+    temperature = result["args"]["temperature"]
+    lines = [f"llguidance {result['llguidance']}, max_tokens {result['args']['max_tokens']}, temperature "
+             f"{'default' if temperature is None else temperature}, {result['blas']}, "
              f"load average at the start {load}", "",
              "| dataset | schemas | this project | by template | llguidance | llguidance only | this project only "
              "| shortest answer too long | compile p50 / p99 ms |",
@@ -288,6 +298,8 @@ def markdown(result: dict) -> str:
                   f"| ar, unconstrained | {per['free']:.3f} |", f"| ar, with the schema | {per['structured']:.3f} |",
                   f"| the mask alone | {per['mask']:.3f} |",
                   f"| the grammar rule (mask, choice, closing path) | {per['rule']:.3f} |",
+                  *(f"| {name}, p50 / p99 per token | {p50:.3f} / {p99:.3f} |" for name, (p50, p99) in
+                    [("the mask", cost["per_token_ms"]["mask"]), ("the grammar rule", cost["per_token_ms"]["rule"])]),
                   f"| **structured / unconstrained** | **{cost['structured_over_free']:.2f}x** |",
                   f"| the grammar rule / an unconstrained token | {cost['rule_over_free']:.3f}x |"]
     return "\n".join(lines)
@@ -300,6 +312,7 @@ def main():
     p.add_argument("--sample", type=int, default=100, help="schemas drawn for the answers under each policy")
     p.add_argument("--seed", type=int, default=0, help="draws the sample and seeds each generation")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, help="of every answer (default: the model's own)")
     p.add_argument("--policy", action="append", choices=POLICIES, help="repeat for several (default: all four)")
     p.add_argument("--cost-schemas", type=int, default=10, help="schemas the per-token cost is measured on")
     p.add_argument("--json", type=Path, help="write every figure, each schema's verdicts and each invalid answer here")

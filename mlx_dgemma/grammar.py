@@ -7,9 +7,11 @@ under a grammar is the autoregressive constrained output, token for token when g
 distribution when sampled. Tokens the grammar forces (a key, a bracket) go into drafts as known tokens.
 
 ``max_tokens`` bounds a structured answer as any other, and the answer still ends valid: the rule
-keeps in hand a way to finish (the closing path: forced tokens, closing quotes and brackets, the
-shortest values) and takes it once the model's own next token would leave too little room for it.
-A budget shorter than the schema's closing path from the start is refused before any forward.
+holds at every token a way to finish that fits the room left (the closing path: forced tokens,
+closing quotes and brackets, the shortest values, each token taken by llguidance) and takes the
+model's token only where a closing path after it that fits is found, within a bounded count of
+matcher operations; else it takes the held path's next token. A budget shorter than the schema's
+closing path from the start is refused before any forward.
 """
 
 from __future__ import annotations
@@ -292,19 +294,47 @@ def whole_json(text: bytes) -> bool:
     return True
 
 
+class _Spent(Exception):
+    pass
+
+
+class Operations:
+    """A count of the matcher operations a closing path's walk takes (a mask, or a token tried on a
+    copy), against ``limit``: past it the walk gives up (``_Spent``)."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit, self.count = limit, 0
+
+    def spend(self, n: int = 1) -> None:
+        self.count += n
+        if self.limit is not None and self.count > self.limit:
+            raise _Spent
+
+
 def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, cap: int = CLOSING_CAP,
-                 examples: tuple[tuple[int, ...], ...] = (), written: bytes = b"") -> list[int] | None:
+                 examples: tuple[tuple[int, ...], ...] = (), written: bytes = b"",
+                 operations: Operations | None = None) -> list[int] | None:
     """The tokens that take ``matcher`` (unchanged: a copy walks) to the grammar's end: forced ones,
     the end as soon as it is allowed, the first of ``examples`` (Grammar.examples) the grammar takes
     where a string cannot end yet, else ``_narrowest``'s pick. A token picked lately scores less
     (by ``REPEAT_PENALTY``, fading by ``REPEAT_FADE`` a token), so a walk caught in a loop tries the
     other ways out while one that closes a string every few tokens still closes it with a quote.
-    None when the walk takes more than ``cap`` tokens; a ``TemplateError`` when llguidance gives up on
-    the schema on the way (it refuses a token its own mask allowed, or allows the end where the
-    answer, ``written`` so far and the path, is not whole JSON: its lexer gave up on a pattern)."""
+    None when the walk takes more than ``cap`` tokens or ``operations`` past their limit; a
+    ``TemplateError`` when llguidance gives up on the schema on the way (it refuses a token its own
+    mask allowed, or allows the end where the answer, ``written`` so far and the path, is not whole
+    JSON: its lexer gave up on a pattern)."""
+    try:
+        return _walk_out(matcher, table, eos, cap, examples, written, operations or Operations())
+    except _Spent:
+        return None
+
+
+def _walk_out(matcher, table: ClosingTable, eos: int, cap: int, examples, written: bytes,
+              operations: Operations) -> list[int] | None:
     walker, path, recent, seen = matcher.deep_copy(), [], np.zeros(len(table.scores)), {}
     quotes = table.scores == 2  # a lone quote: a string's end
     while not walker.is_stopped():
+        operations.spend()
         forced = walker.compute_ff_tokens()
         if not forced:
             allowed = allowed_tokens(walker, len(table.scores))
@@ -314,9 +344,11 @@ def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, c
                                         "answer to end inside a string); simplify its patterns")
                 forced = [eos]
             elif examples and not (allowed & quotes).any():
+                operations.spend(len(examples))
                 forced = next((list(e) for e in examples if walker.validate_tokens(list(e)) == len(e)), [])
             if not forced:
-                forced = [_narrowest(walker, np.where(allowed, table.scores - recent[table.same], -np.inf), table, seen)]
+                forced = [_narrowest(walker, np.where(allowed, table.scores - recent[table.same], -np.inf), table, seen,
+                                     operations)]
                 recent[table.same[forced[0]]] += REPEAT_PENALTY
         if len(path) + len(forced) > cap:
             return None
@@ -334,7 +366,7 @@ FORCED_WEIGHT = 1.0  # score a choice loses per bracket the tokens it forces ope
 
 
 def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, seen: dict,
-               candidates: int = 6) -> int:
+               operations: Operations, candidates: int = 6) -> int:
     """Of the ``candidates`` best-scored tokens and as many of the allowed punctuation marks (a comma that ends
     a number, the @ of an email), the one whose score is highest, less ``FORCED_WEIGHT`` for each
     bracket the tokens it forces open (a key that opens an array scores less than one that opens a
@@ -351,6 +383,7 @@ def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: Closing
         if scores[token] == -np.inf:
             continue
         if (now, token) not in seen:
+            operations.spend()
             after = matcher.deep_copy()
             if not after.consume_token(int(token)) or after.is_error():  # the mask allowed what llguidance gives up on
                 seen[now, token] = np.inf
@@ -403,16 +436,21 @@ def first_closing_path(grammar: Grammar, vocab: int) -> list[int] | None:
 _FIRST_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-CLOSING_SLACK = 64  # tokens of room past the closing path within which the path is walked afresh each token
-CLOSING_REFRESH = 4  # tokens after which a stale closing path is walked afresh anyway
+CLOSING_SLACK = 64  # tokens past the closing path from the start...
+WALK_OPERATIONS = 16  # ...at this many matcher operations each: what a walk mid-answer may take
 
 
 class GrammarRule:
     """Decoding under a grammar up to its end or ``max_tokens`` (the drafting.GreedyRule interface, and
     ``step`` for one token at a time): greedy, or sampled at ``temperature`` through ``rng`` with the
-    sampling ``filters`` (top_p, top_k, min_p) applied after the mask. The
-    model's token is taken while the closing path after it fits the room left; otherwise the
-    closing path's next token is (so an answer that fits its budget at the start always ends valid)."""
+    sampling ``filters`` (top_p, top_k, min_p) applied after the mask.
+
+    The rule holds at every token a closing path from where the answer is that fits the room left,
+    each of its tokens taken by llguidance (the one from the start is checked at admission). The
+    model's token is taken only where a closing path after it is found that fits the room after it:
+    the path held, where the token leaves it valid, else one walked from after the token within
+    ``operations_limit`` matcher operations (a bounded cost per token). Otherwise the held path's
+    next token is taken instead. So an answer that fits its budget at the start always ends valid."""
 
     def __init__(self, grammar: Grammar, vocab: int, max_tokens: int, temperature: float = 0.0, rng=None,
                  filters: tuple = ()):
@@ -424,7 +462,8 @@ class GrammarRule:
         self.eos = grammar.tokenizer.eos_token
         self.table, self.examples = closing_table(grammar, vocab), grammar.examples
         self.path = first_closing_path(grammar, vocab)  # None: no end within CLOSING_CAP
-        self.path_age = 0  # tokens since the path was walked
+        self.operations_limit = WALK_OPERATIONS * (len(self.path or ()) + CLOSING_SLACK)
+        self.most_operations = 0  # the most matcher operations one token's closing path took
         self.stops = np.zeros(vocab, dtype=bool)
         self.stops[[i for i in grammar.tokenizer.eos_tokens if i < vocab]] = True
         self.output: list[int] = []
@@ -460,10 +499,10 @@ class GrammarRule:
                                 "simplify the schema's patterns")
         mask = None if after.is_stopped() or after.is_error() else allowed_tokens(after, self.vocab)
         if self._gave_up(after, mask, token):
-            if not (path := self._walk(self.matcher)):
+            if not (path := self._walk(self.matcher, cap=self.room)):
                 raise TemplateError("llguidance gave up on the schema mid-answer (its lexer's limit on a pattern), "
                                    "so no valid answer can be written; simplify the schema's patterns")
-            token, self.path, self.path_age, mask = path[0], path[1:], 0, None
+            token, self.path, mask = path[0], path[1:], None
             after = self.matcher.deep_copy()
             after.consume_token(token)
         self.matcher, self._allowed = after, mask
@@ -482,35 +521,47 @@ class GrammarRule:
         return ends_only and not whole_json(self.table.tokenizer.decode_bytes(self.output + [token]))
 
     def _guarded(self, token: int) -> int:
-        """``token``, or the closing path's next one where taking ``token`` would leave no room to close."""
+        """``token``, or the held closing path's next one where no closing path after ``token`` that fits
+        the room after it is found."""
         if self.path is None:
             return token
-        if self.path and token == self.path[0]:  # (a path followed from where it was walked stays fresh)
-            self.path, self.path_age = self.path[1:], self.path_age + bool(self.path_age)
+        if self.path and token == self.path[0]:
+            self.path = self.path[1:]
             return token
-        room_after = self.room - 1
-        if room_after > len(self.path) + CLOSING_SLACK and self.path_age < CLOSING_REFRESH:
-            self.path_age += 1  # room to spare: the path is walked again later
+        operations = Operations(self.operations_limit)
+        path = self._path_after(token, self.room - 1, operations)
+        self.most_operations = max(self.most_operations, operations.count)
+        if path is not None:
+            self.path = path
             return token
-        after = self.matcher.deep_copy()
-        path = self._walk(after, token) if after.consume_token(token) else None
-        if path is not None and len(path) <= room_after:
-            self.path, self.path_age = path, 0
-            return token
-        if self.path_age:  # walked before tokens taken since: it starts from a state left behind
-            path = self._walk(self.matcher)
-            if path is None:
-                return token
-            self.path, self.path_age = path, 0
         token, self.path = self.path[0], self.path[1:]
         return token
 
-    def _walk(self, matcher: llguidance.LLMatcher, token: int | None = None) -> list[int] | None:
+    def _path_after(self, token: int, room: int, operations: Operations) -> list[int] | None:
+        """A closing path after ``token`` of at most ``room`` tokens: the one held where it still ends
+        the answer from there (a character inside a string, mostly), else one walked afresh."""
+        after = self.matcher.deep_copy()
+        operations.spend()
+        if not after.consume_token(token) or after.is_error():
+            return None
+        if self.stops[token]:
+            return [] if after.is_stopped() else None
+        if len(self.path) <= room:
+            held = after.deep_copy()
+            operations.spend()
+            if held.consume_tokens(self.path) and held.is_stopped() and not held.is_error():
+                return list(self.path)
+        return self._walk(after, token, room, operations)
+
+    def _walk(self, matcher: llguidance.LLMatcher, token: int | None = None, cap: int = CLOSING_CAP,
+              operations: Operations | None = None) -> list[int] | None:
         written = self.table.tokenizer.decode_bytes(self.output + ([] if token is None else [token]))
         try:
-            return closing_path(matcher, self.table, self.eos, examples=self.examples, written=written)
-        except TemplateError:  # llguidance gave up on the way out from here; the model's token goes on
+            path = closing_path(matcher, self.table, self.eos, cap, self.examples, written,
+                                operations or Operations(self.operations_limit))
+        except TemplateError:  # llguidance gave up on the way out from here
             return None
+        return path if path is None or len(path) <= cap else None
 
     def _choose(self, logits: np.ndarray) -> int:
         allowed = self._mask()

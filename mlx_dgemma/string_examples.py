@@ -1,5 +1,5 @@
 """Short strings a schema's string constraints accept: the shortest match of each ``pattern`` (and of
-each ``patternProperties`` key), and a few values of each format llguidance checks itself. A closing
+each ``patternProperties`` key, and of each alternative of a pattern that is one alternation), and a few values of each format llguidance checks itself. A closing
 path (grammar.py) tries them where a string cannot end yet: a pattern such as
 ``^[A-Z0-9_]+(_DEVICE|_LAYOUT)$`` is not closed by always taking the narrowest next character, but is
 by writing ``0_DEVICE``. Each example is built from the pattern's parse tree in linear time (it is
@@ -54,6 +54,28 @@ def shortest_match(pattern: str) -> str | None:
             return None
 
 
+def branch_matches(pattern: str) -> list[str]:
+    """A shortest match of each alternative of ``pattern`` where the whole pattern is one alternation
+    (``^test|acceptance|production$``): a string that has started otherwise than the shortest match
+    may still end as another alternative's match (``e`` then ``acceptance``). Empty otherwise, or
+    where ``shortest_match`` would give None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            parsed = sre_parse.parse(pattern)
+            if parsed.state.flags & _FOLDING or len(parsed) != 1 or parsed[0][0] is not sre.BRANCH:
+                return []
+            found = []
+            for branch in parsed[0][1][1]:
+                try:
+                    found.append(_sequence(branch).text)
+                except _Unsupported:
+                    continue
+            return found
+        except (re.error, _Unsupported, RecursionError, OverflowError, ValueError):
+            return []
+
+
 def string_examples(schema) -> list[str]:
     """The examples of every string constraint in ``schema`` (rewritten: schema_rewrite.rewrite), shortest
     first, each once."""
@@ -74,6 +96,7 @@ def string_examples(schema) -> list[str]:
                 patterns += 1
                 if (example := shortest_match(pattern)) is not None:
                     found[example] = None
+                    found.update(dict.fromkeys(branch_matches(pattern)))
         if isinstance(node.get("format"), str):  # (a dict where "format" names a property)
             found.update(dict.fromkeys(FORMATS.get(node["format"], [])))
         stack.extend(v for v in node.values() if isinstance(v, (dict, list)))

@@ -129,6 +129,7 @@ def test_schema_coverage_on_a_tiny_folder(tmp_path):
     assert cost["schemas"] == 1 and cost["structured_tokens"] > 0
     per = cost["ms_per_token"]
     assert cost["structured_over_free"] == pytest.approx(per["structured"] / per["free"])
+    assert all(0 < p50 <= p99 for p50, p99 in cost["per_token_ms"].values()), cost["per_token_ms"]
     assert "structured / unconstrained" in run.stdout
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from mlx_dgemma import batch_generate, generate, stream_generate
 from mlx_dgemma.errors import TemplateError
-from mlx_dgemma.grammar import ANY_JSON, CLOSING_CAP, GrammarRule, schema_grammar
+from mlx_dgemma.grammar import ANY_JSON, CLOSING_CAP, CLOSING_SLACK, WALK_OPERATIONS, GrammarRule, schema_grammar
 from mlx_dgemma.request import check_closing_fits, generation_config, grammar_stop_ids
 
 POLICIES = ["reference", "fast", "ar", "verified", "auto"]
@@ -72,6 +72,11 @@ SCHEMAS = {
                   "x-vendor": {"a": 1}, "type": "object", "required": ["a"],
                   "properties": {"a": {"type": "string", "example": "e", "name": "n", "self": {}}}},
     "any-json": ANY_JSON,
+    "alternation": {"type": "object", "required": ["hosts", "mode"], "properties": {
+        "hosts": {"type": "array", "items": {"type": "object", "required": ["stage", "name", "path"], "properties": {
+            "stage": {"type": "string", "pattern": "^test|acceptance|production$"}, "name": {"type": "string"},
+            "path": {"type": "string"}, "port": {"type": "integer"}}}},
+        "mode": {"type": "string", "pattern": "^(fast|careful)$"}, "note": {"type": "string"}}},
 }
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
@@ -100,6 +105,86 @@ def test_random_logits_under_a_grammar_validate_within_any_budget_that_fits(demo
             pass
         assert rule.finished and len(rule.output) <= budget, (name, seed, tokenizer.decode(rule.output))
         validate(json.loads(tokenizer.decode_clean(rule.output)), schema)
+
+
+def wanting(vocab: int, token: int) -> mx.array:
+    """Logits of a model that wants ``token``."""
+    return mx.zeros(vocab).at[token].add(1.0)
+
+
+def test_a_token_is_taken_only_where_the_answer_can_still_close_within_its_room(demo):
+    """A string under ^test|acceptance|production$ begun with "e" can still close ("eacceptance"):
+    the model's "e" is taken. Where the room left cannot hold that, it is not: the held closing
+    path's next token is taken instead, and the answer ends valid all the same."""
+    model, tokenizer = demo
+    schema, vocab = SCHEMAS["alternation"], model.config.vocab_size
+    g = grammar(demo, schema)
+    start = tokenizer.encode('{"hosts": [{"stage": "', add_special_tokens=False)
+    e = tokenizer.encode("e", add_special_tokens=False)[0]
+    ample = GrammarRule(g, vocab, 10_000)
+    for token in start:
+        ample.step(wanting(vocab, token))
+    held = len(ample.path)  # 'test", "name": ...': "e" then "acceptance" takes 7 more
+    for budget, takes_e in [(400, True), (len(start) + held + 3, False)]:
+        rule = GrammarRule(g, vocab, budget)
+        for token in start + [e]:
+            rule.step(wanting(vocab, token))
+        assert (rule.output[-1] == e) == takes_e, tokenizer.decode(rule.output)
+        while rule.step(wanting(vocab, e)) is not None and not rule.done:
+            pass
+        assert rule.finished and len(rule.output) <= budget
+        validate(json.loads(tokenizer.decode_clean(rule.output)), schema)
+
+
+def test_a_token_after_which_no_closing_path_is_found_is_not_taken(demo):
+    """The alternation inside a group gives no example of "acceptance" or "production", so after "e"
+    no closing path is found: the model's "e" is not taken there (it was, and the answer never
+    closed), though it is after "test", where any text may follow."""
+    model, tokenizer = demo
+    schema = {"type": "object", "required": ["stage"], "properties": {
+        "stage": {"type": "string", "pattern": "(^test|acceptance|production$)"}}}
+    vocab = model.config.vocab_size
+    e = tokenizer.encode("e", add_special_tokens=False)[0]
+    rule = GrammarRule(grammar(demo, schema), vocab, 150)
+    for token in tokenizer.encode('{"stage": "', add_special_tokens=False):
+        rule.step(wanting(vocab, token))
+    while rule.step(wanting(vocab, e)) is not None and not rule.done:
+        pass
+    answer = json.loads(tokenizer.decode_clean(rule.output))
+    validate(answer, schema)
+    assert answer["stage"].startswith("test") and len(rule.output) == 150
+
+
+@pytest.mark.parametrize("name", ["alternation", "many-strings", "expression", "formats"])
+def test_the_closing_path_costs_a_bounded_count_of_operations_per_token(demo, name):
+    """Each token's search for a closing path after it takes at most WALK_OPERATIONS per token of the
+    path from the start and CLOSING_SLACK more, whatever max_tokens is (a count, not a timing)."""
+    model, tokenizer = demo
+    schema, vocab = SCHEMAS[name], model.config.vocab_size
+    shortest = len(GrammarRule(grammar(demo, schema), vocab, 10_000).path)
+    for budget in (shortest + 40, 1000):
+        rng = np.random.default_rng(0)
+        rule = GrammarRule(grammar(demo, schema), vocab, budget)
+        bound = WALK_OPERATIONS * (shortest + CLOSING_SLACK) + 1  # (the one past the limit stops the walk)
+        while rule.step(mx.array(rng.normal(0, 4, vocab).astype(np.float32))) is not None and not rule.done:
+            pass
+        assert 0 < rule.most_operations <= bound, (budget, rule.most_operations, bound)
+        validate(json.loads(tokenizer.decode_clean(rule.output)), schema)
+
+
+@pytest.mark.parametrize("policy", [pytest.param("reference", marks=pytest.mark.slow), "ar", "verified",
+                                    pytest.param("auto", marks=pytest.mark.slow)])
+def test_sampled_answers_validate_under_every_policy_streamed_or_not_down_to_the_shortest(demo, policy):
+    model, tokenizer = demo
+    schema = SCHEMAS["alternation"]
+    shortest = len(GrammarRule(grammar(demo, schema), model.config.vocab_size, 10_000).path)
+    for seed, budget in [(0, shortest), (1, shortest + 7), (2, 150)]:
+        kwargs = dict(max_tokens=budget, policy=policy, schema=schema, seed=seed, temperature=1.0)
+        streamed = list(stream_generate(*demo, "json: hosts", **kwargs))
+        text = "".join(r.text for r in streamed)
+        assert streamed[-1].finish_reason == "stop" and streamed[-1].generation_tokens <= budget, text
+        validate(json.loads(text), schema)
+        validate(json.loads(generate(*demo, "json: hosts", **kwargs)), schema)
 
 
 @pytest.mark.parametrize("name, policy", [("refs", "reference"), ("unbounded", "fast"), ("nullable", "ar"),

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from mlx_dgemma.string_examples import FORMATS, shortest_match, string_examples
+from mlx_dgemma.string_examples import FORMATS, branch_matches, shortest_match, string_examples
 
 
 @pytest.mark.parametrize("pattern, length", [
@@ -81,3 +81,14 @@ def test_a_pattern_python_warns_about_gives_its_example_quietly():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert shortest_match("[[a]") == "a"
+
+
+@pytest.mark.parametrize("pattern, matches", [
+    ("^test|acceptance|production$", ["test", "acceptance", "production"]),
+    ("(^test|acceptance|production$)", []),  # not one alternation at the top: only the shortest match
+    ("^a|b[0-9]{2}|(?=x)y$", ["a", "b00"]),  # (a lookahead is not followed: that branch gives none)
+])
+def test_each_alternative_of_a_top_level_alternation_gives_its_own_match(pattern, matches):
+    assert branch_matches(pattern) == matches
+    for match in matches:
+        assert re.search(pattern, match)
