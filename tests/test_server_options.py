@@ -273,7 +273,7 @@ def test_the_servers_flags_are_the_defaults_of_requests_that_omit_them(demo, dem
 
 
 @pytest.mark.parametrize("flags, status, message", [
-    (["--temp", "3"], 1, "--temp: temperature must be between 0 and 2, got 3"),
+    (["--temp", "3"], 1, "--temp: temperature must be 0 or a finite number from 0.0001 to 2, got 3"),
     (["--chat-template-args", "[1]"], 2, "must be a JSON object"),
     (["--chat-template-args", '{"tools": []}'], 2, "tools is set by each request"),
     (["--log-level", "LOUD"], 2, "'LOUD' is not one of"),

@@ -123,7 +123,12 @@ def test_ollama_num_predict_is_a_cap_and_openai_max_tokens_a_promise(demo_server
         text, tokens = near_the_end(tokenizer, 1024, 40)  # one 32-token canvas left
         cut = near.generate(model=MODEL_ID, prompt=text, raw=True, options={"seed": 0, "num_predict": 10 * CONTEXT})
         assert cut.done and cut.prompt_eval_count == tokens and 0 < cut.eval_count <= (1024 - tokens) // 32 * 32
-        middle = near.generate(model=MODEL_ID, prompt=text, suffix=" 85", options={"seed": 1, "num_predict": 10 * CONTEXT})
+        # An infill's hole is generated whole, num_predict positions: past the room it is refused, not cut.
+        with pytest.raises(ollama.ResponseError) as caught:
+            near.generate(model=MODEL_ID, prompt=text, suffix=" 85", options={"seed": 1, "num_predict": 10 * CONTEXT})
+        assert caught.value.status_code == 400 and "options.num_predict is" in caught.value.error
+        hole = int(caught.value.error.split("room for at most ")[1].split()[0])
+        middle = near.generate(model=MODEL_ID, prompt=text, suffix=" 85", options={"seed": 1, "num_predict": hole})
         assert middle.done and middle.response and " 85" not in middle.response
     openai_client = openai.OpenAI(base_url=demo_server + "/v1", api_key="none", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError) as caught:
@@ -146,8 +151,8 @@ def test_the_log_outlines_each_request_and_gives_each_refusal_its_reason(demo_se
     assert json.loads(body)["messages"] == user(SORT) and json.loads(body)["options"] == {"seed": 3}
     second = arrived[1].split(" ")[0]
     # The field behind the refusal, as the client named it.
-    assert (f"{second} /api/chat refused with 400 (options.temperature): options.temperature must be between 0 "
-            "and 2, got 5") in lines
+    assert (f"{second} /api/chat refused with 400 (options.temperature): options.temperature must be 0 or a "
+            "finite number from 0.0001 to 2, got 5") in lines
     assert int(second[1:]) == int(number[1:]) + 1
 
 
