@@ -218,7 +218,7 @@ def test_costly_templates_and_text_are_refused_while_health_answers(server, clie
 def test_bodies_are_parsed_off_the_event_loop(server, client, monkeypatch):
     """A body's JSON is parsed (and scanned for NaN) on the prepare threads: while one parse is held,
     /health answers (on the loop, the held parse would hold it too)."""
-    from mlx_dgemma.server import app
+    from mlx_dgemma.server import body as body_module
 
     entered, release, threads = threading.Event(), threading.Event(), []
 
@@ -228,8 +228,8 @@ def test_bodies_are_parsed_off_the_event_loop(server, client, monkeypatch):
         assert release.wait(30)
         return parse_body(body)
 
-    parse_body = app.parse_body
-    monkeypatch.setattr(app, "parse_body", held_parse)
+    parse_body = body_module.parse_body
+    monkeypatch.setattr(body_module, "parse_body", held_parse)
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(post, server, ask(SORT, seed=3, max_tokens=8), "/v1/chat/completions", 60)
         try:

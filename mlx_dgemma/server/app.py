@@ -17,7 +17,6 @@ The worker's events come back as one JSON reply or as server-sent events, a chun
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import secrets
@@ -27,7 +26,6 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -36,34 +34,21 @@ from .. import validate
 from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..options import GenerationArgs
 from ..request import PromptError, answer_room, check_closing_fits, check_prompt_fits, closing_length, generation_config
-from ..scoring import MAX_TOP_LOGPROBS
 from ..template import CanvasTemplate, TemplateError, infill_template
 from ..tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_calls
 from ..vision import has_vision
-from . import reasoning, request_log
+from . import fields, reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
-from .layout import answer_layout, leaves, strings, typed
+from .body import check_unicode, parsed
+from .events import choice_events, job_events, next_event
+from .layout import answer_layout, strings, typed
 from .scheduler import EmbeddingJob, Event, Job, Scheduler
 from .settings import request_options
-
-if TYPE_CHECKING:
-    from .embeddings import Embeddings
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
-MAX_CHOICES = 8  # n: the choices of one request, each a row of the worker's batch
-MAX_PROMPTS = 64  # a completions request's prompts, times n: its choices (each a row of the engine's batch)
-# OpenAI parameters this server does not honour, each with the value that leaves it off: clients
-# send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
-# store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
-UNSUPPORTED = {"best_of": 1, "logit_bias": {},
-               "suffix": "", "functions": [],
-               "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
-               "web_search_options": None}
-
-
 @dataclass(frozen=True)
 class Limits:
     """What the server accepts of a request."""
@@ -146,17 +131,17 @@ class Server:
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
-    async def embed(self, request: Request, api: Embeddings) -> Response:
+    async def embed(self, request: Request, api) -> Response:
         """Embed the texts of ``request``'s body on the worker; ``api`` (embeddings.py) reads them, checked
         and tokenized on the prepare threads, and shapes the answer and errors."""
         number = next(self._numbers)
         try:
             body = await self.read_body(request, number)
-            rows = await self.off_loop(_embedding_rows, api, body)
+            rows = await self.off_loop(api.rows, body)
             if not rows:
                 return JSONResponse(api.reply([], rows))  # (Ollama's way of loading a model)
             job = EmbeddingJob(rows)
-            result = await _next_event(self.scheduler.submit(job), request)
+            result = await next_event(self.scheduler.submit(job), request)
             if result is None:
                 job.cancel()
                 raise BadRequest("the client went away", status=499)
@@ -172,7 +157,7 @@ class Server:
         return api.error_reply(e)
 
     def _count(self, api: Api, body: dict) -> int:
-        _check_text(body)  # (by the field the client sent)
+        check_unicode(body)  # (by the field the client sent)
         body, _ = api.translate(body)
         api.translated = True  # (errors from here on use the API's names)
         self._check_model(body.get("model"))
@@ -187,13 +172,13 @@ class Server:
     def _prepare(self, api: Api, body: dict) -> tuple[list[Job], Reply] | None:
         """The request's jobs (``n`` choices of each prompt, a completions request's prompt array taking
         several, in order) and its reply."""
-        _check_text(body)  # (by the field the client sent)
+        check_unicode(body)  # (by the field the client sent)
         translated = api.translate(body)
         api.translated = True
         if translated is None:
             return None
         body, chat = translated
-        prompts = [None] if chat else _prompts(body)
+        prompts = [None] if chat else fields.prompts(body)
         if len(prompts) > 1 and typed(body, "stream", bool, False):
             raise BadRequest("stream takes one prompt; send each prompt in a request of its own, or stream false",
                              param="stream")
@@ -206,8 +191,8 @@ class Server:
                 if len(prompts) == 1 or e.param != "prompt":
                     raise
                 raise BadRequest(f"prompt[{i}]: {e}", "prompt", e.code, e.status) from None
-            if len(jobs) + len(choices) > MAX_PROMPTS:
-                raise BadRequest(f"{len(prompts)} prompts of n {reply.n} choices each are more than the {MAX_PROMPTS} "
+            if len(jobs) + len(choices) > fields.MAX_PROMPTS:
+                raise BadRequest(f"{len(prompts)} prompts of n {reply.n} choices each are more than the {fields.MAX_PROMPTS} "
                                  "choices one request takes; send fewer prompts or a smaller n", param="n")
             jobs += choices
             echoes += reply.echoes or []
@@ -234,22 +219,22 @@ class Server:
             body += chunk
             if len(body) > limit:
                 raise too_big
-        return await self.off_loop(_parsed, body, number, request.url.path)
+        return await self.off_loop(parsed, body, number, request.url.path)
 
     def _job(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS,
              cap_max_tokens: bool = False) -> tuple[list[Job], Reply]:
         """The request's jobs, one per choice (``n``), and how to shape their answers."""
-        _check_supported(body, chat)
+        fields.check_supported(body, chat)
         self._check_model(body.get("model"))
         stream = typed(body, "stream", bool, False)
         n = typed(body, "n", int, 1)
-        if not 1 <= n <= MAX_CHOICES:
-            raise BadRequest(f"n must be from 1 to {MAX_CHOICES}, the choices this server runs for one request, "
+        if not 1 <= n <= fields.MAX_CHOICES:
+            raise BadRequest(f"n must be from 1 to {fields.MAX_CHOICES}, the choices this server runs for one request, "
                              f"got {n}", param="n")
         stream_options = typed(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = typed(body, max_key, int, None)
-        top, echo = _logprobs(body, chat)
+        top, echo = fields.logprobs(body, chat)
         if max_tokens is not None and max_tokens < (0 if echo else 1):
             scored = "" if chat else " (0 with echo true: the prompt alone)"
             raise BadRequest(f"{max_key} must be at least 1{scored}, got {validate.shown(max_tokens)}", param=max_key)
@@ -277,7 +262,7 @@ class Server:
                       logprobs=top is not None, echoes=[self._echo(body, ids)] * n if echo else None)
         if max_tokens == 0:  # the prompt scored, nothing generated (a stop, a suffix or a layout has no answer to shape)
             job.args = GenerationArgs.of(**options, max_tokens=0)
-            return [job, *(_choice(job, i) for i in range(1, n))], reply
+            return [job, *(fields.choice(job, i) for i in range(1, n))], reply
         schema = None
         if suffix is None:
             template, grammar = answer_layout(self, job, body, forced, max_tokens, options.get("policy", "reference"))
@@ -297,7 +282,7 @@ class Server:
             template, max_tokens = self._infill(job, body, suffix, max_tokens)
         job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=schema,
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
-        return [job, *(_choice(job, i) for i in range(1, n))], reply
+        return [job, *(fields.choice(job, i) for i in range(1, n))], reply
 
     def _echo(self, body: dict, ids: list[int]) -> str:
         """The text echoed before a completion: the prompt as sent, or its ids' text."""
@@ -531,7 +516,7 @@ class Server:
 
     async def _whole(self, job: Job, events: asyncio.Queue, reply: Reply, request: Request) -> Answer:
         content, reasoning, logprobs, prompt_logprobs = "", "", [], None
-        async for event in self._events(events, request):
+        async for event in job_events(events, request):
             if event.error is not None:
                 raise BadRequest(str(event.error), param=event.error.param, status=event.error.status)
             content += event.content
@@ -549,7 +534,7 @@ class Server:
 
     async def _streamed(self, api: Api, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply,
                         request: Request):
-        events = self._events(queues[0], request) if len(queues) == 1 else self._choices(queues, request)
+        events = job_events(queues[0], request) if len(queues) == 1 else choice_events(queues, request)
         try:
             async for chunk in api.stream(events, reply):
                 yield chunk
@@ -576,170 +561,6 @@ class Server:
                 yield last.content
             yield last
 
-    @staticmethod
-    async def _events(events: asyncio.Queue, request: Request) -> AsyncIterator[Event]:
-        """The job's events up to its last (a finish or an error), or until its client has gone away."""
-        while (event := await _next_event(events, request)) is not None:
-            yield event
-            if event.error is not None or event.finish_reason is not None:
-                return
-
-    @staticmethod
-    async def _choices(queues: list[asyncio.Queue], request: Request) -> AsyncIterator[Event]:
-        """The events of a request's choices as they come, each marked with its choice (``Event.choice``),
-        until every choice has finished, one has failed, or the client has gone away."""
-        waiting = {asyncio.ensure_future(events.get()): i for i, events in enumerate(queues)}
-        try:
-            while waiting:
-                done, _ = await asyncio.wait(waiting, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
-                if not done and await request.is_disconnected():
-                    return
-                for task in sorted(done, key=waiting.get):
-                    event = task.result()
-                    event.choice = waiting.pop(task)
-                    yield event
-                    if event.error is not None:
-                        return
-                    if event.finish_reason is None:
-                        waiting[asyncio.ensure_future(queues[event.choice].get())] = event.choice
-        finally:
-            for task in waiting:
-                task.cancel()
-
 
 class Thought(str):
     """A piece of a stream's thought (``Server.text_pieces``)."""
-
-
-async def _next_event(events: asyncio.Queue, request: Request, poll: float = 0.25) -> Event | None:
-    """The request's next event, or None once its client has gone away (looked at while waiting:
-    a template's answer sends nothing until its last canvas)."""
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), timeout=poll)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                return None
-
-
-def _choice(job: Job, index: int) -> Job:
-    """Choice ``index`` of a request with ``n`` > 1: its first choice's job at seed + ``index`` (modulo
-    2**64), or unseeded as the first is; so each choice is the answer the request alone gets at that seed."""
-    seed = job.args.seed
-    return dataclasses.replace(job, args=dataclasses.replace(
-        job.args, seed=None if seed is None else (seed + index) % validate.SEED_LIMIT))
-
-
-def _check(check, value, name: str, *args) -> None:
-    """A ``validate`` check of a request's setting ``name`` (when given): its ValueError is a 400 naming it."""
-    if value is not None:
-        try:
-            check(value, name, *args)
-        except ValueError as e:
-            raise BadRequest(str(e), param=name) from None
-
-
-def _prompts(body: dict) -> list:
-    """A completions request's prompts: a string, a list of token ids, or a list of either (one choice
-    each, at most ``MAX_PROMPTS``); a list of one string is that string."""
-    prompt = body.get("prompt")
-    if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
-        return [prompt]
-    if len(prompt) > MAX_PROMPTS:
-        raise BadRequest(f"prompt holds {len(prompt)} prompts, more than the {MAX_PROMPTS} one request takes; "
-                         "send them in several requests", param="prompt")
-    return prompt
-
-
-def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
-    """The most likely tokens a request's log-probabilities give per position (None: no log-probabilities),
-    and whether a completion echoes its prompt: chat's ``logprobs`` (true or false) and ``top_logprobs``,
-    completions' ``logprobs`` (the number) and ``echo``."""
-    if chat:
-        if typed(body, "echo", bool, False):
-            raise BadRequest("echo is for completions; leave it out or send false", param="echo")
-        on, top = typed(body, "logprobs", bool, False), typed(body, "top_logprobs", int, None)
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
-        if top and not on:
-            raise BadRequest("top_logprobs needs logprobs true", param="top_logprobs")
-        return (top or 0) if on else None, False
-    if body.get("top_logprobs") not in (None, 0):
-        raise BadRequest("top_logprobs is for chat completions; on completions, logprobs is the number of most "
-                         "likely tokens", param="top_logprobs")
-    top = body.get("logprobs")
-    if top is False:
-        top = None
-    if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_TOP_LOGPROBS):
-        raise BadRequest(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens given "
-                         f"per position), got {json.dumps(top)[:40]}", param="logprobs")
-    return top, typed(body, "echo", bool, False)
-
-
-def _check_supported(body: dict, chat: bool) -> None:
-    for key, off in UNSUPPORTED.items():
-        value = body.get(key)
-        if key == "suffix" and not chat:  # completions fill the middle
-            continue
-        if value is not None and not (value == off and isinstance(value, bool) == isinstance(off, bool)):
-            leave = "leave it out" if off is None else f"leave it out or send {json.dumps(off)}"
-            raise BadRequest(f"{key} is not supported by this server; {leave}", param=key)
-
-
-class _NotJson(str):
-    """What Python's JSON reader makes of NaN, Infinity and -Infinity here: their name, to be refused."""
-
-
-def _parsed(body: bytes, number: int | None, path: str) -> dict:
-    data = parse_body(body)
-    if number is not None:
-        request_log.arrived(number, path, data)
-    return data
-
-
-def parse_body(body: bytes) -> dict:
-    """A request body as a JSON object, refused with a 400 unless it is one (NaN and Infinity included,
-    which Python's reader takes)."""
-    try:
-        data = json.loads(body, parse_constant=_NotJson)
-    except (ValueError, RecursionError) as e:  # (bad UTF-8, an integer past Python's digit limit, deep nesting)
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if any(isinstance(v, _NotJson) for v in leaves(data)):  # a reply that echoes NaN or Infinity cannot be written
-        field, bad = _not_json(data)
-        raise BadRequest(f"{field} is {bad}, which is not JSON; send a number or null", param=field)
-    return data
-
-
-def _not_json(data: dict) -> tuple[str, str]:
-    """The first NaN or Infinity in ``data`` and the field that holds it, named as the client sent it
-    (``options.temperature``, ``messages[0].content``; a long key cut)."""
-    stack = [(data, "")]
-    while stack:
-        value, field = stack.pop()
-        if isinstance(value, _NotJson):
-            return field, value
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-        for key, item in reversed(list(items)):
-            name = f"[{key}]" if isinstance(value, list) else (
-                f"{'.' if field else ''}{key if len(key) <= 40 else key[:37] + '...'}")
-            stack.append((item, field + name))
-    raise AssertionError("no NaN or Infinity in data")
-
-
-def _embedding_rows(api: Embeddings, body: dict) -> list[list[int]]:
-    _check_text(body)
-    return api.rows(body)
-
-
-def _check_text(body: dict) -> None:
-    """Text that UTF-8 cannot encode (lone surrogates, as JSON's "\\ud800" makes) is refused by its field."""
-    for key, value in body.items():
-        for text in strings([key, value]):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                name = key if key.isascii() else None
-                raise BadRequest(f"{name or 'a key'} holds text that is not valid Unicode (a lone surrogate such "
-                                 "as \\ud800); send UTF-8 text", param=name) from None

@@ -17,6 +17,7 @@ from ..errors import TokenizerError
 from ..validate import is_int, shown
 from .api import BadRequest, error_response
 from .app import Server
+from .body import check_unicode
 from .ollama import model_name, ollama_error, tagged
 
 MAX_INPUTS = 2048  # texts in one request (OpenAI's limit)
@@ -54,6 +55,7 @@ class Embeddings:
         """The ids each text is embedded from (as a completions prompt is tokenized, ``<bos>`` first),
         within the limits: at most ``MAX_INPUTS`` texts, each within the model's context (or cut to it
         where the API truncates), ``MAX_REQUEST_TOKENS`` together."""
+        check_unicode(body)
         server = self.server
         server._check_model(model_name(server, body.get("model")))
         width = server.model.config.hidden_size

@@ -1,0 +1,84 @@
+"""How long a large request body pauses the server's event loop.
+
+Starts ``python -m mlx_dgemma.server`` on the bundled demo (as server_load.py does), then for each kind
+of body (a JSON array of ``--mib`` MiB of one value repeated: numbers, floats, strings, empty arrays,
+empty objects; and one long string, as an image's data URL is) posts it to /v1/completions as
+``prompt`` while another thread asks /health every 10 ms, and prints the longest /health answer
+during the post, the post's status and its seconds.
+
+    python benchmarks/body_stall.py --mib 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from server_load import free_port, start_server  # noqa: E402
+
+KINDS = {"numbers": "123456", "floats": "0.5", "strings": '"ab"', "arrays": "[]", "objects": "{}"}
+
+
+def body(kind: str, mib: int) -> bytes:
+    size = mib << 20
+    if kind == "one string":
+        return json.dumps({"prompt": "a" * size, "max_tokens": 1}).encode()
+    item = KINDS[kind]
+    items = ",".join([item] * (size // (len(item) + 1)))
+    return f'{{"prompt": [{items}], "max_tokens": 1}}'.encode()
+
+
+def longest_health(url: str, done: threading.Event) -> list[float]:
+    worst = [0.0]
+
+    def poll():
+        while not done.is_set():
+            start = time.perf_counter()
+            urllib.request.urlopen(url + "/health", timeout=60).read()
+            worst[0] = max(worst[0], time.perf_counter() - start)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=24, help="each body's size in MiB (the server takes up to 32)")
+    args = parser.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(None, port)
+    try:
+        print(f"{'body':>10} {'values':>10} {'/health max s':>14} {'status':>7} {'post s':>7}")
+        for kind in [*KINDS, "one string"]:
+            data = body(kind, args.mib)
+            done = threading.Event()
+            worst = longest_health(url, done)
+            start = time.perf_counter()
+            request = urllib.request.Request(url + "/v1/completions", data, {"Content-Type": "application/json"})
+            try:
+                status = urllib.request.urlopen(request, timeout=600).status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            seconds = time.perf_counter() - start
+            done.set()
+            time.sleep(0.05)
+            values = data.count(b",") + 1
+            print(f"{kind:>10} {values:>10} {worst[0]:>14.3f} {status:>7} {seconds:>7.2f}", flush=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    main()

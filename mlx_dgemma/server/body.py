@@ -1,0 +1,111 @@
+"""Request bodies read as JSON objects, refused with a 400 naming what is wrong, without holding the
+interpreter for long.
+
+Python's C reader never lets go of the GIL while it runs, so on a prepare thread a body of millions of
+values (25 MiB of ``[]``, of numbers) would still pause the event loop, and the worker's Python, for its
+whole parse: up to seconds. A body with few values is read by it at once (milliseconds); one with more
+is read by the pure-Python reader, between whose steps the interpreter switches threads, with its
+arrays and objects counted: each is work for the garbage collector, whose full passes hold the GIL too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import json.decoder
+import json.scanner
+
+from . import request_log
+from .api import BadRequest
+from .layout import leaves, strings
+
+FAST_VALUES = 1 << 16  # at most this many values (by the body's commas and brackets): the C reader's
+MAX_CONTAINERS = 1 << 18  # arrays and objects in one body (a request has a few thousand at most)
+
+
+class NotJson(str):
+    """What Python's JSON reader makes of NaN, Infinity and -Infinity here: their name, to be refused."""
+
+
+class TooManyContainers(ValueError):
+    """A body of more than ``MAX_CONTAINERS`` arrays and objects."""
+
+
+def loads(body: bytes):
+    """``body``'s JSON value (NaN and Infinity as ``NotJson``); a ValueError (or RecursionError, nested
+    too deep) where it is not JSON, ``TooManyContainers`` past the bound."""
+    if body.count(b",") + body.count(b"[") + body.count(b"{") <= FAST_VALUES:
+        return json.loads(body, parse_constant=NotJson)
+    text = body.decode(json.detect_encoding(body), "surrogatepass")  # (as json.loads reads bytes)
+    return _stepwise().decode(text)
+
+
+def _stepwise() -> json.JSONDecoder:
+    """A decoder whose values are read by Python code (strings by the C scanner, a string at a time)."""
+    decoder = json.JSONDecoder(parse_constant=NotJson)
+    containers = itertools.count(1)
+
+    def counted(parse):
+        def parse_counted(*args):
+            if next(containers) > MAX_CONTAINERS:
+                raise TooManyContainers(f"the request body holds more than {MAX_CONTAINERS} arrays and objects")
+            return parse(*args)
+        return parse_counted
+
+    decoder.parse_array = counted(json.decoder.JSONArray)
+    decoder.parse_object = counted(json.decoder.JSONObject)
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)
+    return decoder
+
+
+def parsed(body: bytes, number: int | None, path: str) -> dict:
+    """``parse_body``, then the request outlined in the log as request ``number`` of ``path``."""
+    data = parse_body(body)
+    if number is not None:
+        request_log.arrived(number, path, data)
+    return data
+
+
+def parse_body(body: bytes) -> dict:
+    """A request body as a JSON object, refused with a 400 unless it is one (NaN and Infinity included,
+    which Python's reader takes)."""
+    try:
+        data = loads(body)
+    except TooManyContainers as e:
+        raise BadRequest(f"{e}; send fewer", code="request_too_large", status=413) from None
+    except (ValueError, RecursionError) as e:  # (bad UTF-8, an integer past Python's digit limit, deep nesting)
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if any(isinstance(v, NotJson) for v in leaves(data)):  # a reply echoing NaN or Infinity cannot be written
+        field, bad = _not_json(data)
+        raise BadRequest(f"{field} is {bad}, which is not JSON; send a number or null", param=field)
+    return data
+
+
+def _not_json(data: dict) -> tuple[str, str]:
+    """The first NaN or Infinity in ``data`` and the field that holds it, named as the client sent it
+    (``options.temperature``, ``messages[0].content``; a long key cut)."""
+    stack = [(data, "")]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, NotJson):
+            return field, value
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in reversed(list(items)):
+            name = f"[{key}]" if isinstance(value, list) else (
+                f"{'.' if field else ''}{key if len(key) <= 40 else key[:37] + '...'}")
+            stack.append((item, field + name))
+    raise AssertionError("no NaN or Infinity in data")
+
+
+def check_unicode(body: dict) -> None:
+    """Text that UTF-8 cannot encode (lone surrogates, as JSON's "\\ud800" makes) is refused by its field."""
+    for key, value in body.items():
+        for text in strings([key, value]):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                name = key if key.isascii() else None
+                raise BadRequest(f"{name or 'a key'} holds text that is not valid Unicode (a lone surrogate such "
+                                 "as \\ud800); send UTF-8 text", param=name) from None
