@@ -39,7 +39,8 @@ from tqdm import tqdm  # noqa: E402
 
 from mlx_dgemma import load, stream_generate  # noqa: E402
 from mlx_dgemma.generate import DEMO_MODEL  # noqa: E402
-from mlx_dgemma.grammar import GrammarRule, allowed_tokens  # noqa: E402
+from mlx_dgemma.grammar import allowed_tokens  # noqa: E402
+from mlx_dgemma.grammar_rule import GrammarRule  # noqa: E402
 from mlx_dgemma.options import GenerationArgs  # noqa: E402
 from mlx_dgemma.request import prepare  # noqa: E402
 

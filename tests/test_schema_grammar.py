@@ -18,7 +18,8 @@ import pytest
 
 from mlx_dgemma import batch_generate, generate, stream_generate
 from mlx_dgemma.errors import TemplateError
-from mlx_dgemma.grammar import ANY_JSON, CLOSING_CAP, CLOSING_SLACK, WALK_OPERATIONS, GrammarRule, schema_grammar
+from mlx_dgemma.grammar import ANY_JSON, CLOSING_CAP, schema_grammar
+from mlx_dgemma.grammar_rule import CLOSING_SLACK, WALK_OPERATIONS, GrammarRule
 from mlx_dgemma.request import check_closing_fits, generation_config, grammar_stop_ids
 
 POLICIES = ["reference", "fast", "ar", "verified", "auto"]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..drafting import TemplateRule
-from ..grammar import GrammarRule
+from ..grammar_rule import GrammarRule
 from ..policy import Plan
 from ..request import PreparedRequest
 from ..sampler import Draft
