@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import TemplateError
 from .template import FREE, TEMPLATE_LIMIT, CanvasTemplate, Hole, literal_tokens
+from .validate import shown_json
 
 DEFAULT_STRING = 16  # tokens of a string value without maxLength
 DEFAULT_DIGITS = 6  # digits of an integer without a maximum
@@ -107,7 +108,7 @@ def check_required(schema: dict, path: str = "$") -> None:
     writes those keys only)."""
     required, properties = schema.get("required", []), schema.get("properties") or {}
     if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
-        raise TemplateError(f"required at {path} must be a list of property names, got {json.dumps(required)[:60]}")
+        raise TemplateError(f"required at {path} must be a list of property names, got {shown_json(required, 60)}")
     for key in required:
         if key not in properties:
             raise TemplateError(f"required key {json.dumps(key)} at {path} is not in its properties; add it to "
@@ -191,7 +192,7 @@ def _listed_values(schema: dict, path: str) -> tuple[list, list[str]]:
     kinds = [kind] if isinstance(kind, str) else kind
     if kind is not None and not (isinstance(kinds, list) and kinds
                                  and all(isinstance(k, str) and k in _SUPPORTED for k in kinds)):
-        raise TemplateError(f"schema at {path}: type {json.dumps(kind)[:60]} is not a JSON type; use one of "
+        raise TemplateError(f"schema at {path}: type {shown_json(kind, 60)} is not a JSON type; use one of "
                             f"{', '.join(_SUPPORTED)} or a list of them")
     texts = []
     for value in values:

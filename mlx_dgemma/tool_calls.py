@@ -23,6 +23,7 @@ from typing import Any
 from .json_schema import check_required, json_template
 from .schema_rewrite import rebased
 from .template import CanvasTemplate, TemplateError
+from .validate import shown_json
 
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
 STRING_DELIMITER = '<|"|>'
@@ -172,7 +173,7 @@ def check_parameters(function: dict) -> None:
     if parameters and parameters.get("type") != "object":
         raise TemplateError(f"tool {str(function.get('name'))[:40]!r}: parameters must be a JSON schema of type "
                             f"\"object\" (a call's arguments are an object), got type "
-                            f"{json.dumps(parameters.get('type'))[:40]}")
+                            f"{shown_json(parameters.get('type'))}")
 
 
 def forced_call_template(tokenizer, tool: dict, limit: int | None = None, draft: Any = None) -> CanvasTemplate:

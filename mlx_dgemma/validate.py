@@ -3,6 +3,7 @@ what is wrong and how to fix it. ``option`` turns a check into a Click callback.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import reprlib
@@ -32,6 +33,17 @@ def shown(value) -> str:
     to match (the whole repr of a YAML alias bomb is gigabytes)."""
     text = _SHOWN.repr(value)
     return text if len(text) <= 100 else text[:97] + "..."
+
+
+def shown_json(value, width: int = 40) -> str:
+    """``value`` as JSON, cut to ``width`` characters, with work to match: a string is cut before it is
+    written (the first ``width`` characters of a string's JSON are those of its start's), an array or
+    object shown as ``shown`` shows it."""
+    if isinstance(value, str):
+        return json.dumps(value[:width])[:width]
+    if isinstance(value, (list, dict)):
+        return shown(value)[:width]
+    return json.dumps(value)[:width]
 
 
 def is_int(value) -> bool:

@@ -170,7 +170,8 @@ def test_the_draw_settings_are_checked():
                                  ("top_k", 2.5, "top_k must be an integer, got 2.5"),
                                  ("min_p", 1.5, "min_p must be a finite number in [0, 1], got 1.5"),
                                  ("draw_temperature", -1.0, "temperature must be 0 or a finite number from 0.0001 to 10000"),
-                                 ("repetition_penalty", 0, "repetition_penalty must be a finite number > 0, got 0"),
+                                 ("repetition_penalty", 0, "repetition_penalty must be a finite number in [0.0001, 10000], got 0"),
+                                 ("repetition_penalty", 1e-300, "repetition_penalty must be a finite number in [0.0001, "),
                                  ("presence_penalty", 3, "presence_penalty must be a finite number in [-2, 2], got 3")]:
         with pytest.raises(ValueError) as caught:
             SamplerSettings(**{name: value})

@@ -164,7 +164,7 @@ def test_every_option_a_request_can_set_reaches_the_engine(clients, monkeypatch)
     ("chat", "schedule_scale", 0, "schedule_scale must be a finite number > 0, got 0"),
     ("chat", "temp_min", 0.9, "temperatures need temp-min < temp-max"),
     ("chat", "presence_penalty", 0.5, 'presence_penalty applies to autoregressive decoding only: send policy "ar"'),
-    ("chat", "repetition_penalty", 0, "repetition_penalty must be a finite number > 0, got 0"),
+    ("chat", "repetition_penalty", 0, "repetition_penalty must be a finite number in [0.0001, 10000], got 0"),
     ("responses", "top_p", 1.5, "top_p must be a finite number in (0, 1], got 1.5"),
     ("messages", "top_k", -1, "top_k must be at least 0, got -1"),
     ("ollama", "min_p", 2, "options.min_p must be a finite number in [0, 1], got 2"),

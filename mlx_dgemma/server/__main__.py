@@ -15,7 +15,7 @@ import click
 from ..cli import kv_cache_options, sampling_options
 from ..demo import DEMO_MODEL
 from ..options import MAX_PREFILL_STEP_SIZE, PREFILL_STEP_SIZE, KVQuantization
-from ..validate import MAX_STEPS
+from ..validate import MAX_STEPS, shown_json
 from .app import MAX_IMAGES, MAX_REQUEST_BYTES, MAX_REQUEST_PIXELS
 from .routes import ALLOWED_ORIGINS, create_app
 
@@ -36,7 +36,7 @@ def _chat_template_args(context, parameter, value: str) -> dict:
     if own := [name for name in OWN_TEMPLATE_ARGS if name in args]:
         raise click.BadParameter(f"{own[0]} is set by each request; leave it out")
     if not isinstance(args.get("enable_thinking", False), bool):
-        raise click.BadParameter(f"enable_thinking must be true or false, not {json.dumps(args['enable_thinking'])[:40]}")
+        raise click.BadParameter(f"enable_thinking must be true or false, not {shown_json(args['enable_thinking'])}")
     return args
 
 

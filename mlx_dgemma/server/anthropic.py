@@ -14,6 +14,7 @@ from dataclasses import replace
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..validate import shown_json
 from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
 from .app import Server, Thought
 from .scheduler import RequestFailed, Usage
@@ -156,7 +157,7 @@ def _effort(thinking, max_tokens) -> str | None:
     budget = thinking.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
         raise BadRequest(f"thinking.budget_tokens must be an integer of at least 1024, got "
-                         f"{json.dumps(budget)[:40]}", param="reasoning_effort")
+                         f"{shown_json(budget)}", param="reasoning_effort")
     if isinstance(max_tokens, int) and budget >= max_tokens:
         raise BadRequest(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
                          param="reasoning_effort")
@@ -239,7 +240,7 @@ def _tool_choice(choice):
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
     if kind not in ("auto", "any", "none"):
-        raise BadRequest(f'tool_choice type must be "auto", "any", "tool" or "none", got {json.dumps(kind)[:40]}',
+        raise BadRequest(f'tool_choice type must be "auto", "any", "tool" or "none", got {shown_json(kind)}',
                          param="tool_choice")
     return {"any": "required"}.get(kind, kind)
 

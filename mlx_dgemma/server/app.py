@@ -166,7 +166,7 @@ class Server:
 
     def _check_model(self, model) -> None:
         if model not in (None, self.model_id, "default_model"):
-            raise BadRequest(f"the model {json.dumps(model)[:80]} does not exist; this server serves "
+            raise BadRequest(f"the model {validate.shown_json(model, 80)} does not exist; this server serves "
                              f"'{self.model_id}'", param="model", code="model_not_found", status=404)
 
     def _prepare(self, api: Api, body: dict) -> tuple[list[Job], Reply] | None:
@@ -374,7 +374,7 @@ class Server:
         if not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
             raise BadRequest(f"messages[{index}].content must be a string or a list of text and image_url parts",
                              param="messages")
-        if kinds := {p.get("type") if isinstance(p.get("type"), str) else json.dumps(p.get("type"))[:40]
+        if kinds := {t[:40] if isinstance(t := p.get("type"), str) else validate.shown_json(t)
                      for p in content} - {"text", "image_url"}:
             raise BadRequest(f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; "
                              f"send text or image_url", param="messages")

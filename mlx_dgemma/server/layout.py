@@ -16,7 +16,7 @@ from ..json_schema import json_template
 from ..request import answer_room, check_closing_room, check_template_fits, grammar_stop_ids, schema_template
 from ..template import CanvasTemplate, TemplateError, parse_template
 from ..tool_calls import call_choice_schema, check_tool, parse_tool_calls
-from ..validate import shown
+from ..validate import shown, shown_json
 from .api import BadRequest
 from .scheduler import Job
 
@@ -133,5 +133,5 @@ def typed(body: dict, key: str, kind, default):
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # JSON true is no number
         names = " or ".join(k.__name__ for k in kinds)
-        raise BadRequest(f"{key} must be of type {names}, got {json.dumps(value)[:40]}", param=key)
+        raise BadRequest(f"{key} must be of type {names}, got {shown_json(value)}", param=key)
     return value

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..validate import shown_json
 from ..vision import has_vision
 from .api import MANY_STOP_STRINGS, Answer, Api, BadRequest, Reply, given
 from .app import Server
@@ -198,7 +199,7 @@ def _effort(think) -> str | None:
         return think
     if isinstance(think, bool):
         return "medium" if think else "none"
-    raise BadRequest(f'think must be true, false, "low", "medium" or "high", got {json.dumps(think)[:40]}',
+    raise BadRequest(f'think must be true, false, "low", "medium" or "high", got {shown_json(think)}',
                      param="reasoning_effort")
 
 
@@ -209,7 +210,7 @@ def _response_format(value) -> dict | None:
         return {"type": "json_object"}
     if isinstance(value, dict):
         return {"type": "json_schema", "json_schema": {"name": "format", "schema": value}}
-    raise BadRequest(f'format must be "json" or a JSON schema, got {json.dumps(value)[:40]}', param="format")
+    raise BadRequest(f'format must be "json" or a JSON schema, got {shown_json(value)}', param="format")
 
 
 def _now() -> str:
@@ -269,7 +270,7 @@ class Models:
             return ollama_error(str(e), e.status)
         name = body.get("model", body.get("name"))
         if model_name(self.server, name) != self.server.model_id:
-            return ollama_error(f"model {json.dumps(name)[:80]} not found; this server serves '{self.name}'", 404)
+            return ollama_error(f"model {shown_json(name, 80)} not found; this server serves '{self.name}'", 404)
         return JSONResponse({"modelfile": "", "parameters": "", "template": "", "details": self.details,
                              "model_info": self.info, "capabilities": self.capabilities,
                              "modified_at": self.modified})

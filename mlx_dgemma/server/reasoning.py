@@ -5,8 +5,7 @@ are off, the rest on; the thought is bounded by the answer's max_tokens alone.""
 
 from __future__ import annotations
 
-import json
-
+from ..validate import shown_json
 from .api import BadRequest
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -21,7 +20,7 @@ def effort(body: dict) -> str | None:
     elif value is None and body.get("reasoning") is not None:
         raise BadRequest('reasoning must be an object such as {"effort": "low"}', param="reasoning")
     if value is not None and value not in EFFORTS:
-        raise BadRequest(f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {json.dumps(value)[:40]}",
+        raise BadRequest(f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {shown_json(value)}",
                          param="reasoning_effort")
     return value
 

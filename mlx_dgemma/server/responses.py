@@ -12,6 +12,7 @@ import time
 
 from starlette.routing import Route
 
+from ..validate import shown_json
 from .api import Answer, Api, BadRequest, Reply, error_body, given
 from .app import Server, Thought
 from .scheduler import RequestFailed
@@ -219,7 +220,7 @@ def _message(item, index: int) -> dict | None:
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
     if kind == "reasoning":
         return None
-    raise BadRequest(f"input[{index}]: items of type {json.dumps(kind)[:40]} are not supported; send messages, "
+    raise BadRequest(f"input[{index}]: items of type {shown_json(kind)} are not supported; send messages, "
                      "function_call and function_call_output items", param="input")
 
 
