@@ -249,13 +249,15 @@ class ClosingTable:
     up, a zero, a number's shortest value after which JSON allows no digit, up; opening brackets
     down, they start more; separators a little down: an object's required keys need them, an
     array's ] beats them), ``marks``, the ids of single ASCII punctuation characters, ``same``,
-    each id's first id with the same text (a walk that repeats a text repeats it under any id), and
-    ``closes``, the brackets each closes less those it opens; ``tokenizer`` is whose vocabulary it is."""
+    each id's first id with the same text (a walk that repeats a text repeats it under any id),
+    ``closes``, the brackets each closes less those it opens, and ``digits``, each token's leading ASCII
+    digits; ``tokenizer`` is whose vocabulary it is."""
 
     scores: np.ndarray
     marks: np.ndarray
     same: np.ndarray
     closes: np.ndarray
+    digits: np.ndarray
     tokenizer: llguidance.LLTokenizer
 
 
@@ -270,15 +272,17 @@ def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
     weights = {ord("}"): 3.0, ord("]"): 3.0, ord('"'): 2.0, ord("0"): 1.0, ord("{"): -3.0, ord("["): -3.0,
                ord(","): -1.0}
     scores, marks, same, closes, first = np.full(vocab, -10.0), [], np.arange(vocab), np.zeros(vocab), {}
+    digits = np.zeros(vocab, dtype=np.int64)
     for i in range(vocab):
         if grammar.tokenizer.is_special_token(i) or not (text := grammar.tokenizer.decode_bytes([i])):
             continue
         scores[i] = sum(weights.get(b, -0.1) for b in text)
         same[i] = first.setdefault(text, i)
         closes[i] = text.count(b"}") + text.count(b"]") - text.count(b"{") - text.count(b"[")
+        digits[i] = len(text) - len(text.lstrip(b"0123456789"))
         if len(text) == 1 and chr(text[0]) in string.punctuation:
             marks.append(i)
-    table = ClosingTable(scores, np.array(marks, dtype=np.int64), same, closes, grammar.tokenizer)
+    table = ClosingTable(scores, np.array(marks, dtype=np.int64), same, closes, digits, grammar.tokenizer)
     _CLOSING_TABLES[id(grammar.tokenizer)] = (grammar.tokenizer, table)
     return table
 

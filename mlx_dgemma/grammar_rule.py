@@ -31,6 +31,10 @@ from .grammar import (
 
 CLOSING_SLACK = 64  # tokens past the closing path from the start...
 WALK_OPERATIONS = 16  # ...at this many matcher operations each: what a walk mid-answer may take
+# Digits in a row the rule lets the model write: Python's JSON reader (the openai client's .parse,
+# jsonschema) refuses an integer of over 4,300 digits, though JSON sets no bound. Past this many, the
+# tokens that would add digits are masked wherever the grammar allows another.
+MAX_DIGITS = 4096
 
 
 class GrammarRule:
@@ -60,6 +64,8 @@ class GrammarRule:
         self.stops = np.zeros(vocab, dtype=bool)
         self.stops[[i for i in grammar.tokenizer.eos_tokens if i < vocab]] = True
         self.output: list[int] = []
+        self.digits = 0  # the answer's trailing digits
+        self.longest_digits = int(self.table.digits.max())  # (the most one token adds)
         self.done = False
         self._allowed: np.ndarray | None = None  # the mask now, once computed
 
@@ -79,6 +85,10 @@ class GrammarRule:
     def _mask(self) -> np.ndarray:
         if self._allowed is None:
             self._allowed = allowed_tokens(self.matcher, self.vocab)
+        if self.digits + self.longest_digits > MAX_DIGITS:
+            fewer = self._allowed & (self.digits + self.table.digits <= MAX_DIGITS)
+            if fewer.any():
+                return fewer
         return self._allowed
 
     def _emit(self, token: int) -> int:
@@ -98,6 +108,9 @@ class GrammarRule:
             token, self.path, mask = path[0], path[1:], None
             after = self.matcher.deep_copy()
             after.consume_token(token)
+        text = self.table.tokenizer.decode_bytes([token])
+        trailing = len(text) - len(text.rstrip(b"0123456789"))
+        self.digits = self.digits + trailing if text and trailing == len(text) else trailing
         self.matcher, self._allowed = after, mask
         self.output.append(token)
         self.done = self.matcher.is_stopped() or len(self.output) >= self.max_tokens

@@ -19,7 +19,7 @@ import pytest
 from mlx_dgemma import batch_generate, generate, stream_generate
 from mlx_dgemma.errors import TemplateError
 from mlx_dgemma.grammar import ANY_JSON, CLOSING_CAP, schema_grammar
-from mlx_dgemma.grammar_rule import CLOSING_SLACK, WALK_OPERATIONS, GrammarRule
+from mlx_dgemma.grammar_rule import CLOSING_SLACK, MAX_DIGITS, WALK_OPERATIONS, GrammarRule
 from mlx_dgemma.request import check_closing_fits, generation_config, grammar_stop_ids
 
 POLICIES = ["reference", "fast", "ar", "verified", "auto"]
@@ -154,6 +154,22 @@ def test_a_token_after_which_no_closing_path_is_found_is_not_taken(demo):
     answer = json.loads(tokenizer.decode_clean(rule.output))
     validate(answer, schema)
     assert answer["stage"].startswith("test") and len(rule.output) == 150
+
+
+def test_an_integer_the_model_would_not_end_stays_within_what_pythons_json_reads(demo):
+    """A model that writes digits forever, with room for 5,000: the integer ends at MAX_DIGITS digits
+    (Python's JSON reader refuses one of over 4,300), and the answer reads and validates."""
+    model, tokenizer = demo
+    schema, vocab = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}, model.config.vocab_size
+    seven = tokenizer.encode("7", add_special_tokens=False)[0]
+    rule = GrammarRule(grammar(demo, schema), vocab, 5000)
+    for token in tokenizer.encode('{"n": ', add_special_tokens=False):
+        rule.step(wanting(vocab, token))
+    while rule.step(wanting(vocab, seven)) is not None and not rule.done:
+        pass
+    answer = json.loads(tokenizer.decode_clean(rule.output))
+    validate(answer, schema)
+    assert len(str(answer["n"])) == MAX_DIGITS
 
 
 @pytest.mark.parametrize("name", ["alternation", "many-strings", "expression", "formats"])
