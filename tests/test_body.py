@@ -1,12 +1,22 @@
 """Request bodies as body.py reads them: a body of many values, read by the pure-Python reader, gives
-what Python's C reader gives, refuses what it refuses, and stops at the bound on arrays and objects."""
+what Python's C reader gives, refuses what it refuses, and stops at the bound on arrays and objects;
+a reply written a piece at a time is starlette's JSONResponse's."""
 
 import json
 
 import pytest
+from starlette.responses import JSONResponse
 
 from mlx_dgemma.server.api import BadRequest
-from mlx_dgemma.server.body import FAST_VALUES, MAX_CONTAINERS, NotJson, TooManyContainers, loads, parse_body
+from mlx_dgemma.server.body import (
+    FAST_VALUES,
+    MAX_CONTAINERS,
+    NotJson,
+    TooManyContainers,
+    json_reply,
+    loads,
+    parse_body,
+)
 
 SAMPLE = ('{"text": "caf\\u00e9 \\"q\\" \\ud83d\\ude00 \\n", "n": [0, -12, 3.5, -1e-7, 2E+3, 123456789012345678901], '
           '"flags": [true, false, null], "nested": {"a": [[], {}, [{"b": ""}]]}, "x": NaN, "y": -Infinity}')
@@ -53,3 +63,12 @@ def test_arrays_and_objects_past_the_bound_are_refused_with_413():
 def test_a_body_in_utf16_reads_as_pythons_reader_reads_it():
     body = many('"é"').decode().encode("utf-16")
     assert loads(body) == json.loads(body)
+
+
+def test_a_reply_written_in_pieces_is_starlettes():
+    content = {"object": "list", "data": [{"index": i, "embedding": [0.1 * i, -2.5e-8, 3.0]} for i in range(3)],
+               "text": "café \"q\" 😀\n", "empty": [], "nested": [[], [[1, 2], {"a": None}], {}], "flag": True,
+               "top": {"é": -0.5}}
+    assert json_reply(content).body == JSONResponse(content).body
+    with pytest.raises(ValueError):
+        json_reply({"data": [[float("nan")]]})

@@ -39,7 +39,7 @@ from ..tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_ca
 from ..vision import has_vision
 from . import fields, reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
-from .body import check_unicode, parsed
+from .body import check_unicode, json_reply, parsed
 from .events import choice_events, job_events, next_event
 from .layout import answer_layout, strings, typed
 from .scheduler import EmbeddingJob, Event, Job, Scheduler
@@ -53,7 +53,7 @@ PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds 
 class Limits:
     """What the server accepts of a request."""
 
-    max_tokens: int | None = None  # a request's default and largest max_tokens (None: the checkpoint's max_new_tokens)
+    max_tokens: int | None = None  # a request's default max_tokens (None: the checkpoint's); the context bounds any
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_images: int = MAX_IMAGES
     max_image_pixels: int = MAX_REQUEST_PIXELS  # a request's images together
@@ -112,7 +112,8 @@ class Server:
             if reply.stream:
                 return StreamingResponse(self._streamed(api, jobs, queues, reply, request), media_type=api.stream_type,
                                          headers={"Cache-Control": "no-cache"})
-            return JSONResponse(api.replies(await self._wholes(jobs, queues, reply, request), reply))
+            answers = await self._wholes(jobs, queues, reply, request)
+            return await self.off_loop(lambda: json_reply(api.replies(answers, reply)))
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
@@ -147,7 +148,7 @@ class Server:
                 raise BadRequest("the client went away", status=499)
             if isinstance(result, Event):
                 raise BadRequest(str(result.error), param=result.error.param, status=result.error.status)
-            return JSONResponse(api.reply(result, rows))
+            return await self.off_loop(lambda: json_reply(api.reply(result, rows)))
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
