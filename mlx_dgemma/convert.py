@@ -18,7 +18,6 @@ fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 import copy
 import json
 import math
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -31,16 +30,24 @@ from mlx.utils import tree_flatten
 
 from .cli import command_line
 from .config import ConfigError, ModelConfig
-from .convert_output import MARKER, ConversionStopped, check_apart, check_destination, staging_folder
+from .convert_output import (
+    MAX_SHARD_BYTES,
+    ConversionStopped,
+    check_apart,
+    check_destination,
+    copy_side_files,
+    split_into_shards,
+    staging_folder,
+)
 from .convert_report import format_size, format_table, measure_against, measure_recipe, reference_logits
 from .errors import ConversionError
+from .fuse import dequantize_model, save_model
 from .loader import (
-    HUB_PATTERNS,
     VISION_KEY,
-    WEIGHTS_INDEX,
     CheckpointError,
     ExpertSlice,
     check_weights,
+    load,
     map_key,
     resolve,
     stack_experts,
@@ -59,10 +66,7 @@ from .safetensors_io import (
     write_index,
 )
 
-MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit
 DTYPES = ("bfloat16", "float16", "float32")
-_COPIED = [p for p in HUB_PATTERNS if p != "*.safetensors"]  # tokenizer, chat template, generation config
-_REWRITTEN = {"config.json", WEIGHTS_INDEX}
 
 
 @dataclass
@@ -222,20 +226,6 @@ def plan_tensors(src: Path, raw: dict, config: ModelConfig, tensors: dict[str, T
     return ConversionPlan(src, raw, config, targets, _output_dtype(dtype, raw), quantization)
 
 
-def split_into_shards(groups: list[tuple[Target, list[TensorSpec]]], max_bytes: int) -> list[list]:
-    """Whole tensor groups per shard, in order, each shard under ``max_bytes`` unless one group is larger."""
-    shards: list[list] = [[]]
-    size = 0
-    for target, specs in groups:
-        nbytes = sum(s.nbytes for s in specs)
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((target, specs))
-        size += nbytes
-    return shards
-
-
 def output_specs(plan: ConversionPlan) -> list[tuple[Target, list[TensorSpec]]]:
     """Each target with the names, shapes and dtypes of the tensors it will write."""
     return [(t, [TensorSpec.of(n, a) for n, a in t.build(_placeholder, plan.dtype).items()]) for t in plan.targets]
@@ -310,14 +300,6 @@ def write_config(plan: ConversionPlan, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(dict(sorted(raw.items())), indent=4))
 
 
-def copy_side_files(src: Path, folder: Path) -> None:
-    """Tokenizer, chat template, generation config: every small file a loader reads besides weights."""
-    for pattern in _COPIED:
-        for path in src.glob(pattern):
-            if path.is_file() and path.name not in _REWRITTEN and path.name != MARKER:
-                shutil.copy2(path, folder / path.name)
-
-
 def convert(
     hf_path: str,
     mlx_path: str = "mlx_model",
@@ -378,6 +360,33 @@ _dtype = click.option("--dtype", type=click.Choice(DTYPES), default=None,
                       help="Type of the unquantized tensors and the scales (default: the config's dtype).")
 
 
+def dequantize_checkpoint(hf_path: str, mlx_path: str = "mlx_model", force: bool = False) -> Path:
+    """The quantized MLX checkpoint ``hf_path`` written unquantized at ``mlx_path`` (mlx-lm's ``-d``): each
+    quantized weight as ``mx.dequantize`` gives it, in its scales' dtype; returns its path."""
+    src, dst = resolve(hf_path), Path(mlx_path).expanduser()
+    check_apart(src, dst)
+    check_destination(dst, force)
+    raw, _ = _read_config(src)
+    if "quantization" not in raw:
+        raise ConversionError(f"--dequantize takes a quantized MLX checkpoint, and {src}'s config.json has no "
+                              "quantization; convert it without -d")
+    model, _ = load(src)
+    return save_model(dequantize_model(model), src, dst, dequantized=True, force=force)
+
+
+def upload(folder: Path, repo: str) -> None:
+    """``folder`` uploaded to the Hugging Face model repository ``repo`` (created where it does not exist)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model")
+    except Exception as e:  # (offline, no token, no such namespace: the hub's own words say which)
+        raise ConversionError(f"wrote {folder}, but could not upload it to {repo}: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+
+
 def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | None, mode: str,
           dtype: str | None, work_dir: str | None = None, instances: int = 0, seed: int = 0
           ) -> tuple[str, list[str]]:
@@ -426,14 +435,31 @@ def _int(value: str | None) -> int | None:
 @click.option("--quant-predicate", type=click.Choice(list(RECIPES)), default=None,
               help="Recipe [default: mixed]: " + "; ".join(f"'{r.name}': {r.summary}" for r in RECIPES.values()) + ".")
 @_dtype
+@click.option("-d", "--dequantize", is_flag=True,
+              help="Write a quantized MLX checkpoint (--hf-path) unquantized.")
 @click.option("--force", is_flag=True, help="Replace --mlx-path if it holds an earlier conversion (and nothing else).")
 @click.option("--report", is_flag=True, help="Afterwards, measure the logit error against the source.")
+@click.option("--upload-repo", default=None, help="Afterwards, upload --mlx-path to this Hugging Face model repository.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Accepted as mlx-lm takes it; no code from the checkpoint is run here.")
 @command_line
-def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, quant_predicate, dtype, force, report):
+def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, quant_predicate, dtype, dequantize,
+                    force, report, upload_repo, trust_remote_code):
     """Convert a Hugging Face DiffusionGemma checkpoint to MLX."""
     try:
-        dst = convert(hf_path, mlx_path, quantize=quantize, q_group_size=_int(q_group_size), q_bits=_int(q_bits),
-                      q_mode=q_mode, quant_predicate=quant_predicate, dtype=dtype, force=force, report=report)
+        if dequantize:
+            given = [flag for flag, value in (("-q", quantize or None), ("--q-bits", q_bits),
+                                              ("--q-group-size", q_group_size), ("--q-mode", q_mode),
+                                              ("--quant-predicate", quant_predicate), ("--dtype", dtype),
+                                              ("--report", report or None)) if value is not None]
+            if given:
+                raise ConversionError(f"-d/--dequantize writes the checkpoint's own weights unquantized; drop {given[0]}")
+            dst = dequantize_checkpoint(hf_path, mlx_path, force=force)
+        else:
+            dst = convert(hf_path, mlx_path, quantize=quantize, q_group_size=_int(q_group_size), q_bits=_int(q_bits),
+                          q_mode=q_mode, quant_predicate=quant_predicate, dtype=dtype, force=force, report=report)
+        if upload_repo is not None:
+            upload(dst, upload_repo)
     except _ERRORS as e:
         raise click.ClickException(str(e)) from None
     except ConversionStopped as e:

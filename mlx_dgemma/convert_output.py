@@ -1,7 +1,7 @@
 """Where a conversion writes: the destination's checks (nothing but an earlier conversion is ever
 replaced), a staging folder beside it that replaces it on success and vanishes on failure or
-SIGTERM/SIGHUP, and the marker that lists what a conversion wrote. convert.py and fuse.py write
-through it."""
+SIGTERM/SIGHUP, the marker that lists what a conversion wrote, its shards and the small files copied
+beside them. convert.py and fuse.py write through it."""
 
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import ConversionError
+from .loader import HUB_PATTERNS, WEIGHTS_INDEX
 
 MARKER = ".mlx_dgemma_conversion.json"  # written last into every output: its files, so --force replaces only those
+MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit
+_COPIED = [p for p in HUB_PATTERNS if p != "*.safetensors"]  # tokenizer, chat template, generation config
+_REWRITTEN = {"config.json", WEIGHTS_INDEX}
 _STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
@@ -162,3 +166,25 @@ def _replace(new: Path, dst: Path, force: bool, flag: str) -> None:
         old.rename(dst)
         raise
     shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def split_into_shards(groups: list[tuple[object, list]], max_bytes: int) -> list[list]:
+    """Whole tensor groups per shard, in order, each shard under ``max_bytes`` unless one group is larger."""
+    shards: list[list] = [[]]
+    size = 0
+    for target, specs in groups:
+        nbytes = sum(s.nbytes for s in specs)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((target, specs))
+        size += nbytes
+    return shards
+
+
+def copy_side_files(src: Path, folder: Path) -> None:
+    """Tokenizer, chat template, generation config: every small file a loader reads besides weights."""
+    for pattern in _COPIED:
+        for path in src.glob(pattern):
+            if path.is_file() and path.name not in _REWRITTEN and path.name != MARKER:
+                shutil.copy2(path, folder / path.name)

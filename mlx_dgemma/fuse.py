@@ -23,8 +23,14 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .cli import check_writable_folder, command_line
-from .convert import MAX_SHARD_BYTES, copy_side_files, split_into_shards
-from .convert_output import check_apart, check_destination, staging_folder
+from .convert_output import (
+    MAX_SHARD_BYTES,
+    check_apart,
+    check_destination,
+    copy_side_files,
+    split_into_shards,
+    staging_folder,
+)
 from .experts import ExpertLinear, QuantizedExpertLinear
 from .safetensors_io import ShardWriter, TensorSpec, shard_names, write_index
 

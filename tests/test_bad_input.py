@@ -27,7 +27,8 @@ from safetensors.numpy import load_file, save_file
 
 from mlx_dgemma import bench, generate, json_template, load, parse_template, policy, stream_generate
 from mlx_dgemma.config import ConfigError, GenerationConfig
-from mlx_dgemma.convert import MARKER, ConversionError, convert, convert_command
+from mlx_dgemma.convert import ConversionError, convert, convert_command
+from mlx_dgemma.convert_output import MARKER
 from mlx_dgemma.demo import eval as eval_module
 from mlx_dgemma.generate import DEMO_MODEL, PromptError, main
 from mlx_dgemma.loader import CheckpointError

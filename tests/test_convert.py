@@ -267,6 +267,55 @@ def test_every_width_dequantizes_within_one_step_and_runs_as_its_dequantized_wei
         assert np.abs(ours - theirs).max() < 2e-3 * np.abs(theirs).max()
 
 
+def test_dequantize_writes_each_weight_as_mx_dequantize_gives_it(src, converted, tmp_path):
+    """mlx-lm's -d: a quantized conversion written back unquantized, each quantized weight exactly its
+    mx.dequantize, every other tensor as it was, and no quantization left in its config."""
+    four_bit = converted(quantize=True, q_bits=4)
+    dst = tmp_path / "dequantized"
+    result = CliRunner().invoke(convert_command, ["--hf-path", str(four_bit), "--mlx-path", str(dst), "-d"])
+    assert result.exit_code == 0, result.output
+    quantized, _ = load(four_bit)
+    plain, _ = load(dst)
+    assert quantized_modules(quantized) and not quantized_modules(plain)
+    assert "quantization" not in json.loads((dst / "config.json").read_text())
+    weights, modules = dict(tree_flatten(plain.parameters())), quantized_modules(quantized)
+    expected = {name: array for name, array in tree_flatten(quantized.parameters())
+                if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "scales", "biases")}
+    expected.update({f"{path}.weight": dequantized(module) for path, module in modules.items()})
+    assert set(weights) == set(expected)
+    for name, array in expected.items():
+        assert mx.array_equal(weights[name], array).item(), name
+
+
+@pytest.mark.parametrize("options, message", [
+    (["-q"], "Error: -d/--dequantize writes the checkpoint's own weights unquantized; drop -q"),
+    (["--dtype", "float16"], "Error: -d/--dequantize writes the checkpoint's own weights unquantized; drop --dtype"),
+])
+def test_dequantize_with_quantization_flags_is_refused(converted, tmp_path, options, message):
+    assert cli_error(["--hf-path", str(converted(quantize=True, q_bits=4)), "-d", *options],
+                     tmp_path / "out") == message
+
+
+def test_dequantize_of_an_unquantized_checkpoint_is_refused(converted, tmp_path):
+    plain = converted()
+    assert cli_error(["--hf-path", str(plain), "-d"], tmp_path / "out") == (
+        f"Error: --dequantize takes a quantized MLX checkpoint, and {plain}'s config.json has no quantization; "
+        "convert it without -d")
+
+
+def test_an_upload_that_fails_says_what_was_written_and_why(src, tmp_path, monkeypatch):
+    """--upload-repo through huggingface_hub, offline here: one line naming the written folder and the
+    hub's reason, exit 1, the conversion kept whole."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dst = tmp_path / "out"
+    result = CliRunner().invoke(convert_command, ["--hf-path", str(src), "--mlx-path", str(dst),
+                                                  "--upload-repo", "someone/dgemma-mlx", "--trust-remote-code"])
+    assert result.exit_code == 1
+    (line,) = [line for line in result.stderr.split("\n") if line.startswith("Error:")]  # (after the progress bar)
+    assert line.startswith(f"Error: wrote {dst}, but could not upload it to someone/dgemma-mlx: ") and "offline" in line
+    assert load(dst)[0] is not None
+
+
 def test_logit_error_falls_with_every_bit(uniform_at, reference):
     rel_rms = [errors(uniform_at(bits), reference)[0].rel_rms for bits in BITS]
     assert all(a > b for a, b in zip(rel_rms, rel_rms[1:])), rel_rms
