@@ -1,10 +1,12 @@
-"""How long a large request body pauses the server's event loop.
+"""How long a large request body, or a large reply, pauses the server's event loop.
 
 Starts ``python -m mlx_dgemma.server`` on the bundled demo (as server_load.py does), then for each kind
 of body (a JSON array of ``--mib`` MiB of one value repeated: numbers, floats, strings, empty arrays,
 empty objects; and one long string, as an image's data URL is) posts it to /v1/completions as
 ``prompt`` while another thread asks /health every 10 ms, and prints the longest /health answer
-during the post, the post's status and its seconds.
+during the post, the post's status and its seconds. Then, in this process, writes the reply of
+2,048 embeddings of 2,816 floats (the released model's width) with starlette's ``JSONResponse`` and
+with ``body.json_reply``, and prints the longest another thread waited meanwhile.
 
     python benchmarks/body_stall.py --mib 24
 """
@@ -21,8 +23,13 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 from server_load import free_port, start_server  # noqa: E402
+from starlette.responses import JSONResponse  # noqa: E402
+
+from mlx_dgemma.server.body import json_reply  # noqa: E402
 
 KINDS = {"numbers": "123456", "floats": "0.5", "strings": '"ab"', "arrays": "[]", "objects": "{}"}
 
@@ -49,6 +56,32 @@ def longest_health(url: str, done: threading.Event) -> list[float]:
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()
     return worst
+
+
+def reply_waits() -> None:
+    vectors = np.random.default_rng(0).standard_normal((2048, 2816), dtype=np.float32)
+    content = {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": v.tolist()}
+                                          for i, v in enumerate(vectors)]}
+    for name, write in [("JSONResponse", JSONResponse), ("json_reply", json_reply)]:
+        gaps, done = [0.0], threading.Event()
+
+        def ping():
+            last = time.perf_counter()
+            while not done.is_set():
+                time.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        thread = threading.Thread(target=ping)
+        thread.start()
+        start = time.perf_counter()
+        size = len(write(content).body)
+        seconds = time.perf_counter() - start
+        done.set()
+        thread.join()
+        print(f"{name:>12}: {size / 1e6:.0f} MB in {seconds:.2f} s, another thread waited at most "
+              f"{max(gaps):.3f} s", flush=True)
 
 
 def main() -> None:
@@ -78,6 +111,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(30)
+    reply_waits()
 
 
 if __name__ == "__main__":
