@@ -89,6 +89,15 @@ def test_a_prompt_array_with_n_gives_each_prompts_choices_in_turn(client):
         a.choices[0].logprobs.token_logprobs for a in alone]
     assert batched.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
     assert batched.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    # Streamed, each choice's chunks (by index) join into its whole text and entries; usage as above.
+    chunks = list(client.completions.create(prompt=prompts, n=2, seed=5, stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    for choice in batched.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [x for c in mine for x in c.logprobs.token_logprobs] == choice.logprobs.token_logprobs
+        assert [x for c in mine for x in c.logprobs.text_offset] == choice.logprobs.text_offset
+    assert chunks[-1].usage.model_dump() == batched.usage.model_dump()
 
 
 @pytest.mark.parametrize("policy, drawn", [("ar", "encoder"), ("reference", "denoiser")])
@@ -135,7 +144,6 @@ def test_the_tokenizer_endpoints_tokenize_as_the_server(served, demo):
     ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs", "top_logprobs is for chat completions"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1 (0 with echo"),
     ("/v1/completions", {"prompt": ["x"] * 65}, "prompt", "prompt holds 65 prompts, more than the 64"),
-    ("/v1/completions", {"prompt": ["x", "y"], "stream": True}, "stream", "stream takes one prompt"),
     ("/v1/completions", {"prompt": ["x"] * 33, "n": 2}, "n", "33 prompts of n 2 choices each are more than the 64"),
     ("/v1/completions", {"prompt": [[2, 300], [2, 9999]]}, "prompt", "prompt[1]: prompt token id 9999 is outside"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},

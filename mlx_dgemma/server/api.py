@@ -50,6 +50,7 @@ class Reply:
     id: str = ""
     prompt_tokens: int = 0
     n: int = 1  # choices (OpenAI's n) per prompt, each its own job
+    prompts: int = 1  # a completions request's prompts (choices: n of each, prompt by prompt)
     logprobs: bool = False  # the answer's log-probabilities go with it
     echoes: list[str] | None = None  # (completions' echo) each choice's prompt text, which the choice starts with
 

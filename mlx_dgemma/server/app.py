@@ -180,9 +180,6 @@ class Server:
             return None
         body, chat = translated
         prompts = [None] if chat else fields.prompts(body)
-        if len(prompts) > 1 and typed(body, "stream", bool, False):
-            raise BadRequest("stream takes one prompt; send each prompt in a request of its own, or stream false",
-                             param="stream")
         jobs, echoes = [], []
         for i, prompt in enumerate(prompts):
             try:
@@ -197,7 +194,7 @@ class Server:
                                  "choices one request takes; send fewer prompts or a smaller n", param="n")
             jobs += choices
             echoes += reply.echoes or []
-        reply.echoes = echoes or None
+        reply.echoes, reply.prompts = echoes or None, len(prompts)
         return jobs, reply
 
     # -- reading a request -------------------------------------------------------------------------

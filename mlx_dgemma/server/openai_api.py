@@ -60,8 +60,9 @@ class OpenAI(Api):
         if reply.chat:
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "finish_reason": None} for i in range(reply.n)]})
-        echoes = list(reply.echoes) if reply.echoes else [""] * reply.n
-        offsets = [0] * reply.n  # (completions' text_offset: where each choice's next text starts)
+        choices = reply.n * reply.prompts
+        echoes = list(reply.echoes) if reply.echoes else [""] * choices
+        offsets = [0] * choices  # (completions' text_offset: where each choice's next text starts)
         usages = {}
         async for event in events:
             if event.error is not None:
@@ -76,8 +77,8 @@ class OpenAI(Api):
             yield _sse({**head, "choices": [choice]})
             if event.finish_reason is not None:
                 usages[event.choice] = event.usage
-                if reply.include_usage and len(usages) == reply.n:
-                    yield _sse({**head, "choices": [], "usage": _usage([usages[i] for i in range(reply.n)])})
+                if reply.include_usage and len(usages) == choices:
+                    yield _sse({**head, "choices": [], "usage": _usage([usages[i] for i in range(choices)], reply.n)})
         yield "data: [DONE]\n\n"
 
     @property
