@@ -1,8 +1,10 @@
 """A server speaking OpenAI's, Anthropic's and Ollama's APIs: ``python -m mlx_dgemma.server`` (app.py the
-HTTP side that reads and checks every request, api.py what an API is, openai_api.py / ollama.py /
-responses.py / anthropic.py the APIs' translations, embeddings.py the embedding routes, routes.py all their
-routes on one app, scheduler.py the worker that owns the model and drives the batched engine,
-prompt_cache.py the multi-turn prefix cache).
+HTTP side that reads and checks every request, with body.py reading bodies and writing replies as JSON,
+fields.py the OpenAI fields that shape a request's jobs and events.py their events; api.py what an API
+is, openai_api.py / ollama.py / responses.py / anthropic.py the APIs' translations, embeddings.py the
+embedding routes, tokenize.py vLLM's tokenizer routes, routes.py all their routes on one app,
+scheduler.py the worker that owns the model and drives the batched engine, stop_strings.py an answer's
+stop strings as it grows, prompt_cache.py the multi-turn prefix cache).
 
 The server is an entry point: importing it loads the fast BLAS before mlx.core (fast_blas.py)."""
 
