@@ -61,6 +61,7 @@ from .validate import (
     check_text,
     decode_utf8,
     option,
+    shown,
 )
 
 __all__ = ["GenerationResponse", "PreparedRequest", "PREFILL_STEP_SIZE", "PromptError", "answer_text",
@@ -116,6 +117,10 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
               help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
                    "holes sized by a free draft generated first).")
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
+@click.option("--extra-eos-token", "extra_eos_tokens", multiple=True, metavar="TOKEN",
+              help="A token that ends the answer as the checkpoint's end tokens do: one token's text, or a "
+                   "special token's name (repeatable).")
+@click.option("--trust-remote-code", is_flag=True, help="Accepted as mlx-lm takes it; no code from the checkpoint runs here.")
 @click.option("--image", "image_files", cls=several_values(), multiple=True, metavar="PATH...",
               help="Images to go with the prompt (a checkpoint with a vision tower).")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where it needs more memory than the "
@@ -127,6 +132,9 @@ def main(**flags):
         raise click.ClickException(f"the bundled demo model is not in {DEMO_MODEL}; pass --model PATH")
     if flags["template_file"] and flags["schema_file"]:
         raise click.ClickException("give --template or --schema, not both")
+    if flags["extra_eos_tokens"] and (flags["schema_file"] or flags["template_file"]):
+        raise click.ClickException("--extra-eos-token ends free text; a schema's or template's answer ends where "
+                                   "its layout does: drop one")
     if flags["think"] and flags["schema_file"]:
         raise click.ClickException("a schema lays the answer out from its first token and leaves no room for a "
                                    "thought; drop --think or --schema")
@@ -189,6 +197,17 @@ def _read_prompt(flags: dict) -> str:
     return prompt
 
 
+def _token(tokenizer, text: str) -> int:
+    """The id of the token ``text`` names: a special token's name (``<turn|>``), or one token's text."""
+    if (special := tokenizer.token_id(text)) is not None:
+        return special
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"--extra-eos-token {shown(text)} is {len(ids)} tokens, not one; give one token's text "
+                         "or a special token's name")
+    return ids[0]
+
+
 def _load(flags: dict, group, watchdog):
     from . import distributed
     from .loader import load
@@ -215,6 +234,10 @@ def _generate_cli(flags: dict, group, watchdog):
                      flags["kv_bits"])
     dgemma, tokenizer = _load(flags, group, watchdog)
     defaults = generation_config(dgemma, tokenizer)
+    if flags["extra_eos_tokens"]:  # (this process's model: every generation here reads its stop ids from it)
+        extra = [_token(tokenizer, text) for text in flags["extra_eos_tokens"]]
+        defaults = dgemma.generation_config = replace(
+            defaults, eos_token_id=[*defaults.eos_token_id, *(i for i in extra if i not in defaults.eos_token_id)])
     args = generation_args(flags, images)
     limit = dgemma.config.max_position_embeddings
     template = _read_template(tokenizer, flags["template_file"], flags["schema_file"], limit)

@@ -198,6 +198,31 @@ def test_cli_bad_input_is_a_one_line_error(chat_checkpoint, args, message):
     assert result.output.startswith("Error: ") and message in result.output, result.output
 
 
+@pytest.mark.parametrize("policy", ["reference", "ar"])
+def test_an_extra_eos_token_ends_the_answer_where_it_first_comes(policy):
+    """mlx-lm's --extra-eos-token on the demo: the answer is the one without it, cut before that
+    token's first place (the demo's vocabulary is characters)."""
+    argv = ["--prompt", "sort: 42 17 85 23 61", "--policy", policy, "--seed", "0", "--max-tokens", "32"]
+    whole = CliRunner().invoke(main, argv)
+    assert whole.exit_code == 0, whole.output
+    text = whole.output.rstrip("\n")
+    token = text.strip()[2]
+    cut = CliRunner().invoke(main, [*argv, "--extra-eos-token", token])
+    assert cut.exit_code == 0, cut.output
+    assert cut.output.rstrip("\n") == text[: text.index(token)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--extra-eos-token", "ab"], "Error: --extra-eos-token 'ab' is 2 tokens, not one; give one token's text or a "
+                                  "special token's name"),
+    (["--extra-eos-token", "1", "--template", __file__], "Error: --extra-eos-token ends free text;"),
+])
+def test_an_extra_eos_token_that_is_not_one_token_or_meets_a_layout_is_refused(args, message):
+    result = CliRunner().invoke(main, ["--prompt", "x", *args])
+    assert result.exit_code == 1 and result.output.startswith(message), result.output
+    assert len(result.output.strip().split("\n")) == 1
+
+
 def test_cli_without_the_demo_model_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(gen, "DEMO_MODEL", tmp_path / "demo")
     result = CliRunner().invoke(main, ["--prompt", PROMPT])
