@@ -272,7 +272,22 @@ def test_the_servers_flags_are_the_defaults_of_requests_that_omit_them(demo, dem
     assert unadapted.choices[0].message.content != plain.choices[0].message.content
 
 
+def test_the_servers_chat_template_flag_renders_every_prompt(demo):
+    """mlx-lm's --chat-template: each prompt is rendered by the given template in place of the
+    checkpoint's, as the tokenizer renders it with that template."""
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[model] "
+    asked = dict(model="default_model", messages=user(PROMPT), seed=1, max_tokens=8)
+    with command_line_server("--chat-template", template) as (url, process):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(**asked)
+    _, tokenizer = load(DEMO_MODEL)
+    default = len(tokenizer.apply_chat_template(user(PROMPT), tokenize=True))
+    tokenizer.chat_template = template
+    assert reply.usage.prompt_tokens == len(tokenizer.apply_chat_template(user(PROMPT), tokenize=True)) != default
+
+
 @pytest.mark.parametrize("flags, status, message", [
+    (["--chat-template", "{% for %}"], 1, "Error: --chat-template cannot render a conversation: "),
     (["--temp", "3"], 1, "--temp: temperature must be 0 or a finite number from 0.0001 to 2, got 3"),
     (["--chat-template-args", "[1]"], 2, "must be a JSON object"),
     (["--chat-template-args", '{"tools": []}'], 2, "tools is set by each request"),

@@ -49,6 +49,8 @@ def _chat_template_args(context, parameter, value: str) -> dict:
               help="Comma-separated origins whose browser pages may call the server (CORS); * allows any.")
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @sampling_options
+@click.option("--chat-template", default=None,
+              help="A chat template (Jinja, as in a Hugging Face tokenizer_config.json) in place of the checkpoint's.")
 @click.option("--chat-template-args", default="{}", show_default=True, callback=_chat_template_args,
               help='JSON object of arguments for the chat template, e.g. \'{"enable_thinking": true}\' (thinking '
                    "on unless a request turns it off).")
@@ -79,8 +81,8 @@ def _chat_template_args(context, parameter, value: str) -> dict:
                    "field behind it, debug each request's body in outline as it arrives.")
 @click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
                                                           "answer's KV cache need more memory than the device can give.")
-def main(model, host, port, allowed_origins, adapter_path, temperature, top_p, min_p, top_k, chat_template_args,
-         max_tokens, max_steps, prompt_cache_size, prefill_step_size, kv_bits, kv_group_size,
+def main(model, host, port, allowed_origins, adapter_path, temperature, top_p, min_p, top_k, chat_template,
+         chat_template_args, max_tokens, max_steps, prompt_cache_size, prefill_step_size, kv_bits, kv_group_size,
          quantized_kv_start, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, shutdown_grace, log_level,
          ignore_memory_check):
     """Serve a DiffusionGemma model over OpenAI's (chat, completions, Responses), Anthropic's and Ollama's APIs."""
@@ -88,6 +90,7 @@ def main(model, host, port, allowed_origins, adapter_path, temperature, top_p, m
 
     from ..loader import load
     from ..memory import check_memory
+    from ..tokenizer import render_chat_template
     from . import request_log
     from .api import BadRequest
     from .app import Limits, Server
@@ -98,6 +101,12 @@ def main(model, host, port, allowed_origins, adapter_path, temperature, top_p, m
         if not ignore_memory_check:
             check_memory(model or DEMO_MODEL, max_tokens=max_tokens, kv_bits=kv_bits)
         dgemma, tokenizer = load(model or DEMO_MODEL, adapter_path=adapter_path)
+        if chat_template is not None:
+            try:
+                render_chat_template(chat_template, [{"role": "user", "content": "x"}])
+            except Exception as e:  # (jinja's syntax and render errors, whatever their class)
+                raise ValueError(f"--chat-template cannot render a conversation: {' '.join(str(e).split())[:200]}") from None
+            tokenizer.chat_template = chat_template
         if chat_template_args.get("enable_thinking") and not tokenizer.renders_thinking:
             raise ValueError("--chat-template-args: this model's chat template has no thinking switch "
                              "(enable_thinking); leave it out")
