@@ -141,17 +141,10 @@ def test_a_token_after_which_no_closing_path_is_found_is_not_taken(demo):
     """The alternation inside a group gives no example of "acceptance" or "production", so after "e"
     no closing path is found: the model's "e" is not taken there (it was, and the answer never
     closed), though it is after "test", where any text may follow."""
-    model, tokenizer = demo
     schema = {"type": "object", "required": ["stage"], "properties": {
         "stage": {"type": "string", "pattern": "(^test|acceptance|production$)"}}}
-    vocab = model.config.vocab_size
-    e = tokenizer.encode("e", add_special_tokens=False)[0]
-    rule = GrammarRule(grammar(demo, schema), vocab, 150)
-    for token in tokenizer.encode('{"stage": "', add_special_tokens=False):
-        rule.step(wanting(vocab, token))
-    while rule.step(wanting(vocab, e)) is not None and not rule.done:
-        pass
-    answer = json.loads(tokenizer.decode_clean(rule.output))
+    rule = wanting_forever(demo, schema, 150, '{"stage": "', "e")
+    answer = json.loads(demo[1].decode_clean(rule.output))
     validate(answer, schema)
     assert answer["stage"].startswith("test") and len(rule.output) == 150
 
@@ -159,17 +152,24 @@ def test_a_token_after_which_no_closing_path_is_found_is_not_taken(demo):
 def test_an_integer_the_model_would_not_end_stays_within_what_pythons_json_reads(demo):
     """A model that writes digits forever, with room for 5,000: the integer ends at MAX_DIGITS digits
     (Python's JSON reader refuses one of over 4,300), and the answer reads and validates."""
-    model, tokenizer = demo
-    schema, vocab = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}, model.config.vocab_size
-    seven = tokenizer.encode("7", add_special_tokens=False)[0]
-    rule = GrammarRule(grammar(demo, schema), vocab, 5000)
-    for token in tokenizer.encode('{"n": ', add_special_tokens=False):
-        rule.step(wanting(vocab, token))
-    while rule.step(wanting(vocab, seven)) is not None and not rule.done:
-        pass
-    answer = json.loads(tokenizer.decode_clean(rule.output))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    rule = wanting_forever(demo, schema, 5000, '{"n": ', "7")
+    answer = json.loads(demo[1].decode_clean(rule.output))
     validate(answer, schema)
     assert len(str(answer["n"])) == MAX_DIGITS
+
+
+def wanting_forever(demo, schema: dict, budget: int, start: str, wanted: str) -> GrammarRule:
+    """The rule's answer where the model writes ``start``, then wants ``wanted``'s token to the end."""
+    model, tokenizer = demo
+    vocab = model.config.vocab_size
+    rule = GrammarRule(grammar(demo, schema), vocab, budget)
+    for token in tokenizer.encode(start, add_special_tokens=False):
+        rule.step(wanting(vocab, token))
+    (token,) = tokenizer.encode(wanted, add_special_tokens=False)
+    while rule.step(wanting(vocab, token)) is not None and not rule.done:
+        pass
+    return rule
 
 
 @pytest.mark.parametrize("name", ["alternation", "many-strings", "expression", "formats"])
