@@ -11,7 +11,8 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from .cache import CanvasView
-from .sampler import CanvasResult, CanvasRun, Clamp, CompactedRun, Draft, Random, RunBatch, SamplerSettings
+from .sampler import CanvasResult, CanvasRun, CompactedRun, Draft, Random, RunBatch, SamplerSettings
+from .template import Clamp
 
 
 def new_run(model, settings: SamplerSettings, rng: Random, length: int | None = None, clamp: Clamp | None = None,

@@ -31,7 +31,8 @@ import numpy as np
 
 from .cache import CanvasView
 from .filters import sampling_probs
-from .sampler import Clamp, Random, SamplerSettings, tempered_distribution
+from .sampler import Random, SamplerSettings, tempered_distribution
+from .template import Clamp
 
 
 @dataclass(frozen=True)

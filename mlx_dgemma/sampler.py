@@ -6,7 +6,7 @@ accept the lowest-entropy positions whose summed entropy stays within the bound;
 position uniformly; stop once the argmax canvas is stable and the mean entropy is below the
 confidence threshold. The tempered logits self-condition the next step; the last argmax is committed.
 
-A ``Clamp`` (template.py builds them) fixes some canvas positions: they hold their token from the
+A ``template.Clamp`` fixes some canvas positions: they hold their token from the
 first draft to the commit, are always accepted, never renoised, and take no part in the entropy
 budget or the stop rule's mean entropy; other positions may be limited to a class of tokens. With no
 clamp the loop is the reference's, draw for draw.
@@ -39,6 +39,7 @@ from .filters import (
     filtering,
     sampling_probs,
 )
+from .template import Clamp
 from .validate import MAX_STEPS, check_entropy_bound, check_temperature, check_temperatures, integer_in
 
 _check_freeze_after = integer_in(0, MAX_STEPS)  # (past a canvas's steps, nothing freezes)
@@ -179,40 +180,6 @@ def _f32(x: float) -> float:
     """x rounded to float32: an operation on float32 values done in float64 and rounded so is the
     float32 operation's result (correctly rounded), with no numpy."""
     return struct.unpack("f", struct.pack("f", x))[0]
-
-
-@dataclass
-class Clamp:
-    """Fixed tokens and per-position token classes for one canvas.
-
-    ``fixed`` [1, C] bool and ``tokens`` [1, C] int32 (read where fixed). ``classes`` [1, C] int32
-    indexes rows of ``bias`` [K, V] float32 (0 for allowed tokens, a large negative number for the
-    others; row 0 allows everything): K token classes rather than a [C, V] mask keep the memory at
-    K rows of the vocabulary. ``finish`` may rewrite the committed canvas from the last step's
-    probabilities (a template snapping a multiple-choice hole to one of its choices)."""
-
-    fixed: mx.array
-    tokens: mx.array
-    classes: mx.array | None = None
-    bias: mx.array | None = None
-    finish: Callable[[mx.array, mx.array], mx.array] | None = None
-
-    def apply(self, canvas: mx.array) -> mx.array:
-        return mx.where(self.fixed, self.tokens, canvas)
-
-    def restrict(self, logits: mx.array, active: mx.array | None = None) -> mx.array:
-        """Logits of the canvas (or of its ``active`` positions) with disallowed tokens pushed down."""
-        if self.bias is None:
-            return logits
-        classes = self.classes if active is None else self.classes[:, active]
-        return logits + self.bias[classes]
-
-    def free_entropy(self, entropy: mx.array) -> tuple[mx.array, mx.array]:
-        """Entropy with fixed positions at 0 (accepted first, costing nothing), and its mean over the
-        free positions."""
-        free = mx.logical_not(self.fixed)
-        entropy = mx.where(free, entropy, 0.0)
-        return entropy, entropy.sum() / mx.maximum(free.sum(), 1)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Canvas templates: answers with fixed text and holes, infilling, and their per-canvas clamps.
 
 A template is the answer laid out on the canvases after the prompt: literal text whose tokens are
-clamped (fixed from the first draft to the commit, sampler.Clamp) and holes the model denoises::
+clamped (fixed from the first draft to the commit, ``Clamp``) and holes the model denoises::
 
     {"name": "{{fill:12}}", "age": {{fill:3}}}
     def area(r):\\n    {{fill:40}}\\n    return a
@@ -25,12 +25,45 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import TemplateError
-from .sampler import Clamp
 
 DEFAULT_HOLE = 16  # tokens of a {{fill}} without a size
 TEMPLATE_LIMIT = 1 << 20  # positions a template may take when the caller does not give the model's context
 FREE = -1  # a hole position in CanvasTemplate.tokens
 _NEG = -1e9  # the bias of a token a position may not take (finite: no inf - inf anywhere)
+
+
+@dataclass
+class Clamp:
+    """Fixed tokens and per-position token classes for one canvas.
+
+    ``fixed`` [1, C] bool and ``tokens`` [1, C] int32 (read where fixed). ``classes`` [1, C] int32
+    indexes rows of ``bias`` [K, V] float32 (0 for allowed tokens, a large negative number for the
+    others; row 0 allows everything): K token classes rather than a [C, V] mask keep the memory at
+    K rows of the vocabulary. ``finish`` may rewrite the committed canvas from the last step's
+    probabilities (a template snapping a multiple-choice hole to one of its choices)."""
+
+    fixed: mx.array
+    tokens: mx.array
+    classes: mx.array | None = None
+    bias: mx.array | None = None
+    finish: Callable[[mx.array, mx.array], mx.array] | None = None
+
+    def apply(self, canvas: mx.array) -> mx.array:
+        return mx.where(self.fixed, self.tokens, canvas)
+
+    def restrict(self, logits: mx.array, active: mx.array | None = None) -> mx.array:
+        """Logits of the canvas (or of its ``active`` positions) with disallowed tokens pushed down."""
+        if self.bias is None:
+            return logits
+        classes = self.classes if active is None else self.classes[:, active]
+        return logits + self.bias[classes]
+
+    def free_entropy(self, entropy: mx.array) -> tuple[mx.array, mx.array]:
+        """Entropy with fixed positions at 0 (accepted first, costing nothing), and its mean over the
+        free positions."""
+        free = mx.logical_not(self.fixed)
+        entropy = mx.where(free, entropy, 0.0)
+        return entropy, entropy.sum() / mx.maximum(free.sum(), 1)
 
 
 @dataclass
