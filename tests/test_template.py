@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from mlx_dgemma import generate, infill, json_template, parse_template, stream_generate
 from mlx_dgemma.denoise import denoise_canvas
 from mlx_dgemma.generate import DEMO_MODEL, main
-from mlx_dgemma.sampler import Clamp, MxRandom, SamplerSettings
-from mlx_dgemma.template import FREE, TemplateError, canvas_clamps, infill_template
+from mlx_dgemma.sampler import MxRandom, SamplerSettings
+from mlx_dgemma.template import FREE, Clamp, TemplateError, canvas_clamps, infill_template
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "model.safetensors").exists(), reason="no bundled demo model")
