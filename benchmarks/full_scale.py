@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # checkpoint_tools/ and mlx_dgemma/ of this checkout, also in the child processes
 
 from checkpoint_tools.synthetic_checkpoint import ONES, hf_config, hf_tensors, scaled_sizes  # noqa: E402
-from mlx_dgemma import drafting, policy  # noqa: E402
+from mlx_dgemma import drafting, policy, rules  # noqa: E402
 from mlx_dgemma.batch import prefill  # noqa: E402
 from mlx_dgemma.config import FULL, ModelConfig  # noqa: E402
 from mlx_dgemma.convert import Quantization  # noqa: E402
@@ -228,7 +228,7 @@ def ar_answer(model, cache, logits: mx.array, tokens: int) -> str:
 def verified_round(model, cache, logits: mx.array, length: int, steps: int) -> str:
     """One verified-drafting round after the prompt in ``cache`` (trimmed back to it afterwards)."""
     before = cache.offset
-    rule = drafting.GreedyRule(set(), model.config.canvas_length)
+    rule = rules.GreedyRule(set(), model.config.canvas_length)
     settings = drafting.DraftSettings(length, steps)
     known = int(logits.argmax(-1).item())
     row = drafting.DraftRow(cache, known, rule, SamplerSettings(), MxRandom(0))

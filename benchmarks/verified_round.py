@@ -12,7 +12,7 @@ fast_blas.load()
 import mlx.core as mx  # noqa: E402
 from timing import best_ms  # noqa: E402
 
-from mlx_dgemma import drafting, load  # noqa: E402
+from mlx_dgemma import drafting, load, rules  # noqa: E402
 from mlx_dgemma.generate import DEMO_MODEL  # noqa: E402
 from mlx_dgemma.sampler import MxRandom, SamplerSettings  # noqa: E402
 
@@ -31,7 +31,7 @@ def main():
     model.encode(ids, cache)
     mx.eval(cache.state())
     settings = drafting.DraftSettings(a.length, 1)
-    row = drafting.DraftRow(cache, 5, drafting.GreedyRule(set(), a.length), SamplerSettings(), MxRandom(0))
+    row = drafting.DraftRow(cache, 5, rules.GreedyRule(set(), a.length), SamplerSettings(), MxRandom(0))
     tokens = mx.random.randint(3, cfg.vocab_size, (1, a.length), key=mx.random.key(1))
 
     def draft():

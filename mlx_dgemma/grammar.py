@@ -20,11 +20,9 @@ import weakref
 from dataclasses import dataclass
 
 import llguidance
-import mlx.core as mx
 import numpy as np
 
 from .errors import TemplateError
-from .filters import sampling_probs
 from .schema_rewrite import required_only, rewrite
 from .string_examples import string_examples
 
@@ -234,13 +232,6 @@ def allowed_tokens(matcher: llguidance.LLMatcher, vocab: int) -> np.ndarray:
     """The [vocab] boolean mask of the tokens ``matcher`` allows next."""
     bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
     return np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
-
-
-def masked_probs(logits: np.ndarray, allowed: np.ndarray, temperature: float, filters: tuple = ()) -> np.ndarray:
-    """The distribution to draw from over the ``allowed`` tokens only: the masked logits tempered and
-    filtered (``filters.sampling_probs``: top-p, top-k, min-p) as every other draw is."""
-    masked = mx.array(np.where(allowed, logits, -np.inf).astype(np.float32))
-    return np.array(sampling_probs(masked, temperature, *filters), dtype=np.float64)
 
 
 @dataclass(frozen=True)

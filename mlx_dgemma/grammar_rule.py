@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import TemplateError
+from .filters import sampling_probs
 from .grammar import (
     CLOSING_CAP,
     Grammar,
@@ -24,7 +25,6 @@ from .grammar import (
     closing_path,
     closing_table,
     first_closing_path,
-    masked_probs,
     single_line,
     whole_json,
 )
@@ -37,8 +37,15 @@ WALK_OPERATIONS = 16  # ...at this many matcher operations each: what a walk mid
 MAX_DIGITS = 4096
 
 
+def masked_probs(logits: np.ndarray, allowed: np.ndarray, temperature: float, filters: tuple = ()) -> np.ndarray:
+    """The distribution to draw from over the ``allowed`` tokens only: the masked logits tempered and
+    filtered (``filters.sampling_probs``: top-p, top-k, min-p) as every other draw is."""
+    masked = mx.array(np.where(allowed, logits, -np.inf).astype(np.float32))
+    return np.array(sampling_probs(masked, temperature, *filters), dtype=np.float64)
+
+
 class GrammarRule:
-    """Decoding under a grammar up to its end or ``max_tokens`` (the drafting.GreedyRule interface, and
+    """Decoding under a grammar up to its end or ``max_tokens`` (a rules.Rule, and
     ``step`` for one token at a time): greedy, or sampled at ``temperature`` through ``rng`` with the
     sampling ``filters`` (top_p, top_k, min_p) applied after the mask.
 

@@ -11,7 +11,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from checkpoint_tools.random_checkpoint import PRESETS
-from mlx_dgemma import drafting, generate, json_template, load, stream_generate
+from mlx_dgemma import drafting, generate, json_template, load, rules, stream_generate
 from mlx_dgemma.config import GenerationConfig, ModelConfig
 from mlx_dgemma.demo.eval import instances
 from mlx_dgemma.demo.tasks import TASKS, json_schema
@@ -101,7 +101,7 @@ def test_a_stop_id_inside_a_draft_ends_it(demo):
     model, tokenizer = demo
     prompt = prompt_ids(tokenizer, "json: name=ada city=rome age=36")
     ar = tokens_of(stream_generate(model, tokenizer, prompt, policy="ar"))
-    rounds = [tokens for tokens, *_ in run_verified(model, prompt, drafting.GreedyRule(set(), 64), 32, 2)]
+    rounds = [tokens for tokens, *_ in run_verified(model, prompt, rules.GreedyRule(set(), 64), 32, 2)]
     free = [t for tokens in rounds for t in tokens]
     assert free[:len(ar)] == ar  # AR ended at the model's own stop id
     before = 1  # the first round begins with the prompt's next token, no draft token
@@ -112,7 +112,7 @@ def test_a_stop_id_inside_a_draft_ends_it(demo):
         before += len(tokens)
     assert inside, "no round kept a draft token"
     stop = inside[len(inside) // 2]
-    rounds = list(run_verified(model, prompt, drafting.GreedyRule({stop}, 64), 32, 2))
+    rounds = list(run_verified(model, prompt, rules.GreedyRule({stop}, 64), 32, 2))
     assert [t for tokens, *_ in rounds for t in tokens] == ar[:ar.index(stop) + 1]
     last_tokens, done, _, kept, _ = rounds[-1]
     assert done and kept >= 1 and last_tokens[-1] == stop
@@ -248,7 +248,7 @@ def sampled_verified_counts(model, length: int = 3, draft_length: int = 3, filte
     first = model.next_token_logits(mx.array([PROMPT]), cache)
     rng = MxRandom(7)
     for _ in range(DRAWS):
-        rule = drafting.SampledRule(set(), length, TEMPERATURE, rng, filters)
+        rule = rules.SampledRule(set(), length, TEMPERATURE, rng, filters)
         for _ in run_verified(model, PROMPT, rule, draft_length, 2, cache=cache, first=first):
             pass
         counts[tuple(rule.output)] += 1
@@ -304,9 +304,9 @@ def test_the_goodness_of_fit_catches_a_broken_acceptance_rule(tiny, exact, monke
     """The same test fails when the rule is wrong: keeping every draft token (the draft's own
     distribution), or redrawing a rejected token from p instead of the residual max(0, p − q)."""
     if broken == "accept always":
-        monkeypatch.setattr(drafting.SampledRule, "acceptance", staticmethod(lambda p, q: mx.ones_like(p)))
+        monkeypatch.setattr(rules.SampledRule, "acceptance", staticmethod(lambda p, q: mx.ones_like(p)))
     else:
-        monkeypatch.setattr(drafting.SampledRule, "residual", staticmethod(lambda p, q: p))
+        monkeypatch.setattr(rules.SampledRule, "residual", staticmethod(lambda p, q: p))
     counts = sampled_verified_counts(tiny)
     assert chi_square_p(counts, exact) < 1e-6
 

@@ -6,16 +6,14 @@ it), ``step()`` (one forward's worth for every row), ``remove(uid)`` and ``len``
 the engine and calls back into it: ``emit`` hands out what a row committed, ``replan`` asks an auto
 row's planner for its next plan and ``enter`` starts a row in its plan's kind.
 
-``Row`` is what every kind knows of a request; ``layout_rule`` and ``stopped`` are the template's and
-grammar's part, shared by the autoregressive and verified kinds."""
+``Row`` is what every kind knows of a request; the rules that decide a row's tokens on the host are
+rules.py's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..drafting import TemplateRule
-from ..grammar_rule import GrammarRule
 from ..policy import Plan
 from ..request import PreparedRequest
 from ..sampler import Draft
@@ -40,20 +38,3 @@ class Row:
     @property
     def temperature(self) -> float:
         return self.job.temperature
-
-
-def layout_rule(row: Row, tokenizer, vocab: int):
-    """A template row's rule (literal tokens forced, holes decoded greedily in their class) or a
-    grammar row's (each token among those the grammar allows, greedy or sampled)."""
-    job = row.job
-    if job.grammar is not None:
-        return GrammarRule(job.grammar, vocab, row.remaining, row.temperature, job.rng, row.plan.settings.filters)
-    return TemplateRule(job.template, tokenizer, vocab, job.end_of_turn)
-
-
-def stopped(job: PreparedRequest, rule, tokens: list[int]) -> bool:
-    """Whether an answer ended by itself: a template's layout is whole, a grammar reached its end,
-    or the last token is a stop id."""
-    if job.grammar is not None and rule is not None and rule.finished:
-        return True
-    return job.template is not None or bool(tokens) and tokens[-1] in job.stop_ids

@@ -1,6 +1,6 @@
 """Autoregressive rows: one left-padded cache for all of them and one forward per token, every row in
 it; each row is greedy, samples at its own temperature through its own draws, or is led by its
-template or grammar (``layout_rule``). The next tokens are queued before the current ones are read,
+template or grammar (``rules.rule_for``). The next tokens are queued before the current ones are read,
 so the host never waits on an idle device."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..filters import penalized, sampling_probs
-from . import Row, layout_rule, stopped
+from ..rules import rule_for, stopped
+from . import Row
 
 AR_BLOCK_MIN = 4  # tokens an auto row decodes autoregressively before it chooses again
 
@@ -51,8 +52,8 @@ class AutoregressiveRows:
     def add(self, row: Row, cache, logits: mx.array) -> None:
         """Decide the row's next token from ``logits`` and take its ``cache`` into the group's."""
         state = _Decoding(row)
-        if row.job.template is not None or row.job.grammar is not None:
-            state.rule = layout_rule(row, self.engine.tokenizer, self.engine.model.config.vocab_size)
+        state.rule = rule_for(row, self.engine.tokenizer, self.engine.model.config.vocab_size)
+        if state.rule is not None:
             token = state.rule.step(logits)
             if token is None or state.rule.done:  # nothing to feed: the template is whole
                 self.engine.emit(row, state.rule.output, 0, True, True)

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import drafting
-from ..drafting import DraftRow, DraftSettings, GreedyRule, Round, SampledRule
-from . import Row, layout_rule, stopped
+from ..drafting import DraftRow, DraftSettings, Round
+from ..rules import rule_for, stopped
+from . import Row
 
 
 @dataclass(eq=False)
@@ -36,10 +37,7 @@ class VerifiedRows:
     def add(self, row: Row, cache, logits: mx.array) -> None:
         """Decide the row's next token from ``logits`` (it goes out with the first round)."""
         job = row.job
-        rule = (layout_rule(row, self.engine.tokenizer, self.engine.model.config.vocab_size)
-                if job.template is not None or job.grammar is not None
-                else SampledRule(job.stop_ids, row.remaining, row.temperature, job.rng, row.plan.settings.filters)
-                if row.temperature else GreedyRule(job.stop_ids, row.remaining))
+        rule = rule_for(row, self.engine.tokenizer, self.engine.model.config.vocab_size)
         _, known = rule.follow(logits, [])
         self.rows.append(_Verifying(row, DraftRow(cache, known, rule, row.plan.settings, job.rng), rule.output[:]))
 
