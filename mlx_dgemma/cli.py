@@ -141,8 +141,7 @@ def sampling_options(command):
     request that does not set it)."""
     import click
 
-    from .filters import check_min_p, check_top_k, check_top_p
-    from .validate import check_temperature, option
+    from .validate import check_min_p, check_temperature, check_top_k, check_top_p, option
 
     options = [
         click.option("--temp", "temperature", type=float, callback=option(check_temperature),

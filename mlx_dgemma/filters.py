@@ -18,16 +18,7 @@ import math
 
 import mlx.core as mx
 
-from .validate import at_least, finite_number
-
 PENALTY_CONTEXT = 20  # mlx-lm's: the penalties look at the last 20 tokens (the prompt's included)
-check_top_p = finite_number(0, 1, low_open=True, high_open=False)  # 1: off
-# 1: off. It divides (or multiplies) soft-capped logits, within +-30, in float32: past these bounds a
-# repeated token's logit turns to 0/0 (NaN) or overflows, and no draw is left to make.
-check_repetition_penalty = finite_number(1e-4, 1e4, high_open=False)
-check_penalty = finite_number(-2, 2, high_open=False)  # OpenAI's range for presence and frequency; 0: off
-check_min_p = finite_number(0, 1, high_open=False)  # 0: off
-check_top_k = at_least(0)  # 0: off
 
 
 def filtering(top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> bool:

@@ -30,17 +30,20 @@ import mlx.core as mx
 
 from . import kernels as device_kernels
 from .config import GenerationConfig
-from .filters import (
+from .filters import filtering, sampling_probs
+from .template import Clamp
+from .validate import (
+    MAX_STEPS,
+    check_entropy_bound,
     check_min_p,
     check_penalty,
     check_repetition_penalty,
+    check_temperature,
+    check_temperatures,
     check_top_k,
     check_top_p,
-    filtering,
-    sampling_probs,
+    integer_in,
 )
-from .template import Clamp
-from .validate import MAX_STEPS, check_entropy_bound, check_temperature, check_temperatures, integer_in
 
 _check_freeze_after = integer_in(0, MAX_STEPS)  # (past a canvas's steps, nothing freezes)
 

@@ -88,6 +88,16 @@ def finite_number(low: float, high: float | None = None, low_open: bool = False,
     return check
 
 
+# The sampling filters' and penalties' values (filters.py applies them).
+check_top_p = finite_number(0, 1, low_open=True, high_open=False)  # 1: off
+# 1: off. It divides (or multiplies) soft-capped logits, within +-30, in float32: past these bounds a
+# repeated token's logit turns to 0/0 (NaN) or overflows, and no draw is left to make.
+check_repetition_penalty = finite_number(1e-4, 1e4, high_open=False)
+check_penalty = finite_number(-2, 2, high_open=False)  # OpenAI's range for presence and frequency; 0: off
+check_min_p = finite_number(0, 1, high_open=False)  # 0: off
+check_top_k = at_least(0)  # 0: off
+
+
 def check_steps(value, name: str = "steps", limit: int = MAX_STEPS) -> None:
     """Denoising steps from 1 to ``limit``: each step is a forward of the decoder, so an unbounded count
     is an unbounded request. The checkpoint's ``max_denoising_steps`` is a default, not this bound."""

@@ -8,7 +8,6 @@ option is set by the request otherwise (``SET_OTHERWISE``) or is not the client'
 
 from __future__ import annotations
 
-from ..filters import check_min_p, check_penalty, check_repetition_penalty, check_top_k, check_top_p
 from ..options import SamplingArgs, check_schedule_scale
 from ..policy import POLICIES
 from ..sampler import SamplerSettings
@@ -16,9 +15,14 @@ from ..validate import (
     MIN_TEMPERATURE,
     at_least,
     check_entropy_bound,
+    check_min_p,
+    check_penalty,
+    check_repetition_penalty,
     check_seed,
     check_steps,
     check_temperature,
+    check_top_k,
+    check_top_p,
     finite_number,
     integer_in,
     is_number,
