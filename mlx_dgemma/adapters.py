@@ -5,6 +5,7 @@ to a model (``load(path, adapter_path=...)``)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,7 +13,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .cli import write_atomically
 from .errors import FineTuneError
 
 ADAPTERS = "adapters.safetensors"
@@ -69,6 +69,20 @@ class EmbeddingRows:
 
     def restore(self) -> None:
         self.embed.weight = mx.where(self.rows, self.embed.weight, self.frozen)
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(temporary_path)`` in ``path``'s folder, then renamed over ``path``: a failed or
+    interrupted write leaves the previous file (or none) and no temporary one. The temporary name
+    keeps the suffix (writers such as mx.save_safetensors add theirs otherwise)."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def save_adapters(model, path: Path) -> None:

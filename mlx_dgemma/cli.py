@@ -85,20 +85,6 @@ def command_line(main):
     return guarded
 
 
-def write_atomically(path: Path, write) -> None:
-    """``write(temporary_path)`` in ``path``'s folder, then renamed over ``path``: a failed or
-    interrupted write leaves the previous file (or none) and no temporary one. The temporary name
-    keeps the suffix (writers such as mx.save_safetensors add theirs otherwise)."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
 def check_writable_folder(folder: Path, flag: str) -> None:
     """``folder`` is, or can be created as, a folder that takes new files; nothing is created here
     (checked before a long run writes into it)."""

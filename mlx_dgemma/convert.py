@@ -36,12 +36,13 @@ from .convert_output import (
     check_apart,
     check_destination,
     copy_side_files,
+    dequantize_model,
+    save_model,
     split_into_shards,
     staging_folder,
 )
 from .convert_report import format_size, format_table, measure_against, measure_recipe, reference_logits
 from .errors import ConversionError
-from .fuse import dequantize_model, save_model
 from .loader import (
     VISION_KEY,
     CheckpointError,

@@ -1,7 +1,8 @@
 """Where a conversion writes: the destination's checks (nothing but an earlier conversion is ever
 replaced), a staging folder beside it that replaces it on success and vanishes on failure or
 SIGTERM/SIGHUP, the marker that lists what a conversion wrote, its shards and the small files copied
-beside them. convert.py and fuse.py write through it."""
+beside them; and a loaded model written as a checkpoint (``save_model``, after ``dequantize_model``
+where it is to be unquantized). convert.py and fuse.py write through it."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
 from .errors import ConversionError
+from .experts import ExpertLinear, QuantizedExpertLinear
 from .loader import HUB_PATTERNS, WEIGHTS_INDEX
+from .safetensors_io import ShardWriter, TensorSpec, shard_names, write_index
 
 MARKER = ".mlx_dgemma_conversion.json"  # written last into every output: its files, so --force replaces only those
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's limit
@@ -188,3 +195,60 @@ def copy_side_files(src: Path, folder: Path) -> None:
         for path in src.glob(pattern):
             if path.is_file() and path.name not in _REWRITTEN and path.name != MARKER:
                 shutil.copy2(path, folder / path.name)
+
+
+def _dequantized(module):
+    def weight(m):
+        return mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits, mode=m.mode)
+
+    if isinstance(module, nn.QuantizedLinear):
+        out_dims, in_dims = weight(module).shape
+        linear = nn.Linear(in_dims, out_dims, bias="bias" in module)
+        linear.weight = weight(module)
+        if "bias" in module:
+            linear.bias = module.bias
+        return linear
+    if isinstance(module, nn.QuantizedEmbedding):
+        embedding = nn.Embedding(*weight(module).shape)
+        embedding.weight = weight(module)
+        return embedding
+    if isinstance(module, QuantizedExpertLinear):
+        experts, out_dims, in_dims = weight(module).shape
+        linear = ExpertLinear(in_dims, out_dims, experts)
+        linear.weight = weight(module)
+        return linear
+    return None
+
+
+def dequantize_model(model):
+    """Every quantized layer replaced by its plain layer of the dequantized weights."""
+    replaced = [(name, new) for name, module in model.named_modules() if (new := _dequantized(module)) is not None]
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return model
+
+
+def save_model(model, base_folder: Path, save_path: Path, dequantized: bool = False, force: bool = False,
+               flag: str = "--mlx-path") -> Path:
+    """The model's weights in ≤ 5 GB shards, the base's config (without its quantization entries when
+    ``dequantized``) and side files; written in a temporary folder renamed at the end (``flag``: the
+    command-line flag that names ``save_path``, for errors)."""
+    weights = dict(tree_flatten(model.parameters()))
+    groups = [(name, [TensorSpec.of(name, array)]) for name, array in weights.items()]
+    shards = split_into_shards(groups, MAX_SHARD_BYTES)
+    config = json.loads((base_folder / "config.json").read_text())
+    if dequantized:
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+    with staging_folder(save_path, force, flag) as folder:
+        weight_map = {}
+        for file_name, shard in zip(shard_names(len(shards)), shards):
+            with ShardWriter(folder / file_name, [spec for _, specs in shard for spec in specs]) as writer:
+                for name, _ in shard:
+                    writer.write(name, weights[name])
+                    weight_map[name] = file_name
+        if len(shards) > 1:
+            write_index(folder, weight_map, sum(a.nbytes for a in weights.values()))
+        (folder / "config.json").write_text(json.dumps(config, indent=4))
+        copy_side_files(base_folder, folder)
+    return save_path

@@ -41,8 +41,9 @@ from .adapters import (
     load_adapters,
     load_trainable,
     save_adapters,
+    write_atomically,
 )
-from .cli import check_writable_folder, command_line, write_atomically
+from .cli import check_writable_folder, command_line
 from .data import iterate_batches, load_dataset
 from .errors import FineTuneError
 from .validate import at_least, check_seed, finite_number, shown

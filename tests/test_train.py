@@ -16,8 +16,9 @@ from mlx.utils import tree_flatten
 
 from checkpoint_tools import train_demo
 from mlx_dgemma import train
+from mlx_dgemma.convert_output import save_model
 from mlx_dgemma.data import DataError, load_dataset, load_split, make_example
-from mlx_dgemma.fuse import fuse_adapters, save_model
+from mlx_dgemma.fuse import fuse_adapters
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import load, load_model
 from mlx_dgemma.lora import (
