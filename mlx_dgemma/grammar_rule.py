@@ -15,19 +15,10 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
+from .closing import CLOSING_CAP, Operations, closing_path, closing_table, first_closing_path, whole_json
 from .errors import TemplateError
 from .filters import sampling_probs
-from .grammar import (
-    CLOSING_CAP,
-    Grammar,
-    Operations,
-    allowed_tokens,
-    closing_path,
-    closing_table,
-    first_closing_path,
-    single_line,
-    whole_json,
-)
+from .grammar import Grammar, allowed_tokens, single_line
 
 CLOSING_SLACK = 64  # tokens past the closing path from the start...
 WALK_OPERATIONS = 16  # ...at this many matcher operations each: what a walk mid-answer may take

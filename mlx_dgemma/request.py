@@ -12,11 +12,12 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from .closing import check_closing_fits, check_closing_room
 from .config import GenerationConfig
 from .drafting import DraftSettings
 from .errors import OptionError
 from .filters import filtering
-from .grammar import CLOSING_CAP, Grammar, first_closing_path, schema_grammar
+from .grammar import Grammar, schema_grammar
 from .images import ImageInputs, image_inputs
 from .options import GenerationArgs, check_prefill_step_size
 from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan
@@ -221,44 +222,6 @@ def grammar_stop_ids(tokenizer, defaults: GenerationConfig) -> list[int]:
     answer), then the checkpoint's other stop ids."""
     end = _end_of_turn(tokenizer, defaults)
     return ([end] if end is not None else []) + [i for i in defaults.eos_token_id if i != end]
-
-
-def closing_length(grammar: Grammar, vocab: int) -> int | None:
-    """The tokens of the schema's closing path from its start (its shortest answer, as the path finds
-    it), or None past ``CLOSING_CAP``."""
-    path = first_closing_path(grammar, vocab)
-    return None if path is None else len(path)
-
-
-_SHORTER = "lower its minLength or minItems, or make fewer of its keys required"
-
-
-def check_closing_room(grammar: Grammar, vocab: int, room: int) -> None:
-    """A ``TemplateError`` when the schema's closing path (grammar.py) takes more than ``room``, the tokens
-    the model's context leaves after the prompt (or is not found within ``CLOSING_CAP`` tokens): then no
-    ``max_tokens`` would keep the answer valid at its end."""
-    shortest = _found_closing_length(grammar, vocab)
-    if shortest > room:
-        raise TemplateError(f"the schema's shortest answer takes {shortest} tokens, more than the {room} the model's "
-                            f"context leaves after the prompt, so no max_tokens fits it; {_SHORTER}, or shorten the "
-                            "prompt")
-
-
-def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
-    """A ``TemplateError`` when the schema's closing path takes more than ``max_tokens`` (or is not found
-    within ``CLOSING_CAP`` tokens): then nothing would keep the answer valid at its end."""
-    shortest = _found_closing_length(grammar, vocab)
-    if shortest > max_tokens:
-        raise TemplateError(f"the schema's shortest answer takes {shortest} tokens, more than max_tokens {max_tokens}; "
-                            "raise max_tokens")
-
-
-def _found_closing_length(grammar: Grammar, vocab: int) -> int:
-    shortest = closing_length(grammar, vocab)
-    if shortest is None:
-        raise TemplateError(f"the schema's shortest answer takes more than {CLOSING_CAP} tokens, the most an answer "
-                            f"is closed within, so no max_tokens fits it; {_SHORTER}")
-    return shortest
 
 
 _FILTERS = ("top_p", "top_k", "min_p")

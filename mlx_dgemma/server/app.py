@@ -31,9 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import validate
+from ..closing import check_closing_fits, closing_length
 from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..options import GenerationArgs
-from ..request import PromptError, answer_room, check_closing_fits, check_prompt_fits, closing_length, generation_config
+from ..request import PromptError, answer_room, check_prompt_fits, generation_config
 from ..template import CanvasTemplate, TemplateError, infill_template
 from ..tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_calls
 from ..vision import has_vision
