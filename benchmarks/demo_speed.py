@@ -149,7 +149,7 @@ def main() -> None:
     import mlx_dgemma  # noqa: F401  (fast BLAS before mlx.core)
     from mlx_dgemma import fast_blas, load, stream_generate
     from mlx_dgemma.convert import convert
-    from mlx_dgemma.demo.eval import instances
+    from mlx_dgemma.demo.scores import instances
     from mlx_dgemma.demo.tasks import TASKS, check
     from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
 

@@ -71,7 +71,7 @@ class TaskRow:
 
     @classmethod
     def measure(cls, model, tokenizer, instances: int, seed: int) -> "TaskRow":
-        from .demo.eval import evaluate_policies
+        from .demo.scores import evaluate_policies
 
         scores = evaluate_policies(model, tokenizer, instances, seed, ["reference", "ar"])
         diffusion, ar = (list(scores[p].values()) for p in ("reference", "ar"))

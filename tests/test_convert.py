@@ -38,7 +38,7 @@ from mlx_dgemma.convert import (
     split_into_shards,
 )
 from mlx_dgemma.convert_report import LogitError, Probe, probe_logits
-from mlx_dgemma.demo.eval import evaluate_policies
+from mlx_dgemma.demo.scores import evaluate_policies
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import CheckpointError
 

@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from mlx_dgemma import load
-from mlx_dgemma.demo.eval import evaluate
+from mlx_dgemma.demo.scores import evaluate
 from mlx_dgemma.generate import DEMO_MODEL, prompt_ids
 
 from .test_sampler_replay import assert_replay_matches
@@ -50,7 +50,7 @@ def test_the_reference_gives_the_same_answers_with_the_same_draws(prompt):
 def test_history_puts_answered_turns_before_the_prompt():
     import random
 
-    from mlx_dgemma.demo.eval import with_history
+    from mlx_dgemma.demo.scores import with_history
 
     _, tokenizer = load(DEMO_MODEL)
     alone = prompt_ids(tokenizer, "reverse: planet")

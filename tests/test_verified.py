@@ -13,7 +13,7 @@ from scipy import stats as scipy_stats
 from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import drafting, generate, json_template, load, rules, stream_generate
 from mlx_dgemma.config import GenerationConfig, ModelConfig
-from mlx_dgemma.demo.eval import instances
+from mlx_dgemma.demo.scores import instances
 from mlx_dgemma.demo.tasks import TASKS, json_schema
 from mlx_dgemma.filters import sampling_probs
 from mlx_dgemma.generate import prompt_ids
