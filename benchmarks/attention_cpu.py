@@ -13,7 +13,7 @@ fast_blas.load()
 import mlx.core as mx  # noqa: E402
 from timing import best_ms  # noqa: E402
 
-from mlx_dgemma import kernels  # noqa: E402
+from mlx_dgemma.model import kernels  # noqa: E402
 
 
 def main():

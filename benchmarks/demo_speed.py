@@ -44,7 +44,7 @@ SAMPLER_ONLY = {"stability_threshold", "confidence_threshold"}
 
 
 def generate_arguments(name: str, generation_config) -> dict:
-    from mlx_dgemma.sampler import SamplerSettings
+    from mlx_dgemma.engine.sampler import SamplerSettings
 
     setting = dict(SETTINGS[name])
     if SAMPLER_ONLY & set(setting):

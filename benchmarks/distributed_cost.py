@@ -37,7 +37,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_dgemma import distributed, loader  # noqa: E402
-from mlx_dgemma.policy import KNOWN_DEVICES, RELEASED, Cost, forward_cost, predicted_seconds  # noqa: E402
+from mlx_dgemma.engine.policy import KNOWN_DEVICES, RELEASED, Cost, forward_cost, predicted_seconds  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:

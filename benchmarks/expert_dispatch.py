@@ -15,8 +15,9 @@ fast_blas.load()
 import mlx.core as mx  # noqa: E402
 from timing import best_ms  # noqa: E402
 
-from mlx_dgemma import kernels, load  # noqa: E402
+from mlx_dgemma import load  # noqa: E402
 from mlx_dgemma.generate import DEMO_MODEL  # noqa: E402
+from mlx_dgemma.model import kernels  # noqa: E402
 
 
 def step_ms(model, cache, width: int, reps: int) -> float:

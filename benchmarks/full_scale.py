@@ -47,13 +47,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # checkpoint_tools/ and mlx_dgemma/ of this checkout, also in the child processes
 
 from checkpoint_tools.synthetic_checkpoint import ONES, hf_config, hf_tensors, scaled_sizes  # noqa: E402
-from mlx_dgemma import drafting, policy, rules  # noqa: E402
-from mlx_dgemma.batch import prefill  # noqa: E402
-from mlx_dgemma.config import FULL, ModelConfig  # noqa: E402
 from mlx_dgemma.convert import Quantization  # noqa: E402
+from mlx_dgemma.engine import drafting, policy, rules  # noqa: E402
+from mlx_dgemma.engine.batch import prefill  # noqa: E402
+from mlx_dgemma.engine.sampler import MxRandom, SamplerSettings  # noqa: E402
 from mlx_dgemma.loader import load_model  # noqa: E402
-from mlx_dgemma.model import DiffusionGemma  # noqa: E402
-from mlx_dgemma.sampler import MxRandom, SamplerSettings  # noqa: E402
+from mlx_dgemma.model.config import FULL, ModelConfig  # noqa: E402
+from mlx_dgemma.model.diffusion_gemma import DiffusionGemma  # noqa: E402
 
 GB = 1e9
 RECIPES = ("mixed", "uniform", "none")

@@ -34,9 +34,9 @@ import mlx.core as mx  # noqa: E402
 from mlx_dgemma import BatchGenerator, load, stream_generate  # noqa: E402
 from mlx_dgemma.demo import DEMO_MODEL  # noqa: E402
 from mlx_dgemma.demo.tasks import TASKS, make_instance  # noqa: E402
+from mlx_dgemma.engine.policy import AutoPlanner, Profile  # noqa: E402
+from mlx_dgemma.engine.request import generation_device, prepare  # noqa: E402
 from mlx_dgemma.options import GenerationArgs  # noqa: E402
-from mlx_dgemma.policy import AutoPlanner, Profile  # noqa: E402
-from mlx_dgemma.request import generation_device, prepare  # noqa: E402
 
 # Times close enough that auto moves between plans as its estimates of steps, answer lengths and
 # acceptance change (its measured pace is left out: see main).

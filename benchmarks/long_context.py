@@ -34,14 +34,15 @@ import numpy as np  # noqa: E402
 from timing import best_ms  # noqa: E402
 
 from checkpoint_tools.synthetic_checkpoint import write_long_context  # noqa: E402
-from mlx_dgemma import generate, kernels, load  # noqa: E402
+from mlx_dgemma import generate, load  # noqa: E402
+from mlx_dgemma.engine.policy import AutoPlanner, cached_profile, predict  # noqa: E402
+from mlx_dgemma.engine.policy.roofline import forward_cost  # noqa: E402
+from mlx_dgemma.engine.request import generation_config  # noqa: E402
 from mlx_dgemma.generate import prefill  # noqa: E402
 from mlx_dgemma.loader import weight_files  # noqa: E402
 from mlx_dgemma.memory import memory_need  # noqa: E402
+from mlx_dgemma.model import kernels  # noqa: E402
 from mlx_dgemma.options import KVQuantization  # noqa: E402
-from mlx_dgemma.policy import AutoPlanner, cached_profile, predict  # noqa: E402
-from mlx_dgemma.policy.roofline import forward_cost  # noqa: E402
-from mlx_dgemma.request import generation_config  # noqa: E402
 from mlx_dgemma.safetensors_io import read_header  # noqa: E402
 
 README_DEVICES = ("M1 Max", "M2 Ultra", "M4 Max", "M5 Max", "RTX 4090", "H100")
@@ -210,8 +211,8 @@ def quantized_attention(keys: int, repeats: int) -> list[dict]:
 def released_predictions(prefixes) -> list[dict]:
     """The roofline for the released model on the README's devices: AR and diffusion (16 steps per
     canvas) tok/s per prefix, and what auto would pick from that profile."""
-    from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import RELEASED
+    from mlx_dgemma.engine.policy import RELEASED
+    from mlx_dgemma.model.config import GenerationConfig
 
     rows = []
     for device in README_DEVICES:

@@ -32,7 +32,7 @@ import full_scale  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from shapes import add_shape_options, describe, require_positive, sizes_from  # noqa: E402
 
-from mlx_dgemma.config import FULL  # noqa: E402
+from mlx_dgemma.model.config import FULL  # noqa: E402
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
          "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")

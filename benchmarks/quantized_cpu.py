@@ -29,10 +29,10 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
-from mlx_dgemma import kernels  # noqa: E402
-from mlx_dgemma.config import FULL  # noqa: E402
-from mlx_dgemma.model import DiffusionGemma  # noqa: E402
-from mlx_dgemma.policy import RELEASED  # noqa: E402
+from mlx_dgemma.engine.policy import RELEASED  # noqa: E402
+from mlx_dgemma.model import kernels  # noqa: E402
+from mlx_dgemma.model.config import FULL  # noqa: E402
+from mlx_dgemma.model.diffusion_gemma import DiffusionGemma  # noqa: E402
 
 SENSITIVE_BITS = 8  # the mixed recipe's attention, router, dense MLP and embedding
 GROUP = 64

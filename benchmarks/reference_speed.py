@@ -52,7 +52,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (  # 
 )
 
 from checkpoint_tools.random_checkpoint import SMALL_VISION  # noqa: E402
-from mlx_dgemma import policy  # noqa: E402
+from mlx_dgemma.engine import policy  # noqa: E402
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TOP_LEVEL = ("canvas_length", "image_token_id", "boi_token_id", "eoi_token_id")

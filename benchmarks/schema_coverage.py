@@ -38,11 +38,11 @@ from jsonschema.validators import validator_for  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from mlx_dgemma import load, stream_generate  # noqa: E402
+from mlx_dgemma.engine.grammar_rule import GrammarRule  # noqa: E402
+from mlx_dgemma.engine.request import prepare  # noqa: E402
 from mlx_dgemma.generate import DEMO_MODEL  # noqa: E402
-from mlx_dgemma.grammar import allowed_tokens  # noqa: E402
-from mlx_dgemma.grammar_rule import GrammarRule  # noqa: E402
 from mlx_dgemma.options import GenerationArgs  # noqa: E402
-from mlx_dgemma.request import prepare  # noqa: E402
+from mlx_dgemma.structured.grammar import allowed_tokens  # noqa: E402
 
 POLICIES = ("reference", "ar", "verified", "auto")
 PROMPT_CHARS = 80  # of a schema's title in its prompt

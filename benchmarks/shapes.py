@@ -10,7 +10,7 @@ import argparse
 from full_scale import released_sizes
 
 from checkpoint_tools.random_checkpoint import PRESETS
-from mlx_dgemma.policy import RELEASED
+from mlx_dgemma.engine.policy import RELEASED
 
 
 def add_shape_options(p: argparse.ArgumentParser) -> None:

@@ -12,9 +12,10 @@ fast_blas.load()
 import mlx.core as mx  # noqa: E402
 from timing import best_ms  # noqa: E402
 
-from mlx_dgemma import drafting, load, rules  # noqa: E402
+from mlx_dgemma import load  # noqa: E402
+from mlx_dgemma.engine import drafting, rules  # noqa: E402
+from mlx_dgemma.engine.sampler import MxRandom, SamplerSettings  # noqa: E402
 from mlx_dgemma.generate import DEMO_MODEL  # noqa: E402
-from mlx_dgemma.sampler import MxRandom, SamplerSettings  # noqa: E402
 
 
 def main():

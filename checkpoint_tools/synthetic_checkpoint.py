@@ -20,8 +20,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from checkpoint_tools.random_checkpoint import PRESETS
-from mlx_dgemma.config import FULL, SLIDING, ModelConfig
-from mlx_dgemma.model import DiffusionGemma
+from mlx_dgemma.model.config import FULL, SLIDING, ModelConfig
+from mlx_dgemma.model.diffusion_gemma import DiffusionGemma
 from mlx_dgemma.safetensors_io import ShardWriter, TensorSpec, write_index
 
 # The text config of google/diffusiongemma-26B-A4B-it (its config.json's text_config).

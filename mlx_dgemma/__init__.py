@@ -14,10 +14,10 @@ _API = {
     "stream_generate": "generate",
     "infill": "generate",
     "drafted_json_template": "generate",
-    "batch_generate": "batch",
-    "BatchGenerator": "batch",
-    "parse_template": "template",
-    "json_template": "json_schema",
+    "batch_generate": "engine.batch",
+    "BatchGenerator": "engine.batch",
+    "parse_template": "structured.template",
+    "json_template": "structured.json_schema",
 }
 
 __all__ = list(_API)

@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from .cli import command_line, several_values
-from .policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas
+from .engine.policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas
 from .validate import at_least, option, writable_file
 
 STEPS = (2, 4, 8, 16, 32, 48)
@@ -128,7 +128,7 @@ def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3)
     """Seconds per denoising step spent in each part, each timed alone at ``canvas`` positions."""
     import mlx.core as mx
 
-    from .sampler import MxRandom, accept_mask, tempered_distribution
+    from .engine.sampler import MxRandom, accept_mask, tempered_distribution
 
     cfg = model.config
     cache = model.make_cache()
@@ -163,7 +163,7 @@ def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3)
         return model.head(decoder.norm(x))
 
     def self_conditioning():
-        from .model import soft_embed
+        from .model.diffusion_gemma import soft_embed
 
         return decoder.self_conditioning(model.embed(ids), soft_embed(decoder.embed_tokens, probs))
 
@@ -237,7 +237,7 @@ def plot(r: dict, path: Path) -> None:
 
     profile = Profile(r["device"], "measured", {int(k): v for k, v in r["step_s_by_canvas"].items()},
                       1 / r["ar_tok_s"], r["prefill_tok_s"])
-    from .policy import predict
+    from .engine.policy import predict
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, (title, p) in zip(axes, [(f"measured: {r['device']} ({r['dtype']})", profile),

@@ -30,7 +30,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .config import ConfigError, GenerationConfig
 from .errors import DistributedError
 from .loader import (
     CheckpointError,
@@ -42,7 +41,8 @@ from .loader import (
     stack_experts,
     weight_files,
 )
-from .model import DiffusionGemma
+from .model.config import ConfigError, GenerationConfig
+from .model.diffusion_gemma import DiffusionGemma
 from .safetensors_io import TensorInfo, read_header, read_tensor
 
 TIMEOUT_ENV = "MLX_DGEMMA_DIST_TIMEOUT"

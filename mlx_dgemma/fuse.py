@@ -20,7 +20,7 @@ from pathlib import Path
 from mlx.utils import tree_unflatten
 
 from .cli import check_writable_folder, command_line
-from .convert_output import check_apart, check_destination, dequantize_model, save_model
+from .convert.output import check_apart, check_destination, dequantize_model, save_model
 
 SAVE_PATH = "--save-path"
 

@@ -31,13 +31,11 @@ from .api import (
     stream_from_args,
     stream_generate,
 )
-from .batch import prefill
 from .cli import command_line, kv_cache_options, sampling_options, several_values
 from .demo import DEMO_MODEL
-from .images import load_image
-from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_prefill_step_size, check_schedule_scale
-from .policy import POLICIES, Plan
-from .request import (
+from .engine.batch import prefill
+from .engine.policy import POLICIES, Plan
+from .engine.request import (
     PreparedRequest,
     answer_text,
     check_prompt_fits,
@@ -48,7 +46,9 @@ from .request import (
     prompt_ids,
     schema_template,
 )
-from .template import TemplateError, parse_template
+from .model.images import load_image
+from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_prefill_step_size, check_schedule_scale
+from .structured.template import TemplateError, parse_template
 from .validate import (
     MAX_STEPS,
     PromptError,

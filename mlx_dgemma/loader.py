@@ -16,12 +16,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .config import ConfigError, GenerationConfig, ModelConfig
 from .errors import CheckpointError
-from .images import ImageProcessorConfig
-from .model import DiffusionGemma
+from .model.config import ConfigError, GenerationConfig, ModelConfig
+from .model.diffusion_gemma import DiffusionGemma
+from .model.images import ImageProcessorConfig
+from .model.vision import add_vision_modules, has_vision
 from .safetensors_io import read_header
-from .vision import add_vision_modules, has_vision
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
@@ -257,7 +257,7 @@ def load(path_or_repo: str | os.PathLike, adapter_path: str | os.PathLike | None
     folder = resolve(path_or_repo)
     model = load_model(folder)
     if adapter_path is not None:
-        from .adapters import load_adapters
+        from .tuner.adapters import load_adapters
 
         load_adapters(model, adapter_path)
         model.eval()

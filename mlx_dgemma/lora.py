@@ -32,8 +32,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import train
-from .adapters import (
+from .cli import check_writable_folder, command_line
+from .errors import FineTuneError
+from .tuner import objective as train
+from .tuner.adapters import (
     ADAPTER_CONFIG,
     ADAPTERS,
     EmbeddingRows,
@@ -43,9 +45,7 @@ from .adapters import (
     save_adapters,
     write_atomically,
 )
-from .cli import check_writable_folder, command_line
-from .data import iterate_batches, load_dataset
-from .errors import FineTuneError
+from .tuner.datasets import iterate_batches, load_dataset
 from .validate import at_least, check_seed, finite_number, shown
 
 EMBEDDINGS = "model.decoder.embed_tokens.weight"

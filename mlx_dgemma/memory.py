@@ -15,14 +15,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .config import GenerationConfig, ModelConfig
-from .convert_report import format_size
+from .convert.quantize import GROUP_SIZES, Quantization
+from .convert.report import format_size
 from .distributed import STACKED_EXPERTS, expert_range
 from .errors import CheckpointError, ConfigError, ConversionError, MemoryCheckError
 from .loader import VISION_KEY, ExpertSlice, map_key, read_config, resolve, weight_files
-from .model import ATTENTION_SCORES_ELEMENTS
+from .model.config import GenerationConfig, ModelConfig
+from .model.diffusion_gemma import ATTENTION_SCORES_ELEMENTS
 from .options import KV_BITS, KV_GROUP_SIZE, PREFILL_STEP_SIZE
-from .quantize import GROUP_SIZES, Quantization
 from .safetensors_io import TensorInfo, read_header
 from .validate import shown
 
@@ -245,7 +245,7 @@ def recipe_weight_sizes(folder: Path, config: ModelConfig, tensors: dict[str, Te
     tensors when unquantized, else its config's text model in bfloat16 and its vision tensors as they are."""
     with warnings.catch_warnings():  # the converter's import asks for the fast BLAS, loaded (or not) by now
         warnings.simplefilter("ignore")
-        from . import convert
+        from .convert import checkpoint as convert
     raw = json.loads((folder / "config.json").read_text())
     if config.quantization:
         raw = {k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")}

@@ -14,8 +14,8 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from .config import GenerationConfig, ModelConfig
 from .errors import TokenizerError
+from .model.config import GenerationConfig, ModelConfig
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
 IMAGE_PLACEHOLDER = "<|image|>"  # what chat templates write for an image part

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import sys
 
-from .sampler import Draft
+from .engine.sampler import Draft
 
 ACCEPTED, SETTLED, CHANGING, STATUS, RESET = "\x1b[1;32m", "", "\x1b[2m", "\x1b[36m", "\x1b[0m"
 FIXED = "\x1b[4;34m"

@@ -25,15 +25,17 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
-from mlx_dgemma import bench, generate, json_template, load, parse_template, policy, stream_generate
-from mlx_dgemma.config import ConfigError, GenerationConfig
-from mlx_dgemma.convert import ConversionError, convert, convert_command
-from mlx_dgemma.convert_output import MARKER
+from mlx_dgemma import bench, generate, json_template, load, parse_template, stream_generate
+from mlx_dgemma.convert import ConversionError, convert
+from mlx_dgemma.convert.__main__ import convert_command
+from mlx_dgemma.convert.output import MARKER
 from mlx_dgemma.demo import eval as eval_module
+from mlx_dgemma.engine import policy
+from mlx_dgemma.engine.policy import Profile, cached_profile
 from mlx_dgemma.generate import DEMO_MODEL, PromptError, main
 from mlx_dgemma.loader import CheckpointError
-from mlx_dgemma.policy import Profile, cached_profile
-from mlx_dgemma.template import TemplateError
+from mlx_dgemma.model.config import ConfigError, GenerationConfig
+from mlx_dgemma.structured.template import TemplateError
 
 gen = importlib.import_module("mlx_dgemma.generate")  # the package's `generate` attribute is the function
 ROOT = Path(__file__).resolve().parents[1]
@@ -612,7 +614,7 @@ def test_verbose_plan_shows_the_callers_settings():
 def test_generation_past_the_context_is_refused_up_front(demo, monkeypatch):
     model, tokenizer = demo
     calls = []
-    monkeypatch.setattr(importlib.import_module("mlx_dgemma.rows.diffusion"), "new_run", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(importlib.import_module("mlx_dgemma.engine.rows.diffusion"), "new_run", lambda *a, **k: calls.append(1))
     context = model.config.max_position_embeddings
     too_many = context  # with the prompt, past the context
     with pytest.raises(PromptError) as info:

@@ -115,7 +115,7 @@ def test_commits_encoded_through_a_stacked_view_equal_each_encoded_alone(model, 
     """Rows with caches of their own (from one padded prefill, as batch.py keeps them) whose canvases
     commit at the same step encode them in one forward through their stacked views; every layer's
     cache then holds what it holds after encoding each row alone, past the sliding window too."""
-    from mlx_dgemma.cache import CanvasView
+    from mlx_dgemma.model.cache import CanvasView
 
     C, V = model.config.canvas_length, model.config.vocab_size
     prompts = prompts_of(model, LENGTHS[rows], seed=5)
@@ -254,7 +254,7 @@ def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints
     """Verified rows on a random checkpoint, joining at different rounds, with budgets that end inside
     a draft (shorter drafts, grouped apart): each answer is the autoregressive one, and a round of
     several rows takes one verifying pass, not one per row."""
-    from mlx_dgemma import drafting
+    from mlx_dgemma.engine import drafting
 
     model, tokenizer = load(checkpoints("small", tame=True))
     prompts = [[2, 10, 11, 12], [2] + list(range(20, 39)), [2, 7], [2, 30, 31, 32, 33, 34]]
@@ -279,7 +279,7 @@ def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints
 
 def test_a_template_row_joins_plain_rows_on_the_demo(demo):
     from mlx_dgemma.generate import prompt_ids
-    from mlx_dgemma.template import parse_template
+    from mlx_dgemma.structured.template import parse_template
 
     model, tokenizer = demo
     template = parse_template(tokenizer, '{"name": "{{fill:6}}", "age": {{fill:3}}}')
@@ -391,8 +391,8 @@ class ScriptedPlanner:
     def __new__(cls, model):
         from dataclasses import replace
 
+        from mlx_dgemma.engine.policy import AutoPlanner, DraftRequest, cached_profile, make_plan
         from mlx_dgemma.generate import generation_config
-        from mlx_dgemma.policy import AutoPlanner, DraftRequest, cached_profile, make_plan
 
         class Scripted(AutoPlanner):
             def choose(self, remaining, overrides=None, produced=0, prompt=()):
@@ -410,7 +410,7 @@ def test_auto_rows_switch_kinds_in_the_batch_and_give_what_they_give_alone(demo,
     from mlx_dgemma.generate import prompt_ids
 
     model, tokenizer = demo
-    from mlx_dgemma.policy import PLANNERS
+    from mlx_dgemma.engine.policy import PLANNERS
 
     saved = PLANNERS.get(model)
     PLANNERS.set(model, ScriptedPlanner(model))

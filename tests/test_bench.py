@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_dgemma.bench import main
-from mlx_dgemma.policy import KNOWN_DEVICES
+from mlx_dgemma.engine.policy import KNOWN_DEVICES
 
 
 def test_bench_json_and_plot(checkpoints, tmp_path):

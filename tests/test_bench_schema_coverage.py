@@ -13,7 +13,7 @@ import pytest
 from mlx_dgemma import generate, load
 from mlx_dgemma.errors import TemplateError
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.grammar import grammar_tokenizer
+from mlx_dgemma.structured.grammar import grammar_tokenizer
 
 llguidance = pytest.importorskip("llguidance")
 pytest.importorskip("jsonschema")

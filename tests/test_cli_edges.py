@@ -19,10 +19,11 @@ import mlx.core as mx
 import pytest
 from PIL import Image
 
-from mlx_dgemma import adapters, lora
+from mlx_dgemma import lora
 from mlx_dgemma.cli import command_line
 from mlx_dgemma.errors import FineTuneError
 from mlx_dgemma.generate import DEMO_MODEL
+from mlx_dgemma.tuner import adapters
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
@@ -260,7 +261,7 @@ def test_ctrl_c_while_evaluating_is_130_and_one_line():
 
 
 def test_ctrl_c_while_converting_is_130_and_one_line_and_leaves_nothing(tmp_path):
-    interrupted(["-c", PAUSED, "mlx_dgemma.convert", "read_tensor", "mlx_dgemma.convert", "--hf-path", DEMO_MODEL,
+    interrupted(["-c", PAUSED, "mlx_dgemma.convert.checkpoint", "read_tensor", "mlx_dgemma.convert", "--hf-path", DEMO_MODEL,
                  "--mlx-path", tmp_path / "out"], "paused")
     assert list(tmp_path.iterdir()) == []
 

@@ -11,8 +11,8 @@ import pytest
 
 from checkpoint_tools import random_checkpoint
 from mlx_dgemma import load
-from mlx_dgemma.denoise import denoise_canvas
-from mlx_dgemma.sampler import MxRandom, SamplerSettings
+from mlx_dgemma.engine.denoise import denoise_canvas
+from mlx_dgemma.engine.sampler import MxRandom, SamplerSettings
 
 PROMPT = [2] + list(range(10, 50))  # longer than the pattern preset's sliding window
 

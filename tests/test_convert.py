@@ -18,7 +18,6 @@ from safetensors.numpy import load_file
 
 from checkpoint_tools import random_checkpoint
 from checkpoint_tools.synthetic_checkpoint import RELEASED, scaled_sizes, write_checkpoint, write_header_only
-from mlx_dgemma import convert as convert_module
 from mlx_dgemma import load
 from mlx_dgemma.convert import (
     BITS,
@@ -27,17 +26,15 @@ from mlx_dgemma.convert import (
     ConversionError,
     Quantization,
     convert,
-    convert_command,
     converted_size,
-    main,
     output_specs,
     plan_conversion,
     recipe_trials,
-    report_command,
-    sizes_command,
     split_into_shards,
 )
-from mlx_dgemma.convert_report import LogitError, Probe, probe_logits
+from mlx_dgemma.convert import checkpoint as convert_module
+from mlx_dgemma.convert.__main__ import convert_command, main, report_command, sizes_command
+from mlx_dgemma.convert.report import LogitError, Probe, probe_logits
 from mlx_dgemma.demo.scores import evaluate_policies
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import CheckpointError

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from checkpoint_tools.random_checkpoint import PRESETS
-from mlx_dgemma import kernels, load, stream_generate
+from mlx_dgemma import load, stream_generate
+from mlx_dgemma.model import kernels
 
 
 def forward(model, prompt, canvas, sc=None):

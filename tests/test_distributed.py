@@ -19,8 +19,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_dgemma import distributed
-from mlx_dgemma.experts import Experts
 from mlx_dgemma.loader import load_model
+from mlx_dgemma.model.experts import Experts
 from mlx_dgemma.safetensors_io import read_header, read_tensor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_read_rows_reads_just_those_experts(checkpoints):
 def test_expert_shards_add_up_to_the_whole_layer(checkpoints, kernels):
     """Each shard computes only its experts' copies (zeros for the rest); summed over the shards
     (what all_sum does across ranks) the copies are the whole layer's, bit for bit."""
-    from mlx_dgemma import kernels as device_kernels
+    from mlx_dgemma.model import kernels as device_kernels
 
     model = load_model(checkpoints("pattern"))
     layer = model.layers[2]

@@ -473,7 +473,7 @@ def test_parse_check_finds_what_is_wrong():
 
 
 def test_readme_predicted_table_is_what_the_roofline_predicts():
-    from mlx_dgemma.policy import predicted_table
+    from mlx_dgemma.engine.policy import predicted_table
 
     text = (ROOT / "README.md").read_text()
     rows = re.findall(r"^\| ((?:M\d|RTX|H\d)[^|]*?)(?: \(4-bit\))? \| (.+) \|$", text, re.M)

@@ -1,4 +1,4 @@
-"""Embeddings (mlx_dgemma/embeddings.py): a text's vector is the mean of the encoder's final-normed states
+"""Embeddings (mlx_dgemma/engine/embeddings.py): a text's vector is the mean of the encoder's final-normed states
 over its tokens but the leading <bos>, at unit length; texts embedded together give each the vector it
 gives alone, in the order given, however they are grouped into forwards and chunked."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_dgemma import load
-from mlx_dgemma.embeddings import embed, forwards
+from mlx_dgemma.engine.embeddings import embed, forwards
 
 from .test_batch import BOUND, prompts_of, relative
 

@@ -95,7 +95,7 @@ def test_each_entry_point_loads_the_blas_before_mlx(module):
 def test_library_modules_leave_the_blas_to_the_entry_points():
     """A library module imported first (it imports mlx.core) and the engine's modules after it say
     nothing of the BLAS, even with one named: none of them tries to load it."""
-    script = "import mlx_dgemma.loader, mlx_dgemma.request, mlx_dgemma.batch, mlx_dgemma.api\n" \
+    script = "import mlx_dgemma.loader, mlx_dgemma.engine.request, mlx_dgemma.engine.batch, mlx_dgemma.api\n" \
              "from mlx_dgemma import fast_blas\nprint(fast_blas.loaded)"
     out = run(script, MLX_DGEMMA_BLAS=fast_blas.CANDIDATES[0])
     assert out.returncode == 0 and out.stderr == "" and out.stdout.strip() == "None", out.stderr[-2000:]

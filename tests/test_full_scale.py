@@ -17,8 +17,8 @@ import full_scale  # noqa: E402
 
 from checkpoint_tools.synthetic_checkpoint import scaled_sizes, write_checkpoint  # noqa: E402
 from mlx_dgemma.convert import convert  # noqa: E402
+from mlx_dgemma.engine.policy import RELEASED  # noqa: E402
 from mlx_dgemma.loader import load_model  # noqa: E402
-from mlx_dgemma.policy import RELEASED  # noqa: E402
 
 
 def test_released_sizes_are_the_released_config():

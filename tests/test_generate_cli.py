@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import generate, load, stream_generate
+from mlx_dgemma.engine.sampler import Draft
 from mlx_dgemma.generate import PromptError, main, prompt_ids
-from mlx_dgemma.sampler import Draft
 from mlx_dgemma.view import ACCEPTED, FIXED, RESTORE_AND_CLEAR, SAVE, TerminalView, _visible
 
 from .tokenizer_files import train_sentencepiece, write_sentencepiece
@@ -97,7 +97,7 @@ def test_prompt_must_fit_the_context(chat_checkpoint, tmp_path):
 
 def test_cli_streams_canvas_by_canvas(chat_checkpoint, reference_run, monkeypatch):
     printed_before_canvas = []
-    engine = importlib.import_module("mlx_dgemma.rows.diffusion")
+    engine = importlib.import_module("mlx_dgemma.engine.rows.diffusion")
     new_run = engine.new_run
 
     def spy(*args, **kwargs):

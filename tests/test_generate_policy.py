@@ -5,10 +5,11 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from mlx_dgemma import drafting, load, stream_generate
-from mlx_dgemma.config import GenerationConfig
+from mlx_dgemma import load, stream_generate
+from mlx_dgemma.engine import drafting
+from mlx_dgemma.engine.policy import PLANNERS, Profile, make_plan
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.policy import PLANNERS, Profile, make_plan
+from mlx_dgemma.model.config import GenerationConfig
 
 PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17]
 
@@ -80,8 +81,8 @@ def test_auto_policy_follows_the_device_profile(pattern):
 def test_auto_learns_from_what_it_observes(pattern):
     """A planner that expected short canvases switches away from diffusion once canvases keep running
     to the step limit (random weights never converge), between canvases of one generation."""
-    from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import AutoPlanner
+    from mlx_dgemma.engine.policy import AutoPlanner
+    from mlx_dgemma.model.config import GenerationConfig
 
     model, tokenizer = pattern
     profile = Profile("cpu-like", "measured", {2: 0.008, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
@@ -97,8 +98,8 @@ def test_auto_learns_from_what_it_observes(pattern):
 def test_auto_expects_answers_as_long_as_the_last_ones():
     """A canvas gives no more tokens than the answer still has: after short answers auto decodes the
     next one autoregressively, after long ones it denoises canvases again."""
-    from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import AutoPlanner
+    from mlx_dgemma.engine.policy import AutoPlanner
+    from mlx_dgemma.model.config import GenerationConfig
 
     profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
                       verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
@@ -119,8 +120,8 @@ def test_auto_expects_answers_as_long_as_the_last_ones():
 def planner_of_two_answer_lengths():
     """An auto planner that has seen 3-token answers to prompts beginning ``template + short`` and
     40-token ones to prompts beginning ``template + long``."""
-    from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import AutoPlanner
+    from mlx_dgemma.engine.policy import AutoPlanner
+    from mlx_dgemma.model.config import GenerationConfig
 
     profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
                       verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
@@ -167,8 +168,8 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern, monkeypatch):
     verified round after a switch continues the text as greedy decoding of everything before it would.
     No stop ids: whether a random checkpoint's answer meets one within the script depends on float32
     rounding (another BLAS, another device), and the script must run to its end."""
-    from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import AutoPlanner, DraftRequest, make_plan
+    from mlx_dgemma.engine.policy import AutoPlanner, DraftRequest, make_plan
+    from mlx_dgemma.model.config import GenerationConfig
 
     class Scripted(AutoPlanner):
         def __init__(self, modes, *args):
@@ -212,8 +213,8 @@ def test_unknown_policy_is_refused(pattern):
 def test_auto_runs_a_close_second_again_now_and_then():
     """Estimates of a plan that does not run cannot move, so auto re-runs a close second every
     EXPLORE_EVERY choices (and then follows what it sees), but never a plan far behind."""
-    from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import EXPLORE_EVERY, EXPLORE_WITHIN, AutoPlanner
+    from mlx_dgemma.engine.policy import EXPLORE_EVERY, EXPLORE_WITHIN, AutoPlanner
+    from mlx_dgemma.model.config import GenerationConfig
 
     profile = Profile("cpu-like", "measured", {2: 0.0055, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
                       prefill_tok_s=1e4, verify_s_by_length={2: 0.0055, 16: 0.016})
@@ -229,7 +230,7 @@ def test_auto_runs_a_close_second_again_now_and_then():
 
 def test_overrides_apply_on_top_of_given_settings():
     """``settings=`` is the base; explicit numbers still override it (none is silently dropped)."""
-    from mlx_dgemma.sampler import SamplerSettings
+    from mlx_dgemma.engine.sampler import SamplerSettings
 
     model, tokenizer = load(DEMO_MODEL)
     responses = list(stream_generate(model, tokenizer, "sort: 42 17 85 23 61", 32, seed=0,
@@ -259,8 +260,8 @@ def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
     """The pace compares what a plan gave (tokens in seconds) with what was predicted when it was
     chosen: a plan whose canvases or rounds give fewer tokens than modelled (a short answer's) is
     left for the next best, and one that gives more is kept."""
-    from mlx_dgemma.config import GenerationConfig
-    from mlx_dgemma.policy import AutoPlanner
+    from mlx_dgemma.engine.policy import AutoPlanner
+    from mlx_dgemma.model.config import GenerationConfig
 
     profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
                       verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})

@@ -14,10 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_dgemma import batch_generate, generate
-from mlx_dgemma.cache import KVCache, LayerCache
 from mlx_dgemma.errors import OptionError
 from mlx_dgemma.generate import main as generate_main
 from mlx_dgemma.generate import prefill
+from mlx_dgemma.model.cache import KVCache, LayerCache
 from mlx_dgemma.options import KVQuantization
 from mlx_dgemma.server.__main__ import main as server_main
 
@@ -231,7 +231,7 @@ def test_a_server_started_with_kv_bits_answers_as_the_api_does(demo):
 def test_a_stack_of_quantized_and_plain_prefixes_denoises_each_row_as_alone(demo):
     """A row whose cache passed its start beside one whose cache did not (their own caches, as the
     engine keeps them): the stacked view reads the quantized prefix dequantized, as the row alone does."""
-    from mlx_dgemma.cache import CanvasView
+    from mlx_dgemma.model.cache import CanvasView
 
     model, tokenizer = demo
     C = model.config.canvas_length

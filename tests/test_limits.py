@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_dgemma import batch_generate, generate, load, stream_generate
-from mlx_dgemma.denoise import new_run
+from mlx_dgemma.engine.denoise import new_run
+from mlx_dgemma.engine.sampler import MxRandom, SamplerSettings
 from mlx_dgemma.generate import DEMO_MODEL, main
-from mlx_dgemma.sampler import MxRandom, SamplerSettings
 from mlx_dgemma.validate import MAX_STEPS
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "model.safetensors").exists(), reason="no bundled demo model")

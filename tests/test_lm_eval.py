@@ -11,7 +11,7 @@ import pytest
 
 from mlx_dgemma import generate
 from mlx_dgemma.demo.tasks import make_instance
-from mlx_dgemma.scoring import sequence_logprobs
+from mlx_dgemma.engine.scoring import sequence_logprobs
 
 from .test_server import MODEL_ID, serving
 

@@ -168,7 +168,7 @@ HOSTILE_HEADERS = {
 
 
 def commands(folder):
-    from mlx_dgemma.convert import sizes_command
+    from mlx_dgemma.convert.__main__ import sizes_command
     from mlx_dgemma.generate import main as generate_main
     from mlx_dgemma.server.__main__ import main as server_main
 

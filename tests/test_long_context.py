@@ -17,10 +17,10 @@ from mlx.utils import tree_flatten
 
 from checkpoint_tools.synthetic_checkpoint import write_long_context
 from mlx_dgemma import generate, load
-from mlx_dgemma.config import GenerationConfig
+from mlx_dgemma.engine.policy import RELEASED, AutoPlanner, cached_profile, predict
 from mlx_dgemma.loader import weight_files
 from mlx_dgemma.memory import memory_need
-from mlx_dgemma.policy import RELEASED, AutoPlanner, cached_profile, predict
+from mlx_dgemma.model.config import GenerationConfig
 from mlx_dgemma.safetensors_io import read_header
 
 MAX_TOKENS = 64  # one canvas
@@ -122,8 +122,8 @@ def test_attention_in_blocks_of_queries_gives_the_same_logits(monkeypatch):
     """Past ``ATTENTION_SCORES_ELEMENTS`` scores a pass's queries go in blocks (a prefill chunk's causal
     mask cut with them): the encoder's and the denoiser's logits are those of one block, to the float
     summation order of products of other row counts."""
-    from mlx_dgemma import model as model_module
     from mlx_dgemma.generate import DEMO_MODEL
+    from mlx_dgemma.model import diffusion_gemma as model_module
 
     model, tokenizer = load(DEMO_MODEL)
     ids = mx.array([tokenizer.encode("sort: 42 17 85 23 61 " * 8)])

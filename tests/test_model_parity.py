@@ -9,7 +9,7 @@ import torch
 
 from checkpoint_tools.random_checkpoint import PRESETS, write_global_head_spelling
 from mlx_dgemma import load
-from mlx_dgemma.config import ModelConfig
+from mlx_dgemma.model.config import ModelConfig
 
 from .reference import ReferenceSession, load_reference
 

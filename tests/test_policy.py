@@ -5,8 +5,7 @@ import json
 import pytest
 
 from mlx_dgemma import load
-from mlx_dgemma.config import GenerationConfig
-from mlx_dgemma.policy import (
+from mlx_dgemma.engine.policy import (
     KNOWN_DEVICES,
     RELEASED,
     Profile,
@@ -17,6 +16,7 @@ from mlx_dgemma.policy import (
     predict,
     predicted_table,
 )
+from mlx_dgemma.model.config import GenerationConfig
 
 GEN = GenerationConfig()  # the reference defaults: 48 steps, bound 0.1, t 0.4–0.8
 

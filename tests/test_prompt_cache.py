@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_dgemma import generate, load
-from mlx_dgemma.batch import BatchGenerator
+from mlx_dgemma.engine.batch import BatchGenerator
 from mlx_dgemma.generate import DEMO_MODEL, prefill, prompt_ids
 from mlx_dgemma.server.prompt_cache import PromptCache
 
@@ -84,7 +84,7 @@ def test_a_template_row_starts_from_its_prefilled_prefix(policy):
     cache = model.make_cache()
     prefill(model, mx.array(ids[:-4]), cache)
     engine = BatchGenerator(model, tokenizer)
-    from mlx_dgemma.template import parse_template
+    from mlx_dgemma.structured.template import parse_template
 
     uid = engine.insert(job(model, tokenizer, ids, seed=1, policy=policy, template=parse_template(tokenizer, template)),
                         cache)

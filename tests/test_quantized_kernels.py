@@ -7,9 +7,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_dgemma import kernels
-from mlx_dgemma.experts import Experts
-from mlx_dgemma.model import Linear
+from mlx_dgemma.model import kernels
+from mlx_dgemma.model.diffusion_gemma import Linear
+from mlx_dgemma.model.experts import Experts
 
 # float32 products of the same dequantized weights: differences are summation order only
 TOLERANCE = 1e-4

@@ -21,7 +21,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 
 from checkpoint_tools import random_checkpoint
 from mlx_dgemma import load, stream_generate
-from mlx_dgemma.sampler import MxRandom, SamplerSettings, StopRule, accept_mask, tempered_distribution
+from mlx_dgemma.engine.sampler import MxRandom, SamplerSettings, StopRule, accept_mask, tempered_distribution
 
 from .reference import load_reference
 

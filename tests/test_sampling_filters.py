@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from mlx_dgemma import generate, load, stream_generate
-from mlx_dgemma.filters import sampling_probs
+from mlx_dgemma.engine.filters import sampling_probs
+from mlx_dgemma.engine.sampler import MxRandom, SamplerSettings
 from mlx_dgemma.generate import DEMO_MODEL, main, prompt_ids
-from mlx_dgemma.sampler import MxRandom, SamplerSettings
 
 PROMPT = "add: 417 85"
 POLICIES = ["reference", "fast", "ar", "verified"]

@@ -17,11 +17,11 @@ import pydantic
 import pytest
 
 from mlx_dgemma import batch_generate, generate, stream_generate
-from mlx_dgemma.closing import CLOSING_CAP, check_closing_fits
+from mlx_dgemma.engine.grammar_rule import CLOSING_SLACK, MAX_DIGITS, WALK_OPERATIONS, GrammarRule
+from mlx_dgemma.engine.request import generation_config, grammar_stop_ids
 from mlx_dgemma.errors import TemplateError
-from mlx_dgemma.grammar import ANY_JSON, schema_grammar
-from mlx_dgemma.grammar_rule import CLOSING_SLACK, MAX_DIGITS, WALK_OPERATIONS, GrammarRule
-from mlx_dgemma.request import generation_config, grammar_stop_ids
+from mlx_dgemma.structured.closing import CLOSING_CAP, check_closing_fits
+from mlx_dgemma.structured.grammar import ANY_JSON, schema_grammar
 
 POLICIES = ["reference", "fast", "ar", "verified", "auto"]
 # Schemas the canvas template cannot lay out, one feature each (and annotations it ignores).

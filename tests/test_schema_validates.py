@@ -14,8 +14,8 @@ import pytest
 from mlx_dgemma import generate, json_template
 from mlx_dgemma.demo.tasks import json_schema
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.template import FREE, canvas_clamps
-from mlx_dgemma.tool_calls import forced_call_template
+from mlx_dgemma.structured.template import FREE, canvas_clamps
+from mlx_dgemma.structured.tool_calls import forced_call_template
 
 from .test_server import PERSON, WEATHER
 from .test_template import SCHEMA

@@ -8,7 +8,7 @@ import torch
 
 from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import load
-from mlx_dgemma.scoring import MAX_TOP_LOGPROBS, Scorer, sequence_logprobs
+from mlx_dgemma.engine.scoring import MAX_TOP_LOGPROBS, Scorer, sequence_logprobs
 
 from .reference import load_reference
 from .test_ar_parity import reference_next_token_logits

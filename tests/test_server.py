@@ -21,8 +21,8 @@ import uvicorn
 from PIL import Image
 
 from mlx_dgemma import generate, load
+from mlx_dgemma.engine.policy import PLANNERS
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.policy import PLANNERS
 from mlx_dgemma.server import Limits, Scheduler, Server, create_app
 
 MODEL_ID = "demo"

@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from mlx_dgemma import infill
-from mlx_dgemma.images import ImageError, load_image
-from mlx_dgemma.template import TemplateError
+from mlx_dgemma.model.images import ImageError, load_image
+from mlx_dgemma.structured.template import TemplateError
 
 from .test_server import CONTEXT, MODEL_ID, SORT, serving
 from .test_server_hostile import post, raw_post_timeout

@@ -1,7 +1,7 @@
 """Embeddings through the server: OpenAI's ``/v1/embeddings`` by the ``openai`` client (its base64 default
 and floats), Ollama's ``/api/embed`` and ``/api/embeddings`` by the ``ollama`` client, and LiteLLM's
 ``litellm.embedding`` through its OpenAI provider, against a real uvicorn server on the bundled demo.
-Each text's vector is the one the engine (mlx_dgemma/embeddings.py) gives it alone, whichever API asked
+Each text's vector is the one the engine (mlx_dgemma/engine/embeddings.py) gives it alone, whichever API asked
 and whatever else the request or the server was running; bad input is a one-line 4xx naming the field,
 in the API's own shape."""
 
@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from mlx_dgemma import generate
-from mlx_dgemma.embeddings import embed
+from mlx_dgemma.engine.embeddings import embed
 from mlx_dgemma.server.embeddings import MAX_INPUTS, MAX_REQUEST_TOKENS
 
 from .test_batch import BOUND, relative

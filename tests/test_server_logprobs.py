@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from mlx_dgemma.scoring import Scorer, sequence_logprobs
+from mlx_dgemma.engine.scoring import Scorer, sequence_logprobs
 
 from .test_server import MODEL_ID, SORT, raw_post, serving
 

@@ -20,12 +20,12 @@ import openai
 import pytest
 
 from mlx_dgemma import generate, load
+from mlx_dgemma.engine.policy import PLANNERS
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.options import GenerationArgs, SamplingArgs
-from mlx_dgemma.policy import PLANNERS
 from mlx_dgemma.server import scheduler
 from mlx_dgemma.server.settings import NOT_SETTABLE, SET_OTHERWISE, SETTINGS
-from mlx_dgemma.template import CanvasTemplate
+from mlx_dgemma.structured.template import CanvasTemplate
 
 from .test_server import MODEL_ID, serving
 
@@ -230,8 +230,8 @@ def command_line_server(*flags: str):
 @pytest.fixture(scope="module")
 def demo_adapters(tmp_path_factory):
     """LoRA adapters on the demo, a few Adam steps away from it (so they change its answers)."""
-    from mlx_dgemma.adapters import apply_fine_tune
     from mlx_dgemma.loader import load_model
+    from mlx_dgemma.tuner.adapters import apply_fine_tune
 
     from .test_train import LORA, adam_steps, write_adapters
 

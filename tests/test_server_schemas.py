@@ -12,7 +12,7 @@ import ollama
 import openai
 import pytest
 
-from mlx_dgemma import grammar
+from mlx_dgemma.structured import grammar
 
 from .test_schema_grammar import Everyday, Tree
 from .test_server import (

@@ -17,7 +17,7 @@ import profile_step  # noqa: E402
 import reference_speed  # noqa: E402
 
 from checkpoint_tools.random_checkpoint import PRESETS  # noqa: E402
-from mlx_dgemma.policy import Profile  # noqa: E402
+from mlx_dgemma.engine.policy import Profile  # noqa: E402
 
 PRESET = "pattern"  # the released 5:1 layer pattern, canvas 16
 LAYERS = PRESETS[PRESET]["num_hidden_layers"]

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from mlx_dgemma.string_examples import FORMATS, branch_matches, shortest_match, string_examples
+from mlx_dgemma.structured.string_examples import FORMATS, branch_matches, shortest_match, string_examples
 
 
 @pytest.mark.parametrize("pattern, length", [

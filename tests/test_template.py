@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_dgemma import generate, infill, json_template, parse_template, stream_generate
-from mlx_dgemma.denoise import denoise_canvas
+from mlx_dgemma.engine.denoise import denoise_canvas
+from mlx_dgemma.engine.sampler import MxRandom, SamplerSettings
 from mlx_dgemma.generate import DEMO_MODEL, main
-from mlx_dgemma.sampler import MxRandom, SamplerSettings
-from mlx_dgemma.template import FREE, Clamp, TemplateError, canvas_clamps, infill_template
+from mlx_dgemma.structured.template import FREE, Clamp, TemplateError, canvas_clamps, infill_template
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "model.safetensors").exists(), reason="no bundled demo model")
@@ -212,7 +212,8 @@ def test_cli_template_and_schema_files(tmp_path):
 def test_cli_schema_checks_its_template_before_the_draft(tmp_path, monkeypatch):
     """--schema: the template that says the canvas takes the schema, drafted_json_template's check,
     then the one sized by the draft; a bad schema fails before any generation."""
-    from mlx_dgemma import api, json_schema
+    from mlx_dgemma import api
+    from mlx_dgemma.structured import json_schema
 
     built, real = [], json_schema.json_template
     monkeypatch.setattr(json_schema, "json_template", lambda *a, **k: built.append("draft" in k) or real(*a, **k))

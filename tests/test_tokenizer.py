@@ -7,7 +7,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from checkpoint_tools import train_demo
 from mlx_dgemma import load, stream_generate
-from mlx_dgemma.config import ModelConfig
+from mlx_dgemma.model.config import ModelConfig
 from mlx_dgemma.tokenizer import BUILTIN_CHAT_TEMPLATE, TextStream, TokenizerError, load_tokenizer
 
 from .tokenizer_files import train_sentencepiece, write_sentencepiece, write_tokenizer_json

@@ -7,11 +7,17 @@ import jsonschema
 import pytest
 
 from mlx_dgemma import load
+from mlx_dgemma.engine.request import generation_config, grammar_stop_ids
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.grammar import schema_grammar
-from mlx_dgemma.request import generation_config, grammar_stop_ids
-from mlx_dgemma.template import FREE, TemplateError
-from mlx_dgemma.tool_calls import ToolCall, call_choice_schema, chosen_call, forced_call_template, parse_tool_calls
+from mlx_dgemma.structured.grammar import schema_grammar
+from mlx_dgemma.structured.template import FREE, TemplateError
+from mlx_dgemma.structured.tool_calls import (
+    ToolCall,
+    call_choice_schema,
+    chosen_call,
+    forced_call_template,
+    parse_tool_calls,
+)
 
 Q = '<|"|>'
 

@@ -15,9 +15,7 @@ import torch
 from mlx.utils import tree_flatten
 
 from checkpoint_tools import train_demo
-from mlx_dgemma import train
-from mlx_dgemma.convert_output import save_model
-from mlx_dgemma.data import DataError, load_dataset, load_split, make_example
+from mlx_dgemma.convert.output import save_model
 from mlx_dgemma.fuse import fuse_adapters
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import load, load_model
@@ -30,6 +28,8 @@ from mlx_dgemma.lora import (
     resolve_args,
     save_adapters,
 )
+from mlx_dgemma.tuner import objective as train
+from mlx_dgemma.tuner.datasets import DataError, load_dataset, load_split, make_example
 from tests.reference import load_reference, on_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_gradients_match_the_reference_through_the_device_kernels(checkpoints, m
     """The CPU's inference kernels compute attention, soft-capping and the vocabulary softmax in numpy,
     which has no gradient; with them taken at every size, training's gradients of the attention
     projections are still the reference objective's (on a GPU: through MLX's kernels there)."""
-    from mlx_dgemma import kernels
+    from mlx_dgemma.model import kernels
 
     monkeypatch.setattr(kernels, "NUMPY_ATTENTION_MIN_SCORES", 0)
     monkeypatch.setattr(kernels, "NUMPY_GELU_MIN_ELEMENTS", 0)

@@ -11,14 +11,15 @@ import pytest
 from scipy import stats as scipy_stats
 
 from checkpoint_tools.random_checkpoint import PRESETS
-from mlx_dgemma import drafting, generate, json_template, load, rules, stream_generate
-from mlx_dgemma.config import GenerationConfig, ModelConfig
+from mlx_dgemma import generate, json_template, load, stream_generate
 from mlx_dgemma.demo.scores import instances
 from mlx_dgemma.demo.tasks import TASKS, json_schema
-from mlx_dgemma.filters import sampling_probs
+from mlx_dgemma.engine import drafting, rules
+from mlx_dgemma.engine.filters import sampling_probs
+from mlx_dgemma.engine.sampler import MxRandom, SamplerSettings
 from mlx_dgemma.generate import prompt_ids
-from mlx_dgemma.model import DiffusionGemma
-from mlx_dgemma.sampler import MxRandom, SamplerSettings
+from mlx_dgemma.model.config import GenerationConfig, ModelConfig
+from mlx_dgemma.model.diffusion_gemma import DiffusionGemma
 
 from .test_model_parity import FP32_BOUND, rel_err
 
@@ -265,7 +266,7 @@ def exact(tiny):
 def test_sampled_ar_has_the_ar_distribution(tiny, exact):
     """The reference point: AR sampling at a temperature (the engine's draws, rows.autoregressive.next_token) fits
     the enumerated distribution."""
-    from mlx_dgemma.rows.autoregressive import next_token
+    from mlx_dgemma.engine.rows.autoregressive import next_token
 
     counts = np.zeros_like(exact, dtype=np.int64)
     rng = MxRandom(5)
@@ -332,7 +333,7 @@ def test_cli_verified_prints_the_ar_answer_and_refuses_a_bad_filter():
 def test_the_verified_policy_learns_its_acceptance(demo):
     """Without a draft length and steps the plan comes from the device profile and the model's running
     acceptance estimate, which every verified round updates."""
-    from mlx_dgemma.policy import PLANNERS, Profile, auto_planner
+    from mlx_dgemma.engine.policy import PLANNERS, Profile, auto_planner
 
     model, tokenizer = demo
     profile = Profile("cpu-like", "measured", {2: 0.003, 16: 0.004, 32: 0.005, 256: 0.064}, ar_token_s=0.004,
@@ -352,7 +353,7 @@ def test_drafts_of_several_rows_equal_each_row_drafted_alone(checkpoints):
     """``draft_rows`` over stacked views (prefixes of other lengths, each row its own known tokens,
     start, random draws and self-conditioning schedule, two steps so the schedules are used) gives
     each row the draft ``draft`` gives it alone."""
-    from mlx_dgemma.cache import CanvasView
+    from mlx_dgemma.model.cache import CanvasView
 
     model, _ = load(checkpoints("small", tame=True))
     rng = np.random.default_rng(4)

@@ -19,10 +19,10 @@ from transformers import AutoImageProcessor, Gemma4ImageProcessorPil, Gemma4Proc
 
 from checkpoint_tools.random_checkpoint import PRESETS
 from mlx_dgemma import generate, load, stream_generate
-from mlx_dgemma import images as images_module
 from mlx_dgemma.convert import convert
 from mlx_dgemma.generate import DEMO_MODEL, main, prompt_ids
-from mlx_dgemma.images import (
+from mlx_dgemma.model import images as images_module
+from mlx_dgemma.model.images import (
     ImageError,
     ImageProcessorConfig,
     expand_image_tokens,
@@ -30,7 +30,7 @@ from mlx_dgemma.images import (
     load_image,
     preprocess,
 )
-from mlx_dgemma.vision import has_vision, image_features
+from mlx_dgemma.model.vision import has_vision, image_features
 
 from .reference import ReferenceSession, load_reference, on_reference, torch_device
 from .test_sampler_replay import DraftRecorder, ReplayRandom, recorded_draws

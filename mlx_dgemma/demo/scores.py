@@ -93,7 +93,7 @@ def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str
     import json as _json
 
     from ..api import drafted_json_template, generate
-    from ..json_schema import json_template
+    from ..structured.json_schema import json_template
 
     rows = []
     for task in tasks:

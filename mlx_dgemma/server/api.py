@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse, Response
 
-from ..scoring import TokenLogprob
+from ..engine.scoring import TokenLogprob
 from .scheduler import Event, Usage
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit (Api.max_stop)

@@ -31,13 +31,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import validate
-from ..closing import check_closing_fits, closing_length
-from ..images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
+from ..engine.request import PromptError, answer_room, check_prompt_fits, generation_config
+from ..model.images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
+from ..model.vision import has_vision
 from ..options import GenerationArgs
-from ..request import PromptError, answer_room, check_prompt_fits, generation_config
-from ..template import CanvasTemplate, TemplateError, infill_template
-from ..tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_calls
-from ..vision import has_vision
+from ..structured.closing import check_closing_fits, closing_length
+from ..structured.template import CanvasTemplate, TemplateError, infill_template
+from ..structured.tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_calls
 from . import fields, reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
 from .body import check_unicode, json_reply, parsed

@@ -1,6 +1,6 @@
 """Embeddings: OpenAI's ``POST /v1/embeddings``, Ollama's ``POST /api/embed`` and its older ``POST
 /api/embeddings``. A request's texts are checked and tokenized on the server's prepare threads, embedded
-by the worker between generation steps (mlx_dgemma/embeddings.py: each text's mean final-normed
+by the worker between generation steps (mlx_dgemma/engine/embeddings.py: each text's mean final-normed
 encoder state, L2-normalized) and answered in the API's own shape; errors are its own too."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from .. import validate
-from ..scoring import MAX_TOP_LOGPROBS
+from ..engine.scoring import MAX_TOP_LOGPROBS
 from ..validate import shown
 from .api import BadRequest
 from .layout import typed

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 
-from ..closing import check_closing_room
-from ..grammar import JSON_OBJECT, Grammar, schema_grammar
-from ..json_schema import json_template
-from ..request import answer_room, check_template_fits, grammar_stop_ids, schema_template
-from ..template import CanvasTemplate, TemplateError, parse_template
-from ..tool_calls import call_choice_schema, check_tool, parse_tool_calls
+from ..engine.request import answer_room, check_template_fits, grammar_stop_ids, schema_template
+from ..structured.closing import check_closing_room
+from ..structured.grammar import JSON_OBJECT, Grammar, schema_grammar
+from ..structured.json_schema import json_template
+from ..structured.template import CanvasTemplate, TemplateError, parse_template
+from ..structured.tool_calls import call_choice_schema, check_tool, parse_tool_calls
 from ..validate import shown, shown_json
 from .api import BadRequest
 from .scheduler import Job

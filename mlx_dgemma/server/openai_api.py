@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from starlette.routing import Route
 
-from ..scoring import TokenLogprob
+from ..engine.scoring import TokenLogprob
 from .api import Answer, Api, Reply, error_body
 from .app import Server
 from .scheduler import Event, Usage

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from ..batch import BatchGenerator, BatchResponse, warm_up
-from ..embeddings import embedding_steps
+from ..engine.batch import BatchGenerator, BatchResponse, warm_up
+from ..engine.embeddings import embedding_steps
+from ..engine.request import generation_device, prepare
+from ..engine.scoring import Scorer, TokenLogprob
 from ..errors import OptionError, PromptError, TemplateError
 from ..options import PREFILL_STEP_SIZE, GenerationArgs
-from ..request import generation_device, prepare
-from ..scoring import Scorer, TokenLogprob
-from ..template import CanvasTemplate
+from ..structured.template import CanvasTemplate
 from ..tokenizer import TextStream
 from .prompt_cache import PromptCache
 from .stop_strings import StopStrings

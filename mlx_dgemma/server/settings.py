@@ -8,9 +8,9 @@ option is set by the request otherwise (``SET_OTHERWISE``) or is not the client'
 
 from __future__ import annotations
 
+from ..engine.policy import POLICIES
+from ..engine.sampler import SamplerSettings
 from ..options import SamplingArgs, check_schedule_scale
-from ..policy import POLICIES
-from ..sampler import SamplerSettings
 from ..validate import (
     MIN_TEMPERATURE,
     at_least,

@@ -1,0 +1,252 @@
+"""The auto policy: a planner that re-chooses the plan with the most predicted tokens per second
+before every canvas, block or round from the device profile and what the model has done so far,
+and ``make_plan``, the plan of any policy."""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import replace
+
+from ...model.config import GenerationConfig
+from .acceptance import Acceptance, best_draft
+from .plan import DraftRequest, Plan, fixed_plan, verified_plan
+from .profile import Profile
+
+# Share of canvas positions the fast policy computes per step (active-set compaction): 74 of 144 on
+# the demo tasks (benchmarks/demo_speed.py).
+FAST_POSITION_SHARE = 0.5
+# auto expects an answer's length from this many recent answers to prompts like its own; it keeps the
+# last OBSERVATIONS_KEPT of each thing it observes, and a prompt's first PROMPT_KEY ids say what it is like
+ANSWERS_KEPT = 8
+OBSERVATIONS_KEPT = 64
+PROMPT_KEY = 256
+# auto runs a plan again after this many choices without it, if predicted within this share of the best
+EXPLORE_EVERY = 16
+EXPLORE_WITHIN = 0.8
+
+
+class AutoPlanner:
+    """The auto policy: before each canvas, AR block or verified round, the plan with the most predicted
+    tokens per second among reference, fast, ar and verified, from the device profile and what this
+    model has done so far; the estimates are updated as it generates, so a plan that turns out slower
+    than predicted is left for the next best at the next canvas or round.
+
+    Predicted tok/s: reference = tokens per canvas / (steps per canvas · step time at the canvas);
+    fast = the same at ``FAST_POSITION_SHARE`` of the canvas's positions; ar = 1 / token time;
+    verified = tokens per round / (draft steps · step time at the draft length + the verifying pass),
+    at the draft length and steps ``best_draft`` picks from the acceptance estimate, scaled by the
+    observed ratio of tokens per round to the model's. A canvas or round gives no more tokens than the
+    answer is expected still to have, from the lengths of earlier answers (those longer than what this
+    one has so far; a whole canvas when none is). Each prediction times that plan's pace: the tokens
+    per second it gave (commit encodes included) over what was predicted when it was chosen, which
+    corrects both the profile's times and the tokens a canvas or round was expected to give.
+
+    Answer lengths, steps per canvas (from a prior of the generation config: a quarter of the step
+    limit, at least the stability threshold + 1, worth one canvas), tokens per round and pace are each
+    the mean of the ~8 observations made on the prompts that begin most like this one
+    (``PromptLikeMeans``: a task's instructions, a conversation's earlier turns), so one task's do not
+    stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but predicted within
+    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task."""
+
+    def __init__(self, gen: GenerationConfig, canvas: int, profile: Profile, expected_steps: float | None = None):
+        self.gen, self.canvas, self.profile = gen, canvas, profile
+        prior = expected_steps or max(gen.stability_threshold + 1, gen.max_denoising_steps / 4)
+        self.steps = {"reference": PromptLikeMeans(prior), "fast": PromptLikeMeans(prior)}
+        self.lengths = PromptLikeMeans(float(canvas), window=ANSWERS_KEPT)  # answer lengths
+        self.acceptance = Acceptance()
+        self.round_yield = PromptLikeMeans(1.0)  # observed / modelled tokens per round
+        # tok/s a plan gave / tok/s predicted when it was chosen
+        self.pace = {name: PromptLikeMeans(1.0) for name in ("reference", "fast", "ar", "verified")}
+        self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
+
+    def answers(self, prompt: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """Lengths of the ``ANSWERS_KEPT`` answers to the prompts that begin most like ``prompt``."""
+        return [int(n) for n in self.lengths.observed(prompt)]
+
+    def expected_tokens(self, produced: int, prompt: list[int] | tuple[int, ...] = ()) -> float:
+        """Tokens an answer to ``prompt`` that has ``produced`` so far is expected still to give."""
+        longer = [n - produced for n in self.answers(prompt) if n > produced]
+        return sum(longer) / len(longer) if longer else float(self.canvas)
+
+    def predictions(self, remaining: int, produced: int = 0,
+                    prompt: list[int] | tuple[int, ...] = ()) -> dict[str, tuple[float, str]]:
+        p, C = self.profile.at_prefix(len(prompt) + produced), self.canvas  # the context at hand
+        expected = self.expected_tokens(produced, prompt)
+        tokens = min(expected, remaining, C)
+        length, steps, verified = best_draft(p, self.acceptance, C)
+        out = {}
+        for name in ("reference", "fast"):
+            positions = C if name == "reference" else max(1, round(FAST_POSITION_SHARE * C))
+            n = self.steps[name].value(prompt)
+            out[name] = (tokens / (n * p.step_s(positions)),
+                         f"{n:.1f} steps per canvas of {positions} computed positions, {tokens:.1f} tokens per canvas")
+        out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
+        modelled = self.acceptance.tokens_per_round(steps, length)
+        per_round = min(modelled * self.round_yield.value(prompt), max(1.0, expected), remaining)
+        out["verified"] = (verified * per_round / modelled,
+                           f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round "
+                           f"({self.acceptance.describe()})")
+        paces = {name: self.pace[name].value(prompt) for name in out}
+        return {name: (tok_s * paces[name], why + (f", x{paces[name]:.2f} as observed"
+                                                   if self.pace[name].observed(prompt) else ""))
+                for name, (tok_s, why) in out.items()}
+
+    def choose(self, remaining: int, overrides: dict | None = None, produced: int = 0,
+               prompt: list[int] | tuple[int, ...] = ()) -> Plan:
+        """The next plan for an answer to ``prompt`` that has ``produced`` tokens and room for
+        ``remaining`` more, with the caller's sampler ``overrides`` (``Plan.overridden``) applied. The
+        plan carries what was chosen and its predicted tok/s (``Plan.predicted``): what it gives is
+        observed against that, per answer, whatever other answers choose meanwhile."""
+        predicted = self.predictions(remaining, produced, prompt)
+        best = max(predicted, key=lambda name: predicted[name][0])
+        # Estimates of a plan that does not run do not move: one close enough to the best is run again
+        # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan.
+        stale = [name for name in predicted if self.idle[name] >= EXPLORE_EVERY
+                 and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]]
+        retry = max(stale, key=lambda name: predicted[name][0]) if stale else None
+        for name in self.idle:
+            self.idle[name] += 1
+        best = retry or best
+        self.idle[best] = 0
+        plan = fixed_plan(best, self.gen, self.canvas, self.profile)
+        if best == "verified":
+            plan = verified_plan(plan, self.canvas, self.profile, DraftRequest(acceptance=self.acceptance))
+        reasons = [f"{self.profile.device} ({self.profile.source}), predicted tok/s:"]
+        reasons += [f"{name}: {tok_s:.1f} ({why})" for name, (tok_s, why) in
+                    sorted(predicted.items(), key=lambda item: -item[1][0])]
+        reasons.append(f"→ {best}" + (f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
+                                      f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)" if retry else "")
+                       + "; re-chosen at every canvas or round as the estimates move")
+        chosen = (best, predicted[best][0] / self.pace[best].value(prompt))  # before its pace
+        return replace(plan, policy="auto", reasons=reasons, predicted=chosen).overridden(overrides or {})
+
+    def observe_canvas(self, plan: Plan, steps: int, seconds: float | None = None, tokens: int | None = None,
+                       prompt: list[int] | tuple[int, ...] = ()) -> None:
+        """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``."""
+        policy = "fast" if plan.settings.freeze_after else "reference"
+        self.steps[policy].add(steps, prompt)
+        self._pace(plan, policy, tokens, seconds, prompt)
+
+    def observe_ar(self, plan: Plan, tokens: int, seconds: float | None = None,
+                   prompt: list[int] | tuple[int, ...] = ()) -> None:
+        """An autoregressive block under ``plan`` gave ``tokens`` in ``seconds``."""
+        self._pace(plan, "ar", tokens, seconds, prompt)
+
+    def observe_round(self, plan: Plan, done, seconds: float | None = None,
+                      prompt: list[int] | tuple[int, ...] = ()) -> None:
+        """A verified round under ``plan`` (``done``: a ``drafting.Round``); one that ended the answer
+        (no next token) says how long the answer was, not how well drafts are accepted."""
+        modelled = self.acceptance.tokens_per_round(plan.draft_steps, done.length)
+        self.acceptance.observe(plan.draft_steps, done.length, done.kept, done.rejected)
+        if done.known is not None:
+            self.round_yield.add(len(done.tokens) / modelled, prompt)
+        self._pace(plan, "verified", len(done.tokens), seconds, prompt)
+
+    def observe_answer(self, tokens: int, prompt: list[int] | tuple[int, ...] = ()) -> None:
+        """An answer to ``prompt`` ended after ``tokens`` tokens."""
+        self.lengths.add(tokens, prompt)
+
+    def _pace(self, plan: Plan, name: str, tokens: int | None, seconds: float | None, prompt) -> None:
+        if tokens is None or not seconds or plan.predicted is None or plan.predicted[0] != name:
+            return
+        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / plan.predicted[1])), prompt)
+
+
+class PromptLikeMeans:
+    """One quantity observed along with the prompt each observation came from, estimated from the
+    ``window`` observations on the prompts that share the longest beginnings with the one at hand (the
+    same instructions, a conversation's earlier turns; the latest when none shares more than the
+    template), after a prior worth one observation until there are ``window``. A new kind of prompt
+    starts from what the others gave and takes over the estimate as its own observations come in."""
+
+    def __init__(self, prior: float, window: int = 8):
+        self.prior, self.window = prior, window
+        self.records: deque[tuple[tuple[int, ...], float]] = deque(maxlen=OBSERVATIONS_KEPT)
+        self._observed: dict[tuple[int, ...], list[float]] = {}  # per prompt key, until the next observation
+
+    def add(self, value: float, prompt: list[int] | tuple[int, ...] = ()) -> None:
+        self.records.append((tuple(prompt[:PROMPT_KEY]), value))
+        self._observed.clear()
+
+    def observed(self, prompt: list[int] | tuple[int, ...] = ()) -> list[float]:
+        """The ``window`` observations on the prompts that share the longest beginnings with ``prompt``
+        (the latest first among equals), oldest first."""
+        key = tuple(prompt[:PROMPT_KEY])
+        if key not in self._observed:
+            shared = [_common_prefix(key, past) for past, _ in self.records]
+            nearest = sorted(range(len(shared)), key=lambda i: (shared[i], i), reverse=True)[: self.window]
+            self._observed[key] = [self.records[i][1] for i in sorted(nearest)]
+        return self._observed[key]
+
+    def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
+        seen = self.observed(prompt)
+        if len(seen) >= self.window:
+            return sum(seen) / len(seen)
+        return (self.prior + sum(seen)) / (1 + len(seen))
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Planners:
+    """Each model's auto planner, kept across generations so that what one generation saw informs the
+    next, and let go with the model."""
+
+    def __init__(self):
+        self.by_model: dict[int, AutoPlanner] = {}
+
+    def get(self, model) -> AutoPlanner | None:
+        return self.by_model.get(id(model))
+
+    def set(self, model, planner: AutoPlanner | None) -> None:
+        """Keep ``planner`` as the model's (None: forget the model's)."""
+        key = id(model)
+        if planner is None:
+            self.by_model.pop(key, None)
+            return
+        if key not in self.by_model:
+            weakref.finalize(model, self.by_model.pop, key, None)
+        self.by_model[key] = planner
+
+
+PLANNERS = Planners()
+
+
+def auto_planner(model, gen: GenerationConfig, profile: Profile) -> AutoPlanner:
+    """This model's planner for ``profile`` (``PLANNERS``)."""
+    planner = PLANNERS.get(model)
+    if planner is None or planner.profile != profile:
+        planner = AutoPlanner(gen, model.config.canvas_length, profile)
+        PLANNERS.set(model, planner)
+    return planner
+
+
+def make_plan(
+    policy: str,
+    gen: GenerationConfig,
+    canvas: int,
+    max_tokens: int,
+    profile: Profile | None = None,
+    expected_steps: float | None = None,
+    draft: DraftRequest = DraftRequest(),
+) -> Plan:
+    """Turn a policy name, the generation config, the request and the device profile into a plan.
+    ``draft``: what a verified request asks of its drafts (its acceptance estimate is the model's, see
+    ``auto_planner``).
+
+    ``expected_steps`` is how many steps a canvas typically takes with this model (the stop rule
+    usually fires well before the limit); without it the step limit is assumed.
+    """
+    if policy != "auto":
+        return fixed_plan(policy, gen, canvas, profile, draft)
+    if profile is None:
+        reference = replace(fixed_plan("reference", gen, canvas), policy="auto")
+        return replace(reference, trim_last_canvas=True, reasons=reference.reasons + ["no device profile: diffusion"])
+    return AutoPlanner(gen, canvas, profile, expected_steps).choose(max_tokens)
