@@ -154,14 +154,15 @@ def test_a_file_as_destination_is_refused(models):
 
 SLOW_CONVERSION = """
 import sys, time
-from mlx_dgemma import convert as c
+from mlx_dgemma.convert import checkpoint as c
+from mlx_dgemma.convert.__main__ import main
 read = c.read_tensor
 def slow(info):
     print("writing", flush=True)
     time.sleep(0.3)
     return read(info)
 c.read_tensor = slow
-c.main(sys.argv[1:])
+main(sys.argv[1:])
 """
 
 
