@@ -1,7 +1,12 @@
 """The package's layering runs one way: no module imports another that imports it back (at module
 level or inside a function), no module reaches into another's private names, and every third-party
 module imported is declared in pyproject.toml. Every module, in subpackages too, has one job and stays
-under ``MAX_LINES``."""
+under ``MAX_LINES``.
+
+The folders' rules: model/ (the network) and structured/ (templates, schemas, grammars) import
+nothing from engine/, server/, convert/ or tuner/; engine/ imports nothing from server/, convert/ or
+tuner/; no library module imports a command or the command lines' helpers (cli.py); the ground
+modules import only each other; at most ``MAX_ROOT_MODULES`` modules sit at the package root."""
 
 import ast
 import importlib.metadata
@@ -104,9 +109,13 @@ def test_every_third_party_import_is_declared():
 
 
 MAX_PARAMETERS = 8
-# The generation path: the API, the engine, the sampler, drafting, the policy and the server.
-GENERATION_PATH = ("api", "batch", "rows", "request", "options", "sampler", "denoise", "drafting", "cache", "policy",
-                   "server")
+# The generation path: the API, the engine (the sampler, drafting, the policy...), the caches and the server.
+GENERATION_PATH = ("api", "engine", "options", "model.cache", "server")
+
+
+def within(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is one of ``prefixes`` or inside one of them."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def parameter_count(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -125,7 +134,7 @@ def test_no_function_of_the_generation_path_takes_more_than_eight_parameters():
     """Options travel as one object (options.GenerationArgs, policy.DraftRequest, server.Limits)."""
     crowded = []
     for name, path in module_names().items():
-        if name.split(".")[0] not in GENERATION_PATH:
+        if not within(name, GENERATION_PATH):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_click_command(node)
@@ -162,11 +171,11 @@ def test_no_public_name_is_defined_in_two_modules():
 
 # The modules that drive the model's generation forwards: the engine (batch.py and its rows by kind),
 # denoise.py (a canvas's steps) and drafting.py (drafts and their verification). Aside: the model,
-# which defines them; profiling (policy/profile.py, bench.py) and convert_report.py (a conversion's
-# logit error), which time or measure single forwards; train.py, whose differentiable forward has
-# methods of the same names.
-DRIVERS = ("batch", "rows", "denoise", "drafting")
-MEASURING = ("model", "policy.profile", "bench", "convert_report", "train")
+# which defines them; profiling (policy/profile.py, bench.py) and convert/report.py (a conversion's
+# logit error), which time or measure single forwards; tuner/objective.py, whose differentiable
+# forward has methods of the same names.
+DRIVERS = ("engine.batch", "engine.rows", "engine.denoise", "engine.drafting")
+MEASURING = ("model.diffusion_gemma", "engine.policy.profile", "bench", "convert.report", "tuner.objective")
 GENERATION_FORWARDS = ("denoise", "next_token_logits")
 
 
@@ -175,7 +184,7 @@ def test_only_the_engine_denoise_and_drafting_drive_the_generation_forwards():
     decodes by itself) is what the engine exists to keep from coming back."""
     outside = []
     for name, path in module_names().items():
-        if name.split(".")[0] in DRIVERS or name in MEASURING:
+        if within(name, DRIVERS) or name in MEASURING:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -205,10 +214,67 @@ def test_option_fields_are_defined_once():
     assert generation and sampling and not generation & sampling, generation & sampling
     copies = []
     for name, path in module_names().items():
-        if name.split(".")[0] not in GENERATION_PATH or name == "options":
+        if not within(name, GENERATION_PATH) or name == "options":
             continue
         for cls, names in class_fields(ast.parse(path.read_text())).items():
             shared = names & (generation | sampling)
-            if len(shared) > SETTLED_NAMES and f"{name}.{cls}" != "sampler.SamplerSettings":
+            if len(shared) > SETTLED_NAMES and f"{name}.{cls}" != "engine.sampler.SamplerSettings":
                 copies.append(f"{name}.{cls}: {sorted(shared)}")
     assert not copies, f"option fields declared outside options.py: {copies}"
+
+
+
+MAX_ROOT_MODULES = 20
+FOLDERS = ("model", "engine", "structured", "convert", "tuner", "server")
+BELOW = {  # what a folder's modules import nothing from
+    "model": ("engine", "server", "convert", "tuner"),
+    "structured": ("engine", "server", "convert", "tuner"),
+    "engine": ("server", "convert", "tuner"),
+}
+COMMANDS = ("generate", "lora", "fuse", "bench", "__main__", "convert.__main__", "server.__main__", "demo.eval")
+COMMAND_LINE_HELPERS = ("cli",)
+GROUND = ("errors", "validate", "options", "fast_blas", "safetensors_io")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module's imports of the package's modules (the packages above them left out)."""
+    modules = module_names()
+    return {name: {t for t in imports_of(name, path, set(modules))[0] if t in modules and t not in FOLDERS}
+            for name, path in modules.items()}
+
+
+def broken_rules(graph: dict[str, set[str]]) -> list[str]:
+    """Every import in ``graph`` that a folder's rule forbids."""
+    broken = []
+    for name, targets in graph.items():
+        top = name.split(".")[0]
+        for target in targets:
+            if target.split(".")[0] in BELOW.get(top, ()):
+                broken.append(f"{name} ({top}/) imports {target}")
+            if name not in COMMANDS and target in COMMANDS + COMMAND_LINE_HELPERS and name not in COMMAND_LINE_HELPERS:
+                broken.append(f"library module {name} imports {target}, a command's")
+            if name in GROUND and target not in GROUND:
+                broken.append(f"ground module {name} imports {target}")
+    return broken
+
+
+def test_the_folders_import_one_way():
+    assert broken_rules(import_graph()) == []
+
+
+def test_the_root_holds_at_most_20_modules_beside_the_six_folders():
+    root = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+    assert [f for f in FOLDERS if not (PACKAGE / f / "__init__.py").exists()] == []
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("structured.template", "engine.sampler"),  # Clamp, once the sampler's
+    ("structured.grammar", "engine.filters"),  # sampling_probs
+    ("convert.checkpoint", "fuse"),  # save_model and dequantize_model, once the fuse command's
+    ("tuner.adapters", "cli"),  # write_atomically, once the command lines' helper
+])
+def test_an_old_wrong_way_import_brought_back_breaks_a_rule(importer, imported):
+    graph = import_graph()
+    graph[importer] = graph[importer] | {imported}
+    assert [line for line in broken_rules(graph) if line.startswith(f"{importer} ") or f" {importer} " in line]

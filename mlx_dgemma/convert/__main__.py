@@ -20,13 +20,13 @@ from ..errors import ConversionError
 from ..loader import CheckpointError, resolve
 from .checkpoint import (
     DTYPES,
-    _read_config,
-    _source_tensors,
     convert,
     converted_size,
     dequantize_checkpoint,
     plan_tensors,
+    read_source_config,
     recipe_sizes,
+    source_tensors,
     sweep,
     upload,
 )
@@ -132,8 +132,8 @@ def sizes_command(hf_path, q_group_size):
     """Each recipe's converted size, from the source's safetensors headers (no weight is read)."""
     try:
         src = resolve(hf_path)
-        raw, config = _read_config(src)
-        tensors = _source_tensors(src)
+        raw, config = read_source_config(src)
+        tensors = source_tensors(src)
         rows = [("unquantized", converted_size(plan_tensors(src, raw, config, tensors, None, None)))]
         rows += [(q.describe(), n) for q, n in
                  recipe_sizes(src, raw, config, tensors, list(RECIPES), list(BITS), _int(q_group_size))]

@@ -121,7 +121,7 @@ class ConversionPlan:
         return self.quantization.config([t.module for t in self.targets if t.quant is not None])
 
 
-def _read_config(folder: Path) -> tuple[dict, ModelConfig]:
+def read_source_config(folder: Path) -> tuple[dict, ModelConfig]:
     path = folder / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -134,7 +134,7 @@ def _read_config(folder: Path) -> tuple[dict, ModelConfig]:
         raise CheckpointError(str(e)) from None
 
 
-def _source_tensors(folder: Path) -> dict[str, TensorInfo]:
+def source_tensors(folder: Path) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     for path in weight_files(folder):
         for key, info in read_header(path).items():
@@ -194,10 +194,10 @@ def _check_group_sizes(targets: list[Target], quantization: Quantization) -> Non
 
 
 def plan_conversion(src: Path, quantization: Quantization | None, dtype: str | None) -> ConversionPlan:
-    raw, config = _read_config(src)
+    raw, config = read_source_config(src)
     if raw.get("quantization") or raw.get("quantization_config"):
         raise ConversionError(f"{src} is already quantized; convert from the unquantized checkpoint")
-    return plan_tensors(src, raw, config, _source_tensors(src), quantization, dtype)
+    return plan_tensors(src, raw, config, source_tensors(src), quantization, dtype)
 
 
 def plan_tensors(src: Path, raw: dict, config: ModelConfig, tensors: dict[str, TensorInfo],
@@ -343,7 +343,7 @@ def dequantize_checkpoint(hf_path: str, mlx_path: str = "mlx_model", force: bool
     src, dst = resolve(hf_path), Path(mlx_path).expanduser()
     check_apart(src, dst)
     check_destination(dst, force)
-    raw, _ = _read_config(src)
+    raw, _ = read_source_config(src)
     if "quantization" not in raw:
         raise ConversionError(f"--dequantize takes a quantized MLX checkpoint, and {src}'s config.json has no "
                               "quantization; convert it without -d")
