@@ -37,7 +37,7 @@ from checkpoint_tools.synthetic_checkpoint import write_long_context  # noqa: E4
 from mlx_dgemma import generate, load  # noqa: E402
 from mlx_dgemma.engine.policy import AutoPlanner, cached_profile, predict  # noqa: E402
 from mlx_dgemma.engine.policy.roofline import forward_cost  # noqa: E402
-from mlx_dgemma.engine.request import generation_config  # noqa: E402
+from mlx_dgemma.engine.resolve import generation_config  # noqa: E402
 from mlx_dgemma.generate import prefill  # noqa: E402
 from mlx_dgemma.loader import weight_files  # noqa: E402
 from mlx_dgemma.memory import memory_need  # noqa: E402

@@ -19,7 +19,12 @@ class ImageError(ValueError):
 
 
 class PromptError(ValueError):
-    """A prompt the model cannot take."""
+    """A prompt the model cannot take; ``option`` names the option at fault where it is not the prompt
+    (``max_tokens``), ``context`` says the prompt and answer are past the model's context."""
+
+    def __init__(self, message: str, option: str | None = None, context: bool = False):
+        super().__init__(message)
+        self.option, self.context = option, context
 
 
 class OptionError(ValueError):
@@ -51,4 +56,10 @@ class DistributedError(RuntimeError):
 
 
 class TemplateError(ValueError):
-    """A template or schema that cannot be built; the message names the place."""
+    """A template or schema that cannot be built; the message names the place. ``option`` names the
+    option at fault where it is not the template (``max_tokens``), ``context`` says the template runs
+    past the model's context."""
+
+    def __init__(self, message: str, option: str | None = None, context: bool = False):
+        super().__init__(message)
+        self.option, self.context = option, context

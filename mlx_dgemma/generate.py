@@ -3,8 +3,8 @@
 
     python -m mlx_dgemma.generate --prompt "sort: 42 17 85 23 61" --view
 
-The Python API is api.py (with request.py and the engine, batch.py); its names are importable from
-here too, as ``from mlx_dgemma.generate import stream_generate``.
+The Python API is api.py (with the engine: engine/resolve.py, engine/request.py, engine/batch.py); its
+names are importable from here too, as ``from mlx_dgemma.generate import stream_generate``.
 """
 
 from __future__ import annotations
@@ -35,17 +35,8 @@ from .cli import command_line, kv_cache_options, sampling_options, several_value
 from .demo import DEMO_MODEL
 from .engine.batch import prefill
 from .engine.policy import POLICIES, Plan
-from .engine.request import (
-    PreparedRequest,
-    answer_text,
-    check_prompt_fits,
-    check_template_fits,
-    generation_config,
-    generation_device,
-    prepare,
-    prompt_ids,
-    schema_template,
-)
+from .engine.request import PreparedRequest, generation_device, plan, prepare
+from .engine.resolve import check_prompt_fits, check_template_fits, generation_config, prompt_ids, resolve
 from .model.images import load_image
 from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_prefill_step_size, check_schedule_scale
 from .structured.template import TemplateError, parse_template
@@ -64,9 +55,9 @@ from .validate import (
     shown,
 )
 
-__all__ = ["GenerationResponse", "PreparedRequest", "PREFILL_STEP_SIZE", "PromptError", "answer_text",
-           "check_prompt_fits", "check_template_fits", "drafted_json_template", "generate", "generation_device",
-           "infill", "main", "prefill", "prepare", "prompt_ids", "stream_generate"]
+__all__ = ["GenerationResponse", "PreparedRequest", "PREFILL_STEP_SIZE", "PromptError", "check_prompt_fits",
+           "check_template_fits", "drafted_json_template", "generate", "generation_device", "infill", "main", "plan",
+           "prefill", "prepare", "prompt_ids", "resolve", "stream_generate"]
 
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 
@@ -240,16 +231,10 @@ def _generate_cli(flags: dict, group, watchdog):
             defaults, eos_token_id=[*defaults.eos_token_id, *(i for i in extra if i not in defaults.eos_token_id)])
     args = generation_args(flags, images)
     limit = dgemma.config.max_position_embeddings
-    template = _read_template(tokenizer, flags["template_file"], flags["schema_file"], limit)
-    if flags["schema_file"]:  # a schema: its canvas template, holes sized by a free draft first, or its grammar
-        schema, template = template, None
-        if schema_template(tokenizer, schema, args.policy, limit, flags["max_tokens"]) is None:
-            args = replace(args, schema=schema)
-        else:
-            draft = replace(args, draft_length=None, draft_steps=None, sampling=replace(args.sampling, temperature=None))
-            template = drafted_json_template(dgemma, tokenizer, prompt, schema, draft)
+    layout = _read_template(tokenizer, flags["template_file"], flags["schema_file"], limit)
+    template, schema = (None, layout) if flags["schema_file"] else (layout, None)
     canvas_view = TerminalView(tokenizer, flags["steps"] or defaults.max_denoising_steps) if flags["view"] else None
-    args = replace(args, template=template, on_step=canvas_view.step if canvas_view else None)
+    args = replace(args, template=template, schema=schema, on_step=canvas_view.step if canvas_view else None)
     responses, thinking = [], False  # thinking: a thought is on stderr, its line not yet ended
     thoughts = group is None or group.rank() == 0  # (rank 0 prints; the others' stdout is /dev/null)
     for response in stream_from_args(dgemma, tokenizer, prompt, args):
@@ -272,8 +257,8 @@ def _generate_cli(flags: dict, group, watchdog):
 
 
 def _read_template(tokenizer, template_file: str | None, schema_file: str | None, limit: int):
-    """The --template file's template, or the --schema file's schema (``drafted_json_template`` checks
-    it before its draft); ``limit`` is the model's context, which no template can outgrow."""
+    """The --template file's template, or the --schema file's schema (checked as the request is
+    resolved); ``limit`` is the model's context, which no template can outgrow."""
     path = template_file or schema_file
     if path is None:
         return None

@@ -18,7 +18,7 @@ import pytest
 
 from mlx_dgemma import batch_generate, generate, stream_generate
 from mlx_dgemma.engine.grammar_rule import CLOSING_SLACK, MAX_DIGITS, WALK_OPERATIONS, GrammarRule
-from mlx_dgemma.engine.request import generation_config, grammar_stop_ids
+from mlx_dgemma.engine.resolve import generation_config, grammar_stop_ids
 from mlx_dgemma.errors import TemplateError
 from mlx_dgemma.structured.closing import CLOSING_CAP, check_closing_fits
 from mlx_dgemma.structured.grammar import ANY_JSON, schema_grammar

@@ -20,7 +20,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from checkpoint_tools import train_demo
 from mlx_dgemma import generate, stream_generate
-from mlx_dgemma.engine.request import prompt_ids
+from mlx_dgemma.engine.resolve import prompt_ids
 from mlx_dgemma.errors import PromptError
 from mlx_dgemma.structured.json_schema import json_template
 from mlx_dgemma.tokenizer import BUILTIN_CHAT_TEMPLATE, TextStream

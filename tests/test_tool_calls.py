@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from mlx_dgemma import load
-from mlx_dgemma.engine.request import generation_config, grammar_stop_ids
+from mlx_dgemma.engine.resolve import generation_config, grammar_stop_ids
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.structured.grammar import schema_grammar
 from mlx_dgemma.structured.template import FREE, TemplateError

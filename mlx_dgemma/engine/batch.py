@@ -13,13 +13,16 @@ rows and share forwards among them:
 
 An ``auto`` row re-plans after every canvas, autoregressive block and verified round
 (policy.AutoPlanner) and moves to the kind it chose; at a switch everything it emitted is in its
-cache and it holds the next-token logits after it. Each row keeps its own draws and settings, so a
+cache and it holds the next-token logits after it. A drafted schema's row (structured/layout.py)
+generates its free draft first, handing nothing out; the engine then plans the answer on the
+schema's template sized by the draft and runs it as the same request, from the prompt encoded once. Each row keeps its own draws and settings, so a
 row gives the text it gives alone. Every commit goes out through one ``emit`` that applies the stop
 ids, ``max_tokens`` and the detokenisation.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable
@@ -30,7 +33,7 @@ import mlx.core as mx
 from ..model.images import images_after
 from ..options import PREFILL_STEP_SIZE, GenerationArgs
 from .policy import Plan
-from .request import PreparedRequest, generation_device, prepare
+from .request import PreparedRequest, generation_device, plan, prepare
 from .rows import Row
 from .rows.autoregressive import AutoregressiveRows
 from .rows.diffusion import DiffusionRows
@@ -147,6 +150,9 @@ class BatchGenerator:
             own = cache if len(entries) == 1 else cache.row(i)
             if on_prefilled is not None:
                 on_prefilled(own)
+            if row.job.drafting and len(row.job.ids) > 1:  # the answer's row starts from the prompt but its last id
+                row.prompt_cache = copy.deepcopy(own)
+                row.prompt_cache.trim(own.offset - (len(row.job.ids) - 1))
             self.enter(row, own, None if logits is None else logits[i : i + 1])
 
     # -- what the kinds call ---------------------------------------------------------------------
@@ -182,9 +188,25 @@ class BatchGenerator:
         finish = "stop" if stopped else "length" if last else None
         if finish is not None and row.planner is not None:
             row.planner.observe_answer(row.emitted, job.ids)
+        if job.drafting:
+            row.draft += job.text.add(tokens, final=finish is not None)
+            if finish is not None:
+                self._answer(row)
+            return finish is not None
         self._out.append(BatchResponse(row.uid, tokens, job.text.add(tokens, final=finish is not None), finish,
                                        max(forwards, 1), row.plan, ends_block or finish is not None, non_pad))
         return finish is not None
+
+
+    def _answer(self, row: Row) -> None:
+        """A drafting row's draft is in: its answer, planned on the template the draft sizes, runs as
+        the same request (the same uid) from the prompt the draft encoded."""
+        try:
+            job = plan(self.model, self.tokenizer, row.job.resolved.answered(self.tokenizer, row.draft))
+        except Exception as e:  # (a template the context cannot hold, a plan the device refuses)
+            self.fail(row, e)
+            return
+        self._pending.append((Row(row.uid, job, job.plan, job.max_tokens, on_step=row.on_step), row.prompt_cache, None))
 
 
 def warm_up(model, tokenizer) -> None:

@@ -31,19 +31,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import validate
-from ..engine.request import PromptError, answer_room, check_prompt_fits, generation_config
+from ..engine.resolve import answer_room, check_prompt_fits, generation_config, resolve
+from ..errors import PromptError
 from ..model.images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..model.vision import has_vision
 from ..options import GenerationArgs
-from ..structured.closing import check_closing_fits, closing_length
 from ..structured.template import CanvasTemplate, TemplateError, infill_template
 from ..structured.tool_calls import CALL_OPEN, check_parameters, chosen_call, parse_tool_calls
 from . import fields, reasoning, request_log
 from .api import MAX_STOP_STRINGS, Answer, Api, BadRequest, Reply
 from .body import check_unicode, json_reply, parsed
 from .events import choice_events, job_events, next_event
-from .layout import answer_layout, strings, typed
-from .scheduler import EmbeddingJob, Event, Job, Scheduler
+from .layout import AskedLayout, asked_layout, strings, typed
+from .scheduler import EmbeddingJob, Event, Job, Scheduler, failure
 from .settings import request_options
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
@@ -164,7 +164,7 @@ class Server:
         api.translated = True  # (errors from here on use the API's names)
         self._check_model(body.get("model"))
         tools, forced = self._tools(body)
-        return len(self._chat_prompt(body, tools if tools and not forced else None)[0])
+        return len(self._check_ids(self._chat_prompt(body, tools if tools and not forced else None)[0], "messages"))
 
     def _check_model(self, model) -> None:
         if model not in (None, self.model_id, "default_model"):
@@ -260,27 +260,29 @@ class Server:
                       id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids), n=n,
                       logprobs=top is not None, echoes=[self._echo(body, ids)] * n if echo else None)
         if max_tokens == 0:  # the prompt scored, nothing generated (a stop, a suffix or a layout has no answer to shape)
+            self._check_ids(ids, job.prompt_param)
             job.args = GenerationArgs.of(**options, max_tokens=0)
             return [job, *(fields.choice(job, i) for i in range(1, n))], reply
-        schema = None
+        asked = AskedLayout()
         if suffix is None:
-            template, grammar = answer_layout(self, job, body, forced, max_tokens, options.get("policy", "reference"))
-            # A schema's answer by default has room for four times its shortest one (the server's default
-            # may be less than the schema needs).
-            shortest = closing_length(grammar, self.model.config.vocab_size) if grammar is not None else None
-            max_tokens = self._fit(ids, max_tokens, max_key, cap_max_tokens, 4 * (shortest or 0))
-            if template is not None or grammar is not None or job.redraft is not None:
+            asked = asked_layout(self, body, forced)
+            if asked.given:
                 job.stop = []  # stop strings are for free text: they never cut a structured answer
-            if grammar is not None:
-                schema = grammar  # (compiled here, once: the worker takes it as it is)
-                try:
-                    check_closing_fits(grammar, self.model.config.vocab_size, max_tokens)
-                except TemplateError as e:
-                    raise BadRequest(str(e), param=max_key) from None
+                job.template_param = asked.param
+            if cap_max_tokens and max_tokens is not None:
+                max_tokens = min(max_tokens, answer_room(ids, self.model.config))
+            template = asked.template
         else:
             template, max_tokens = self._infill(job, body, suffix, max_tokens)
-        job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=schema,
+        job.args = GenerationArgs.of(**options, max_tokens=max_tokens, template=template, schema=asked.schema,
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
+        job.max_tokens_param = max_key
+        try:  # everything about the request that needs no device, checked once: the worker plans it
+            job.resolved = resolve(self.model, self.tokenizer, ids, job.args, self.max_tokens, asked.reads_call)
+        except ValueError as e:
+            refused = failure(job, e, bad_input=ValueError)
+            raise BadRequest(str(refused), param=refused.param,
+                             code="context_length_exceeded" if getattr(e, "context", False) else None) from None
         return [job, *(fields.choice(job, i) for i in range(1, n))], reply
 
     def _echo(self, body: dict, ids: list[int]) -> str:
@@ -361,7 +363,7 @@ class Server:
                 ids, vision_inputs = image_inputs(self.model, ids, [decode_image(image) for image in images])
             except ImageError as e:
                 raise BadRequest(f"messages: {e}", param="messages") from None
-        return self._check_ids(ids, "messages"), vision_inputs
+        return ids, vision_inputs
 
     def _content(self, content, index: int, earlier_images: int) -> tuple[str | list[dict], list]:
         """A message's content for the chat template (its text, or text and image parts) and its images,
@@ -409,9 +411,9 @@ class Server:
             prompt = prompt[0]
         if isinstance(prompt, str) and (prompt or empty):
             self._check_length(len(prompt), "the prompt", "prompt")
-            return self._check_ids(self.tokenizer.encode(prompt), "prompt")
+            return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            return self._check_ids(prompt, "prompt")
+            return prompt
         raise BadRequest("prompt must be a non-empty string or a list of token ids", param="prompt")
 
     def _check_length(self, chars: int, what: str, param: str) -> None:
@@ -422,12 +424,13 @@ class Server:
                              code="context_length_exceeded")
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        """A prompt of ids the model can take and answer within its context, for a request that is not
+        resolved (a prompt scored alone, tokens counted)."""
         config = self.model.config
         try:
             check_prompt_fits(ids, config)
         except PromptError as e:
-            over = len(ids) + config.canvas_length > config.max_position_embeddings
-            raise BadRequest(str(e), param=param, code="context_length_exceeded" if over else None) from None
+            raise BadRequest(str(e), param=param, code="context_length_exceeded" if e.context else None) from None
         return ids
 
     def _infill(self, job: Job, body: dict, suffix: str, max_tokens: int | None) -> tuple[CanvasTemplate, int]:
@@ -460,22 +463,6 @@ class Server:
             raise BadRequest(str(e), param="suffix") from None
         job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
         return template, len(template)
-
-    def _fit(self, ids: list[int], max_tokens: int | None, param: str, cap: bool = False,
-             default_at_least: int = 0) -> int:
-        """``max_tokens``, or the server's default (at least ``default_at_least``) cut to the whole canvases
-        the prompt leaves room for (``_check_ids`` made sure one fits); with ``cap``, ``max_tokens`` is
-        cut to them too."""
-        room = answer_room(ids, self.model.config)
-        if max_tokens is None:
-            return min(max(self.max_tokens, default_at_least), room)
-        if cap:
-            return min(max_tokens, room)
-        try:
-            check_prompt_fits(ids, self.model.config, max_tokens, param)
-        except PromptError as e:
-            raise BadRequest(str(e), param=param, code="context_length_exceeded") from None
-        return max_tokens
 
     # -- answering ---------------------------------------------------------------------------------
 

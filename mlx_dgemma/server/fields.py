@@ -29,8 +29,9 @@ def choice(job: Job, index: int) -> Job:
     """Choice ``index`` of a request with ``n`` > 1: its first choice's job at seed + ``index`` (modulo
     2**64), or unseeded as the first is; so each choice is the answer the request alone gets at that seed."""
     seed = job.args.seed
-    return dataclasses.replace(job, args=dataclasses.replace(
-        job.args, seed=None if seed is None else (seed + index) % validate.SEED_LIMIT))
+    args = dataclasses.replace(job.args, seed=None if seed is None else (seed + index) % validate.SEED_LIMIT)
+    resolved = None if job.resolved is None else dataclasses.replace(job.resolved, args=args)
+    return dataclasses.replace(job, args=args, resolved=resolved)
 
 
 def prompts(body: dict) -> list:

@@ -1,5 +1,5 @@
 """The worker that owns the model: one thread takes new requests between rounds, makes each ready
-(request.prepare, from the ``GenerationArgs`` the HTTP side built), inserts it into the batched engine
+(request.plan, from the request the HTTP side resolved), inserts it into the batched engine
 (batch.BatchGenerator) with whatever prefix of its prompt the prompt cache holds (the engine encodes
 the rest, images included, the fresh prompts of a round in one forward, and hands back a copy for the
 prompt cache), runs a round for every active row, and routes the text the engine made of each row's
@@ -8,7 +8,6 @@ committed tokens to its request's asyncio queue.
 Each request has its own thought-channel decoder, stop strings and text held back (a stop string or a
 tool call may be starting); a request whose client went away is removed from the engine before the
 next round.
-A JSON answer may take two generations: a free draft, then the schema's template sized by the draft.
 An embedding request (``EmbeddingJob``) is encoded apart from the engine's rows (embeddings.py), a chunk
 between rounds, so that generation goes on while it runs.
 A request for log-probabilities has a ``scoring.Scorer`` of its own that encodes its prompt and then
@@ -25,18 +24,18 @@ import hashlib
 import queue
 import threading
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from ..engine.batch import BatchGenerator, BatchResponse, warm_up
 from ..engine.embeddings import embedding_steps
-from ..engine.request import generation_device, prepare
+from ..engine.request import generation_device, plan
+from ..engine.resolve import ResolvedRequest
 from ..engine.scoring import Scorer, TokenLogprob
 from ..errors import OptionError, PromptError, TemplateError
 from ..options import PREFILL_STEP_SIZE, GenerationArgs
-from ..structured.template import CanvasTemplate
 from ..tokenizer import TextStream
 from .prompt_cache import PromptCache
 from .stop_strings import StopStrings
@@ -84,21 +83,20 @@ class Event:
 @dataclass
 class Job:
     """One request as the worker runs it: what the engine generates (the prompt's ``ids``, the chat
-    template applied and any image placeholders expanded, and its options ``args``, whose template a
-    free draft may set) and how its text is handed out."""
+    template applied and any image placeholders expanded, and its options ``args``, resolved) and how
+    its text is handed out."""
 
     ids: list[int]
     args: GenerationArgs
-    # After a free draft's text: the template the answer is generated with, or None when the draft
-    # is the answer (a JSON schema's holes sized by the draft; a json_object reply that parsed).
-    redraft: Callable[[str], CanvasTemplate | None] | None = None
+    resolved: ResolvedRequest | None = None  # what the HTTP side settled of it (None: a prompt scored alone)
     stop: list[str] = field(default_factory=list)  # strings that end the answer (not part of it)
     hold: list[str] = field(default_factory=list)  # strings from which on text waits for the end
     whole: bool = False  # the text goes out in one piece at the end (a forced call's arguments)
     tail: str = ""  # text the template's answer ends with that is no part of it (an infill's suffix)
-    # The request fields a refusal by the worker names: the prompt's (messages or prompt) and the template's.
+    # The request fields a refusal names: the prompt's (messages or prompt), the template's and the budget's.
     prompt_param: str | None = None
     template_param: str | None = None
+    max_tokens_param: str = "max_tokens"
     think: bool = False  # the thought channel is handed out (apart from the answer)
     logprobs: int | None = None  # the answer's log-probabilities, with this many most likely tokens (None: none)
     echo: bool = False  # with logprobs, the prompt's too
@@ -253,7 +251,7 @@ class Scheduler:
                         self._send(job, Event(error=failure(job, e)))
 
     def _start(self, job: Job) -> None:
-        """Make ``job`` ready (request.prepare) and insert its row with the prefix of its prompt the
+        """Make ``job`` ready (request.plan) and insert its row with the prefix of its prompt the
         prompt cache holds; the engine encodes the rest and hands it back for the prompt cache."""
         if job.cancelled:
             self.cancelled += 1
@@ -265,25 +263,21 @@ class Scheduler:
                 self._send(job, Event(finish_reason="length", usage=Usage(len(job.ids), 0, 0),
                                       prompt_logprobs=job.prompt_logprobs))
                 return
-            drafting = job.redraft is not None
-            args = replace(job.args, template=None) if drafting else job.args
-            prepared = prepare(self.model, self.tokenizer, job.ids, args)
+            prepared = plan(self.model, self.tokenizer, job.resolved)
             key = _cache_key(prepared.ids, prepared.vision_inputs, self.model.config.image_token_id)
             cache, cached = self.prompt_cache.fetch(key)
             # The prompt cache keeps all but the last id (a later prompt needs a new position to start from).
             end = len(key) - 1
             keep = functools.partial(self.prompt_cache.insert, key[:end]) if end > cached and \
                 self.prompt_cache.max_size else None
-            if job.cached_tokens is None:  # a second (templated) generation reports the first's figure
-                job.cached_tokens = cached
+            job.cached_tokens = cached
             # With thinking on, the thought channel of a free answer or a text template; a JSON one has none.
-            free = args.template is None or getattr(args.template, "render", None) is None
-            thought = job.think and free and not drafting
-            job.thought = TextStream(self.tokenizer, prepared.stop_ids, thought=True) if thought else None
+            job.thought = (TextStream(self.tokenizer, prepared.stop_ids, thought=True)
+                           if job.think and not job.resolved.layout.json else None)
             job.stop_strings = StopStrings(job.stop, job.hold)
             self._score_prompt(job, prepared.ids, prepared.vision_inputs)
             uid = self.engine.insert(prepared, cache, keep)
-        except Exception as e:  # (request.prepare refuses what the model cannot take with a ValueError)
+        except Exception as e:  # (request.plan refuses what the device cannot run with a ValueError)
             self._send(job, Event(error=failure(job, e, bad_input=ValueError)))
             return
         self._active[uid] = job
@@ -344,15 +338,6 @@ class Scheduler:
             del self._active[response.uid]
             if response.finish_reason is None:  # the engine would go on: the row ends here
                 self.engine.remove(response.uid)
-            if job.redraft is not None:  # the free draft is in: generate the answer from it, or keep it
-                template, job.redraft = job.redraft(job.text), None
-                if template is not None:
-                    job.args = replace(job.args, template=template)
-                    job.text = ""
-                    self._start(job)
-                    return
-        if job.redraft is not None:
-            return  # a draft's text is not the answer
         end = len(job.text) if finish else 0 if job.whole else job.stop_strings.sendable()
         usage = Usage(len(job.ids), job.completion_tokens, job.cached_tokens or 0)
         event = Event(job.text[job.sent:end], reasoning, finish, usage, stop_sequence=stop_sequence)
@@ -377,11 +362,13 @@ class Scheduler:
 def failure(job: Job, e: Exception, bad_input: type | tuple[type, ...] = (TemplateError, PromptError, OptionError)
             ) -> RequestFailed:
     """What the client of ``job`` is told of ``e``: a prompt, template (a schema's grammar included)
-    or setting the model cannot take (``bad_input``) is a 400 naming the request's field; anything
-    else is a 500."""
+    or setting the model cannot take (``bad_input``) is a 400 naming the request's field (the option
+    the error names, else the template's or the prompt's); anything else is a 500."""
     if isinstance(e, bad_input):
-        param = (job.template_param if isinstance(e, TemplateError)
-                 else job.prompt_param if isinstance(e, PromptError) else getattr(e, "option", None))
+        option = getattr(e, "option", None)
+        param = (job.max_tokens_param if option == "max_tokens" else option) or (
+            job.template_param if isinstance(e, TemplateError) else job.prompt_param if isinstance(e, PromptError)
+            else None)
         return RequestFailed(one_line(e), param=param)
     return RequestFailed(f"generation failed: {one_line(e)}", status=500)
 

@@ -243,7 +243,7 @@ def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
     shortest = _found_closing_length(grammar, vocab)
     if shortest > max_tokens:
         raise TemplateError(f"the schema's shortest answer takes {shortest} tokens, more than max_tokens {max_tokens}; "
-                            "raise max_tokens")
+                            "raise max_tokens", option="max_tokens")
 
 
 def _found_closing_length(grammar: Grammar, vocab: int) -> int:

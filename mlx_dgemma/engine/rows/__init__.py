@@ -30,6 +30,8 @@ class Row:
     emitted: int = 0  # tokens handed out
     started: float = 0.0  # when the current canvas, block or round began (auto's pace)
     on_step: Callable[[Draft], None] | None = None  # diffusion: called with every step's draft
+    draft: str = ""  # a drafting row's text so far (a drafted schema's free draft: never handed out)
+    prompt_cache: object = None  # a drafting row's prompt, encoded: its answer starts from it
 
     @property
     def planner(self):
