@@ -23,7 +23,7 @@ from mlx_dgemma import lora
 from mlx_dgemma.cli import command_line
 from mlx_dgemma.errors import FineTuneError
 from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.tuner import adapters
+from mlx_dgemma.tuner import adapters, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
@@ -250,7 +250,7 @@ def test_ctrl_c_while_fusing_is_130_and_one_line_and_leaves_nothing(tmp_path):
     args = lora.resolve_args(["--train", "--num-layers", "1"])
     adapters.apply_fine_tune(demo, "lora", 1, args.lora_parameters)
     (tmp_path / "a").mkdir()
-    lora.save_run(demo, args, tmp_path / "a", [adapters.ADAPTERS])  # untrained adapters, as a run saves them
+    trainer.save_run(demo, args, tmp_path / "a", [adapters.ADAPTERS])  # untrained adapters, as a run saves them
     interrupted(["-c", PAUSED, "mlx_dgemma.safetensors_io", "ShardWriter.write", "mlx_dgemma.fuse",
                  "--adapter-path", tmp_path / "a", "--save-path", tmp_path / "fused"], "paused")
     assert [p.name for p in tmp_path.iterdir()] == ["a"]  # no fused model, no temporary folder

@@ -210,19 +210,19 @@ def test_cli_template_and_schema_files(tmp_path):
 
 
 def test_cli_schema_checks_its_template_before_the_draft(tmp_path, monkeypatch):
-    """--schema: the template that says the canvas takes the schema, drafted_json_template's check,
+    """--schema: the template that says the canvas takes the schema (structured/layout.py decides),
     then the one sized by the draft; a bad schema fails before any generation."""
-    from mlx_dgemma import api
-    from mlx_dgemma.structured import json_schema
+    from mlx_dgemma.engine import batch
+    from mlx_dgemma.structured import layout
 
-    built, real = [], json_schema.json_template
-    monkeypatch.setattr(json_schema, "json_template", lambda *a, **k: built.append("draft" in k) or real(*a, **k))
+    built, real = [], layout.json_template
+    monkeypatch.setattr(layout, "json_template", lambda *a, **k: built.append("draft" in k) or real(*a, **k))
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
     result = CliRunner().invoke(main, ["--prompt", "json: name=ada", "--schema", str(schema), "--seed", "0"])
     assert result.exit_code == 0, result.output
-    assert built == [False, False, True]  # the checks, then the drafted template
-    monkeypatch.setattr(api, "generate", lambda *a, **k: pytest.fail("a bad schema reached the draft"))
+    assert built == [False, True]  # the check, then the drafted template
+    monkeypatch.setattr(batch, "prefill", lambda *a, **k: pytest.fail("a bad schema reached the draft"))
     schema.write_text("[1, 2]")
     result = CliRunner().invoke(main, ["--prompt", "x", "--schema", str(schema)])
     assert result.exit_code == 1 and "a JSON schema is an object" in result.output, result.output

@@ -16,20 +16,15 @@ from mlx.utils import tree_flatten
 
 from checkpoint_tools import train_demo
 from mlx_dgemma.convert.output import save_model
+from mlx_dgemma.errors import FineTuneError
 from mlx_dgemma.fuse import fuse_adapters
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.loader import load, load_model
-from mlx_dgemma.lora import (
-    EmbeddingRows,
-    FineTuneError,
-    apply_fine_tune,
-    load_adapters,
-    make_optimizer,
-    resolve_args,
-    save_adapters,
-)
+from mlx_dgemma.lora import resolve_args
 from mlx_dgemma.tuner import objective as train
+from mlx_dgemma.tuner.adapters import EmbeddingRows, apply_fine_tune, load_adapters, save_adapters
 from mlx_dgemma.tuner.datasets import DataError, load_dataset, load_split, make_example
+from mlx_dgemma.tuner.trainer import make_optimizer
 from tests.reference import load_reference, on_reference
 
 ROOT = Path(__file__).resolve().parents[1]

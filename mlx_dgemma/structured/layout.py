@@ -56,8 +56,6 @@ class Layout:
         return Layout(template=template)
 
 
-FREE = Layout()
-
 
 def answer_layout(tokenizer, vocab: int, stop_ids: list[int], *, template=None, schema=None,
                   policy: str = "reference", limit: int | None = None, max_tokens: int | None = None,
@@ -66,7 +64,7 @@ def answer_layout(tokenizer, vocab: int, stop_ids: list[int], *, template=None, 
     already) under ``policy``; ``stop_ids`` end a grammar's answer, the end of turn first; ``limit``
     is the model's context and ``max_tokens`` the caller's (None: not given)."""
     if schema is None:
-        return FREE if template is None else Layout(template=as_template(tokenizer, template, limit=limit))
+        return Layout(template=as_template(tokenizer, template, limit=limit))
     if template is not None:
         raise TemplateError("give a template or a schema, not both")
     if isinstance(schema, Grammar):
