@@ -1,8 +1,8 @@
 """A server speaking OpenAI's, Anthropic's and Ollama's APIs: ``python -m mlx_dgemma.server`` (app.py the
-HTTP side that reads and checks every request, with body.py reading bodies and writing replies as JSON,
-fields.py the OpenAI fields that shape a request's jobs and events.py their events; api.py what an API
-is, openai_api.py / ollama.py / responses.py / anthropic.py the APIs' translations, embeddings.py the
-embedding routes, tokenize.py vLLM's tokenizer routes, routes.py all their routes on one app,
+HTTP side, with body.py reading bodies and writing replies as JSON; jobs.py a chat or completions body
+read field by field and made into the worker's jobs, resolved; events.py their events; api.py what an
+API is, openai_api.py / ollama.py / responses.py / anthropic.py the APIs' translations, embeddings.py
+the embedding routes, tokenize.py vLLM's tokenizer routes, routes.py all their routes on one app,
 scheduler.py the worker that owns the model and drives the batched engine, stop_strings.py an answer's
 stop strings as it grows, prompt_cache.py the multi-turn prefix cache).
 

@@ -7,7 +7,7 @@ whole parse: up to seconds. A body with few values is read by it at once (millis
 is read by the pure-Python reader, between whose steps the interpreter switches threads, with its
 arrays and objects counted: each is work for the garbage collector, whose full passes hold the GIL too.
 A reply is written a piece at a time for the same reason (2,048 embeddings of 2,816 floats are 3 s of
-``json.dumps`` in one call).
+``json.dumps`` in one call). ``typed`` reads one field of a body, of its type.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import json.scanner
 
 from starlette.responses import Response
 
+from ..validate import shown_json
 from . import request_log
 from .api import BadRequest
-from .layout import leaves, strings
 
 FAST_VALUES = 1 << 16  # at most this many values (by the body's commas and brackets): the C reader's
 MAX_CONTAINERS = 1 << 18  # arrays and objects in one body (a request has a few thousand at most)
@@ -141,3 +141,34 @@ def _pieces(value):
 
 def _dumps(value) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def leaves(value):
+    """Every string, number, bool and null in a JSON value, keys included (looked at without recursion:
+    a body may nest deep)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+        else:
+            yield item
+
+
+def strings(value):
+    """Every string in a JSON value, keys included."""
+    return (item for item in leaves(value) if isinstance(item, str))
+
+
+def typed(body: dict, key: str, kind, default):
+    """``body[key]``, of type ``kind`` (a 400 naming it otherwise), or ``default`` when it is absent."""
+    value = body.get(key)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # JSON true is no number
+        names = " or ".join(k.__name__ for k in kinds)
+        raise BadRequest(f"{key} must be of type {names}, got {shown_json(value)}", param=key)
+    return value

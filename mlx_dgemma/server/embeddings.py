@@ -57,7 +57,7 @@ class Embeddings:
         where the API truncates), ``MAX_REQUEST_TOKENS`` together."""
         check_unicode(body)
         server = self.server
-        server._check_model(model_name(server, body.get("model")))
+        server.reader.check_model(model_name(server, body.get("model")))
         width = server.model.config.hidden_size
         if (dimensions := body.get("dimensions")) is not None and dimensions != width:
             raise BadRequest(f"dimensions must be {width} (the model's width) or left out, got {shown(dimensions)}: "
@@ -72,8 +72,8 @@ class Embeddings:
         for name, text in inputs:
             if isinstance(text, str):
                 if truncate:  # (no more characters than the context's tokens can take: bounded work)
-                    text = text[: server.max_text_chars]
-                server._check_length(len(text), name, field)
+                    text = text[: server.reader.max_text_chars]
+                server.reader.check_length(len(text), name, field)
                 try:
                     ids = server.tokenizer.encode(text)
                 except TokenizerError as e:

@@ -11,14 +11,14 @@ from starlette.routing import Route
 
 from .api import Api, BadRequest
 from .app import Server
-from .layout import typed
+from .body import typed
 
 
 def routes(server: Server) -> list[Route]:
     tokenizer, config = server.tokenizer, server.model.config
 
     def check_model(body: dict) -> None:
-        server._check_model(body.get("model"))
+        server.reader.check_model(body.get("model"))
 
     def tokenize(body: dict) -> dict:
         check_model(body)
@@ -27,7 +27,7 @@ def routes(server: Server) -> list[Route]:
             raise BadRequest("prompt must be the text to tokenize", param="prompt")
         if not tokenizer.has_vocabulary:
             raise BadRequest("this checkpoint has no tokenizer files: send prompts as token ids", param="prompt")
-        server._check_length(len(prompt), "the prompt", "prompt")
+        server.reader.check_length(len(prompt), "the prompt", "prompt")
         ids = tokenizer.encode(prompt, add_special_tokens=typed(body, "add_special_tokens", bool, True))
         return {"count": len(ids), "max_model_len": config.max_position_embeddings, "tokens": ids}
 
