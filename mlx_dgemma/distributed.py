@@ -35,9 +35,9 @@ from .loader import (
     CheckpointError,
     ExpertSlice,
     build_model,
+    checkpoint_folder,
     map_key,
     read_config,
-    resolve,
     stack_experts,
     weight_files,
 )
@@ -257,7 +257,7 @@ def sharded_load(path_or_repo: str | os.PathLike, group: mx.distributed.Group | 
     from .tokenizer import load_tokenizer
 
     group = group or init()
-    folder = resolve(path_or_repo)
+    folder = checkpoint_folder(path_or_repo)
     model = load_shard(folder, group, watchdog)
     try:
         model.generation_config = GenerationConfig.from_folder(folder, model.config)

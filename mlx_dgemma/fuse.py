@@ -37,7 +37,7 @@ def fuse_adapters(model, dequantize: bool = False):
 @command_line
 def main(argv=None) -> None:
     from .demo import DEMO_MODEL
-    from .loader import load, resolve
+    from .loader import checkpoint_folder, load
 
     p = argparse.ArgumentParser(description="Fuse fine-tuned adapters into the model.")
     p.add_argument("--model", help="The base checkpoint [default: the bundled demo model].")
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     save_path = Path(args.save_path)
     try:
-        base = resolve(args.model or DEMO_MODEL)
+        base = checkpoint_folder(args.model or DEMO_MODEL)
         check_apart(base, save_path, SAVE_PATH)
         check_destination(save_path, args.force, SAVE_PATH)  # before the model loads
         check_writable_folder(save_path.parent, SAVE_PATH)

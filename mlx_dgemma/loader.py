@@ -36,7 +36,7 @@ _ENCODER_TIED = re.compile(r"^model\.encoder\.language_model\.(?!layers\.\d+\.la
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 
 
-def resolve(path_or_repo: str | os.PathLike) -> Path:
+def checkpoint_folder(path_or_repo: str | os.PathLike) -> Path:
     """A local checkpoint folder, or a Hub repo id fetched (or found in the cache) by huggingface_hub."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
@@ -254,7 +254,7 @@ def load(path_or_repo: str | os.PathLike, adapter_path: str | os.PathLike | None
     a fine-tuning run's adapter folder (``python -m mlx_dgemma.lora``), applied to the model."""
     from .tokenizer import load_tokenizer
 
-    folder = resolve(path_or_repo)
+    folder = checkpoint_folder(path_or_repo)
     model = load_model(folder)
     if adapter_path is not None:
         from .tuner.adapters import load_adapters

@@ -19,7 +19,7 @@ from .convert.quantize import GROUP_SIZES, Quantization
 from .convert.report import format_size
 from .distributed import STACKED_EXPERTS, expert_range
 from .errors import CheckpointError, ConfigError, ConversionError, MemoryCheckError
-from .loader import VISION_KEY, ExpertSlice, map_key, read_config, resolve, weight_files
+from .loader import VISION_KEY, ExpertSlice, checkpoint_folder, map_key, read_config, weight_files
 from .model.config import GenerationConfig, ModelConfig
 from .model.diffusion_gemma import ATTENTION_SCORES_ELEMENTS
 from .options import KV_BITS, KV_GROUP_SIZE, PREFILL_STEP_SIZE
@@ -197,7 +197,7 @@ def check_memory(path_or_repo: str | os.PathLike, prompt: str = "", max_tokens: 
     """Raise MemoryCheckError, naming what would fit, when the model needs more than the device can
     give with its KV cache at ``kv_bits`` (None: the activations' dtype); returns the need (None
     when the device's memory is unknown). Reads only headers and configs."""
-    folder = resolve(path_or_repo)
+    folder = checkpoint_folder(path_or_repo)
     config = read_config(folder)
     tensors = _tensors(folder)
     context = requested_context(folder, config, prompt, max_tokens)

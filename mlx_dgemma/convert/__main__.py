@@ -17,7 +17,7 @@ import click
 
 from ..cli import command_line
 from ..errors import ConversionError
-from ..loader import CheckpointError, resolve
+from ..loader import CheckpointError, checkpoint_folder
 from .checkpoint import (
     DTYPES,
     convert,
@@ -131,7 +131,7 @@ def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir
 def sizes_command(hf_path, q_group_size):
     """Each recipe's converted size, from the source's safetensors headers (no weight is read)."""
     try:
-        src = resolve(hf_path)
+        src = checkpoint_folder(hf_path)
         raw, config = read_source_config(src)
         tensors = source_tensors(src)
         rows = [("unquantized", converted_size(plan_tensors(src, raw, config, tensors, None, None)))]

@@ -25,9 +25,9 @@ from ..loader import (
     CheckpointError,
     ExpertSlice,
     check_weights,
+    checkpoint_folder,
     load,
     map_key,
-    resolve,
     stack_experts,
     weight_files,
 )
@@ -323,7 +323,7 @@ def convert(
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     quantization = Quantization.from_flags(q_bits, q_group_size, q_mode, quant_predicate) if quantize else None
-    src = resolve(hf_path)
+    src = checkpoint_folder(hf_path)
     check_apart(src, dst)
     plan = plan_conversion(src, quantization, dtype)
     with staging_folder(dst, force) as folder:
@@ -340,7 +340,7 @@ def convert(
 def dequantize_checkpoint(hf_path: str, mlx_path: str = "mlx_model", force: bool = False) -> Path:
     """The quantized MLX checkpoint ``hf_path`` written unquantized at ``mlx_path`` (mlx-lm's ``-d``): each
     quantized weight as ``mx.dequantize`` gives it, in its scales' dtype; returns its path."""
-    src, dst = resolve(hf_path), Path(mlx_path).expanduser()
+    src, dst = checkpoint_folder(hf_path), Path(mlx_path).expanduser()
     check_apart(src, dst)
     check_destination(dst, force)
     raw, _ = read_source_config(src)
@@ -370,7 +370,7 @@ def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | N
     """Convert with every recipe × bit width (a recipe that fixes its bits: once; plus once unquantized)
     and tabulate the cost of each; ``instances`` > 0 adds the demo tasks' accuracy and steps. Returns
     the table and a line per trial that failed."""
-    src = resolve(hf_path)
+    src = checkpoint_folder(hf_path)
     if mode != "affine":
         bits = [MODE_DEFAULTS[mode][1]]
         recipes = [r for r in recipes if RECIPES[r].bits is None]
