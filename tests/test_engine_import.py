@@ -79,8 +79,8 @@ def test_an_explicit_library_that_cannot_take_effect_is_warned_of_once():
 
 
 # The entry points: each command line's module, the server, and the package's API (mlx_dgemma.load).
-ENTRY_POINTS = ("mlx_dgemma.generate", "mlx_dgemma.bench", "mlx_dgemma.convert", "mlx_dgemma.lora",
-                "mlx_dgemma.fuse", "mlx_dgemma.demo.eval", "mlx_dgemma.server.__main__")
+ENTRY_POINTS = ("mlx_dgemma.generate", "mlx_dgemma.bench", "mlx_dgemma.lora",
+                "mlx_dgemma.fuse", "mlx_dgemma.demo.eval", "mlx_dgemma.server.__main__", "mlx_dgemma.convert.__main__")
 
 
 @pytest.mark.skipif(sys.platform != "linux" or not any(os.path.exists(p) for p in fast_blas.CANDIDATES),

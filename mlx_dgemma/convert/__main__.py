@@ -11,6 +11,10 @@ with per-module overrides in config.json), so it loads in mlx-vlm as well as her
 
 from __future__ import annotations
 
+from .. import fast_blas
+
+fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
+
 import sys
 
 import click
