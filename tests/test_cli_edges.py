@@ -261,7 +261,7 @@ def test_ctrl_c_while_evaluating_is_130_and_one_line():
 
 
 def test_ctrl_c_while_converting_is_130_and_one_line_and_leaves_nothing(tmp_path):
-    interrupted(["-c", PAUSED, "mlx_dgemma.convert.checkpoint", "read_tensor", "mlx_dgemma.convert", "--hf-path", DEMO_MODEL,
+    interrupted(["-c", PAUSED, "mlx_dgemma.convert.checkpoint", "read_tensor", "mlx_dgemma.convert.__main__", "--hf-path", DEMO_MODEL,
                  "--mlx-path", tmp_path / "out"], "paused")
     assert list(tmp_path.iterdir()) == []
 
