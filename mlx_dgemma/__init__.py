@@ -4,9 +4,10 @@ Importing the package does nothing else; the first use of its API (``mlx_dgemma.
 rest below) loads the fast BLAS on Linux first (fast_blas.py: it must precede ``mlx.core``).
 """
 
-import importlib
 import sys
 import types
+
+from . import fast_blas
 
 _API = {
     "load": "loader",
@@ -23,15 +24,7 @@ _API = {
 __all__ = list(_API)
 
 
-def __getattr__(name: str):
-    if name not in _API:
-        raise AttributeError(f"module 'mlx_dgemma' has no attribute {name!r}")
-    from . import fast_blas
-
-    fast_blas.load()
-    value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = fast_blas.lazy_names(__name__, _API)
 
 
 class _Package(types.ModuleType):

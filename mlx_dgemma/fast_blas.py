@@ -17,6 +17,7 @@ keeps the BLAS it has, as nobody asked otherwise.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import sys
 import warnings
@@ -90,3 +91,19 @@ def describe() -> str:
     if loaded:
         return f"{loaded} (OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'auto')})"
     return "netlib reference BLAS bundled with mlx[cpu]"
+
+
+def lazy_names(package: str, names: dict[str, str]):
+    """A package's ``__getattr__`` that imports each of ``names`` from its submodule (``names[name]``)
+    on first use, the fast BLAS loaded first: importing the package itself loads neither."""
+    namespace = sys.modules[package].__dict__
+
+    def attribute(name: str):
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        load()
+        value = getattr(importlib.import_module(f".{names[name]}", package), name)
+        namespace[name] = value
+        return value
+
+    return attribute

@@ -6,7 +6,7 @@ Importing the package does nothing else; the first use of its names below loads 
 Linux first (fast_blas.py: it must precede ``mlx.core``), as the package's own API does.
 """
 
-import importlib
+from .. import fast_blas
 
 _NAMES = {
     "convert": "checkpoint", "converted_size": "checkpoint", "dequantize_checkpoint": "checkpoint",
@@ -20,12 +20,4 @@ _NAMES = {
 __all__ = sorted(_NAMES)
 
 
-def __getattr__(name: str):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'mlx_dgemma.convert' has no attribute {name!r}")
-    from .. import fast_blas
-
-    fast_blas.load()
-    value = getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = fast_blas.lazy_names(__name__, _NAMES)
