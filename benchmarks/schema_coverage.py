@@ -97,7 +97,7 @@ def coverage(model, tokenizer, entries: list[Entry], max_tokens: int) -> list[di
         tic = time.perf_counter()
         try:
             job = prepare(model, tokenizer, entry.prompt, GenerationArgs(schema=entry.schema, max_tokens=max_tokens))
-            row.update(ours=True, by="template" if job.template is not None else "grammar")
+            row.update(ours=True, by="grammar" if job.grammar is not None else "template")
         except ValueError as e:
             row["refusal"] = str(e)
         row["ms"] = (time.perf_counter() - tic) * 1e3

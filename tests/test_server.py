@@ -321,11 +321,11 @@ def test_a_refusal_by_the_worker_names_the_field(client, monkeypatch):
     from mlx_dgemma.errors import PromptError, TemplateError
     from mlx_dgemma.server import scheduler
 
-    def refusing(model, tokenizer, prompt, args):
-        raise TemplateError("the template is refused") if args.template is not None else PromptError(
+    def refusing(model, tokenizer, resolved):
+        raise TemplateError("the template is refused") if resolved.args.template is not None else PromptError(
             "the prompt is refused")
 
-    monkeypatch.setattr(scheduler, "prepare", refusing)
+    monkeypatch.setattr(scheduler, "plan", refusing)
     for request, param in [(lambda: chat(client, SORT, extra_body={"template": "{{fill:4}}"}), "template"),
                            (lambda: chat(client, SORT), "messages"),
                            (lambda: client.completions.create(model=MODEL_ID, prompt=SORT), "prompt")]:

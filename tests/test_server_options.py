@@ -133,14 +133,14 @@ def option(args: GenerationArgs, name: str):
 def test_every_option_a_request_can_set_reaches_the_engine(clients, monkeypatch):
     """Every field of GenerationArgs and SamplingArgs is read from a request (by its own name, or
     otherwise: max_tokens, a template) or named as not the client's to set; those read arrive in the
-    args the worker prepares, through each API."""
+    args the worker plans, through each API."""
     names = {f.name for f in fields(GenerationArgs)} - {"sampling"} | {f.name for f in fields(SamplingArgs)}
     assert names == set(SETTINGS) | set(SET_OTHERWISE) | set(NOT_SETTABLE)
     assert not set(SETTINGS) & set(NOT_SETTABLE)
     seen = []
-    real = scheduler.prepare
-    monkeypatch.setattr(scheduler, "prepare", lambda model, tokenizer, ids, args: real(
-        model, tokenizer, ids, seen.append(args) or args))
+    real = scheduler.plan
+    monkeypatch.setattr(scheduler, "plan", lambda model, tokenizer, resolved: real(
+        model, tokenizer, seen.append(resolved) or resolved))
     given = {"policy": "verified", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "steps": 6,
              "entropy_bound": 0.2, "temp_min": 0.3, "temp_max": 0.9, "schedule_scale": 0.8, "freeze_after": 2,
              "draft_length": 4, "draft_steps": 2, "expected_steps": 5.0}
@@ -149,7 +149,7 @@ def test_every_option_a_request_can_set_reaches_the_engine(clients, monkeypatch)
     for api in ("chat", "responses", "messages", "ollama"):
         for sent in (given, penalties):
             ask(clients, api, 9, 8, **sent)
-            args = seen[-1]
+            args = seen[-1].args
             assert {name: option(args, name) for name in sent} == sent, api
             assert args.seed == 9 and args.max_tokens == 8, api
     clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=1,

@@ -59,11 +59,12 @@ class ResolvedRequest:
 
 
 def resolve(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs,
-            default_max_tokens: int | None = None, reads_call: bool = False) -> ResolvedRequest:
+            default_max_tokens: int | None = None, reads_call: bool = False,
+            budget_name: str = "max_tokens") -> ResolvedRequest:
     """Check a request and settle everything about it that needs no device (see ``api.stream_generate``).
     ``default_max_tokens`` is the budget of a request that gives none (None: the checkpoint's
     ``max_new_tokens``), cut to what the context leaves; ``reads_call``: a drafted schema's draft may be
-    a tool call (a forced call's)."""
+    a tool call (a forced call's); ``budget_name`` is the caller's name for ``max_tokens`` in messages."""
     config = model.config
     defaults = generation_config(model, tokenizer)
     prompt = check_request(prompt, defaults.max_new_tokens if args.max_tokens is None else args.max_tokens,
@@ -91,7 +92,7 @@ def resolve(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
         shortest = closing_length(grammar, config.vocab_size) if grammar is not None else 0
         max_tokens = min(max(default_max_tokens or defaults.max_new_tokens, SCHEMA_ROOM * shortest),
                          answer_room(ids, config))
-    check_prompt_fits(ids, config, max_tokens if template is None else 1)
+    check_prompt_fits(ids, config, max_tokens if template is None else 1, budget_name)
     if grammar is not None:
         check_closing_room(grammar, config.vocab_size, answer_room(ids, config))
         check_closing_fits(grammar, config.vocab_size, max_tokens)

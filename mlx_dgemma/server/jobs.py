@@ -157,7 +157,8 @@ class Reader:
         job.args = GenerationArgs.of(**request.options, max_tokens=max_tokens, template=template, schema=layout.schema,
                                      images=ImageInputs(vision_inputs) if vision_inputs else None)
         try:  # everything about the request that needs no device, checked once: the worker plans it
-            job.resolved = resolve(self.model, self.tokenizer, ids, job.args, self.max_tokens, layout.reads_call)
+            job.resolved = resolve(self.model, self.tokenizer, ids, job.args, self.max_tokens, layout.reads_call,
+                                   request.max_key)
         except ValueError as e:
             refused = failure(job, e, bad_input=ValueError)
             raise BadRequest(str(refused), param=refused.param,
