@@ -4,9 +4,9 @@ template, a JSON schema's canvas template whose holes a free draft sizes, or a s
 - A template (text with ``{{fill:N}}`` holes, or a ``CanvasTemplate``) is the answer laid out in advance.
 - A JSON schema under a diffusion policy (reference, fast, auto), where its canvas template expresses
   it (json_schema.py) and fits ``max_tokens``, is *drafted*: a free generation comes first, and the
-  answer is generated on the schema's template with each hole sized by the draft's value (a value
-  twice the draft's length, within the schema's bounds). On the demo's json tasks that is right far
-  more often than holes at their upper bounds, and it is always valid.
+  answer is generated on the schema's template with each hole as long as the draft's value there
+  (within the schema's bounds). On the demo's json tasks that is right far more often than holes at
+  their upper bounds, and it is always valid.
 - Every other schema, and every schema under ar and verified, is followed by its grammar token by
   token (grammar.py).
 
