@@ -40,8 +40,11 @@ def run(tree: Path, command: list[str]) -> tuple[float, float, dict[int, float]]
         seconds, cpu = time.perf_counter() - start, _children_cpu() - used
         if done.returncode != 0:
             sys.exit(f"{' '.join(argv)} failed in {tree} (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        levels = {row["concurrency"]: row["tokens_per_second"] for row in json.loads(out.read_text())} \
-            if out.exists() else {}
+        levels = (
+            {row["concurrency"]: row["tokens_per_second"] for row in json.loads(out.read_text())}
+            if out.exists()
+            else {}
+        )
     return seconds, cpu, levels
 
 
@@ -58,7 +61,7 @@ def main() -> None:
     parser.usage = "%(prog)s A B [--rounds N] -- COMMAND..."
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
-    args, command = parser.parse_args(argv[:split]), argv[split + 1:]
+    args, command = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not command:
         parser.error("give the command to run in each tree after --")
     trees = {"A": args.a.resolve(), "B": args.b.resolve()}
@@ -84,8 +87,10 @@ def main() -> None:
         for name, pick in (("median", statistics.median), ("best", max)):
             a, b = pick(tok_s["A"][level]), pick(tok_s["B"][level])
             print(f"concurrency {level}: {name} tok/s A {a:.1f}, B {b:.1f}, B/A {b / a:.3f}")
-    print(f"load average (1, 5, 15 min): before {' '.join(f'{x:.2f}' for x in load_before)}, "
-          f"after {' '.join(f'{x:.2f}' for x in load_after)}")
+    print(
+        f"load average (1, 5, 15 min): before {' '.join(f'{x:.2f}' for x in load_before)}, "
+        f"after {' '.join(f'{x:.2f}' for x in load_after)}"
+    )
 
 
 if __name__ == "__main__":

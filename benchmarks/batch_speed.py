@@ -27,8 +27,11 @@ def main():
     print(f"{a.model}, {len(a.prompts)} prompts, {a.max_tokens} max tokens, {fast_blas.describe()}")
     print(f"{'policy':<10} {'sequential tok/s':>16} {'batched tok/s':>14} {'speed-up':>9}")
     for policy in a.policy:
+
         def sequential():
-            return [generate(model, tokenizer, q, a.max_tokens, seed=s, policy=policy) for q, s in zip(a.prompts, seeds)]
+            return [
+                generate(model, tokenizer, q, a.max_tokens, seed=s, policy=policy) for q, s in zip(a.prompts, seeds)
+            ]
 
         def batched():
             return batch_generate(model, tokenizer, a.prompts, a.max_tokens, seeds=seeds, policy=policy)

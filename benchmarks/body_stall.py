@@ -60,8 +60,10 @@ def longest_health(url: str, done: threading.Event) -> list[float]:
 
 def reply_waits() -> None:
     vectors = np.random.default_rng(0).standard_normal((2048, 2816), dtype=np.float32)
-    content = {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": v.tolist()}
-                                          for i, v in enumerate(vectors)]}
+    content = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)],
+    }
     for name, write in [("JSONResponse", JSONResponse), ("json_reply", json_reply)]:
         gaps, done = [0.0], threading.Event()
 
@@ -80,8 +82,10 @@ def reply_waits() -> None:
         seconds = time.perf_counter() - start
         done.set()
         thread.join()
-        print(f"{name:>12}: {size / 1e6:.0f} MB in {seconds:.2f} s, another thread waited at most "
-              f"{max(gaps):.3f} s", flush=True)
+        print(
+            f"{name:>12}: {size / 1e6:.0f} MB in {seconds:.2f} s, another thread waited at most {max(gaps):.3f} s",
+            flush=True,
+        )
 
 
 def main() -> None:

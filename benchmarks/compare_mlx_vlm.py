@@ -58,7 +58,7 @@ def run_ours(checkpoint: Path, prompt_ids: list[int], max_tokens: int, steps: in
 
 def subprocess_json(cmd: list[str], env: dict) -> dict:
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out[out.index("{"):])
+    return json.loads(out[out.index("{") :])
 
 
 def main() -> None:
@@ -87,33 +87,65 @@ def main() -> None:
     env = dict(os.environ, LD_PRELOAD=OPENBLAS, HF_HUB_OFFLINE="1")
     if family := kernel_family():
         env.setdefault("OPENBLAS_CORETYPE", family)
-    peer = [a.peer_python, str(a.peer_script), "--temperature", "1.0", "--full-canvas", "--steps", str(a.steps),
-            "--max-tokens", str(a.max_tokens)]
+    peer = [
+        a.peer_python,
+        str(a.peer_script),
+        "--temperature",
+        "1.0",
+        "--full-canvas",
+        "--steps",
+        str(a.steps),
+        "--max-tokens",
+        str(a.max_tokens),
+    ]
     if not (a.checkpoint / "model.safetensors").exists():
-        subprocess_json(peer + ["--save-dir", str(a.checkpoint), "--warmup", "0", "--max-tokens", "64",
-                                "--steps", "1"], env)
+        subprocess_json(
+            peer + ["--save-dir", str(a.checkpoint), "--warmup", "0", "--max-tokens", "64", "--steps", "1"], env
+        )
     results: dict[str, list[dict]] = {"mlx-vlm": [], "mlx-dgemma": []}
     prompt_ids = None
     for round_ in range(a.rounds):
         theirs = subprocess_json(peer + ["--load-dir", str(a.checkpoint)], env)
         prompt_ids = theirs["prompt_ids"]
-        ours = subprocess_json([sys.executable, __file__, "--ours-only", "--checkpoint", str(a.checkpoint),
-                                "--prompt-ids", json.dumps(prompt_ids), "--steps", str(a.steps),
-                                "--max-tokens", str(a.max_tokens), "--policy", a.policy], env)
+        ours = subprocess_json(
+            [
+                sys.executable,
+                __file__,
+                "--ours-only",
+                "--checkpoint",
+                str(a.checkpoint),
+                "--prompt-ids",
+                json.dumps(prompt_ids),
+                "--steps",
+                str(a.steps),
+                "--max-tokens",
+                str(a.max_tokens),
+                "--policy",
+                a.policy,
+            ],
+            env,
+        )
         results["mlx-vlm"].append(theirs)
         results["mlx-dgemma"].append(ours)
-        print(f"round {round_ + 1}: mlx-vlm {theirs['tok_per_s']:.2f} tok/s, {theirs['ms_per_decoder_step']:.0f} ms/step"
-              f" | ours {ours['tok_per_s']:.2f} tok/s, {ours['ms_per_decoder_step']:.0f} ms/step", flush=True)
+        print(
+            f"round {round_ + 1}: mlx-vlm {theirs['tok_per_s']:.2f} tok/s, {theirs['ms_per_decoder_step']:.0f} ms/step"
+            f" | ours {ours['tok_per_s']:.2f} tok/s, {ours['ms_per_decoder_step']:.0f} ms/step",
+            flush=True,
+        )
 
     def med(impl, key):
         return statistics.median(r[key] for r in results[impl])
 
-    print(f"\nsame checkpoint ({a.checkpoint}), {a.max_tokens} tokens, {a.steps} steps/canvas, fp32, "
-          f"BLAS {OPENBLAS} ({env.get('OPENBLAS_CORETYPE', 'auto')} kernels), medians of {a.rounds} alternated rounds")
+    print(
+        f"\nsame checkpoint ({a.checkpoint}), {a.max_tokens} tokens, {a.steps} steps/canvas, fp32, "
+        f"BLAS {OPENBLAS} ({env.get('OPENBLAS_CORETYPE', 'auto')} kernels), medians of {a.rounds} alternated rounds"
+    )
     print(f"{'':12} {'tok/s':>8} {'ms/step':>9} {'MLX peak MB':>12} {'max RSS MB':>11}")
     for impl in results:
-        print(f"{impl:12} {med(impl, 'tok_per_s'):8.2f} {med(impl, 'ms_per_decoder_step'):9.0f} "
-              f"{med(impl, 'mlx_peak_memory_mb'):12.0f} {med(impl, 'max_rss_mb'):11.0f}")
+        print(
+            f"{impl:12} {med(impl, 'tok_per_s'):8.2f} {med(impl, 'ms_per_decoder_step'):9.0f} "
+            f"{med(impl, 'mlx_peak_memory_mb'):12.0f} {med(impl, 'max_rss_mb'):11.0f}"
+        )
     print(f"ratio (ours / mlx-vlm): {med('mlx-dgemma', 'tok_per_s') / med('mlx-vlm', 'tok_per_s'):.2f}x tokens/s")
     if a.out:
         a.out.write_text(json.dumps(results, indent=2))

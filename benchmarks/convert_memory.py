@@ -70,8 +70,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="convert-memory-", dir=args.work_dir))
     try:
         base_mb, _ = peak_rss([])
-        print(f"import-only baseline: peak RSS {base_mb:.0f} MB  ({'/usr/bin/time -v' if TIME.exists() else 'getrusage'})")
-        print(f"{'checkpoint':>12} {'largest tensor':>15} {'conversion':>12} {'peak RSS':>10} {'over baseline':>14} {'wall':>8}")
+        print(
+            f"import-only baseline: peak RSS {base_mb:.0f} MB  ({'/usr/bin/time -v' if TIME.exists() else 'getrusage'})"
+        )
+        print(
+            f"{'checkpoint':>12} {'largest tensor':>15} {'conversion':>12} {'peak RSS':>10} {'over baseline':>14} {'wall':>8}"
+        )
         for gigabytes in args.gigabytes:
             sizes = scaled_sizes(layers_for(gigabytes, "bfloat16"))
             src = write_checkpoint(work / f"src-{gigabytes}", sizes, "bfloat16", shard_bytes=1 << 30)
@@ -80,8 +84,10 @@ def main() -> None:
             for label, flags in runs:
                 dst = work / f"dst-{gigabytes}-{len(flags)}"
                 mb, wall = peak_rss(["--hf-path", str(src), "--mlx-path", str(dst), *flags])
-                print(f"{folder_size(src):>9.2f} GB {largest_mb:>12.1f} MB {label:>12} {mb:>7.0f} MB {mb - base_mb:>11.0f} MB {wall:>8}",
-                      flush=True)
+                print(
+                    f"{folder_size(src):>9.2f} GB {largest_mb:>12.1f} MB {label:>12} {mb:>7.0f} MB {mb - base_mb:>11.0f} MB {wall:>8}",
+                    flush=True,
+                )
                 shutil.rmtree(dst)
             shutil.rmtree(src)
     finally:

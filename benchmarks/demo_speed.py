@@ -48,8 +48,7 @@ def generate_arguments(name: str, generation_config) -> dict:
 
     setting = dict(SETTINGS[name])
     if SAMPLER_ONLY & set(setting):
-        return {"settings": SamplerSettings.from_generation_config(generation_config, **setting),
-                "policy": "reference"}
+        return {"settings": SamplerSettings.from_generation_config(generation_config, **setting), "policy": "reference"}
     return setting
 
 
@@ -76,15 +75,28 @@ def peer_main(checkpoint: str, cases_file: str) -> None:
         mx.random.seed(i)
         start = time.perf_counter()
         tokens, finish = [], None
-        for r in stream_diffusion_generate(model, tokenizer, tokenizer, mx.array([ids]), None, None,
-                                           max_tokens=cases["max_tokens"], skip_special_token_ids=[]):
+        for r in stream_diffusion_generate(
+            model,
+            tokenizer,
+            tokenizer,
+            mx.array([ids]),
+            None,
+            None,
+            max_tokens=cases["max_tokens"],
+            skip_special_token_ids=[],
+        ):
             if r.finish_reason is not None:
                 finish = r.finish_reason
             elif not r.is_draft and not r.diffusion_block_complete and r.token is not None:
                 tokens.append(int(r.token))
             steps = r.diffusion_denoising_steps
-        out.append({"tokens": tokens + (cases["stop_ids"][:1] if finish == "stop" else []),
-                    "seconds": time.perf_counter() - start, "steps": steps})
+        out.append(
+            {
+                "tokens": tokens + (cases["stop_ids"][:1] if finish == "stop" else []),
+                "seconds": time.perf_counter() - start,
+                "steps": steps,
+            }
+        )
     print(json.dumps(out[1:]))
 
 
@@ -170,14 +182,24 @@ def main() -> None:
             env = dict(os.environ, LD_PRELOAD=OPENBLAS, HF_HUB_OFFLINE="1")
             if family := fast_blas.kernel_family():
                 env.setdefault("OPENBLAS_CORETYPE", family)
-            run = subprocess.run([a.peer_python, __file__, "--peer", str(checkpoint), str(cases_file)], env=env,
-                                 check=True, capture_output=True, text=True)
+            run = subprocess.run(
+                [a.peer_python, __file__, "--peer", str(checkpoint), str(cases_file)],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             peer = json.loads(run.stdout.strip().splitlines()[-1])
         tally = tallies["mlx-vlm stock"] = Tally({}, {})
         for (task, prompt), r in zip(cases, peer):
             tokens = answer_tokens(r["tokens"], stop_ids)
-            tally.add(task, check(task, prompt, tokenizer.decode_clean(tokens, stop_ids)), len(tokens), r["seconds"],
-                      r["steps"])
+            tally.add(
+                task,
+                check(task, prompt, tokenizer.decode_clean(tokens, stop_ids)),
+                len(tokens),
+                r["seconds"],
+                r["steps"],
+            )
 
     list(stream_generate(model, tokenizer, ids[0], seed=0))  # warm-up
     arguments = {name: generate_arguments(name, model.generation_config) for name in a.settings}
@@ -187,13 +209,20 @@ def main() -> None:
         for name in a.settings:
             counting.positions = 0
             start = time.perf_counter()
-            responses = list(stream_generate(counting, tokenizer, prompt_tokens, seed=a.seed * 100003 + i,
-                                             **arguments[name]))
+            responses = list(
+                stream_generate(counting, tokenizer, prompt_tokens, seed=a.seed * 100003 + i, **arguments[name])
+            )
             seconds = time.perf_counter() - start
             tokens = answer_tokens([t for r in responses for t in r.tokens], stop_ids)
             text = "".join(r.text for r in responses)
-            tallies[name].add(task, check(task, prompt, text), len(tokens), seconds, sum(r.steps for r in responses),
-                              counting.positions)
+            tallies[name].add(
+                task,
+                check(task, prompt, text),
+                len(tokens),
+                seconds,
+                sum(r.steps for r in responses),
+                counting.positions,
+            )
 
     base = tallies.get("mlx-vlm stock") or tallies[a.settings[0]]
     base_name = "mlx-vlm stock" if "mlx-vlm stock" in tallies else a.settings[0]
@@ -204,8 +233,11 @@ def main() -> None:
     for name, t in tallies.items():
         speed = t.tokens / t.seconds
         positions = f"{t.positions / len(cases):10.0f}" if t.positions else f"{'':>10}"
-        print(f"{name:<18}" + "".join(f"{t.accuracy(task):9.0%}" for task in TASKS) +
-              f"{t.accuracy():8.1%}{t.steps / len(cases):7.1f}{positions}{speed:8.1f}  {speed / base_speed:5.2f}x")
+        print(
+            f"{name:<18}"
+            + "".join(f"{t.accuracy(task):9.0%}" for task in TASKS)
+            + f"{t.accuracy():8.1%}{t.steps / len(cases):7.1f}{positions}{speed:8.1f}  {speed / base_speed:5.2f}x"
+        )
     if a.out:
         a.out.write_text(json.dumps({k: vars(v) for k, v in tallies.items()}, indent=2))
 

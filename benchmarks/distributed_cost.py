@@ -75,9 +75,11 @@ def measure(model_path: Path, prefix: int, repeats: int) -> None:
 
     ar_token()
     ar_s = statistics.median(ar_token() for _ in range(repeats))
-    line = (f"rank {group.rank()}/{group.size()}: weights {weight_mb:.1f} MB, active memory {active_mb:.1f} MB; "
-            f"denoising forward ({cfg.canvas_length} positions after {prefix}) {step_s * 1e3:.1f} ms, "
-            f"AR token {ar_s * 1e3:.2f} ms")
+    line = (
+        f"rank {group.rank()}/{group.size()}: weights {weight_mb:.1f} MB, active memory {active_mb:.1f} MB; "
+        f"denoising forward ({cfg.canvas_length} positions after {prefix}) {step_s * 1e3:.1f} ms, "
+        f"AR token {ar_s * 1e3:.2f} ms"
+    )
     if sharded:
         dtype = model.embed(ids[:, :1]).dtype  # the activations' dtype, which the all_sums carry
 
@@ -89,8 +91,10 @@ def measure(model_path: Path, prefix: int, repeats: int) -> None:
 
         step_comm = median_time(lambda: all_sums(cfg.canvas_length), repeats)
         ar_comm = median_time(lambda: all_sums(1), repeats)
-        line += (f"; all_sums alone: {step_comm * 1e3:.1f} ms per forward ({100 * step_comm / step_s:.0f}%), "
-                 f"{ar_comm * 1e3:.2f} ms per AR token ({100 * ar_comm / ar_s:.0f}%)")
+        line += (
+            f"; all_sums alone: {step_comm * 1e3:.1f} ms per forward ({100 * step_comm / step_s:.0f}%), "
+            f"{ar_comm * 1e3:.2f} ms per AR token ({100 * ar_comm / ar_s:.0f}%)"
+        )
     print(line, flush=True)
 
 
@@ -99,8 +103,9 @@ def sharded_cost(cfg, tokens: int, prefix: int, bits: float, denoise: bool, rank
     bytes divided by the number of ranks (contiguous even shares, routing assumed balanced)."""
     whole = forward_cost(cfg, tokens, prefix, bits, denoise)
     without = forward_cost(dataclasses.replace(cfg, moe_intermediate_size=0), tokens, prefix, bits, denoise)
-    return Cost(without.flops + (whole.flops - without.flops) / ranks,
-                without.bytes + (whole.bytes - without.bytes) / ranks)
+    return Cost(
+        without.flops + (whole.flops - without.flops) / ranks, without.bytes + (whole.bytes - without.bytes) / ranks
+    )
 
 
 def all_sum_seconds(cfg, tokens: int, ranks: int, gbps: float, efficiency: float, latency_us: float) -> float:
@@ -115,12 +120,14 @@ def all_sum_seconds(cfg, tokens: int, ranks: int, gbps: float, efficiency: float
 
 def predict(args) -> None:
     cfg, bits, prefix, canvas = RELEASED, args.bits, 512, 256
-    print(f"google/diffusiongemma-26B-A4B-it at {bits:g} bits per weight, {args.steps} steps per "
-          f"{canvas}-canvas, {prefix}-token prefix; Thunderbolt 5 {args.link_gbps:g} Gb/s at "
-          f"{args.link_efficiency:.0%} ({args.link_gbps / 8 * args.link_efficiency:.1f} GB/s), "
-          f"{args.latency_us:g} µs per hop; all_sum per layer: {canvas}·{cfg.top_k_experts}·{cfg.hidden_size}·2 B = "
-          f"{canvas * cfg.top_k_experts * cfg.hidden_size * 2 / 1e6:.1f} MB per step, "
-          f"{cfg.top_k_experts * cfg.hidden_size * 2 / 1e3:.0f} kB per AR token\n")
+    print(
+        f"google/diffusiongemma-26B-A4B-it at {bits:g} bits per weight, {args.steps} steps per "
+        f"{canvas}-canvas, {prefix}-token prefix; Thunderbolt 5 {args.link_gbps:g} Gb/s at "
+        f"{args.link_efficiency:.0%} ({args.link_gbps / 8 * args.link_efficiency:.1f} GB/s), "
+        f"{args.latency_us:g} µs per hop; all_sum per layer: {canvas}·{cfg.top_k_experts}·{cfg.hidden_size}·2 B = "
+        f"{canvas * cfg.top_k_experts * cfg.hidden_size * 2 / 1e6:.1f} MB per step, "
+        f"{cfg.top_k_experts * cfg.hidden_size * 2 / 1e3:.0f} kB per AR token\n"
+    )
     print("| Macs | AR tok/s | diffusion tok/s | comm share of a step | GB of weights per Mac |")
     print("|---|---:|---:|---:|---:|")
     for name in args.devices:
@@ -128,13 +135,18 @@ def predict(args) -> None:
         for ranks in (1, 2, 4):
             link = (args.link_gbps, args.link_efficiency, args.latency_us)
             step_comm = all_sum_seconds(cfg, canvas, ranks, *link)
-            step = predicted_seconds(device, sharded_cost(cfg, canvas, prefix, bits, True, ranks),
-                                     cfg.num_hidden_layers) + step_comm
-            ar = predicted_seconds(device, sharded_cost(cfg, 1, prefix, bits, False, ranks),
-                                   cfg.num_hidden_layers) + all_sum_seconds(cfg, 1, ranks, *link)
+            step = (
+                predicted_seconds(device, sharded_cost(cfg, canvas, prefix, bits, True, ranks), cfg.num_hidden_layers)
+                + step_comm
+            )
+            ar = predicted_seconds(
+                device, sharded_cost(cfg, 1, prefix, bits, False, ranks), cfg.num_hidden_layers
+            ) + all_sum_seconds(cfg, 1, ranks, *link)
             gb = sharded_cost(cfg, 1 << 20, 0, bits, False, ranks).bytes / 1e9  # every expert touched
-            print(f"| {ranks} × {name} | {1 / ar:.1f} | {canvas / (args.steps * step):.1f} | "
-                  f"{100 * step_comm / step:.1f}% | {gb:.1f} |")
+            print(
+                f"| {ranks} × {name} | {1 / ar:.1f} | {canvas / (args.steps * step):.1f} | "
+                f"{100 * step_comm / step:.1f}% | {gb:.1f} |"
+            )
 
 
 def main() -> None:
@@ -145,7 +157,9 @@ def main() -> None:
     parser.add_argument("--predict", action="store_true", help="the roofline prediction for Macs over Thunderbolt 5")
     parser.add_argument("--devices", nargs="+", default=["M4 Max", "M3 Ultra", "M4 Pro"])
     parser.add_argument("--steps", type=float, default=16)
-    parser.add_argument("--bits", type=float, default=4.5, help="bits per weight: 4.5 = the 4-bit mixed recipe, 16 = bf16")
+    parser.add_argument(
+        "--bits", type=float, default=4.5, help="bits per weight: 4.5 = the 4-bit mixed recipe, 16 = bf16"
+    )
     parser.add_argument("--link-gbps", type=float, default=80.0)
     parser.add_argument("--link-efficiency", type=float, default=0.5)
     parser.add_argument("--latency-us", type=float, default=30.0)

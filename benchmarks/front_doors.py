@@ -39,14 +39,21 @@ def answers(model, tokenizer, client, prompt: str, seed: int, policy: str, folde
     schema = json_schema(prompt)
     path = folder / "schema.json"
     path.write_text(json.dumps(schema))
-    cli = CliRunner().invoke(command_line, ["--prompt", prompt, "--schema", str(path), "--seed", str(seed),
-                                            "--policy", policy])
+    cli = CliRunner().invoke(
+        command_line, ["--prompt", prompt, "--schema", str(path), "--seed", str(seed), "--policy", policy]
+    )
     served = client.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": prompt}], seed=seed, extra_body={"policy": policy},
-        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
-    return {"api": generate(model, tokenizer, prompt, schema=schema, seed=seed, policy=policy),
-            "cli": cli.output.removesuffix("\n") if cli.exit_code == 0 else f"(exit {cli.exit_code})",
-            "server": served.choices[0].message.content}
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": prompt}],
+        seed=seed,
+        extra_body={"policy": policy},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    return {
+        "api": generate(model, tokenizer, prompt, schema=schema, seed=seed, policy=policy),
+        "cli": cli.output.removesuffix("\n") if cli.exit_code == 0 else f"(exit {cli.exit_code})",
+        "server": served.choices[0].message.content,
+    }
 
 
 def main() -> None:

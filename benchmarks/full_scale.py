@@ -61,8 +61,11 @@ RECIPES = ("mixed", "uniform", "none")
 
 def released_sizes(layers: int) -> dict:
     """The released text config (policy.RELEASED) cut to ``layers`` layers, the last one full attention."""
-    sizes = {k: v for k, v in asdict(policy.RELEASED).items()
-             if k not in ("quantization", "vision_config", "eos_token_id", "rope_parameters")}
+    sizes = {
+        k: v
+        for k, v in asdict(policy.RELEASED).items()
+        if k not in ("quantization", "vision_config", "eos_token_id", "rope_parameters")
+    }
     types = list(policy.RELEASED.layer_types[:layers])
     types[-1] = FULL
     sizes.update(num_hidden_layers=layers, layer_types=types)
@@ -125,8 +128,10 @@ def folder_gb(folder: Path) -> float:
 
 
 def write_source(folder: Path, sizes: dict, dtype: str) -> Stage:
-    code = ("import json, sys; from pathlib import Path; from checkpoint_tools.synthetic_checkpoint import write_checkpoint; "
-            "write_checkpoint(Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])")
+    code = (
+        "import json, sys; from pathlib import Path; from checkpoint_tools.synthetic_checkpoint import write_checkpoint; "
+        "write_checkpoint(Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])"
+    )
     stage = run_child("source written", [sys.executable, "-c", code, str(folder), json.dumps(sizes), dtype])
     stage.detail = f"{folder_gb(folder):.2f} GB {dtype} on disk"
     return stage
@@ -183,8 +188,12 @@ def random_model(sizes: dict, recipe: str, bits: int, dtype: str, seed: int = 0)
             model.update(tree_unflatten([(name, weight.astype(getattr(mx, dtype)))]))
         modules = {name.rsplit(".", 1)[0] for name in unit}
         if quantization is not None:
-            nn.quantize(model, class_predicate=lambda path, m: path in modules and hasattr(m, "to_quantized")
-                        and asdict(quantization.params_for(path)))
+            nn.quantize(
+                model,
+                class_predicate=lambda path, m: (
+                    path in modules and hasattr(m, "to_quantized") and asdict(quantization.params_for(path))
+                ),
+            )
         mx.eval([v for name, v in tree_flatten(model.parameters()) if name.rsplit(".", 1)[0] in modules])
     model.eval()
     seconds = time.perf_counter() - start
@@ -235,14 +244,18 @@ def verified_round(model, cache, logits: mx.array, length: int, steps: int) -> s
     rounds, seconds = timed(lambda: drafting.verify_rounds(model, [row], settings))
     result = rounds[0]
     cache.trim(cache.offset - before)
-    return (f"verified round   draft of {length} in {steps} step(s) + verifying pass: {seconds:.2f} s "
-            f"({result.forwards} forwards, {seconds / result.forwards * 1e3:.0f} ms each), kept {result.kept}")
+    return (
+        f"verified round   draft of {length} in {steps} step(s) + verifying pass: {seconds:.2f} s "
+        f"({result.forwards} forwards, {seconds / result.forwards * 1e3:.0f} ms each), kept {result.kept}"
+    )
 
 
 def diffusion_canvas(model, cache, steps: int, canvas: int) -> str:
     seconds = policy.time_canvas(model, cache, steps, canvas)  # the cache is only read
-    return (f"diffusion canvas {canvas} positions, {steps} steps: {seconds:.2f} s "
-            f"({seconds / steps * 1e3:.0f} ms per step, {canvas / seconds:.2f} tok/s)")
+    return (
+        f"diffusion canvas {canvas} positions, {steps} steps: {seconds:.2f} s "
+        f"({seconds / steps * 1e3:.0f} ms per step, {canvas / seconds:.2f} tok/s)"
+    )
 
 
 def bits_per_weight(model) -> float:
@@ -255,8 +268,7 @@ def sweep(model, prompt: mx.array, device: str | None, repeats: int, canvas: int
     (best of ``repeats`` after a warm-up), beside the roofline's prediction for ``device``."""
     canvases = [c for c in policy.CANVAS_LENGTHS if c <= canvas] or [canvas]
     drafts = [n for n in policy.DRAFT_LENGTHS if n <= canvas]
-    measured = policy.measure(model, prefix=prompt.shape[1], canvases=canvases, repeats=repeats,
-                              draft_lengths=drafts)
+    measured = policy.measure(model, prefix=prompt.shape[1], canvases=canvases, repeats=repeats, draft_lengths=drafts)
     bits = bits_per_weight(model)
     predicted = policy.predict(device, model.config, bits=bits, prefix=prompt.shape[1]) if device else None
     head = f"{'':<20}{'measured':>12}" + (f"{'predicted (' + device + ')':>24}{'x roofline':>12}" if predicted else "")
@@ -272,14 +284,22 @@ def sweep(model, prompt: mx.array, device: str | None, repeats: int, canvas: int
         return row(label, ours, theirs, "tok/s", theirs / ours if theirs else None)
 
     def time(label: str, ours_s: float, theirs_s: float | None) -> str:
-        return row(label, ours_s * 1e3, theirs_s * 1e3 if theirs_s else None, "ms", ours_s / theirs_s if theirs_s else None)
+        return row(
+            label, ours_s * 1e3, theirs_s * 1e3 if theirs_s else None, "ms", ours_s / theirs_s if theirs_s else None
+        )
 
     lines.append(rate("AR", measured.ar_tok_s, predicted.ar_tok_s if predicted else None))
     lines.append(rate("prefill", measured.prefill_tok_s, predicted.prefill_tok_s if predicted else None))
     for c in canvases:
         lines.append(time(f"step at {c}", measured.step_s(c), predicted.step_s(c) if predicted else None))
-    lines.append(row(f"crossover at {canvases[-1]}", measured.crossover_steps(canvases[-1]),
-                     predicted.crossover_steps(canvases[-1]) if predicted else None, "steps"))
+    lines.append(
+        row(
+            f"crossover at {canvases[-1]}",
+            measured.crossover_steps(canvases[-1]),
+            predicted.crossover_steps(canvases[-1]) if predicted else None,
+            "steps",
+        )
+    )
     ours = measured.step_s(length) + measured.verify_s(length)
     theirs = predicted.step_s(length) + predicted.verify_s(length) if predicted else None
     lines.append(time(f"round of {length}, 1 step", ours, theirs))
@@ -292,6 +312,7 @@ def sweep(model, prompt: mx.array, device: str | None, repeats: int, canvas: int
 @contextmanager
 def cleaned_up(folder: Path | None):
     """Delete ``folder`` however the run ends; SIGTERM ends it like Ctrl-C, stopping any child first."""
+
     def stop(signum, frame):
         raise KeyboardInterrupt
 
@@ -314,20 +335,25 @@ def cleaned_up(folder: Path | None):
 def check_disk(work_dir: Path, needed: int) -> None:
     free = shutil.disk_usage(work_dir).free
     if free < needed:
-        raise SystemExit(f"full_scale: needs {needed / GB:.1f} GB free in {work_dir}, there are {free / GB:.1f} GB; "
-                         "pass --work-dir on a larger disk, or --layers N for fewer layers")
+        raise SystemExit(
+            f"full_scale: needs {needed / GB:.1f} GB free in {work_dir}, there are {free / GB:.1f} GB; "
+            "pass --work-dir on a larger disk, or --layers N for fewer layers"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=policy.RELEASED.num_hidden_layers)
-    p.add_argument("--width", type=int, default=None,
-                   help="not the released shapes: a small model, every width of the pattern preset times this "
-                        "(a dry run of the script in seconds)")
+    p.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="not the released shapes: a small model, every width of the pattern preset times this "
+        "(a dry run of the script in seconds)",
+    )
     p.add_argument("--recipe", choices=RECIPES, default="mixed", help="the converter's recipe; none: unquantized")
     p.add_argument("--bits", type=int, default=4, help="the converter's --q-bits")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="the source's dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="the source's dtype")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--in-memory", action="store_true", help="make the model in memory: no checkpoint written")
     p.add_argument("--model", type=Path, default=None, help="only load and run this MLX conversion")
@@ -339,8 +365,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-steps", type=int, default=1)
     p.add_argument("--warmup", action="store_true", help="run each policy once untimed first (compiles on a GPU)")
     p.add_argument("--sweep", action="store_true", help="also step ms at 16..256 positions and AR tok/s")
-    p.add_argument("--predict-device", choices=sorted(policy.KNOWN_DEVICES), default=None,
-                   help="print policy.py's prediction for this device beside the sweep")
+    p.add_argument(
+        "--predict-device",
+        choices=sorted(policy.KNOWN_DEVICES),
+        default=None,
+        help="print policy.py's prediction for this device beside the sweep",
+    )
     p.add_argument("--repeats", type=int, default=2, help="repeats of each sweep figure (best is kept)")
     args = p.parse_args(argv)
     if not 1 <= args.layers <= policy.RELEASED.num_hidden_layers:
@@ -350,8 +380,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.width is not None and not 1 <= args.width <= 64:
         p.error(f"--width must be 1..64, got {args.width}")
     if args.width is not None and args.recipe != "none" and args.width % 8:
-        p.error(f"--width {args.width} with --recipe {args.recipe}: quantizing needs a multiple of 8 (widths in groups "
-                "of 64), or --recipe none")
+        p.error(
+            f"--width {args.width} with --recipe {args.recipe}: quantizing needs a multiple of 8 (widths in groups "
+            "of 64), or --recipe none"
+        )
     return args
 
 
@@ -365,8 +397,11 @@ def main(argv: list[str] | None = None) -> None:
     sizes = released_sizes(args.layers) if args.width is None else scaled_sizes(args.layers, args.width)
     label = "unquantized" if args.recipe == "none" else f"{args.recipe} {args.bits}-bit"
     shapes = "released text shapes" if args.width is None else f"the pattern preset's shapes x {args.width}"
-    print(f"full_scale: {shapes}, {args.layers} layer(s), {label}, source {args.dtype}; "
-          f"device {mx.default_device()}; BLAS: {fast_blas.describe()}", flush=True)
+    print(
+        f"full_scale: {shapes}, {args.layers} layer(s), {label}, source {args.dtype}; "
+        f"device {mx.default_device()}; BLAS: {fast_blas.describe()}",
+        flush=True,
+    )
     if args.in_memory:
         model, stage = random_model(sizes, args.recipe, args.bits, args.dtype)
         print(stage.line(), flush=True)
@@ -402,9 +437,11 @@ def run_policies(model, args: argparse.Namespace) -> None:
     cache = model.make_cache()
     logits, seconds = timed(lambda: prefill(model, prompt, cache, logits=True))
     print(f"prefill          {args.prompt} tokens: {seconds:.2f} s ({args.prompt / seconds:.1f} tok/s)", flush=True)
-    runs = [lambda: ar_answer(model, cache, logits, args.ar_tokens),
-            lambda: verified_round(model, cache, logits, args.draft_length, args.draft_steps),
-            lambda: diffusion_canvas(model, cache, args.steps, args.canvas)]
+    runs = [
+        lambda: ar_answer(model, cache, logits, args.ar_tokens),
+        lambda: verified_round(model, cache, logits, args.draft_length, args.draft_steps),
+        lambda: diffusion_canvas(model, cache, args.steps, args.canvas),
+    ]
     for run in runs:
         if args.warmup:
             run()
@@ -412,8 +449,10 @@ def run_policies(model, args: argparse.Namespace) -> None:
     if args.sweep:
         for line in sweep(model, prompt, args.predict_device, args.repeats, args.canvas, args.draft_length):
             print(line, flush=True)
-    print(f"peak             RSS {rss_gb('VmHWM'):.2f} GB, MLX {mx.get_peak_memory() / GB:.2f} GB; "
-          f"{resident_detail()}", flush=True)
+    print(
+        f"peak             RSS {rss_gb('VmHWM'):.2f} GB, MLX {mx.get_peak_memory() / GB:.2f} GB; {resident_detail()}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -40,12 +40,24 @@ from mlx_dgemma.options import GenerationArgs  # noqa: E402
 
 # Times close enough that auto moves between plans as its estimates of steps, answer lengths and
 # acceptance change (its measured pace is left out: see main).
-PROFILE = Profile("golden", "measured", {16: 0.004, 32: 0.006}, 0.0025, 5000.0, "float32",
-                  {2: 0.003, 4: 0.0032, 8: 0.0036, 16: 0.0045, 32: 0.006})
+PROFILE = Profile(
+    "golden",
+    "measured",
+    {16: 0.004, 32: 0.006},
+    0.0025,
+    5000.0,
+    "float32",
+    {2: 0.003, 4: 0.0032, 8: 0.0036, 16: 0.0045, 32: 0.006},
+)
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 999}},
-          "required": ["name", "age"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "age"],
+}
 
 
 def cases(n: int) -> list[tuple[str, str, dict]]:
@@ -66,28 +78,43 @@ def cases(n: int) -> list[tuple[str, str, dict]]:
         "auto-sampled": dict(policy="auto", profile=PROFILE, temperature=0.8),
         "ar-penalized": dict(policy="ar", repetition_penalty=1.3),
     }
-    out = [(f"{kind}/{i}", prompt, dict(options, seed=i, max_tokens=48))
-           for kind, options in kinds.items() for i, prompt in enumerate(prompts)]
+    out = [
+        (f"{kind}/{i}", prompt, dict(options, seed=i, max_tokens=48))
+        for kind, options in kinds.items()
+        for i, prompt in enumerate(prompts)
+    ]
     schema_prompt = "json: name=ada age=36"
     for policy in ("reference", "fast", "ar", "verified", "auto"):
         extra = draft if policy == "verified" else dict(profile=PROFILE) if policy == "auto" else {}
-        out.append((f"schema-{policy}", schema_prompt, dict(policy=policy, schema=SCHEMA, seed=0, max_tokens=64, **extra)))
-        out.append((f"template-{policy}", "sort: 42 17 85 23 61",
-                    dict(policy=policy, template="17 {{fill:8}} 85", seed=0, **extra)))
+        out.append(
+            (f"schema-{policy}", schema_prompt, dict(policy=policy, schema=SCHEMA, seed=0, max_tokens=64, **extra))
+        )
+        out.append(
+            (
+                f"template-{policy}",
+                "sort: 42 17 85 23 61",
+                dict(policy=policy, template="17 {{fill:8}} 85", seed=0, **extra),
+            )
+        )
     return out
 
 
 def alone(model, tokenizer, prompt: str, options: dict) -> dict:
     commits = list(stream_generate(model, tokenizer, prompt, **options))
-    return {"text": "".join(c.text for c in commits), "tokens": [c.tokens for c in commits],
-            "finish": commits[-1].finish_reason if commits else None,
-            "modes": [c.plan.mode if c.plan else None for c in commits]}
+    return {
+        "text": "".join(c.text for c in commits),
+        "tokens": [c.tokens for c in commits],
+        "finish": commits[-1].finish_reason if commits else None,
+        "modes": [c.plan.mode if c.plan else None for c in commits],
+    }
 
 
 def together(model, tokenizer, requests: list[tuple[str, str, dict]]) -> dict[str, dict]:
     engine = BatchGenerator(model, tokenizer)
-    names = {engine.insert(prepare(model, tokenizer, prompt, GenerationArgs.of(**options))): name
-             for name, prompt, options in requests}
+    names = {
+        engine.insert(prepare(model, tokenizer, prompt, GenerationArgs.of(**options))): name
+        for name, prompt, options in requests
+    }
     out = {name: {"text": "", "tokens": [], "finish": None, "modes": []} for name in names.values()}
     with generation_device(model):
         while len(engine):
@@ -105,8 +132,12 @@ def main() -> None:
     parser.add_argument("out", help="the JSON file to write")
     parser.add_argument("-n", type=int, default=3, help="prompts per demo task (default 3)")
     parser.add_argument("--device", choices=["cpu", "gpu"], default=None, help="MLX's device (default: its default)")
-    parser.add_argument("--against", type=Path, default=None,
-                        help="another run's file: name every answer that differs from it, and exit 1 if any does")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="another run's file: name every answer that differs from it, and exit 1 if any does",
+    )
     a = parser.parse_args()
     if a.device is not None:
         mx.set_default_device(getattr(mx, a.device))
@@ -116,17 +147,29 @@ def main() -> None:
     answers = {"alone": {name: alone(model, tokenizer, prompt, options) for name, prompt, options in requests}}
     answers["together"] = together(model, tokenizer, requests)
     Path(a.out).write_text(json.dumps(answers, indent=1, sort_keys=True) + "\n")
-    differ = [name for name in answers["alone"]
-              if answers["alone"][name]["text"] != answers["together"][name]["text"]
-              and not name.startswith("auto") and "-auto" not in name]
-    print(f"{len(requests)} requests alone and together on {mx.default_device()} -> {a.out}; batched text differs "
-          f"from alone (auto aside: its planner learns from every answer) for {len(differ)}: {differ}")
+    differ = [
+        name
+        for name in answers["alone"]
+        if answers["alone"][name]["text"] != answers["together"][name]["text"]
+        and not name.startswith("auto")
+        and "-auto" not in name
+    ]
+    print(
+        f"{len(requests)} requests alone and together on {mx.default_device()} -> {a.out}; batched text differs "
+        f"from alone (auto aside: its planner learns from every answer) for {len(differ)}: {differ}"
+    )
     if a.against is not None:
         theirs = json.loads(a.against.read_text())
-        changed = [f"{how}/{name}" for how in answers for name in answers[how]
-                   if answers[how][name] != theirs.get(how, {}).get(name)]
-        print(f"against {a.against}: {len(changed)} of {2 * len(requests)} answers differ"
-              + (f": {changed}" if changed else ""))
+        changed = [
+            f"{how}/{name}"
+            for how in answers
+            for name in answers[how]
+            if answers[how][name] != theirs.get(how, {}).get(name)
+        ]
+        print(
+            f"against {a.against}: {len(changed)} of {2 * len(requests)} answers differ"
+            + (f": {changed}" if changed else "")
+        )
         sys.exit(1 if changed else 0)
 
 

@@ -99,8 +99,11 @@ def times(model, cache, repeats: int) -> dict:
         model.head(model.encode(draft, cache, return_hidden=True))[0].argmax(-1).tolist()
         cache.trim(DRAFT)
 
-    return {"step_ms": best_ms(lambda: mx.eval(model.denoise(canvas, view)), repeats),
-            "ar_ms": best_ms(ar_token, repeats), "verify_ms": best_ms(verify, repeats)}
+    return {
+        "step_ms": best_ms(lambda: mx.eval(model.denoise(canvas, view)), repeats),
+        "ar_ms": best_ms(ar_token, repeats),
+        "verify_ms": best_ms(verify, repeats),
+    }
 
 
 def auto_pick(model, tokenizer, profile, prefix: int) -> str:
@@ -130,10 +133,14 @@ def per_prefix(model, tokenizer, folder: Path, a, peaks) -> tuple[list[dict], di
             else:
                 fill(model, cache, prefix)
                 prefill_s = None
-            row = {"prefix": prefix, "kv_bits": bits or 32, "prefill_s": prefill_s,
-                   "prefill_peak_mb": mx.get_peak_memory() / 1e6 if prefill_s is not None else None,
-                   "plan_mb": memory_need(cfg, tensors, prefix + cfg.canvas_length, kv_bits=bits).total / 1e6,
-                   "kv_mb": cache.nbytes / 1e6}
+            row = {
+                "prefix": prefix,
+                "kv_bits": bits or 32,
+                "prefill_s": prefill_s,
+                "prefill_peak_mb": mx.get_peak_memory() / 1e6 if prefill_s is not None else None,
+                "plan_mb": memory_need(cfg, tensors, prefix + cfg.canvas_length, kv_bits=bits).total / 1e6,
+                "kv_mb": cache.nbytes / 1e6,
+            }
             mx.reset_peak_memory()
             row.update(times(model, cache, a.repeats))
             row["step_peak_mb"] = mx.get_peak_memory() / 1e6
@@ -171,13 +178,36 @@ def answers(model, tokenizer, kept: dict, tokens: int) -> list[dict]:
         for policy in ("reference", "ar", "verified"):
             mx.reset_peak_memory()
             start = time.perf_counter()
-            texts[policy] = generate(model, tokenizer, ids, tokens, seed=0, policy=policy, kv_bits=bits,
-                                     quantized_kv_start=0, prompt_cache=copy.deepcopy(cache))
-            rows.append({"prompt": len(ids), "kv_bits": bits, "policy": policy, "chars": len(texts[policy]),
-                         "seconds": time.perf_counter() - start, "peak_mb": mx.get_peak_memory() / 1e6})
+            texts[policy] = generate(
+                model,
+                tokenizer,
+                ids,
+                tokens,
+                seed=0,
+                policy=policy,
+                kv_bits=bits,
+                quantized_kv_start=0,
+                prompt_cache=copy.deepcopy(cache),
+            )
+            rows.append(
+                {
+                    "prompt": len(ids),
+                    "kv_bits": bits,
+                    "policy": policy,
+                    "chars": len(texts[policy]),
+                    "seconds": time.perf_counter() - start,
+                    "peak_mb": mx.get_peak_memory() / 1e6,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
-        rows.append({"prompt": len(ids), "kv_bits": bits, "verified_is_ar": texts["verified"] == texts["ar"],
-                     "cached_prefix_plus_canvas_s": cached_s})
+        rows.append(
+            {
+                "prompt": len(ids),
+                "kv_bits": bits,
+                "verified_is_ar": texts["verified"] == texts["ar"],
+                "cached_prefix_plus_canvas_s": cached_s,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -185,10 +215,17 @@ def answers(model, tokenizer, kept: dict, tokens: int) -> list[dict]:
 def quantized_attention(keys: int, repeats: int) -> list[dict]:
     """A canvas of 256 queries of two 512-wide heads over ``keys`` quantized keys: dequantized then the
     CPU kernel (what cache.py does) against MLX's quantized products around a softmax."""
-    q, k, v = (mx.random.normal(s, key=mx.random.key(i)) for i, s in
-               enumerate([(1, 2, 256, 512), (1, 2, keys, 512), (1, 2, keys, 512)]))
-    rows = [{"keys": keys, "kv_bits": 32, "dequantized_ms": best_ms(lambda: mx.eval(kernels.CPU.attention(q, k, v, None)),
-                                                                   repeats)}]
+    q, k, v = (
+        mx.random.normal(s, key=mx.random.key(i))
+        for i, s in enumerate([(1, 2, 256, 512), (1, 2, keys, 512), (1, 2, keys, 512)])
+    )
+    rows = [
+        {
+            "keys": keys,
+            "kv_bits": 32,
+            "dequantized_ms": best_ms(lambda: mx.eval(kernels.CPU.attention(q, k, v, None)), repeats),
+        }
+    ]
     for bits in (8, 4):
         kq, vq = mx.quantize(k, 64, bits), mx.quantize(v, 64, bits)
         mx.eval(kq, vq)
@@ -198,11 +235,20 @@ def quantized_attention(keys: int, repeats: int) -> list[dict]:
 
         def products():
             scores = mx.quantized_matmul(q, *kq, transpose=True, group_size=64, bits=bits)
-            mx.eval(mx.quantized_matmul(mx.softmax(scores, axis=-1, precise=True), *vq, transpose=False,
-                                        group_size=64, bits=bits))
+            mx.eval(
+                mx.quantized_matmul(
+                    mx.softmax(scores, axis=-1, precise=True), *vq, transpose=False, group_size=64, bits=bits
+                )
+            )
 
-        rows.append({"keys": keys, "kv_bits": bits, "dequantized_ms": best_ms(dequantized, repeats),
-                     "quantized_products_ms": best_ms(products, repeats)})
+        rows.append(
+            {
+                "keys": keys,
+                "kv_bits": bits,
+                "dequantized_ms": best_ms(dequantized, repeats),
+                "quantized_products_ms": best_ms(products, repeats),
+            }
+        )
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
@@ -221,9 +267,16 @@ def released_predictions(prefixes) -> list[dict]:
             gen = GenerationConfig.from_dict({"max_denoising_steps": 64}, RELEASED)  # a prior of 16 steps
             planner = AutoPlanner(gen, 256, p)
             pick = planner.choose(256, prompt=[0] * prefix).predicted[0]
-            rows.append({"device": device, "prefix": prefix, "ar_tok_s": p.ar_tok_s,
-                         "diffusion_tok_s": p.diffusion_tok_s(16), "speedup": p.diffusion_tok_s(16) / p.ar_tok_s,
-                         "auto": pick})
+            rows.append(
+                {
+                    "device": device,
+                    "prefix": prefix,
+                    "ar_tok_s": p.ar_tok_s,
+                    "diffusion_tok_s": p.diffusion_tok_s(16),
+                    "speedup": p.diffusion_tok_s(16) / p.ar_tok_s,
+                    "auto": pick,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -233,8 +286,13 @@ def main():
     p.add_argument("--prefixes", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     p.add_argument("--prefill-limit", type=int, default=32768, help="longest prefix encoded; longer ones are filled")
     p.add_argument("--float-prefill-limit", type=int, default=8192, help="the same, for the unquantized cache")
-    p.add_argument("--kv", type=lambda s: None if s == "none" else int(s), nargs="+", default=[None, 8, 4],
-                   help="KV widths: none (the model's float32), 8, 4")
+    p.add_argument(
+        "--kv",
+        type=lambda s: None if s == "none" else int(s),
+        nargs="+",
+        default=[None, 8, 4],
+        help="KV widths: none (the model's float32), 8, 4",
+    )
     p.add_argument("--answer-tokens", type=int, help="tokens of each answer [default: a canvas]")
     p.add_argument("--keys", type=int, default=8192, help="keys of the quantized-attention comparison (0: none)")
     p.add_argument("--released", type=int, nargs="*", default=[4096, 32768, 131072, 262144])
@@ -242,8 +300,11 @@ def main():
     p.add_argument("--work-dir", type=Path, help="where the checkpoint is written [default: a temporary folder]")
     p.add_argument("--json", type=Path, help="write every figure here")
     a = p.parse_args()
-    print(f"mlx {mx.__version__}, {fast_blas.describe()}, {os.cpu_count()} cores, {platform.processor()}, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(
+        f"mlx {mx.__version__}, {fast_blas.describe()}, {os.cpu_count()} cores, {platform.processor()}, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_long_context((a.work_dir or Path(tmp)) / "long-context")
         model, tokenizer = load(folder)

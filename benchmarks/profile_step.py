@@ -34,16 +34,32 @@ from shapes import add_shape_options, describe, require_positive, sizes_from  # 
 
 from mlx_dgemma.model.config import FULL  # noqa: E402
 
-NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
-         "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
+NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "post_feedforward_layernorm_1",
+    "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm_2",
+)
 # (attribute path in a layer, part) of each layer; every norm counts as "norms".
-LAYER_PARTS = (("self_attn.project", "attention projections"), ("self_attn.attend", "attention"),
-               ("router", "router"), ("experts", "experts"), ("mlp", "dense MLP"),
-               *((norm, "norms") for norm in NORMS))
+LAYER_PARTS = (
+    ("self_attn.project", "attention projections"),
+    ("self_attn.attend", "attention"),
+    ("router", "router"),
+    ("experts", "experts"),
+    ("mlp", "dense MLP"),
+    *((norm, "norms") for norm in NORMS),
+)
 # (attribute path in the model, part) outside the layers.
-MODEL_PARTS = (("embed", "embedding"), ("self_conditioning_signal", "self-conditioning signal"),
-               ("model.decoder.self_conditioning", "self-conditioning MLP"), ("model.decoder.norm", "final norm"),
-               ("head", "vocabulary head"))
+MODEL_PARTS = (
+    ("embed", "embedding"),
+    ("self_conditioning_signal", "self-conditioning signal"),
+    ("model.decoder.self_conditioning", "self-conditioning MLP"),
+    ("model.decoder.norm", "final norm"),
+    ("head", "vocabulary head"),
+)
 PARTS = tuple(dict.fromkeys(part for _, part in (*LAYER_PARTS, *MODEL_PARTS)))
 
 
@@ -109,13 +125,19 @@ class ForwardProfile:
         return {part: s for (layer, part), s in self.parts_s.items() if layer == i}
 
     def to_json(self) -> dict:
-        return {"name": self.name, "whole_s": self.whole_s, "barriers_s": self.barriers_s, "other_s": self.other_s,
-                "parts_s": [{"layer": layer, "part": part, "seconds": s} for (layer, part), s in self.parts_s.items()]}
+        return {
+            "name": self.name,
+            "whole_s": self.whole_s,
+            "barriers_s": self.barriers_s,
+            "other_s": self.other_s,
+            "parts_s": [{"layer": layer, "part": part, "seconds": s} for (layer, part), s in self.parts_s.items()],
+        }
 
 
 def profile_forward(model, name: str, run, reset, repeats: int) -> ForwardProfile:
     """``run()`` (a forward, returning its output) timed whole and by part, the best of ``repeats``
     each after a warm-up; ``reset()`` after every run puts the cache back."""
+
     def once(seconds: dict | None) -> float:
         start = time.perf_counter()
         if seconds is None:
@@ -152,25 +174,40 @@ def profiles(model, prompt: int, canvas: int, draft_length: int, repeats: int) -
     draft = mx.random.randint(3, vocab, (1, draft_length), key=mx.random.key(9))
     token = mx.array([[5]])
     return [
-        profile_forward(model, f"denoising step of {canvas} positions",
-                        lambda: model.denoise(canvas_ids, view, self_conditioning=signal), lambda: None, repeats),
-        profile_forward(model, f"verifying pass of {draft_length} tokens",
-                        lambda: model.head(model.encode(draft, cache, return_hidden=True)),
-                        lambda: cache.trim(draft_length), repeats),
-        profile_forward(model, "AR token", lambda: model.next_token_logits(token, cache), lambda: cache.trim(1),
-                        repeats),
+        profile_forward(
+            model,
+            f"denoising step of {canvas} positions",
+            lambda: model.denoise(canvas_ids, view, self_conditioning=signal),
+            lambda: None,
+            repeats,
+        ),
+        profile_forward(
+            model,
+            f"verifying pass of {draft_length} tokens",
+            lambda: model.head(model.encode(draft, cache, return_hidden=True)),
+            lambda: cache.trim(draft_length),
+            repeats,
+        ),
+        profile_forward(
+            model, "AR token", lambda: model.next_token_logits(token, cache), lambda: cache.trim(1), repeats
+        ),
     ]
 
 
 def report(profile: ForwardProfile, layer_types: list[str]) -> list[str]:
     ms = 1e3
-    lines = [f"{profile.name}: {profile.whole_s * ms:.2f} ms whole, {profile.barriers_s * ms:.2f} ms with a barrier "
-             "around each part", f"  {'part':<26}{'ms':>10}{'share':>8}"]
+    lines = [
+        f"{profile.name}: {profile.whole_s * ms:.2f} ms whole, {profile.barriers_s * ms:.2f} ms with a barrier "
+        "around each part",
+        f"  {'part':<26}{'ms':>10}{'share':>8}",
+    ]
     for part, s in [*profile.by_part().items(), ("other", profile.other_s)]:
         lines.append(f"  {part:<26}{s * ms:>10.3f}{s / profile.barriers_s:>8.1%}")
     layer_parts = list(dict.fromkeys(part for _, part in LAYER_PARTS))
     heads = {"attention projections": "attn proj"}
-    lines.append("  by layer (ms)  " + "".join(f"{heads.get(part, part):>12}" for part in layer_parts) + f"{'layer':>12}")
+    lines.append(
+        "  by layer (ms)  " + "".join(f"{heads.get(part, part):>12}" for part in layer_parts) + f"{'layer':>12}"
+    )
     for i, kind in enumerate(layer_types):
         parts = profile.layer(i)
         cells = "".join(f"{parts[part] * ms:>12.3f}" for part in layer_parts)
@@ -181,8 +218,12 @@ def report(profile: ForwardProfile, layer_types: list[str]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_options(p)
-    p.add_argument("--recipe", choices=("none", "mixed", "uniform"), default="none",
-                   help="quantized in memory as the converter's recipe would; none: unquantized")
+    p.add_argument(
+        "--recipe",
+        choices=("none", "mixed", "uniform"),
+        default="none",
+        help="quantized in memory as the converter's recipe would; none: unquantized",
+    )
     p.add_argument("--bits", type=int, default=4, help="the recipe's bits")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens before each forward")
     p.add_argument("--canvas", type=int, default=256, help="positions of the denoising step")
@@ -206,9 +247,17 @@ def main(argv: list[str] | None = None) -> None:
         for line in report(profile, model.config.layer_types):
             print(line, flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps({"shapes": describe(args), "quantization": quantized,
-                                         "device": str(mx.default_device()),
-                                         "forwards": [p.to_json() for p in results]}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "shapes": describe(args),
+                    "quantization": quantized,
+                    "device": str(mx.default_device()),
+                    "forwards": [p.to_json() for p in results],
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

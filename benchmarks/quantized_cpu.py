@@ -55,7 +55,10 @@ def forward_products(bits: int, positions: int, cfg=RELEASED) -> list[Product]:
     full = sum(t == FULL for t in cfg.layer_types)
     sliding = layers - full
     q_sliding, kv_sliding = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    q_full, kv_full = cfg.num_attention_heads * cfg.global_head_dim, cfg.num_global_key_value_heads * cfg.global_head_dim
+    q_full, kv_full = (
+        cfg.num_attention_heads * cfg.global_head_dim,
+        cfg.num_global_key_value_heads * cfg.global_head_dim,
+    )
     expert_rows = max(1, round(positions * cfg.top_k_experts / cfg.num_experts))
     s, e = SENSITIVE_BITS, bits
     return [
@@ -68,10 +71,17 @@ def forward_products(bits: int, positions: int, cfg=RELEASED) -> list[Product]:
         Product("router", cfg.num_experts, H, s, positions, layers),
         Product("dense gate, up", cfg.intermediate_size, H, s, positions, 2 * layers),
         Product("dense down", H, cfg.intermediate_size, s, positions, layers),
-        Product(f"expert gate_up ({expert_rows} rows)", 2 * cfg.moe_intermediate_size, H, e, expert_rows,
-                cfg.num_experts * layers),
-        Product(f"expert down ({expert_rows} rows)", H, cfg.moe_intermediate_size, e, expert_rows,
-                cfg.num_experts * layers),
+        Product(
+            f"expert gate_up ({expert_rows} rows)",
+            2 * cfg.moe_intermediate_size,
+            H,
+            e,
+            expert_rows,
+            cfg.num_experts * layers,
+        ),
+        Product(
+            f"expert down ({expert_rows} rows)", H, cfg.moe_intermediate_size, e, expert_rows, cfg.num_experts * layers
+        ),
         Product("self-cond. gate, up", cfg.intermediate_size, H, e, positions, 2, per_layer=False),
         Product("self-cond. down", H, cfg.intermediate_size, e, positions, 1, per_layer=False),
         Product("head", cfg.vocab_size, H, s, positions, 1, per_layer=False),
@@ -122,27 +132,40 @@ def time_product(p: Product, mlx_rows: int, key: int) -> tuple[float, float, flo
 
 def compare_products(bits: int, positions: int, mlx_rows: int, only: str | None = None) -> None:
     products = [p for p in forward_products(bits, positions) if only is None or only in p.name]
-    print(f"released shapes, mixed recipe (experts and self-conditioning at {bits} bits, the rest at "
-          f"{SENSITIVE_BITS}), group {GROUP}, {positions} positions, bfloat16 activations; BLAS: {fast_blas.describe()}")
-    print(f"{'product':<28}{'count':>6}{'seam ms':>10}{'MLX ms':>12}{'ratio':>8}{'MLX f32 ms':>12}{'ratio':>8}"
-          f"{'seam err':>10}{'MLX err':>10}")
+    print(
+        f"released shapes, mixed recipe (experts and self-conditioning at {bits} bits, the rest at "
+        f"{SENSITIVE_BITS}), group {GROUP}, {positions} positions, bfloat16 activations; BLAS: {fast_blas.describe()}"
+    )
+    print(
+        f"{'product':<28}{'count':>6}{'seam ms':>10}{'MLX ms':>12}{'ratio':>8}{'MLX f32 ms':>12}{'ratio':>8}"
+        f"{'seam err':>10}{'MLX err':>10}"
+    )
     layers = RELEASED.num_hidden_layers
     forward, layer = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
     worst = [0.0, 0.0]
     for i, p in enumerate(products):
         seam_s, bf16_s, f32_s, seam_err, bf16_err = time_product(p, mlx_rows, 2 * i)
         worst = [max(worst[0], seam_err), max(worst[1], bf16_err)]
-        print(f"{p.name:<28}{p.count:>6}{seam_s * 1e3:>10.1f}{bf16_s * 1e3:>12.1f}{bf16_s / seam_s:>7.1f}x"
-              f"{f32_s * 1e3:>12.1f}{f32_s / seam_s:>7.1f}x{seam_err:>10.1e}{bf16_err:>10.1e}", flush=True)
+        print(
+            f"{p.name:<28}{p.count:>6}{seam_s * 1e3:>10.1f}{bf16_s * 1e3:>12.1f}{bf16_s / seam_s:>7.1f}x"
+            f"{f32_s * 1e3:>12.1f}{f32_s / seam_s:>7.1f}x{seam_err:>10.1e}{bf16_err:>10.1e}",
+            flush=True,
+        )
         for path, t in enumerate((seam_s, bf16_s, f32_s)):
             forward[path] += p.count * t
             layer[path] += p.count / layers * t if p.per_layer else 0.0
-    for what, (seam, bf16, f32) in ((f"one {positions}-position forward", forward),
-                                    ("one layer (its products)", layer)):
-        print(f"{what}: seam {seam:.1f} s; MLX {bf16:.1f} s ({bf16 / seam:.1f}x the seam's time); "
-              f"MLX on float32 activations {f32:.1f} s ({f32 / seam:.1f}x)")
-    print(f"largest error against MLX's kernel on float32 activations (relative to the largest output): "
-          f"seam {worst[0]:.1e} (its bfloat16 output's rounding), MLX on bfloat16 activations {worst[1]:.1e}")
+    for what, (seam, bf16, f32) in (
+        (f"one {positions}-position forward", forward),
+        ("one layer (its products)", layer),
+    ):
+        print(
+            f"{what}: seam {seam:.1f} s; MLX {bf16:.1f} s ({bf16 / seam:.1f}x the seam's time); "
+            f"MLX on float32 activations {f32:.1f} s ({f32 / seam:.1f}x)"
+        )
+    print(
+        f"largest error against MLX's kernel on float32 activations (relative to the largest output): "
+        f"seam {worst[0]:.1e} (its bfloat16 output's rounding), MLX on bfloat16 activations {worst[1]:.1e}"
+    )
 
 
 # --- a whole forward, seam only ------------------------------------------------------------------
@@ -154,8 +177,12 @@ def random_quantized_model(layers: int, bits: int, group_size: int) -> Diffusion
     for i, (name, value) in enumerate(tree_flatten(model.parameters())):
         weight = 0.02 * mx.random.uniform(-1.7, 1.7, value.shape, key=mx.random.key(i))
         model.update(tree_unflatten([(name, weight.astype(mx.bfloat16))]))
-    nn.quantize(model, group_size=group_size, bits=bits,
-                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0)
+    nn.quantize(
+        model,
+        group_size=group_size,
+        bits=bits,
+        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
+    )
     mx.eval(model.parameters())
     model.use_kernels(kernels.CPU)
     return model
@@ -169,8 +196,10 @@ def seam_forward(layers: int, bits: int, positions: int) -> None:
     mx.eval(cache.state())
     canvas = mx.random.randint(0, vocab, (1, positions), key=mx.random.key(2))
     seconds, _ = best_s(lambda: model.denoise(canvas, cache), 1)
-    print(f"whole denoise through the seam, {layers} layer(s) at {bits} bits (everything), {positions} positions "
-          f"after 16 tokens: {seconds:.1f} s")
+    print(
+        f"whole denoise through the seam, {layers} layer(s) at {bits} bits (everything), {positions} positions "
+        f"after 16 tokens: {seconds:.1f} s"
+    )
 
 
 def main() -> None:

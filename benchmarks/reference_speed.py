@@ -73,16 +73,27 @@ def reference_model(sizes: dict, dtype: str, device):
     text = {k: v for k, v in sizes.items() if k not in TOP_LEVEL}
     text.update(pad_token_id=0, eos_token_id=1, bos_token_id=2)
     v = sizes["vocab_size"]  # image tokens play no part in text-only timing
-    config = DiffusionGemmaConfig(text_config=DiffusionGemmaTextConfig(**text),
-                                  vision_config=Gemma4VisionConfig(**SMALL_VISION),
-                                  canvas_length=sizes["canvas_length"], image_token_id=v - 3, boi_token_id=v - 2,
-                                  eoi_token_id=v - 1)
+    config = DiffusionGemmaConfig(
+        text_config=DiffusionGemmaTextConfig(**text),
+        vision_config=Gemma4VisionConfig(**SMALL_VISION),
+        canvas_length=sizes["canvas_length"],
+        image_token_id=v - 3,
+        boi_token_id=v - 2,
+        eoi_token_id=v - 1,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=getattr(torch, dtype)).eval()
     model.generation_config = DiffusionGemmaGenerationConfig(
-        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), t_min=0.4, t_max=0.8, stability_threshold=1,
-        confidence_threshold=1e-30, bos_token_id=2, eos_token_id=[1], pad_token_id=0)  # the stop rule never fires
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+        t_min=0.4,
+        t_max=0.8,
+        stability_threshold=1,
+        confidence_threshold=1e-30,
+        bos_token_id=2,
+        eos_token_id=[1],
+        pad_token_id=0,
+    )  # the stop rule never fires
     return model
 
 
@@ -166,27 +177,39 @@ class Reference:
 
     def verify_s(self, length: int) -> float:
         cache = copy.deepcopy(self.prompt_cache)
-        ids = torch.randint(3, self.model.config.text_config.vocab_size, (1, length),
-                            generator=torch.Generator().manual_seed(length)).to(self.device)
+        ids = torch.randint(
+            3, self.model.config.text_config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length)
+        ).to(self.device)
         return self.timed(lambda: self.model.lm_head(self.encode(ids, cache)).argmax(-1).tolist())
 
     @torch.no_grad()
-    def profile(self, canvases: list[int], steps: int, repeats: int, ar_tokens: int,
-                draft_lengths: list[int]) -> policy.Profile:
+    def profile(
+        self, canvases: list[int], steps: int, repeats: int, ar_tokens: int, draft_lengths: list[int]
+    ) -> policy.Profile:
         steps_s = {c: best_s(lambda c=c: self.step_s(c, steps), repeats) for c in canvases}
         ar = best_s(lambda: self.ar_token_s(ar_tokens), repeats)
         prefill = best_s(self.prefill_s, repeats)
         verify = {n: best_s(lambda n=n: self.verify_s(n), repeats) for n in draft_lengths}
         dtype = str(self.model.dtype).removeprefix("torch.")
-        return policy.Profile(f"torch {self.device}", "measured", steps_s, ar, self.prompt.shape[1] / prefill, dtype,
-                              verify, self.prompt.shape[1])
+        return policy.Profile(
+            f"torch {self.device}",
+            "measured",
+            steps_s,
+            ar,
+            self.prompt.shape[1] / prefill,
+            dtype,
+            verify,
+            self.prompt.shape[1],
+        )
 
 
 def rows(profile: policy.Profile, canvases: list[int], length: int) -> list[tuple[str, float, str, float | None]]:
     """(label, figure, unit, seconds) of each row of full_scale.py's sweep: the seconds of the work the
     row is about (two profiles compare by their ratio), None for the crossover (a ratio itself)."""
-    out = [("AR", profile.ar_tok_s, "tok/s", profile.ar_token_s),
-           ("prefill", profile.prefill_tok_s, "tok/s", profile.prefix / profile.prefill_tok_s)]
+    out = [
+        ("AR", profile.ar_tok_s, "tok/s", profile.ar_token_s),
+        ("prefill", profile.prefill_tok_s, "tok/s", profile.prefix / profile.prefill_tok_s),
+    ]
     out += [(f"step at {c}", profile.step_s(c) * 1e3, "ms", profile.step_s(c)) for c in canvases]
     out.append((f"crossover at {canvases[-1]}", profile.crossover_steps(canvases[-1]), "steps", None))
     round_s = profile.step_s(length) + profile.verify_s(length)
@@ -198,8 +221,10 @@ def table(reference: policy.Profile, mlx: policy.Profile | None, canvases: list[
     """The reference's rows; with ``mlx``, MLX's beside them and MLX's speed-up (reference seconds /
     MLX seconds: above 1, MLX is faster)."""
     head = f"{'':<18}{'reference':>12}" + (f"{'MLX':>16}{'MLX speed-up':>16}" if mlx else "")
-    lines = [f"reference: {reference.device}, {reference.dtype}" + (f"; MLX: {mlx.device}, {mlx.dtype}" if mlx else ""),
-             head]
+    lines = [
+        f"reference: {reference.device}, {reference.dtype}" + (f"; MLX: {mlx.device}, {mlx.dtype}" if mlx else ""),
+        head,
+    ]
     theirs = rows(mlx, canvases, length) if mlx else None
     for i, (label, figure, unit, seconds) in enumerate(rows(reference, canvases, length)):
         text = f"{label:<18}{figure:>9.2f} {unit:<5}"
@@ -215,8 +240,15 @@ def measure_mlx(sizes: dict, args: argparse.Namespace, canvases: list[int]) -> p
     dtype, unquantized; the model is freed before the reference is made."""
     model, stage = full_scale.random_model(sizes, "none", 4, args.dtype)
     print(stage.line(), flush=True)
-    profile = policy.measure(model, prefix=args.prompt, canvases=canvases, repeats=args.repeats,
-                             ar_tokens=args.ar_tokens, steps=args.steps, draft_lengths=[args.draft_length])
+    profile = policy.measure(
+        model,
+        prefix=args.prompt,
+        canvases=canvases,
+        repeats=args.repeats,
+        ar_tokens=args.ar_tokens,
+        steps=args.steps,
+        draft_lengths=[args.draft_length],
+    )
     del model
     gc.collect()
     mx.clear_cache()
@@ -246,15 +278,19 @@ def main(argv: list[str] | None = None) -> None:
     sizes = sizes_from(args)
     canvases = [c for c in policy.CANVAS_LENGTHS if c <= args.canvas] or [args.canvas]
     device = torch_device(args.device)
-    print(f"reference_speed: {describe(args)}; torch {torch.__version__} on {device}, transformers "
-          f"{transformers.__version__}, {torch.get_num_threads()} CPU threads", flush=True)
+    print(
+        f"reference_speed: {describe(args)}; torch {torch.__version__} on {device}, transformers "
+        f"{transformers.__version__}, {torch.get_num_threads()} CPU threads",
+        flush=True,
+    )
     mlx = measure_mlx(sizes, args, canvases) if args.mlx else None
     start = time.perf_counter()
     model = reference_model(sizes, args.dtype, device)
     synchronize(device)
     print(f"reference made   {time.perf_counter() - start:8.1f} s", flush=True)
-    reference = Reference(model, args.prompt, device).profile(canvases, args.steps, args.repeats, args.ar_tokens,
-                                                               [args.draft_length])
+    reference = Reference(model, args.prompt, device).profile(
+        canvases, args.steps, args.repeats, args.ar_tokens, [args.draft_length]
+    )
     for line in table(reference, mlx, canvases, args.draft_length):
         print(line, flush=True)
 

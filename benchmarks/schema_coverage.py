@@ -88,8 +88,14 @@ def coverage(model, tokenizer, entries: list[Entry], max_tokens: int) -> list[di
     lltokenizer = prepare(model, tokenizer, "json: ", GenerationArgs(schema={}, policy="ar")).grammar.tokenizer
     rows = []
     for entry in tqdm(entries, desc="coverage", file=sys.stderr, mininterval=2):
-        row = {"dataset": entry.dataset, "file": entry.path.name, "ours": False, "by": None, "refusal": None,
-               "llguidance": False}
+        row = {
+            "dataset": entry.dataset,
+            "file": entry.path.name,
+            "ours": False,
+            "by": None,
+            "refusal": None,
+            "llguidance": False,
+        }
         rows.append(row)
         if entry.schema is None:
             row["refusal"] = "not JSON"
@@ -122,14 +128,20 @@ def coverage_table(rows: list[dict]) -> list[dict]:
         mine = [r for r in rows if name in ("all", r["dataset"])]
         times = [r["ms"] for r in mine if r["ours"]]
         n = len(mine)
-        out.append({"dataset": name, "schemas": n,
-                    "ours": sum(r["ours"] for r in mine) / n,
-                    "template": sum(r["by"] == "template" for r in mine) / n,
-                    "llguidance": sum(r["llguidance"] for r in mine) / n,
-                    "llguidance_only": sum(r["llguidance"] and not r["ours"] for r in mine),
-                    "ours_only": sum(r["ours"] and not r["llguidance"] for r in mine),
-                    "answer_too_long": sum("shortest answer takes" in (r["refusal"] or "") for r in mine),
-                    "compile_ms_p50": percentile(times, 50), "compile_ms_p99": percentile(times, 99)})
+        out.append(
+            {
+                "dataset": name,
+                "schemas": n,
+                "ours": sum(r["ours"] for r in mine) / n,
+                "template": sum(r["by"] == "template" for r in mine) / n,
+                "llguidance": sum(r["llguidance"] for r in mine) / n,
+                "llguidance_only": sum(r["llguidance"] and not r["ours"] for r in mine),
+                "ours_only": sum(r["ours"] and not r["llguidance"] for r in mine),
+                "answer_too_long": sum("shortest answer takes" in (r["refusal"] or "") for r in mine),
+                "compile_ms_p50": percentile(times, 50),
+                "compile_ms_p99": percentile(times, 99),
+            }
+        )
     return out
 
 
@@ -139,7 +151,7 @@ def top_refusals(rows: list[dict], n: int = 10) -> list[tuple[str, int]]:
 
 
 def check_answer(schema, text: str) -> tuple[str, str | None]:
-    """"validated", or "invalid" with why, or "unchecked" when jsonschema cannot read the schema."""
+    """ "validated", or "invalid" with why, or "unchecked" when jsonschema cannot read the schema."""
     try:
         value = json.loads(text)
     except ValueError as e:
@@ -155,8 +167,16 @@ def check_answer(schema, text: str) -> tuple[str, str | None]:
 def answer(model, tokenizer, entry: Entry, policy: str, args) -> dict:
     """One generation: its outcome (validated, invalid, unchecked, refused, error), text, tokens, finish."""
     out = {"dataset": entry.dataset, "file": entry.path.name, "policy": policy}
-    responses = stream_generate(model, tokenizer, entry.prompt, max_tokens=args.max_tokens, schema=entry.schema,
-                                policy=policy, seed=args.seed, temperature=args.temperature)
+    responses = stream_generate(
+        model,
+        tokenizer,
+        entry.prompt,
+        max_tokens=args.max_tokens,
+        schema=entry.schema,
+        policy=policy,
+        seed=args.seed,
+        temperature=args.temperature,
+    )
     text, last = "", None
     try:
         for last in responses:
@@ -168,8 +188,14 @@ def answer(model, tokenizer, entry: Entry, policy: str, args) -> dict:
     except Exception as e:  # noqa: BLE001 -- a failed generation is a figure of this benchmark, not its end
         return {**out, "outcome": "error", "why": f"{type(e).__name__}: {e}"[:300], "text": text}
     outcome, why = check_answer(entry.schema, text)
-    return {**out, "outcome": outcome, "why": why, "text": text, "tokens": last.generation_tokens,
-            "finish": last.finish_reason}
+    return {
+        **out,
+        "outcome": outcome,
+        "why": why,
+        "text": text,
+        "tokens": last.generation_tokens,
+        "finish": last.finish_reason,
+    }
 
 
 def policy_table(answers: list[dict], policies) -> list[dict]:
@@ -178,19 +204,30 @@ def policy_table(answers: list[dict], policies) -> list[dict]:
         mine = [a for a in answers if a["policy"] == policy]
         counts = Counter(a["outcome"] for a in mine)
         answered = counts["validated"] + counts["invalid"] + counts["unchecked"]
-        out.append({"policy": policy, "schemas": len(mine), "answered": answered, "validated": counts["validated"],
-                    "invalid": counts["invalid"], "unchecked": counts["unchecked"], "refused": counts["refused"],
-                    "errors": counts["error"],
-                    "finish": dict(Counter(a["finish"] for a in mine if "finish" in a).most_common())})
+        out.append(
+            {
+                "policy": policy,
+                "schemas": len(mine),
+                "answered": answered,
+                "validated": counts["validated"],
+                "invalid": counts["invalid"],
+                "unchecked": counts["unchecked"],
+                "refused": counts["refused"],
+                "errors": counts["error"],
+                "finish": dict(Counter(a["finish"] for a in mine if "finish" in a).most_common()),
+            }
+        )
     return out
 
 
-def decode(model, tokenizer, prompt: str, schema, max_tokens: int, seed: int, temperature: float | None = None
-           ) -> tuple[list[int], float]:
+def decode(
+    model, tokenizer, prompt: str, schema, max_tokens: int, seed: int, temperature: float | None = None
+) -> tuple[list[int], float]:
     """An autoregressive answer's tokens and its decoding seconds (after the prompt's prefill)."""
     tokens, last = [], None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, schema=schema, policy="ar",
-                                seed=seed, temperature=temperature):
+    for last in stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, schema=schema, policy="ar", seed=seed, temperature=temperature
+    ):
         tokens += last.tokens
     return tokens, last.generation_tokens / last.generation_tps
 
@@ -208,16 +245,23 @@ def grammar_cost(model, tokenizer, entries: list[Entry], args) -> dict:
         if taken == args.cost_schemas:
             break
         try:
-            job = prepare(model, tokenizer, entry.prompt,
-                          GenerationArgs(schema=entry.schema, policy="ar", max_tokens=args.max_tokens))
+            job = prepare(
+                model,
+                tokenizer,
+                entry.prompt,
+                GenerationArgs(schema=entry.schema, policy="ar", max_tokens=args.max_tokens),
+            )
         except ValueError:
             continue
-        tokens, seconds = decode(model, tokenizer, entry.prompt, entry.schema, args.max_tokens, args.seed,
-                                 args.temperature)
-        free_tokens, free_seconds = decode(model, tokenizer, entry.prompt, None, args.max_tokens, args.seed,
-                                           args.temperature)
-        sums.update(structured_tokens=len(tokens), structured_s=seconds, free_tokens=len(free_tokens),
-                    free_s=free_seconds)
+        tokens, seconds = decode(
+            model, tokenizer, entry.prompt, entry.schema, args.max_tokens, args.seed, args.temperature
+        )
+        free_tokens, free_seconds = decode(
+            model, tokenizer, entry.prompt, None, args.max_tokens, args.seed, args.temperature
+        )
+        sums.update(
+            structured_tokens=len(tokens), structured_s=seconds, free_tokens=len(free_tokens), free_s=free_seconds
+        )
         masks, rules = replay(job.grammar, tokens, vocab, args.max_tokens)
         sums.update(mask_s=sum(masks), rule_s=sum(rules))
         mask_times += masks
@@ -227,14 +271,25 @@ def grammar_cost(model, tokenizer, entries: list[Entry], args) -> dict:
     progress.close()
     if not taken:
         return {"schemas": 0}
-    per = {"structured": sums["structured_s"] / sums["structured_tokens"], "free": sums["free_s"] / sums["free_tokens"],
-           "mask": sums["mask_s"] / sums["structured_tokens"], "rule": sums["rule_s"] / sums["structured_tokens"]}
+    per = {
+        "structured": sums["structured_s"] / sums["structured_tokens"],
+        "free": sums["free_s"] / sums["free_tokens"],
+        "mask": sums["mask_s"] / sums["structured_tokens"],
+        "rule": sums["rule_s"] / sums["structured_tokens"],
+    }
     per = {k: v * 1e3 for k, v in per.items()}
-    return {"schemas": taken, "structured_tokens": sums["structured_tokens"], "free_tokens": sums["free_tokens"],
-            "ms_per_token": per, "structured_over_free": per["structured"] / per["free"],
-            "rule_over_free": per["rule"] / per["free"],
-            "per_token_ms": {"mask": [percentile(mask_times, q) * 1e3 for q in (50, 99)],
-                             "rule": [percentile(rule_times, q) * 1e3 for q in (50, 99)]}}
+    return {
+        "schemas": taken,
+        "structured_tokens": sums["structured_tokens"],
+        "free_tokens": sums["free_tokens"],
+        "ms_per_token": per,
+        "structured_over_free": per["structured"] / per["free"],
+        "rule_over_free": per["rule"] / per["free"],
+        "per_token_ms": {
+            "mask": [percentile(mask_times, q) * 1e3 for q in (50, 99)],
+            "rule": [percentile(rule_times, q) * 1e3 for q in (50, 99)],
+        },
+    }
 
 
 def replay(grammar, tokens: list[int], vocab: int, max_tokens: int) -> tuple[list[float], list[float]]:
@@ -271,38 +326,60 @@ def ms(x: float | None) -> str:
 def markdown(result: dict) -> str:
     load = "/".join(f"{x:.1f}" for x in result["load_average"]["start"])
     temperature = result["args"]["temperature"]
-    lines = [f"llguidance {result['llguidance']}, max_tokens {result['args']['max_tokens']}, temperature "
-             f"{'default' if temperature is None else temperature}, {result['blas']}, "
-             f"load average at the start {load}", "",
-             "| dataset | schemas | this project | by template | llguidance | llguidance only | this project only "
-             "| shortest answer too long | compile p50 / p99 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"llguidance {result['llguidance']}, max_tokens {result['args']['max_tokens']}, temperature "
+        f"{'default' if temperature is None else temperature}, {result['blas']}, "
+        f"load average at the start {load}",
+        "",
+        "| dataset | schemas | this project | by template | llguidance | llguidance only | this project only "
+        "| shortest answer too long | compile p50 / p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["coverage"]:
         name = f"**{r['dataset']}**" if r["dataset"] == "all" else r["dataset"]
-        lines.append(f"| {name} | {r['schemas']} | {pct(r['ours'])} | {pct(r['template'])} | {pct(r['llguidance'])} "
-                     f"| {r['llguidance_only']} | {r['ours_only']} | {r['answer_too_long']} "
-                     f"| {ms(r['compile_ms_p50'])} / {ms(r['compile_ms_p99'])} |")
-    lines += ["", f"{result['args']['sample']} schemas drawn with seed {result['args']['seed']}; formats checked: "
-              f"{', '.join(result['formats'])}", "",
-              "| policy | schemas | answered | validated | invalid | unchecked | refused | errors | finish reasons |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines.append(
+            f"| {name} | {r['schemas']} | {pct(r['ours'])} | {pct(r['template'])} | {pct(r['llguidance'])} "
+            f"| {r['llguidance_only']} | {r['ours_only']} | {r['answer_too_long']} "
+            f"| {ms(r['compile_ms_p50'])} / {ms(r['compile_ms_p99'])} |"
+        )
+    lines += [
+        "",
+        f"{result['args']['sample']} schemas drawn with seed {result['args']['seed']}; formats checked: "
+        f"{', '.join(result['formats'])}",
+        "",
+        "| policy | schemas | answered | validated | invalid | unchecked | refused | errors | finish reasons |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in result["policies"]:
         finish = ", ".join(f"{k} {v}" for k, v in r["finish"].items())
-        lines.append(f"| {r['policy']} | {r['schemas']} | {r['answered']} | {r['validated']} | {r['invalid']} "
-                     f"| {r['unchecked']} | {r['refused']} | {r['errors']} | {finish} |")
+        lines.append(
+            f"| {r['policy']} | {r['schemas']} | {r['answered']} | {r['validated']} | {r['invalid']} "
+            f"| {r['unchecked']} | {r['refused']} | {r['errors']} | {finish} |"
+        )
     cost = result["cost"]
     if cost["schemas"]:
         per = cost["ms_per_token"]
-        lines += ["", f"ar on {cost['schemas']} schemas, with the schema ({cost['structured_tokens']} tokens) and without "
-                  f"({cost['free_tokens']} tokens):", "",
-                  "| per token | ms |", "|---|---:|",
-                  f"| ar, unconstrained | {per['free']:.3f} |", f"| ar, with the schema | {per['structured']:.3f} |",
-                  f"| the mask alone | {per['mask']:.3f} |",
-                  f"| the grammar rule (mask, choice, closing path) | {per['rule']:.3f} |",
-                  *(f"| {name}, p50 / p99 per token | {p50:.3f} / {p99:.3f} |" for name, (p50, p99) in
-                    [("the mask", cost["per_token_ms"]["mask"]), ("the grammar rule", cost["per_token_ms"]["rule"])]),
-                  f"| **structured / unconstrained** | **{cost['structured_over_free']:.2f}x** |",
-                  f"| the grammar rule / an unconstrained token | {cost['rule_over_free']:.3f}x |"]
+        lines += [
+            "",
+            f"ar on {cost['schemas']} schemas, with the schema ({cost['structured_tokens']} tokens) and without "
+            f"({cost['free_tokens']} tokens):",
+            "",
+            "| per token | ms |",
+            "|---|---:|",
+            f"| ar, unconstrained | {per['free']:.3f} |",
+            f"| ar, with the schema | {per['structured']:.3f} |",
+            f"| the mask alone | {per['mask']:.3f} |",
+            f"| the grammar rule (mask, choice, closing path) | {per['rule']:.3f} |",
+            *(
+                f"| {name}, p50 / p99 per token | {p50:.3f} / {p99:.3f} |"
+                for name, (p50, p99) in [
+                    ("the mask", cost["per_token_ms"]["mask"]),
+                    ("the grammar rule", cost["per_token_ms"]["rule"]),
+                ]
+            ),
+            f"| **structured / unconstrained** | **{cost['structured_over_free']:.2f}x** |",
+            f"| the grammar rule / an unconstrained token | {cost['rule_over_free']:.3f}x |",
+        ]
     return "\n".join(lines)
 
 
@@ -334,21 +411,29 @@ def main():
     for entry in tqdm(sample, desc="answers", file=sys.stderr):
         answers += [answer(model, tokenizer, entry, policy, args) for policy in policies]  # policies take turns
     cls = validator_for({})
-    result = {"machine": f"{platform.system()} {platform.machine()}, {platform.processor() or 'cpu'}",
-              "load_average": {"start": load_at_start, "end": os.getloadavg()}, "blas": fast_blas.describe(), "mlx": mx.__version__,
-              "llguidance": version("llguidance"),
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "formats": sorted(cls.FORMAT_CHECKER.checkers),
-              "coverage": coverage_table(rows), "top_refusals": top_refusals(rows), "schemas": rows,
-              "policies": policy_table(answers, policies),
-              "invalid": [a for a in answers if a["outcome"] in ("invalid", "error")],
-              "cost": grammar_cost(model, tokenizer, sample, args)}
+    result = {
+        "machine": f"{platform.system()} {platform.machine()}, {platform.processor() or 'cpu'}",
+        "load_average": {"start": load_at_start, "end": os.getloadavg()},
+        "blas": fast_blas.describe(),
+        "mlx": mx.__version__,
+        "llguidance": version("llguidance"),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "formats": sorted(cls.FORMAT_CHECKER.checkers),
+        "coverage": coverage_table(rows),
+        "top_refusals": top_refusals(rows),
+        "schemas": rows,
+        "policies": policy_table(answers, policies),
+        "invalid": [a for a in answers if a["outcome"] in ("invalid", "error")],
+        "cost": grammar_cost(model, tokenizer, sample, args),
+    }
     print(markdown(result))
     for message, count in result["top_refusals"]:
         print(f"refused {count}x: {message}", file=sys.stderr)
     for a in result["invalid"]:
-        print(f"{a['outcome']}: {a['dataset']}/{a['file']} under {a['policy']}: {a['why']}; answer {a.get('text')!r}",
-              file=sys.stderr)
+        print(
+            f"{a['outcome']}: {a['dataset']}/{a['file']} under {a['policy']}: {a['why']}; answer {a.get('text')!r}",
+            file=sys.stderr,
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

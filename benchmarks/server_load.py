@@ -42,8 +42,17 @@ def free_port() -> int:
 
 
 def start_server(model: str | None, port: int, timeout: float = 120) -> subprocess.Popen:
-    command = [sys.executable, "-m", "mlx_dgemma.server", "--port", str(port), "--log-level", "warning",
-               "--prompt-cache-size", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "mlx_dgemma.server",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--prompt-cache-size",
+        "0",
+    ]
     if model:
         command += ["--model", model]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -63,11 +72,13 @@ def start_server(model: str | None, port: int, timeout: float = 120) -> subproce
 
 def request(url: str, prompt: str, seed: int, max_tokens: int, policy: str = "reference") -> tuple[float, int]:
     """(latency in seconds, completion tokens) of one chat request."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "seed": seed,
-                       "max_tokens": max_tokens, "policy": policy}).encode()
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": prompt}], "seed": seed, "max_tokens": max_tokens, "policy": policy}
+    ).encode()
     tic = time.perf_counter()
-    with urllib.request.urlopen(urllib.request.Request(
-            url, data=body, headers={"Content-Type": "application/json"}), timeout=600) as response:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}), timeout=600
+    ) as response:
         reply = json.loads(response.read())
     return time.perf_counter() - tic, reply["usage"]["completion_tokens"]
 
@@ -77,17 +88,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int, seed: int,
-              policy: str = "reference") -> dict:
+def run_level(
+    url: str, prompts: list[str], concurrency: int, max_tokens: int, seed: int, policy: str = "reference"
+) -> dict:
     tic = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda i: request(url, prompts[i], seed + i, max_tokens, policy), range(len(prompts))))
     wall = time.perf_counter() - tic
     latencies = [r[0] for r in results]
     tokens = sum(r[1] for r in results)
-    return {"concurrency": concurrency, "requests": len(prompts), "tokens": tokens, "seconds": wall,
-            "tokens_per_second": tokens / wall, "p50": statistics.median(latencies),
-            "p95": percentile(latencies, 0.95)}
+    return {
+        "concurrency": concurrency,
+        "requests": len(prompts),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "p50": statistics.median(latencies),
+        "p95": percentile(latencies, 0.95),
+    }
 
 
 def main():
@@ -119,9 +137,12 @@ def main():
                 row = run_level(url, prompts, level, args.max_tokens, args.seed, args.policy)
                 first = first or row["tokens_per_second"]
                 ratios[level].append(row["tokens_per_second"] / first)
-                print(f"concurrency {level:>3}: {row['requests']} requests, {row['tokens']} tokens in "
-                      f"{row['seconds']:.2f} s = {row['tokens_per_second']:.1f} tok/s; latency p50 {row['p50']:.3f} s,"
-                      f" p95 {row['p95']:.3f} s", flush=True)
+                print(
+                    f"concurrency {level:>3}: {row['requests']} requests, {row['tokens']} tokens in "
+                    f"{row['seconds']:.2f} s = {row['tokens_per_second']:.1f} tok/s; latency p50 {row['p50']:.3f} s,"
+                    f" p95 {row['p95']:.3f} s",
+                    flush=True,
+                )
                 if level not in best or row["tokens_per_second"] > best[level]["tokens_per_second"]:
                     best[level] = row
     finally:
@@ -129,13 +150,17 @@ def main():
         server.wait(timeout=30)
     rows = [best[level] for level in args.concurrency]
     base = rows[0]["tokens_per_second"]
-    print("\n| concurrency | requests | tokens | tok/s | vs first | vs first, per round (median) | p50 s | p95 s |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\n| concurrency | requests | tokens | tok/s | vs first | vs first, per round (median) | p50 s | p95 s |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for row in rows:
         row["vs_first_per_round"] = statistics.median(ratios[row["concurrency"]])
-        print(f"| {row['concurrency']} | {row['requests']} | {row['tokens']} | {row['tokens_per_second']:.1f} | "
-              f"{row['tokens_per_second'] / base:.2f}x | {row['vs_first_per_round']:.2f}x | {row['p50']:.3f} | "
-              f"{row['p95']:.3f} |")
+        print(
+            f"| {row['concurrency']} | {row['requests']} | {row['tokens']} | {row['tokens_per_second']:.1f} | "
+            f"{row['tokens_per_second'] / base:.2f}x | {row['vs_first_per_round']:.2f}x | {row['p50']:.3f} | "
+            f"{row['p95']:.3f} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -15,8 +15,12 @@ from mlx_dgemma.engine.policy import RELEASED
 
 def add_shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=RELEASED.num_hidden_layers)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="a small preset's shapes instead of the released ones (ignores --layers)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a small preset's shapes instead of the released ones (ignores --layers)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 
 

@@ -48,9 +48,11 @@ def main(argv=None):
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model).eval()
     tok = T.Tok(os.path.join(args.model, "tokenizer.model"))
     gc = model.generation_config
-    print(f"model {os.path.abspath(args.model)}: canvas {model.config.canvas_length}, "
-          f"max_denoising_steps {gc.max_denoising_steps}, max_new_tokens {gc.max_new_tokens}, "
-          f"entropy_bound {gc.sampler_config.entropy_bound}, eos {gc.eos_token_id}")
+    print(
+        f"model {os.path.abspath(args.model)}: canvas {model.config.canvas_length}, "
+        f"max_denoising_steps {gc.max_denoising_steps}, max_new_tokens {gc.max_new_tokens}, "
+        f"entropy_bound {gc.sampler_config.entropy_bound}, eos {gc.eos_token_id}"
+    )
     rng = random.Random(args.seed)
     all_steps, all_tpf, summary = [], [], {}
     t0 = time.time()
@@ -64,16 +66,23 @@ def main(argv=None):
             steps += s
             tpf.append(t)
             if i < args.show or (args.verbose and not good):
-                print(f"  [{task}] {prompt!r} -> {text!r} {'ok' if good else 'WRONG (want ' + repr(answer) + ')'}"
-                      f" steps/canvas {s}")
+                print(
+                    f"  [{task}] {prompt!r} -> {text!r} {'ok' if good else 'WRONG (want ' + repr(answer) + ')'}"
+                    f" steps/canvas {s}"
+                )
         summary[task] = ok / args.n
         all_steps += steps
         all_tpf += tpf
-        print(f"{task:8s} accuracy {ok}/{args.n} = {ok/args.n:.1%}  median steps/canvas "
-              f"{statistics.median(steps):g} (mean {statistics.mean(steps):.2f}, max {max(steps)}, "
-              f"limit {gc.max_denoising_steps})  tokens/forward {statistics.mean(tpf):.2f}", flush=True)
-    print(f"overall: median steps/canvas {statistics.median(all_steps):g} of limit {gc.max_denoising_steps}, "
-          f"mean tokens/forward {statistics.mean(all_tpf):.2f}, {time.time()-t0:.0f}s")
+        print(
+            f"{task:8s} accuracy {ok}/{args.n} = {ok / args.n:.1%}  median steps/canvas "
+            f"{statistics.median(steps):g} (mean {statistics.mean(steps):.2f}, max {max(steps)}, "
+            f"limit {gc.max_denoising_steps})  tokens/forward {statistics.mean(tpf):.2f}",
+            flush=True,
+        )
+    print(
+        f"overall: median steps/canvas {statistics.median(all_steps):g} of limit {gc.max_denoising_steps}, "
+        f"mean tokens/forward {statistics.mean(all_tpf):.2f}, {time.time() - t0:.0f}s"
+    )
     return summary
 
 

@@ -17,42 +17,93 @@ from pathlib import Path
 PRESETS: dict[str, dict] = {
     # 3 sliding + 1 full; window shorter than the test prompts.
     "small": dict(
-        vocab_size=397, hidden_size=72, intermediate_size=88, moe_intermediate_size=24,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=20,
-        global_head_dim=36, num_global_key_value_heads=1, num_experts=6, top_k_experts=2,
-        sliding_window=5, canvas_length=12,
+        vocab_size=397,
+        hidden_size=72,
+        intermediate_size=88,
+        moe_intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=20,
+        global_head_dim=36,
+        num_global_key_value_heads=1,
+        num_experts=6,
+        top_k_experts=2,
+        sliding_window=5,
+        canvas_length=12,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
     ),
     # The released 5:1 pattern, 3 experts per token.
     "pattern": dict(
-        vocab_size=521, hidden_size=96, intermediate_size=136, moe_intermediate_size=40,
-        num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
-        global_head_dim=28, num_global_key_value_heads=2, num_experts=8, top_k_experts=3,
-        sliding_window=7, canvas_length=16,
+        vocab_size=521,
+        hidden_size=96,
+        intermediate_size=136,
+        moe_intermediate_size=40,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
+        global_head_dim=28,
+        num_global_key_value_heads=2,
+        num_experts=8,
+        top_k_experts=3,
+        sliding_window=7,
+        canvas_length=16,
         layer_types=["sliding_attention"] * 5 + ["full_attention"],
     ),
     # Every expert on every token: no discrete routing choice that bf16 rounding could flip.
     "all-experts": dict(
-        vocab_size=397, hidden_size=72, intermediate_size=88, moe_intermediate_size=24,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=20,
-        global_head_dim=36, num_global_key_value_heads=1, num_experts=3, top_k_experts=3,
-        sliding_window=5, canvas_length=12,
+        vocab_size=397,
+        hidden_size=72,
+        intermediate_size=88,
+        moe_intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=20,
+        global_head_dim=36,
+        num_global_key_value_heads=1,
+        num_experts=3,
+        top_k_experts=3,
+        sliding_window=5,
+        canvas_length=12,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     ),
     # Experts are 85% of the weights and every size divides by 64 (quantizable): sharding tests.
     "many-experts": dict(
-        vocab_size=448, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        global_head_dim=64, num_global_key_value_heads=1, num_experts=32, top_k_experts=4,
-        sliding_window=7, canvas_length=16,
+        vocab_size=448,
+        hidden_size=128,
+        intermediate_size=192,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        num_experts=32,
+        top_k_experts=4,
+        sliding_window=7,
+        canvas_length=16,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
     ),
     # Two full layers, MHA on full layers, top-1 routing, a non-default soft-cap.
     "mixed": dict(
-        vocab_size=300, hidden_size=48, intermediate_size=80, moe_intermediate_size=20,
-        num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-        global_head_dim=40, num_global_key_value_heads=4, num_experts=5, top_k_experts=1,
-        sliding_window=6, canvas_length=10, final_logit_softcapping=25.0,
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=80,
+        moe_intermediate_size=20,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        global_head_dim=40,
+        num_global_key_value_heads=4,
+        num_experts=5,
+        top_k_experts=1,
+        sliding_window=6,
+        canvas_length=10,
+        final_logit_softcapping=25.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
     ),
     # A vision tower of its own sizes (GQA, 2-D RoPE, 2x2 pooling, clipped linears, standardized
@@ -60,25 +111,53 @@ PRESETS: dict[str, dict] = {
     # image tokens; the window is shorter than an image's block of tokens. Text input widths are
     # multiples of 32, so that it quantizes at group size 32.
     "vision": dict(
-        vocab_size=431, hidden_size=160, intermediate_size=224, moe_intermediate_size=96,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        global_head_dim=72, num_global_key_value_heads=1, num_experts=6, top_k_experts=2,
-        sliding_window=9, canvas_length=12,
+        vocab_size=431,
+        hidden_size=160,
+        intermediate_size=224,
+        moe_intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=72,
+        num_global_key_value_heads=1,
+        num_experts=6,
+        top_k_experts=2,
+        sliding_window=9,
+        canvas_length=12,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        vision=dict(hidden_size=44, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=12, patch_size=4, pooling_kernel_size=2,
-                    position_embedding_size=150, standardize=True, use_clipped_linears=True),
+        vision=dict(
+            hidden_size=44,
+            intermediate_size=60,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            patch_size=4,
+            pooling_kernel_size=2,
+            position_embedding_size=150,
+            standardize=True,
+            use_clipped_linears=True,
+        ),
         image_processor=dict(max_soft_tokens=70),
     ),
 }
 
 # The vision tower of the text-only presets: the reference always builds one.
-SMALL_VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=2, head_dim=8, position_embedding_size=16)
+SMALL_VISION = dict(
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    position_embedding_size=16,
+)
 
 
-def build_reference(preset: str | dict = "small", seed: int = 0, init_std: float = 0.06, tame: bool = False,
-                    converging: bool = False):
+def build_reference(
+    preset: str | dict = "small", seed: int = 0, init_std: float = 0.06, tame: bool = False, converging: bool = False
+):
     """A reference ``DiffusionGemmaForBlockDiffusion`` (fp32, eval mode) with distinct scalars.
 
     Random weights give, with attention scale 1.0, very peaked attention; bf16 rounding then moves
@@ -108,14 +187,25 @@ def build_reference(preset: str | dict = "small", seed: int = 0, init_std: float
     vision_sizes = sizes.pop("vision", SMALL_VISION)
     sizes.pop("image_processor", None)
     text = DiffusionGemmaTextConfig(
-        **sizes, max_position_embeddings=4096, use_bidirectional_attention="vision",
-        pad_token_id=0, eos_token_id=1, bos_token_id=2, initializer_range=init_std,
+        **sizes,
+        max_position_embeddings=4096,
+        use_bidirectional_attention="vision",
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        initializer_range=init_std,
     )
     vision = Gemma4VisionConfig(**vision_sizes)
     v = sizes["vocab_size"]
-    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas,
-                               image_token_id=v - 3, boi_token_id=v - 2, eoi_token_id=v - 1,
-                               initializer_range=init_std)
+    cfg = DiffusionGemmaConfig(
+        text_config=text,
+        vision_config=vision,
+        canvas_length=canvas,
+        image_token_id=v - 3,
+        boi_token_id=v - 2,
+        eoi_token_id=v - 1,
+        initializer_range=init_std,
+    )
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     _perturb(model, seed, tame)
@@ -124,9 +214,17 @@ def build_reference(preset: str | dict = "small", seed: int = 0, init_std: float
     if converging:
         _make_converging(model)
     model.generation_config = DiffusionGemmaGenerationConfig(
-        max_new_tokens=2 * canvas, max_denoising_steps=8,
-        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), t_min=0.4, t_max=0.8,
-        stability_threshold=1, confidence_threshold=0.005, bos_token_id=2, eos_token_id=[1], pad_token_id=0)
+        max_new_tokens=2 * canvas,
+        max_denoising_steps=8,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
+        t_min=0.4,
+        t_max=0.8,
+        stability_threshold=1,
+        confidence_threshold=0.005,
+        bos_token_id=2,
+        eos_token_id=[1],
+        pad_token_id=0,
+    )
     return model
 
 
@@ -198,8 +296,14 @@ def save(model, out: Path, dtype: str = "float32") -> Path:
     return out
 
 
-def build(out: Path, preset: str | dict = "small", seed: int = 0, dtype: str = "float32", tame: bool = False,
-          converging: bool = False) -> Path:
+def build(
+    out: Path,
+    preset: str | dict = "small",
+    seed: int = 0,
+    dtype: str = "float32",
+    tame: bool = False,
+    converging: bool = False,
+) -> Path:
     out = save(build_reference(preset, seed, tame=tame, converging=converging), out, dtype)
     sizes = PRESETS[preset] if isinstance(preset, str) else preset
     if "image_processor" in sizes:
@@ -213,8 +317,9 @@ def save_image_processor(out: Path, sizes: dict) -> None:
     from transformers import Gemma4ImageProcessorPil
 
     vision = sizes["vision"]
-    Gemma4ImageProcessorPil(patch_size=vision["patch_size"], pooling_kernel_size=vision["pooling_kernel_size"],
-                            **sizes["image_processor"]).save_pretrained(out)
+    Gemma4ImageProcessorPil(
+        patch_size=vision["patch_size"], pooling_kernel_size=vision["pooling_kernel_size"], **sizes["image_processor"]
+    ).save_pretrained(out)
 
 
 def write_global_head_spelling(folder: Path) -> None:

@@ -26,9 +26,20 @@ from mlx_dgemma.safetensors_io import ShardWriter, TensorSpec, write_index
 
 # The text config of google/diffusiongemma-26B-A4B-it (its config.json's text_config).
 RELEASED = dict(
-    vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
-    num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
-    num_global_key_value_heads=2, num_experts=128, top_k_experts=8, sliding_window=1024, canvas_length=256,
+    vocab_size=262144,
+    hidden_size=2816,
+    intermediate_size=2112,
+    moe_intermediate_size=704,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=2,
+    num_experts=128,
+    top_k_experts=8,
+    sliding_window=1024,
+    canvas_length=256,
     max_position_embeddings=262144,
 )
 # The released attention layout (a 1,024-token window, a full layer every sixth with 512-wide heads,
@@ -36,10 +47,25 @@ RELEASED = dict(
 # model has 16, and 8 or 2 K/V heads), so that a 32K-token prompt runs on two CPU cores: what
 # benchmarks/long_context.py and the long-context tests run.
 LONG_CONTEXT = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=6,
-    num_attention_heads=1, num_key_value_heads=1, head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
-    num_experts=4, top_k_experts=2, sliding_window=1024, canvas_length=64, max_position_embeddings=262144,
-    layer_types=[SLIDING] * 5 + [FULL], pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=6,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=1,
+    num_experts=4,
+    top_k_experts=2,
+    sliding_window=1024,
+    canvas_length=64,
+    max_position_embeddings=262144,
+    layer_types=[SLIDING] * 5 + [FULL],
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
 )
 _WIDTHS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "global_head_dim")
 ONES = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "scale", "layer_scalar")
@@ -83,8 +109,9 @@ def layers_for(gigabytes: float, dtype: str = "bfloat16", width: int = 8) -> int
     return max(1, round((gigabytes * 1e9 / itemsize - (2 * one - two)) / (two - one)))
 
 
-def write_checkpoint(out: Path, sizes: dict, dtype: str = "bfloat16", seed: int = 0,
-                     shard_bytes: int = 1 << 30) -> Path:
+def write_checkpoint(
+    out: Path, sizes: dict, dtype: str = "bfloat16", seed: int = 0, shard_bytes: int = 1 << 30
+) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(sizes, dtype), indent=2))
@@ -133,7 +160,11 @@ def write_header_only(out: Path, sizes: dict, dtype: str = "bfloat16") -> Path:
     header, offset = {}, 0
     for name, shape in hf_tensors(sizes):
         nbytes = math.prod(shape) * getattr(mx, dtype).size
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header).encode()
     with open(out / "model.safetensors", "wb") as f:

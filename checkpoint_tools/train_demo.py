@@ -136,8 +136,14 @@ def train_tokenizer(out_dir: str, seed: int) -> str:
 
     rng = random.Random(seed * 1000 + 7)
     lines = tasks.corpus(rng, 300)
-    lines += [render_prompt("x", "you are a helpful assistant"), tasks.LETTERS, tasks.LETTERS.upper(),
-              "0123456789", "{}[]\":,.=-+_!?'()/ ", "system user model thought"]
+    lines += [
+        render_prompt("x", "you are a helpful assistant"),
+        tasks.LETTERS,
+        tasks.LETTERS.upper(),
+        "0123456789",
+        "{}[]\":,.=-+_!?'()/ ",
+        "system user model thought",
+    ]
     prefix = os.path.join(out_dir, "tokenizer")
     cwd = os.getcwd()
     os.chdir(out_dir)  # a relative model_prefix: the trainer spec stored in the model then has no temp path
@@ -151,14 +157,29 @@ def train_tokenizer(out_dir: str, seed: int) -> str:
 
 def _train_spm(spm, lines):
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix="tokenizer", model_type="char", vocab_size=512,
-        hard_vocab_limit=False, character_coverage=1.0,
-        pad_id=PAD, eos_id=EOS, bos_id=BOS, unk_id=UNK,
-        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
-        control_symbols=["<mask>"], user_defined_symbols=CHAT_TOKENS + ["\n"],
-        byte_fallback=True, split_digits=True, add_dummy_prefix=False,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        num_threads=1, minloglevel=2,
+        sentence_iterator=iter(lines),
+        model_prefix="tokenizer",
+        model_type="char",
+        vocab_size=512,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        pad_id=PAD,
+        eos_id=EOS,
+        bos_id=BOS,
+        unk_id=UNK,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
+        control_symbols=["<mask>"],
+        user_defined_symbols=CHAT_TOKENS + ["\n"],
+        byte_fallback=True,
+        split_digits=True,
+        add_dummy_prefix=False,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        num_threads=1,
+        minloglevel=2,
     )
 
 
@@ -210,24 +231,48 @@ def build_config(args, vocab_size: int):
     from transformers import DiffusionGemmaConfig, DiffusionGemmaTextConfig, Gemma4VisionConfig
 
     n = args.layers
-    layer_types = ["full_attention" if (i + 1) % args.full_every == 0 or i == n - 1 else "sliding_attention"
-                   for i in range(n)]
+    layer_types = [
+        "full_attention" if (i + 1) % args.full_every == 0 or i == n - 1 else "sliding_attention" for i in range(n)
+    ]
     text = DiffusionGemmaTextConfig(
-        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        moe_intermediate_size=args.moe_intermediate, num_hidden_layers=n,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        global_head_dim=args.global_head_dim, num_global_key_value_heads=args.global_kv_heads,
-        layer_types=layer_types, sliding_window=args.sliding_window, num_experts=args.experts,
-        top_k_experts=args.top_k, max_position_embeddings=CONTEXT, use_bidirectional_attention="vision",
-        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        moe_intermediate_size=args.moe_intermediate,
+        num_hidden_layers=n,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        global_head_dim=args.global_head_dim,
+        num_global_key_value_heads=args.global_kv_heads,
+        layer_types=layer_types,
+        sliding_window=args.sliding_window,
+        num_experts=args.experts,
+        top_k_experts=args.top_k,
+        max_position_embeddings=CONTEXT,
+        use_bidirectional_attention="vision",
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
     )
     text.final_logit_softcapping = 30.0
-    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                num_attention_heads=1, num_key_value_heads=1, head_dim=16,
-                                position_embedding_size=16)
-    return DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=args.canvas,
-                                image_token_id=vocab_size, boi_token_id=vocab_size + 1,
-                                eoi_token_id=vocab_size + 2)
+    vision = Gemma4VisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=16,
+        position_embedding_size=16,
+    )
+    return DiffusionGemmaConfig(
+        text_config=text,
+        vision_config=vision,
+        canvas_length=args.canvas,
+        image_token_id=vocab_size,
+        boi_token_id=vocab_size + 1,
+        eoi_token_id=vocab_size + 2,
+    )
 
 
 def softcap(model, h):
@@ -284,7 +329,7 @@ def collate(examples, C):
         npad[b] = n
         ids[b, n:P] = torch.tensor(prefix)
         ids[b, P:] = torch.tensor(canv)
-        enc_target_mask[b, n:P + n_ans - 1] = True  # targets up to and including <turn|>
+        enc_target_mask[b, n : P + n_ans - 1] = True  # targets up to and including <turn|>
     return ids, npad, P, K, enc_target_mask
 
 
@@ -345,12 +390,18 @@ def objective(model, batch, noise, C, W):
     sc_logits = None
     if sc_mask.any():
         with torch.no_grad():
-            h0 = model.model.decoder(decoder_input_ids=noisy, cache=cache, decoder_attention_mask=dec_mask,
-                                     decoder_position_ids=dpos).last_hidden_state
+            h0 = model.model.decoder(
+                decoder_input_ids=noisy, cache=cache, decoder_attention_mask=dec_mask, decoder_position_ids=dpos
+            ).last_hidden_state
             sc_logits = (softcap(model, h0) / noise["temp"]).detach()
-    h = model.model.decoder(decoder_input_ids=noisy, cache=cache, self_conditioning_logits=sc_logits,
-                            self_conditioning_mask=sc_mask if sc_logits is not None else None,
-                            decoder_attention_mask=dec_mask, decoder_position_ids=dpos).last_hidden_state
+    h = model.model.decoder(
+        decoder_input_ids=noisy,
+        cache=cache,
+        self_conditioning_logits=sc_logits,
+        self_conditioning_mask=sc_mask if sc_logits is not None else None,
+        decoder_attention_mask=dec_mask,
+        decoder_position_ids=dpos,
+    ).last_hidden_state
     logits = softcap(model, h)
     dec_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1))
     return dec_loss, enc_loss, logits
@@ -361,7 +412,7 @@ def train_step(model, batch, args, gen, V):
     noise = draw_noise(ids.shape[0], K, args.canvas, V, gen, args)
     dec_loss, enc_loss, logits = objective(model, batch, noise, args.canvas, args.sliding_window)
     with torch.no_grad():
-        acc = (logits.argmax(-1) == ids[:, batch[2]:]).float().mean()
+        acc = (logits.argmax(-1) == ids[:, batch[2] :]).float().mean()
     return dec_loss, enc_loss, acc, ids.shape[0] * (ids.shape[1] + K * args.canvas)
 
 
@@ -376,10 +427,17 @@ def gen_config(args, tok):
     )
 
     return DiffusionGemmaGenerationConfig(
-        max_new_tokens=args.max_new_tokens, max_denoising_steps=args.max_denoising_steps,
+        max_new_tokens=args.max_new_tokens,
+        max_denoising_steps=args.max_denoising_steps,
         sampler_config=EntropyBoundSamplerConfig(entropy_bound=args.entropy_bound),
-        t_min=args.t_min, t_max=args.t_max, stability_threshold=1, confidence_threshold=0.005,
-        bos_token_id=BOS, eos_token_id=[EOS, tok.turn_end, tok.tool_response], pad_token_id=PAD)
+        t_min=args.t_min,
+        t_max=args.t_max,
+        stability_threshold=1,
+        confidence_threshold=0.005,
+        bos_token_id=BOS,
+        eos_token_id=[EOS, tok.turn_end, tok.tool_response],
+        pad_token_id=PAD,
+    )
 
 
 class StepCounter:
@@ -409,7 +467,7 @@ def run_generate(model, tok, prompt: str, seed: int):
     counter = StepCounter()
     torch.manual_seed(seed)
     out = model.generate(ids, streamer=counter)
-    new = out.sequences[0, ids.shape[1]:].tolist()
+    new = out.sequences[0, ids.shape[1] :].tolist()
     return answer_from_ids(tok, new, stop), counter.steps, float(out.tokens_per_forward[0])
 
 
@@ -442,16 +500,28 @@ def save(model, tok_file, args, tok, out_dir, info):
     model.generation_config = gen_config(args, tok)
     model.save_pretrained(out_dir)
     shutil.copyfile(tok_file, os.path.join(out_dir, "tokenizer.model"))
-    special = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>",
-               "mask_token": "<mask>"}
+    special = {
+        "pad_token": "<pad>",
+        "eos_token": "<eos>",
+        "bos_token": "<bos>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    }
     tc = {
         "tokenizer_class": "GemmaTokenizer",
         **special,
-        "pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": BOS, "unk_token_id": UNK, "mask_token_id": MASK,
-        "add_bos_token": True, "add_eos_token": False, "padding_side": "left",
+        "pad_token_id": PAD,
+        "eos_token_id": EOS,
+        "bos_token_id": BOS,
+        "unk_token_id": UNK,
+        "mask_token_id": MASK,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "padding_side": "left",
         "stop_token_ids": [EOS, tok.turn_end, tok.tool_response],
         "special_token_ids": {p: tok.ids[p] for p in CHAT_TOKENS},
-        "sp_model_kwargs": {}, "model_type": "char, byte_fallback, split_digits, identity normalisation, no dummy prefix",
+        "sp_model_kwargs": {},
+        "model_type": "char, byte_fallback, split_digits, identity normalisation, no dummy prefix",
         "chat_template": CHAT_TEMPLATE,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
@@ -469,9 +539,16 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mlx_dgemma", "demo"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mlx_dgemma", "demo")
+    )
     ap.add_argument("--steps", type=int, default=2600)
-    ap.add_argument("--time-limit", type=float, default=0, help="stop early after this many minutes (0: no limit; breaks exact reproducibility)")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=0,
+        help="stop early after this many minutes (0: no limit; breaks exact reproducibility)",
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.05)
@@ -481,7 +558,9 @@ def parse_args(argv=None):
     ap.add_argument("--task-weights", default="1,1,1,1", help="sampling weights for sort,reverse,add,json")
     ap.add_argument("--enc-loss-weight", type=float, default=1.0)
     ap.add_argument("--sc-prob", type=float, default=0.5)
-    ap.add_argument("--qk-norm-init", type=int, default=1, help="init q_norm/k_norm weights to head_dim**-0.25 (1) or 1.0 (0)")
+    ap.add_argument(
+        "--qk-norm-init", type=int, default=1, help="init q_norm/k_norm weights to head_dim**-0.25 (1) or 1.0 (0)"
+    )
     # architecture
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=256)
@@ -541,18 +620,22 @@ def main(argv=None):
         with torch.no_grad():
             for layer in model.model.decoder.layers:
                 a = layer.self_attn
-                a.q_norm.weight.fill_(a.head_dim ** -0.25)
-                a.k_norm.weight.fill_(a.head_dim ** -0.25)
+                a.q_norm.weight.fill_(a.head_dim**-0.25)
+                a.k_norm.weight.fill_(a.head_dim**-0.25)
     model.train()
     model.generation_config = gen_config(args, tok)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"vocab {V}, layer_types {cfg.text_config.layer_types}, params {n_params/1e6:.2f} M", flush=True)
+    print(f"vocab {V}, layer_types {cfg.text_config.layer_types}, params {n_params / 1e6:.2f} M", flush=True)
 
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.ndim >= 2 and "embed" not in n else no_decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
 
     def lr_at(step):
         if step < args.warmup:
@@ -583,28 +666,38 @@ def main(argv=None):
         agg[3] += 1
         if (step + 1) % args.log_every == 0:
             dt = time.time() - t_log
-            print(f"step {step+1:5d} lr {lr_at(step):.2e} dec {agg[0]/agg[3]:.4f} enc {agg[1]/agg[3]:.4f} "
-                  f"canvas_acc {agg[2]/agg[3]:.3f} tok/s {tok_count/dt:.0f} elapsed {(time.time()-t_start)/60:.1f} min",
-                  flush=True)
+            print(
+                f"step {step + 1:5d} lr {lr_at(step):.2e} dec {agg[0] / agg[3]:.4f} enc {agg[1] / agg[3]:.4f} "
+                f"canvas_acc {agg[2] / agg[3]:.3f} tok/s {tok_count / dt:.0f} elapsed {(time.time() - t_start) / 60:.1f} min",
+                flush=True,
+            )
             tok_count, t_log, agg = 0, time.time(), [0.0, 0.0, 0.0, 0]
         if args.eval_every and (step + 1) % args.eval_every == 0:
             te = time.time()
             res, med = quick_eval(model, tok, args.eval_n, args.seed)
             history.append({"step": step + 1, **res, "median_steps": med})
-            print(f"  eval@{step+1}: " + " ".join(f"{k} {v:.2f}" for k, v in res.items()) +
-                  f" median_steps/canvas {med} ({time.time()-te:.0f}s)", flush=True)
+            print(
+                f"  eval@{step + 1}: "
+                + " ".join(f"{k} {v:.2f}" for k, v in res.items())
+                + f" median_steps/canvas {med} ({time.time() - te:.0f}s)",
+                flush=True,
+            )
             t_log += time.time() - te
         if args.save_every and (step + 1) % args.save_every == 0:
             save(model, tok_file, args, tok, out_dir, {"steps_done": step + 1, "eval_history": history})
         if args.time_limit and (time.time() - t_start) > args.time_limit * 60:
-            print(f"time limit reached at step {step+1}", flush=True)
+            print(f"time limit reached at step {step + 1}", flush=True)
             break
     model.eval()
-    info = {"steps_done": step + 1, "train_minutes": (time.time() - t_start) / 60, "eval_history": history,
-            "torch": torch.__version__}
+    info = {
+        "steps_done": step + 1,
+        "train_minutes": (time.time() - t_start) / 60,
+        "eval_history": history,
+        "torch": torch.__version__,
+    }
     save(model, tok_file, args, tok, out_dir, info)
     size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
-    print(f"saved {out_dir} ({size/1e6:.2f} MB) after {(time.time()-t_start)/60:.1f} min", flush=True)
+    print(f"saved {out_dir} ({size / 1e6:.2f} MB) after {(time.time() - t_start) / 60:.1f} min", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ class Worker:
     def _write(self, job: Generation):
         try:
             on_step = lambda draft: job.events.put(("step", draft.step))  # noqa: E731
-            for response in stream_generate(self.model, self.tokenizer, job.prompt, job.max_tokens, seed=0,
-                                            on_step=on_step):
+            for response in stream_generate(
+                self.model, self.tokenizer, job.prompt, job.max_tokens, seed=0, on_step=on_step
+            ):
                 job.events.put(("canvas", response.text))
                 if job.cancelled.is_set():
                     job.events.put(("done", "cancelled"))

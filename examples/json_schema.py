@@ -11,7 +11,10 @@ from mlx_dgemma.generate import DEMO_MODEL
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
     "required": ["name", "age"],
 }
 

@@ -18,9 +18,14 @@ import urllib.request
 
 from openai import OpenAI
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 999}},
-          "required": ["name", "age"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "age"],
+}
 
 
 @contextlib.contextmanager
@@ -28,7 +33,9 @@ def local_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "mlx_dgemma.server", "--port", str(port), "--log-level", "warning"])
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlx_dgemma.server", "--port", str(port), "--log-level", "warning"]
+    )
     try:
         for _ in range(300):  # the model loads first
             with contextlib.suppress(OSError):
@@ -45,23 +52,28 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", help="a running server's /v1 address (default: start one)")
     args = parser.parse_args()
-    with (contextlib.nullcontext(args.base_url) if args.base_url else local_server()) as base_url:
+    with contextlib.nullcontext(args.base_url) if args.base_url else local_server() as base_url:
         client = OpenAI(base_url=base_url, api_key="not-needed")
         model = client.models.list().data[0].id
 
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "sort: 42 17 85 23 61"}],
-                                               seed=0)
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "sort: 42 17 85 23 61"}], seed=0
+        )
         print("chat:", reply.choices[0].message.content, f"({reply.usage.completion_tokens} tokens)")
 
         print("streamed: ", end="", flush=True)
-        for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "reverse: planet"}],
-                                                    seed=0, stream=True):
+        for chunk in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "reverse: planet"}], seed=0, stream=True
+        ):
             print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
         print()
 
         reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "json: name=ada age=36"}], seed=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+            model=model,
+            messages=[{"role": "user", "content": "json: name=ada age=36"}],
+            seed=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        )
         print("json_schema:", json.loads(reply.choices[0].message.content))
 
 

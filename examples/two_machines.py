@@ -29,8 +29,24 @@ def main():
     generate = ["-m", "mlx_dgemma.generate", "--prompt", PROMPT, "--seed", "0", "--max-tokens", "32"]
     alone = subprocess.run([sys.executable, *generate], capture_output=True, text=True, check=True).stdout
     # A port range of our own, so that another launch on this machine cannot join this ring.
-    two = subprocess.run([launch, "-n", "2", "--backend", "ring", "--starting-port", str(free_port()),
-                          "--python", sys.executable, "--", *generate], capture_output=True, text=True, check=True)
+    two = subprocess.run(
+        [
+            launch,
+            "-n",
+            "2",
+            "--backend",
+            "ring",
+            "--starting-port",
+            str(free_port()),
+            "--python",
+            sys.executable,
+            "--",
+            *generate,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     print(f"one process: {alone.strip()}")
     print(f"two ranks:   {two.stdout.strip()}")
     print("the same text" if two.stdout == alone else "the texts differ")

@@ -6,8 +6,15 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"generate": "generate", "convert": "convert.__main__", "server": "server.__main__", "lora": "lora",
-            "fuse": "fuse", "bench": "bench", "eval": "demo.eval"}
+COMMANDS = {
+    "generate": "generate",
+    "convert": "convert.__main__",
+    "server": "server.__main__",
+    "lora": "lora",
+    "fuse": "fuse",
+    "bench": "bench",
+    "eval": "demo.eval",
+}
 USAGE = f"usage: python -m mlx_dgemma {{{','.join(COMMANDS)}}} [FLAGS]  (each command takes --help)"
 
 

@@ -45,8 +45,9 @@ class GenerationResponse:
     thought: str = ""  # the text this canvas adds to the thought (with think=True; never part of text)
 
 
-def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None,
-                    **kwargs) -> Iterator[GenerationResponse]:
+def stream_generate(
+    model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, **kwargs
+) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas, block of autoregressive tokens (a
     canvas's worth, or what auto chose) or verified round.
 
@@ -101,8 +102,9 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_to
     yield from stream_from_args(model, tokenizer, prompt, GenerationArgs.of(max_tokens=max_tokens, **kwargs))
 
 
-def stream_from_args(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs
-                     ) -> Iterator[GenerationResponse]:
+def stream_from_args(
+    model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs
+) -> Iterator[GenerationResponse]:
     """``stream_generate`` with its options as one ``GenerationArgs`` (the command line's)."""
     if args.prompt_cache is not None and args.images:
         raise ValueError("give the images or a prompt cache that already holds them, not both")
@@ -133,10 +135,21 @@ def _responses(engine, job: PreparedRequest, prompt_tps: float, drafts: list | N
                 continue
             forwards += steps
             generated += len(tokens)
-            yield GenerationResponse(text, tokens, steps, non_pad / forwards, len(job.ids), prompt_tps, generated,
-                                     generated / (time.perf_counter() - tic), mx.get_peak_memory() / 1e9,
-                                     r.finish_reason, drafts[:] if drafts and r.plan.mode == "diffusion" else None,
-                                     r.plan, thought)
+            yield GenerationResponse(
+                text,
+                tokens,
+                steps,
+                non_pad / forwards,
+                len(job.ids),
+                prompt_tps,
+                generated,
+                generated / (time.perf_counter() - tic),
+                mx.get_peak_memory() / 1e9,
+                r.finish_reason,
+                drafts[:] if drafts and r.plan.mode == "diffusion" else None,
+                r.plan,
+                thought,
+            )
             text, thought, tokens, steps = "", "", [], 0
             if drafts is not None:
                 drafts.clear()
@@ -154,8 +167,15 @@ def _step_hook(collected: list[Draft] | None, on_step: Callable[[Draft], None] |
     return hook
 
 
-def generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, *,
-             verbose: bool = False, **kwargs) -> str:
+def generate(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    max_tokens: int | None = None,
+    *,
+    verbose: bool = False,
+    **kwargs,
+) -> str:
     """The whole answer as text; ``kwargs`` are those of ``stream_generate``. ``verbose`` prints the
     text as canvases commit, then the statistics."""
     text, responses = "", []
@@ -172,19 +192,24 @@ def generate(model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: i
 def statistics(responses: list[GenerationResponse]) -> str:
     last = responses[-1]
     verified = all(r.plan is not None and r.plan.mode == "verified" for r in responses)
-    unit, forwards = ("rounds", "Forwards per round (draft steps + the verifying pass)") if verified else (
-        "canvases", "Denoising steps per canvas")
+    unit, forwards = (
+        ("rounds", "Forwards per round (draft steps + the verifying pass)")
+        if verified
+        else ("canvases", "Denoising steps per canvas")
+    )
     extra = f", {last.generation_tokens / len(responses):.2f} tokens per round" if verified else ""
-    return "\n".join([
-        "=" * 10,
-        f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec",
-        f"Generation: {last.generation_tokens} tokens in {len(responses)} {unit}, "
-        f"{last.generation_tps:.3f} tokens-per-sec",
-        f"{forwards}: {' '.join(str(r.steps) for r in responses)}; "
-        f"{last.tokens_per_forward:.2f} tokens per forward{extra}",
-        f"Finish: {last.finish_reason}",
-        f"Peak memory: {last.peak_memory:.3f} GB",
-    ])
+    return "\n".join(
+        [
+            "=" * 10,
+            f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec",
+            f"Generation: {last.generation_tokens} tokens in {len(responses)} {unit}, "
+            f"{last.generation_tps:.3f} tokens-per-sec",
+            f"{forwards}: {' '.join(str(r.steps) for r in responses)}; "
+            f"{last.tokens_per_forward:.2f} tokens per forward{extra}",
+            f"Finish: {last.finish_reason}",
+            f"Peak memory: {last.peak_memory:.3f} GB",
+        ]
+    )
 
 
 def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs) -> str:
@@ -193,19 +218,21 @@ def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, ma
     least ``max_fill`` tokens that may take several canvases. ``kwargs`` are those of ``stream_generate``."""
     from .structured.template import infill_template
 
-    template = infill_template(tokenizer, suffix, max_fill, model.config.canvas_length,
-                               model.config.max_position_embeddings)
+    template = infill_template(
+        tokenizer, suffix, max_fill, model.config.canvas_length, model.config.max_position_embeddings
+    )
     kwargs.setdefault("chat_template", False)
     if isinstance(prefix, str) and not kwargs["chat_template"]:  # an empty or blank prefix is a fine start
         prefix = tokenizer.encode(check_text(prefix, "the prefix"))
     responses = list(stream_generate(model, tokenizer, prefix, template=template, **kwargs))
     answer = responses[-1].text
-    tail = tokenizer.decode(template.tokens[template.holes[0][1].size:])
+    tail = tokenizer.decode(template.tokens[template.holes[0][1].size :])
     return answer[: len(answer) - len(tail)] if tail and answer.endswith(tail) else answer
 
 
-def drafted_json_template(model, tokenizer: Tokenizer, prompt: str | list[int], schema: dict,
-                          args: GenerationArgs | None = None, **kwargs) -> CanvasTemplate:
+def drafted_json_template(
+    model, tokenizer: Tokenizer, prompt: str | list[int], schema: dict, args: GenerationArgs | None = None, **kwargs
+) -> CanvasTemplate:
     """The JSON template of ``schema`` with its holes sized by a free generation's values (one more
     generation, with ``args`` or ``kwargs``: those of ``stream_generate``): what ``schema=`` does
     under a diffusion policy before it generates the answer (structured/layout.py)."""

@@ -75,22 +75,33 @@ def verified_figures(model, tokenizer, profile: Profile, prefix: int = 64, token
     out = {}
     for key, acceptance in (("demo_acceptance", Acceptance()), ("half_acceptance", Acceptance.scaled(0.5))):
         length, steps, tok_s = best_draft(profile, acceptance, canvas)
-        out[key] = {"draft_length": length, "draft_steps": steps, "predicted_tok_s": tok_s,
-                    "tokens_per_round": acceptance.tokens_per_round(steps, length)}
+        out[key] = {
+            "draft_length": length,
+            "draft_steps": steps,
+            "predicted_tok_s": tok_s,
+            "tokens_per_round": acceptance.tokens_per_round(steps, length),
+        }
     length, steps = out["demo_acceptance"]["draft_length"], out["demo_acceptance"]["draft_steps"]
     ids = mx.random.randint(3, model.config.vocab_size, (prefix,), key=mx.random.key(4)).tolist()
 
     def run_once():
-        return list(stream_generate(model, tokenizer, ids, tokens, policy="verified", draft_length=length,
-                                    draft_steps=steps, seed=0))
+        return list(
+            stream_generate(
+                model, tokenizer, ids, tokens, policy="verified", draft_length=length, draft_steps=steps, seed=0
+            )
+        )
 
     run_once()  # warm-up
     rounds = run_once()
     made = rounds[-1].generation_tokens
-    out["measured"] = {"draft_length": length, "draft_steps": steps, "tokens": made,
-                       "tokens_per_round": made / len(rounds),
-                       "tokens_per_forward": made / sum(r.steps for r in rounds),
-                       "tok_s": rounds[-1].generation_tps}
+    out["measured"] = {
+        "draft_length": length,
+        "draft_steps": steps,
+        "tokens": made,
+        "tokens_per_round": made / len(rounds),
+        "tokens_per_forward": made / sum(r.steps for r in rounds),
+        "tok_s": rounds[-1].generation_tps,
+    }
     return out
 
 
@@ -105,8 +116,10 @@ def prefix_sweep(model, prefixes, repeats: int = 2, canvas: int = 256, steps: in
     out = {"step_ms_by_prefix": {}, "prefill_tok_s_by_prefix": {}, "peak_memory_gb_by_prefix": {}}
     for prefix in prefixes:
         if prefix + canvas > model.config.max_position_embeddings:
-            raise click.ClickException(f"--prefix {prefix} and a {canvas}-token canvas exceed the model's context "
-                                       f"of {model.config.max_position_embeddings}")
+            raise click.ClickException(
+                f"--prefix {prefix} and a {canvas}-token canvas exceed the model's context "
+                f"of {model.config.max_position_embeddings}"
+            )
         ids = mx.random.randint(3, model.config.vocab_size, (1, prefix), key=mx.random.key(1))
         mx.eval(ids)
         mx.reset_peak_memory()
@@ -175,8 +188,15 @@ def step_breakdown(model, canvas: int = 256, prefix: int = 64, repeats: int = 3)
     def whole_step():
         return model.denoise(ids, view, logits, probs)
 
-    parts = dict(attention=attention, experts=experts, dense_mlp=dense_mlp, head=head,
-                 self_conditioning=self_conditioning, sampler=sampler, whole_forward=whole_step)
+    parts = dict(
+        attention=attention,
+        experts=experts,
+        dense_mlp=dense_mlp,
+        head=head,
+        self_conditioning=self_conditioning,
+        sampler=sampler,
+        whole_forward=whole_step,
+    )
     return {name: _best_time(fn, repeats) for name, fn in parts.items()}
 
 
@@ -205,26 +225,38 @@ def format_report(r: dict) -> str:
     for s, tps in sorted(r["diffusion_tok_s_by_steps"].items()):
         lines.append(f"{s:>12}  {tps:15.2f}  {tps / r['ar_tok_s']:5.2f}x")
     for s, c in sorted(r["sampler_check"].items()):
-        lines.append(f"sampler run, {s} steps: {c['measured_tok_s']:.2f} tok/s measured vs "
-                     f"{c['from_step_time_tok_s']:.2f} from step time")
+        lines.append(
+            f"sampler run, {s} steps: {c['measured_tok_s']:.2f} tok/s measured vs "
+            f"{c['from_step_time_tok_s']:.2f} from step time"
+        )
     v = r["verified"]
     for key, what in (("demo_acceptance", "the demo's acceptance"), ("half_acceptance", "half of it")):
         d = v[key]
-        lines.append(f"verified drafting predicted at {what}: drafts of {d['draft_length']} in {d['draft_steps']} "
-                     f"step(s), {d['tokens_per_round']:.1f} tokens per round, {d['predicted_tok_s']:.2f} tok/s "
-                     f"({d['predicted_tok_s'] / r['ar_tok_s']:.2f}x AR)")
+        lines.append(
+            f"verified drafting predicted at {what}: drafts of {d['draft_length']} in {d['draft_steps']} "
+            f"step(s), {d['tokens_per_round']:.1f} tokens per round, {d['predicted_tok_s']:.2f} tok/s "
+            f"({d['predicted_tok_s'] / r['ar_tok_s']:.2f}x AR)"
+        )
     m = v["measured"]
-    lines.append(f"verified drafting measured (this checkpoint's own acceptance, {m['tokens']} tokens): drafts of "
-                 f"{m['draft_length']} in {m['draft_steps']} step(s), {m['tokens_per_round']:.2f} tokens per round, "
-                 f"{m['tokens_per_forward']:.2f} per forward, {m['tok_s']:.2f} tok/s")
-    lines.append("predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy/roofline.py; verified "
-                 "at the demo's acceptance and at half of it, best draft length L and steps k):")
-    lines.append(f"{'device':<10} {'AR tok/s':>9} {'diffusion':>10} {'speedup':>8} {'verified':>9} {'L/k':>6} "
-                 f"{'half':>7} {'L/k':>6}")
+    lines.append(
+        f"verified drafting measured (this checkpoint's own acceptance, {m['tokens']} tokens): drafts of "
+        f"{m['draft_length']} in {m['draft_steps']} step(s), {m['tokens_per_round']:.2f} tokens per round, "
+        f"{m['tokens_per_forward']:.2f} per forward, {m['tok_s']:.2f} tok/s"
+    )
+    lines.append(
+        "predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy/roofline.py; verified "
+        "at the demo's acceptance and at half of it, best draft length L and steps k):"
+    )
+    lines.append(
+        f"{'device':<10} {'AR tok/s':>9} {'diffusion':>10} {'speedup':>8} {'verified':>9} {'L/k':>6} "
+        f"{'half':>7} {'L/k':>6}"
+    )
     for name, p in r["predicted"].items():
-        lines.append(f"{name:<10} {p['ar_tok_s']:9.1f} {p['diffusion_tok_s']:10.1f} {p['speedup']:7.2f}x "
-                     f"{p['verified_tok_s']:9.1f} {p['verified_length']:>3}/{p['verified_steps']} "
-                     f"{p['verified_half_tok_s']:7.1f} {p['verified_half_length']:>3}/{p['verified_half_steps']}")
+        lines.append(
+            f"{name:<10} {p['ar_tok_s']:9.1f} {p['diffusion_tok_s']:10.1f} {p['speedup']:7.2f}x "
+            f"{p['verified_tok_s']:9.1f} {p['verified_length']:>3}/{p['verified_steps']} "
+            f"{p['verified_half_tok_s']:7.1f} {p['verified_half_length']:>3}/{p['verified_half_steps']}"
+        )
     return "\n".join(lines)
 
 
@@ -235,24 +267,39 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    profile = Profile(r["device"], "measured", {int(k): v for k, v in r["step_s_by_canvas"].items()},
-                      1 / r["ar_tok_s"], r["prefill_tok_s"])
+    profile = Profile(
+        r["device"],
+        "measured",
+        {int(k): v for k, v in r["step_s_by_canvas"].items()},
+        1 / r["ar_tok_s"],
+        r["prefill_tok_s"],
+    )
     from .engine.policy import predict
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, (title, p) in zip(axes, [(f"measured: {r['device']} ({r['dtype']})", profile),
-                                     ("predicted: M4 Max vs H100 (26B-A4B)", None)]):
+    for ax, (title, p) in zip(
+        axes, [(f"measured: {r['device']} ({r['dtype']})", profile), ("predicted: M4 Max vs H100 (26B-A4B)", None)]
+    ):
         lengths = sorted(profile.step_s_by_canvas)
         if p is not None:
             for steps in (4, 8, 16, 48):
-                ax.plot(lengths, [c / (steps * p.step_s(c)) / p.ar_tok_s for c in lengths], marker="o",
-                        label=f"{steps} steps/canvas")
+                ax.plot(
+                    lengths,
+                    [c / (steps * p.step_s(c)) / p.ar_tok_s for c in lengths],
+                    marker="o",
+                    label=f"{steps} steps/canvas",
+                )
         else:
             for name, style in (("M4 Max", "-"), ("H100", "--")):
                 q = predict(name)
                 for steps in (4, 16, 48):
-                    ax.plot(lengths, [c / (steps * q.step_s(c)) / q.ar_tok_s for c in lengths], style, marker="o",
-                            label=f"{name}, {steps} steps")
+                    ax.plot(
+                        lengths,
+                        [c / (steps * q.step_s(c)) / q.ar_tok_s for c in lengths],
+                        style,
+                        marker="o",
+                        label=f"{name}, {steps} steps",
+                    )
         ax.axhline(1.0, color="grey", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -266,15 +313,33 @@ def plot(r: dict, path: Path) -> None:
 
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", required=True, help="Checkpoint folder or Hub id.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
-              help="Write the figures here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=option(writable_file),
-              help="Write a PNG plot here.")
-@click.option("--prefix", cls=several_values(), type=int, multiple=True, default=[64], show_default=True,
-              callback=option(lambda values, name: [at_least(1)(v, name) for v in values]),
-              help="Prompt tokens before the canvas; several (--prefix 64 1024 8192) add a sweep over prompt lengths.")
-@click.option("--repeats", default=2, show_default=True, callback=option(at_least(1)),
-              help="Timed repeats (best is kept).")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=option(writable_file),
+    help="Write the figures here.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=option(writable_file),
+    help="Write a PNG plot here.",
+)
+@click.option(
+    "--prefix",
+    cls=several_values(),
+    type=int,
+    multiple=True,
+    default=[64],
+    show_default=True,
+    callback=option(lambda values, name: [at_least(1)(v, name) for v in values]),
+    help="Prompt tokens before the canvas; several (--prefix 64 1024 8192) add a sweep over prompt lengths.",
+)
+@click.option(
+    "--repeats", default=2, show_default=True, callback=option(at_least(1)), help="Timed repeats (best is kept)."
+)
 @click.option("--breakdown", is_flag=True, help="Only time each part of a 256-position step.")
 @command_line
 def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
@@ -299,8 +364,10 @@ def main(model_path, json_path, plot_path, prefix, repeats, breakdown):
         report.update(prefix_sweep(model, prefixes, repeats))
         click.echo("prefix  prefill tok/s  step ms (256 positions)  peak GB")
         for p in prefixes:
-            click.echo(f"{p:>6}  {report['prefill_tok_s_by_prefix'][p]:>13.1f}  {report['step_ms_by_prefix'][p]:>23.1f}"
-                       f"  {report['peak_memory_gb_by_prefix'][p]:>7.3f}")
+            click.echo(
+                f"{p:>6}  {report['prefill_tok_s_by_prefix'][p]:>13.1f}  {report['step_ms_by_prefix'][p]:>23.1f}"
+                f"  {report['peak_memory_gb_by_prefix'][p]:>7.3f}"
+            )
     if json_path:
         json_path.write_text(json.dumps(report, indent=2))
     if plot_path:

@@ -130,10 +130,15 @@ def sampling_options(command):
     from .validate import check_min_p, check_temperature, check_top_k, check_top_p, option
 
     options = [
-        click.option("--temp", "temperature", type=float, callback=option(check_temperature),
-                     help="Sampling temperature: ar and verified draw tokens at it [default: 0, greedy]; diffusion "
-                          "draws each position at it times the schedule's temperature [default: 1, the schedule's; "
-                          "0: greedy]."),
+        click.option(
+            "--temp",
+            "temperature",
+            type=float,
+            callback=option(check_temperature),
+            help="Sampling temperature: ar and verified draw tokens at it [default: 0, greedy]; diffusion "
+            "draws each position at it times the schedule's temperature [default: 1, the schedule's; "
+            "0: greedy].",
+        ),
         click.option("--top-p", type=float, callback=option(check_top_p), help="Sampling top-p [default: 1, off]."),
         click.option("--min-p", type=float, callback=option(check_min_p), help="Sampling min-p [default: 0, off]."),
         click.option("--top-k", type=int, callback=option(check_top_k), help="Sampling top-k [default: 0, off]."),
@@ -151,14 +156,28 @@ def kv_cache_options(command):
     from .options import KV_BITS, KV_GROUP_SIZE, KV_GROUP_SIZES, QUANTIZED_KV_START
 
     options = [
-        click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), callback=lambda c, p, v: v and int(v),
-                     help="Store the KV cache at this many bits, affine per group of --kv-group-size along the "
-                          "head dimension [default: the activations' dtype]."),
-        click.option("--kv-group-size", type=click.Choice([str(g) for g in KV_GROUP_SIZES]), default=str(KV_GROUP_SIZE),
-                     show_default=True, callback=lambda c, p, v: int(v),
-                     help="Elements per quantization group of the KV cache."),
-        click.option("--quantized-kv-start", type=click.IntRange(min=0), default=QUANTIZED_KV_START, show_default=True,
-                     help="Positions a KV cache holds before it is quantized (with --kv-bits)."),
+        click.option(
+            "--kv-bits",
+            type=click.Choice([str(b) for b in KV_BITS]),
+            callback=lambda c, p, v: v and int(v),
+            help="Store the KV cache at this many bits, affine per group of --kv-group-size along the "
+            "head dimension [default: the activations' dtype].",
+        ),
+        click.option(
+            "--kv-group-size",
+            type=click.Choice([str(g) for g in KV_GROUP_SIZES]),
+            default=str(KV_GROUP_SIZE),
+            show_default=True,
+            callback=lambda c, p, v: int(v),
+            help="Elements per quantization group of the KV cache.",
+        ),
+        click.option(
+            "--quantized-kv-start",
+            type=click.IntRange(min=0),
+            default=QUANTIZED_KV_START,
+            show_default=True,
+            help="Positions a KV cache holds before it is quantized (with --kv-bits).",
+        ),
     ]
     for option in reversed(options):
         command = option(command)

@@ -87,10 +87,13 @@ def init(timeout: float | None = None) -> mx.distributed.Group:
         return mx.distributed.init()
     timeout = timeout_seconds() if timeout is None else timeout
     rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
-    message = (f"error: rank {rank}: the other ranks did not connect within {timeout:g} s (is every host up and "
-               f"reachable, and running the same command?); {TIMEOUT_ENV} sets the wait")
-    guard = subprocess.Popen([sys.executable, "-c", _GUARD, str(timeout), message, str(os.getpid())],
-                             stdin=subprocess.PIPE)
+    message = (
+        f"error: rank {rank}: the other ranks did not connect within {timeout:g} s (is every host up and "
+        f"reachable, and running the same command?); {TIMEOUT_ENV} sets the wait"
+    )
+    guard = subprocess.Popen(
+        [sys.executable, "-c", _GUARD, str(timeout), message, str(os.getpid())], stdin=subprocess.PIPE
+    )
     try:
         return mx.distributed.init(strict=True)
     except RuntimeError as e:
@@ -134,8 +137,10 @@ class Watchdog:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
             if self._depth and time.monotonic() - self._last > self.timeout:
-                sys.stderr.write(f"error: rank {self.rank}: no progress from the other ranks for {self.timeout:g} s "
-                                 f"(one died, hangs or lost its link); stopping. {TIMEOUT_ENV} sets the wait\n")
+                sys.stderr.write(
+                    f"error: rank {self.rank}: no progress from the other ranks for {self.timeout:g} s "
+                    f"(one died, hangs or lost its link); stopping. {TIMEOUT_ENV} sets the wait\n"
+                )
                 sys.stderr.flush()
                 os._exit(1)
 
@@ -167,8 +172,9 @@ def shard(model: DiffusionGemma, group: mx.distributed.Group, watchdog: Watchdog
     """Make ``model`` (weights not loaded yet) hold only this rank's experts; returns their range."""
     cfg = model.config
     if cfg.num_experts < group.size():
-        raise DistributedError(f"{group.size()} ranks but only {cfg.num_experts} experts to share; use at most "
-                               f"{cfg.num_experts} ranks")
+        raise DistributedError(
+            f"{group.size()} ranks but only {cfg.num_experts} experts to share; use at most {cfg.num_experts} ranks"
+        )
     start, stop = expert_range(cfg.num_experts, group.rank(), group.size())
     for layer in model.layers:
         experts = layer.experts
@@ -187,8 +193,9 @@ def sharded_group(model) -> mx.distributed.Group | None:
 def read_rows(info: TensorInfo, start: int, stop: int) -> mx.array:
     """Rows ``[start, stop)`` of a tensor's first axis, read from the file without the rest."""
     row = math.prod(info.shape[1:]) * info.dtype.size
-    part = TensorInfo(info.path, info.dtype, (stop - start, *info.shape[1:]), info.offset + start * row,
-                      (stop - start) * row)
+    part = TensorInfo(
+        info.path, info.dtype, (stop - start, *info.shape[1:]), info.offset + start * row, (stop - start) * row
+    )
     return read_tensor(part)
 
 
@@ -206,8 +213,10 @@ def _agree_on_checkpoint(group: mx.distributed.Group, tensors: list[tuple[str, T
     mine = mx.array(digest)
     total = mx.distributed.all_sum(mine, group=group)
     if not mx.array_equal(total, mine * group.size()).item():
-        raise DistributedError(f"rank {group.rank()}: the checkpoint here is not the one the other ranks hold "
-                               "(different tensors); give every machine the same files")
+        raise DistributedError(
+            f"rank {group.rank()}: the checkpoint here is not the one the other ranks hold "
+            "(different tensors); give every machine the same files"
+        )
 
 
 def load_shard(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | None = None) -> DiffusionGemma:
@@ -233,8 +242,7 @@ def load_shard(folder: Path, group: mx.distributed.Group, watchdog: Watchdog | N
                 per_expert.setdefault(target.target, {})[target] = _evaluated(read_tensor(info))
         elif STACKED_EXPERTS.search(target):
             if info.shape[0] != config.num_experts:
-                raise CheckpointError(f"weight {key} has {info.shape[0]} experts, the config has "
-                                      f"{config.num_experts}")
+                raise CheckpointError(f"weight {key} has {info.shape[0]} experts, the config has {config.num_experts}")
             weights[target] = _evaluated(read_rows(info, start, stop))
         else:
             weights[target] = _evaluated(read_tensor(info))
@@ -250,8 +258,9 @@ def _evaluated(a: mx.array) -> mx.array:
     return a
 
 
-def sharded_load(path_or_repo: str | os.PathLike, group: mx.distributed.Group | None = None,
-                 watchdog: Watchdog | None = None):
+def sharded_load(
+    path_or_repo: str | os.PathLike, group: mx.distributed.Group | None = None, watchdog: Watchdog | None = None
+):
     """``model, tokenizer`` with this rank's share of the experts (``load``'s counterpart under
     ``mlx.launch``). Each rank needs the checkpoint on its own disk (a Hub id is fetched on each)."""
     from .tokenizer import load_tokenizer

@@ -43,8 +43,11 @@ def load() -> str | None:
         return None
     if "mlx.core" in sys.modules:
         if choice:
-            _not_loaded(choice, "is not loaded: mlx.core was imported first (use mlx_dgemma.load or call "
-                        "mlx_dgemma.fast_blas.load() before importing mlx.core or a module of mlx_dgemma)")
+            _not_loaded(
+                choice,
+                "is not loaded: mlx.core was imported first (use mlx_dgemma.load or call "
+                "mlx_dgemma.fast_blas.load() before importing mlx.core or a module of mlx_dgemma)",
+            )
         return None
     if choice and not os.path.isfile(choice):
         _not_loaded(choice, "is not a file")

@@ -27,8 +27,9 @@ SAVE_PATH = "--save-path"
 
 def fuse_adapters(model, dequantize: bool = False):
     """Replace every adapter layer (anything with mlx-lm's ``fuse``) by its merged layer."""
-    fused = [(name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules()
-             if hasattr(module, "fuse")]
+    fused = [
+        (name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules() if hasattr(module, "fuse")
+    ]
     if fused:
         model.update_modules(tree_unflatten(fused))
     return model

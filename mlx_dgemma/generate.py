@@ -55,67 +55,156 @@ from .validate import (
     shown,
 )
 
-__all__ = ["GenerationResponse", "PreparedRequest", "PREFILL_STEP_SIZE", "PromptError", "check_prompt_fits",
-           "check_template_fits", "drafted_json_template", "generate", "generation_device", "infill", "main", "plan",
-           "prefill", "prepare", "prompt_ids", "resolve", "stream_generate"]
+__all__ = [
+    "GenerationResponse",
+    "PreparedRequest",
+    "PREFILL_STEP_SIZE",
+    "PromptError",
+    "check_prompt_fits",
+    "check_template_fits",
+    "drafted_json_template",
+    "generate",
+    "generation_device",
+    "infill",
+    "main",
+    "plan",
+    "prefill",
+    "prepare",
+    "prompt_ids",
+    "resolve",
+    "stream_generate",
+]
 
 DEFAULT_PROMPT = "sort: 42 17 85 23 61"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
-@click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True,
-              help="Message to the model; '-' reads stdin.")
+@click.option(
+    "--prompt", "-p", default=DEFAULT_PROMPT, show_default=True, help="Message to the model; '-' reads stdin."
+)
 @click.option("--system-prompt", help="System message for the chat template.")
-@click.option("--max-tokens", "-m", type=int, callback=option(at_least(1)),
-              help="Most tokens to print (computed in whole canvases) [default: the checkpoint's max_new_tokens].")
-@click.option("--steps", type=int, callback=option(check_steps),
-              help=f"Most denoising steps per canvas, 1 to {MAX_STEPS} [default: the checkpoint's].")
-@click.option("--entropy-bound", type=float, callback=option(check_entropy_bound),
-              help="Entropy bound of the sampler's acceptance (nats).")
-@click.option("--temp-min", type=float, callback=option(check_temperature),
-              help="Temperature at the last denoising step.")
-@click.option("--temp-max", type=float, callback=option(check_temperature),
-              help="Temperature at the first denoising step.")
-@click.option("--seed", type=int, callback=option(check_seed),
-              help="Seed of the sampler's random draws (0 to 2**64 - 1).")
+@click.option(
+    "--max-tokens",
+    "-m",
+    type=int,
+    callback=option(at_least(1)),
+    help="Most tokens to print (computed in whole canvases) [default: the checkpoint's max_new_tokens].",
+)
+@click.option(
+    "--steps",
+    type=int,
+    callback=option(check_steps),
+    help=f"Most denoising steps per canvas, 1 to {MAX_STEPS} [default: the checkpoint's].",
+)
+@click.option(
+    "--entropy-bound",
+    type=float,
+    callback=option(check_entropy_bound),
+    help="Entropy bound of the sampler's acceptance (nats).",
+)
+@click.option(
+    "--temp-min", type=float, callback=option(check_temperature), help="Temperature at the last denoising step."
+)
+@click.option(
+    "--temp-max", type=float, callback=option(check_temperature), help="Temperature at the first denoising step."
+)
+@click.option(
+    "--seed", type=int, callback=option(check_seed), help="Seed of the sampler's random draws (0 to 2**64 - 1)."
+)
 @click.option("--ignore-chat-template", is_flag=True, help="Give the prompt to the model as it is.")
-@click.option("--think", is_flag=True, help="Thinking on (the chat template's switch): the thought goes to stderr "
-                                            "as it comes, the answer to stdout.")
-@click.option("--verbose", type=click.BOOL, is_flag=False, flag_value=True, default=False, metavar="[BOOL]",
-              help="Print statistics after the text: --verbose alone or True, or False (mlx-lm's syntax; T, F, "
-                   "yes, no, 1, 0 too) [default: False].")
+@click.option(
+    "--think",
+    is_flag=True,
+    help="Thinking on (the chat template's switch): the thought goes to stderr as it comes, the answer to stdout.",
+)
+@click.option(
+    "--verbose",
+    type=click.BOOL,
+    is_flag=False,
+    flag_value=True,
+    default=False,
+    metavar="[BOOL]",
+    help="Print statistics after the text: --verbose alone or True, or False (mlx-lm's syntax; T, F, "
+    "yes, no, 1, 0 too) [default: False].",
+)
 @click.option("--view", is_flag=True, help="Show each canvas settling, step by step.")
-@click.option("--policy", type=click.Choice(POLICIES), default="reference", show_default=True,
-              help="reference: the generation config; auto: the policy this device runs fastest (measured once, "
-                   "cached; re-chosen as it generates); fast: settled positions no longer computed, trimmed last "
-                   "canvas; ar: autoregressive; verified: the decoder drafts, the encoder verifies (AR's output).")
-@click.option("--draft-length", type=int, callback=option(at_least(1)),
-              help="verified: canvas positions per draft, the known next token included [default: the policy's].")
-@click.option("--draft-steps", type=int, callback=option(check_steps),
-              help="verified: denoising steps per draft [default: the policy's].")
+@click.option(
+    "--policy",
+    type=click.Choice(POLICIES),
+    default="reference",
+    show_default=True,
+    help="reference: the generation config; auto: the policy this device runs fastest (measured once, "
+    "cached; re-chosen as it generates); fast: settled positions no longer computed, trimmed last "
+    "canvas; ar: autoregressive; verified: the decoder drafts, the encoder verifies (AR's output).",
+)
+@click.option(
+    "--draft-length",
+    type=int,
+    callback=option(at_least(1)),
+    help="verified: canvas positions per draft, the known next token included [default: the policy's].",
+)
+@click.option(
+    "--draft-steps",
+    type=int,
+    callback=option(check_steps),
+    help="verified: denoising steps per draft [default: the policy's].",
+)
 @sampling_options
-@click.option("--schedule-scale", type=float, callback=option(check_schedule_scale),
-              help="Factor on the denoising temperature schedule (--temp-min/--temp-max or the checkpoint's).")
-@click.option("--template", "template_file", type=click.Path(dir_okay=False),
-              help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
-                   "(the file's final newline is not part of it).")
-@click.option("--prefill-step-size", type=int, default=PREFILL_STEP_SIZE, show_default=True,
-              callback=option(check_prefill_step_size),
-              help="Prompt tokens encoded per forward (bounds the prefill's peak memory).")
+@click.option(
+    "--schedule-scale",
+    type=float,
+    callback=option(check_schedule_scale),
+    help="Factor on the denoising temperature schedule (--temp-min/--temp-max or the checkpoint's).",
+)
+@click.option(
+    "--template",
+    "template_file",
+    type=click.Path(dir_okay=False),
+    help="File with the answer's layout: fixed text and {{fill:N}} holes the model fills "
+    "(the file's final newline is not part of it).",
+)
+@click.option(
+    "--prefill-step-size",
+    type=int,
+    default=PREFILL_STEP_SIZE,
+    show_default=True,
+    callback=option(check_prefill_step_size),
+    help="Prompt tokens encoded per forward (bounds the prefill's peak memory).",
+)
 @kv_cache_options
-@click.option("--schema", "schema_file", type=click.Path(dir_okay=False),
-              help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
-                   "holes sized by a free draft generated first).")
+@click.option(
+    "--schema",
+    "schema_file",
+    type=click.Path(dir_okay=False),
+    help="JSON schema file: the answer is JSON of this schema (structure fixed, values filled in "
+    "holes sized by a free draft generated first).",
+)
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
-@click.option("--extra-eos-token", "extra_eos_tokens", multiple=True, metavar="TOKEN",
-              help="A token that ends the answer as the checkpoint's end tokens do: one token's text, or a "
-                   "special token's name (repeatable).")
-@click.option("--trust-remote-code", is_flag=True, help="Accepted as mlx-lm takes it; no code from the checkpoint runs here.")
-@click.option("--image", "image_files", cls=several_values(), multiple=True, metavar="PATH...",
-              help="Images to go with the prompt (a checkpoint with a vision tower).")
-@click.option("--ignore-memory-check", is_flag=True, help="Load the model even where it needs more memory than the "
-                                                          "device can give (see docs/quantization.md).")
+@click.option(
+    "--extra-eos-token",
+    "extra_eos_tokens",
+    multiple=True,
+    metavar="TOKEN",
+    help="A token that ends the answer as the checkpoint's end tokens do: one token's text, or a "
+    "special token's name (repeatable).",
+)
+@click.option(
+    "--trust-remote-code", is_flag=True, help="Accepted as mlx-lm takes it; no code from the checkpoint runs here."
+)
+@click.option(
+    "--image",
+    "image_files",
+    cls=several_values(),
+    multiple=True,
+    metavar="PATH...",
+    help="Images to go with the prompt (a checkpoint with a vision tower).",
+)
+@click.option(
+    "--ignore-memory-check",
+    is_flag=True,
+    help="Load the model even where it needs more memory than the device can give (see docs/quantization.md).",
+)
 @command_line
 def main(**flags):
     """Generate text with a DiffusionGemma model; text appears as each canvas is committed."""
@@ -124,14 +213,18 @@ def main(**flags):
     if flags["template_file"] and flags["schema_file"]:
         raise click.ClickException("give --template or --schema, not both")
     if flags["extra_eos_tokens"] and (flags["schema_file"] or flags["template_file"]):
-        raise click.ClickException("--extra-eos-token ends free text; a schema's or template's answer ends where "
-                                   "its layout does: drop one")
+        raise click.ClickException(
+            "--extra-eos-token ends free text; a schema's or template's answer ends where its layout does: drop one"
+        )
     if flags["think"] and flags["schema_file"]:
-        raise click.ClickException("a schema lays the answer out from its first token and leaves no room for a "
-                                   "thought; drop --think or --schema")
+        raise click.ClickException(
+            "a schema lays the answer out from its first token and leaves no room for a "
+            "thought; drop --think or --schema"
+        )
     if flags["system_prompt"] is not None and flags["ignore_chat_template"]:
-        raise click.ClickException("--system-prompt needs the chat template: drop --ignore-chat-template "
-                                   "or put the system text in --prompt")
+        raise click.ClickException(
+            "--system-prompt needs the chat template: drop --ignore-chat-template or put the system text in --prompt"
+        )
     from . import distributed
 
     group = watchdog = None
@@ -194,8 +287,10 @@ def _token(tokenizer, text: str) -> int:
         return special
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1:
-        raise ValueError(f"--extra-eos-token {shown(text)} is {len(ids)} tokens, not one; give one token's text "
-                         "or a special token's name")
+        raise ValueError(
+            f"--extra-eos-token {shown(text)} is {len(ids)} tokens, not one; give one token's text "
+            "or a special token's name"
+        )
     return ids[0]
 
 
@@ -221,14 +316,16 @@ def _generate_cli(flags: dict, group, watchdog):
     prompt = _read_prompt(flags)
     images = [load_image(path) for path in flags["image_files"]] or None  # bad files fail before the model loads
     if not flags["ignore_memory_check"]:
-        check_memory(flags["model"] or DEMO_MODEL, prompt, flags["max_tokens"], group.size() if group else 1,
-                     flags["kv_bits"])
+        check_memory(
+            flags["model"] or DEMO_MODEL, prompt, flags["max_tokens"], group.size() if group else 1, flags["kv_bits"]
+        )
     dgemma, tokenizer = _load(flags, group, watchdog)
     defaults = generation_config(dgemma, tokenizer)
     if flags["extra_eos_tokens"]:  # (this process's model: every generation here reads its stop ids from it)
         extra = [_token(tokenizer, text) for text in flags["extra_eos_tokens"]]
         defaults = dgemma.generation_config = replace(
-            defaults, eos_token_id=[*defaults.eos_token_id, *(i for i in extra if i not in defaults.eos_token_id)])
+            defaults, eos_token_id=[*defaults.eos_token_id, *(i for i in extra if i not in defaults.eos_token_id)]
+        )
     args = generation_args(flags, images)
     limit = dgemma.config.max_position_embeddings
     layout = _read_template(tokenizer, flags["template_file"], flags["schema_file"], limit)
@@ -267,8 +364,9 @@ def _read_template(tokenizer, template_file: str | None, schema_file: str | None
     except OSError as e:
         raise TemplateError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise TemplateError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                            "save it as UTF-8") from None
+        raise TemplateError(
+            f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it as UTF-8"
+        ) from None
     if template_file:
         return parse_template(tokenizer, text.removesuffix("\n"), limit=limit)  # the newline that ends the file
     try:
@@ -278,8 +376,10 @@ def _read_template(tokenizer, template_file: str | None, schema_file: str | None
     except RecursionError:
         raise TemplateError(f"{path} is nested too deeply to read; flatten the schema") from None
     except ValueError:  # (an integer past Python's digit limit, whose message is advice for Python code)
-        raise TemplateError(f"{path} holds an integer of more than {sys.get_int_max_str_digits()} digits, which "
-                            "cannot be read; write it as a number of fewer digits") from None
+        raise TemplateError(
+            f"{path} holds an integer of more than {sys.get_int_max_str_digits()} digits, which "
+            "cannot be read; write it as a number of fewer digits"
+        ) from None
 
 
 if __name__ == "__main__":

@@ -45,15 +45,19 @@ def checkpoint_folder(path_or_repo: str | os.PathLike) -> Path:
     try:  # a path through a link that leads nowhere: say so, rather than look it up on the Hub
         path.resolve(strict=True)
     except RuntimeError:  # Python < 3.13 reports a loop this way
-        raise CheckpointError(f"model path {text!r} runs into a symbolic link loop; point it at a checkpoint folder") \
-            from None
+        raise CheckpointError(
+            f"model path {text!r} runs into a symbolic link loop; point it at a checkpoint folder"
+        ) from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CheckpointError(f"model path {text!r} runs into a symbolic link loop; point it at a checkpoint "
-                                  "folder") from None
+            raise CheckpointError(
+                f"model path {text!r} runs into a symbolic link loop; point it at a checkpoint folder"
+            ) from None
         if path.is_symlink():
-            raise CheckpointError(f"model path {text!r} is a broken symbolic link (to {os.readlink(path)!r}); "
-                                  "point it at a checkpoint folder") from None
+            raise CheckpointError(
+                f"model path {text!r} is a broken symbolic link (to {os.readlink(path)!r}); "
+                "point it at a checkpoint folder"
+            ) from None
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise CheckpointError(f"model path {text!r} is not a folder; pass a checkpoint folder or a Hub id (org/name)")
     from huggingface_hub import snapshot_download
@@ -77,8 +81,9 @@ def weight_files(folder: Path) -> list[Path]:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map')") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map each tensor name to a shard file name; "
-                                  "re-export the checkpoint")
+            raise CheckpointError(
+                f"{index}: 'weight_map' must map each tensor name to a shard file name; re-export the checkpoint"
+            )
         names = sorted(set(weight_map.values()))
         if bad := [n for n in names if Path(n).name != n]:
             raise CheckpointError(f"{index} names shard {bad[0]!r}, which is not a file name in {folder}")
@@ -153,7 +158,9 @@ def stack_experts(slices: Mapping[ExpertSlice, mx.array], num_experts: int, star
     if "down_proj" in stacked:
         return stacked["down_proj"]
     if set(stacked) != {"gate_proj", "up_proj"}:
-        raise CheckpointError(f"{first.prefix} has {sorted(stacked)[0]} but not its pair; expected gate_proj and up_proj")
+        raise CheckpointError(
+            f"{first.prefix} has {sorted(stacked)[0]} but not its pair; expected gate_proj and up_proj"
+        )
     return mx.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=1)
 
 
@@ -198,7 +205,9 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
             raise CheckpointError(f"missing weight {key}")
     for key, value in weights.items():
         if key not in expected:
-            raise CheckpointError(f"unexpected weight {key} (shape {tuple(value.shape)}): not part of a DiffusionGemma text model")
+            raise CheckpointError(
+                f"unexpected weight {key} (shape {tuple(value.shape)}): not part of a DiffusionGemma text model"
+            )
         if tuple(value.shape) != tuple(expected[key].shape):
             raise CheckpointError(
                 f"weight {key} has shape {tuple(value.shape)}, the config implies {tuple(expected[key].shape)}"
@@ -207,8 +216,9 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
         floating = mx.issubdtype(want, mx.floating)
         if (mx.issubdtype(value.dtype, mx.floating) != floating) or (not floating and value.dtype != want):
             kind = "a floating-point type (float32, float16 or bfloat16)" if floating else _dtype_name(want)
-            raise CheckpointError(f"weight {key} has dtype {_dtype_name(value.dtype)}, expected {kind}; "
-                                  "re-export the checkpoint")
+            raise CheckpointError(
+                f"weight {key} has dtype {_dtype_name(value.dtype)}, expected {kind}; re-export the checkpoint"
+            )
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

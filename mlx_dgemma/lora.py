@@ -79,17 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="Folder with train.jsonl, valid.jsonl, test.jsonl.")
     p.add_argument("--fine-tune-type", choices=["lora", "full"], help="lora (QLoRA on a quantized model) or full.")
     p.add_argument("--optimizer", choices=["adam", "adamw"])
-    p.add_argument("--mask-prompt", action="store_true", default=None,
-                   help="Keep the prompt out of the encoder's causal-LM loss.")
-    p.add_argument("--train-embeddings", action="store_true", default=None,
-                   help="Also train the token embeddings, every row; they are the tied output head (PEFT's "
-                        "modules_to_save). They are saved with the adapters.")
-    p.add_argument("--trainable-tokens", metavar="TEXT",
-                   help="Train only the embedding rows of the tokens TEXT encodes to (e.g. the characters a new "
-                        "task needs that the model never produced); implies --train-embeddings.")
-    p.add_argument("--embedding-learning-rate", type=float,
-                   help="The trained embeddings' learning rate, under the same schedule (new rows start far from "
-                        "where they must go) [default: --learning-rate].")
+    p.add_argument(
+        "--mask-prompt", action="store_true", default=None, help="Keep the prompt out of the encoder's causal-LM loss."
+    )
+    p.add_argument(
+        "--train-embeddings",
+        action="store_true",
+        default=None,
+        help="Also train the token embeddings, every row; they are the tied output head (PEFT's "
+        "modules_to_save). They are saved with the adapters.",
+    )
+    p.add_argument(
+        "--trainable-tokens",
+        metavar="TEXT",
+        help="Train only the embedding rows of the tokens TEXT encodes to (e.g. the characters a new "
+        "task needs that the model never produced); implies --train-embeddings.",
+    )
+    p.add_argument(
+        "--embedding-learning-rate",
+        type=float,
+        help="The trained embeddings' learning rate, under the same schedule (new rows start far from "
+        "where they must go) [default: --learning-rate].",
+    )
     p.add_argument("--num-layers", type=int, help="Layers to fine-tune, from the last [default: 16]; -1 for all.")
     p.add_argument("--batch-size", type=int, help="Minibatch size.")
     p.add_argument("--iters", type=int, help="Iterations to train for.")
@@ -104,8 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test-batches", type=int, help="Test batches, -1 for the whole test set.")
     p.add_argument("--max-seq-length", type=int, help="Longest sample (prompt + canvases) [default: the context].")
     p.add_argument("-c", "--config", help="A YAML file with these options (and lora_parameters).")
-    p.add_argument("--grad-checkpoint", action="store_true", default=None,
-                   help="Recompute each layer in the backward pass to save memory.")
+    p.add_argument(
+        "--grad-checkpoint",
+        action="store_true",
+        default=None,
+        help="Recompute each layer in the backward pass to save memory.",
+    )
     p.add_argument("--seed", type=int, help="The PRNG seed (data order, noise, LoRA init).")
     return p
 
@@ -117,12 +132,19 @@ def _yaml_loader():
     class Loader(yaml.SafeLoader):
         pass
 
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(
+            r"""^(?:
          [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
         |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
         |\.[0-9_]+(?:[eE][-+][0-9]+)?
         |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+        |\.(?:nan|NaN|NAN))$""",
+            re.X,
+        ),
+        list("-+0123456789."),
+    )
     return Loader
 
 
@@ -138,8 +160,9 @@ def read_options_file(path: str) -> dict:
     if config is None:
         return {}
     if not isinstance(config, dict):
-        raise FineTuneError(f"the config {path} must be a mapping of options (key: value), got a "
-                            f"{type(config).__name__}")
+        raise FineTuneError(
+            f"the config {path} must be a mapping of options (key: value), got a {type(config).__name__}"
+        )
     if unknown := sorted(map(str, set(config) - set(CONFIG_DEFAULTS))):
         raise FineTuneError(f"{path}: unknown option {shown(unknown[0])}")
     return config
@@ -172,6 +195,7 @@ def _one_of(*choices):
     def check(value, name):
         if value not in choices:
             raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {shown(value)}")
+
     return check
 
 
@@ -179,6 +203,7 @@ def _of_type(kind, what):
     def check(value, name):
         if not isinstance(value, kind):
             raise ValueError(f"{name} must be {what}, got {shown(value)}")
+
     return check
 
 
@@ -204,21 +229,31 @@ SCHEDULES = ("cosine_decay", "exponential_decay", "linear_schedule", "step_decay
 
 
 def _lr_schedule(value, name):
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
-            or not isinstance(value.get("arguments"), list) or not value["arguments"]:
-        raise ValueError(f"{name} must be a mapping with a name and arguments, as mlx-lm's "
-                         f"{{name: cosine_decay, arguments: [1.0e-5, 1000], warmup: 100}}; got {shown(value)}")
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("name"), str)
+        or not isinstance(value.get("arguments"), list)
+        or not value["arguments"]
+    ):
+        raise ValueError(
+            f"{name} must be a mapping with a name and arguments, as mlx-lm's "
+            f"{{name: cosine_decay, arguments: [1.0e-5, 1000], warmup: 100}}; got {shown(value)}"
+        )
     if unknown := sorted(map(str, set(value) - {"name", "arguments", "warmup", "warmup_init"})):
         raise ValueError(f"{name}: unknown key {shown(unknown[0])} (name, arguments, warmup, warmup_init)")
     if value["name"] not in SCHEDULES:
-        raise ValueError(f"{name}: name must be one of {', '.join(SCHEDULES)} (mlx.optimizers.schedulers), "
-                         f"got {shown(value['name'])}")
+        raise ValueError(
+            f"{name}: name must be one of {', '.join(SCHEDULES)} (mlx.optimizers.schedulers), "
+            f"got {shown(value['name'])}"
+        )
     schedule, arguments = getattr(optim.schedulers, value["name"]), value["arguments"]
     try:
         inspect.signature(schedule).bind(*arguments)
     except TypeError:
-        raise ValueError(f"{name}: {value['name']} takes the arguments {list(inspect.signature(schedule).parameters)}, "
-                         f"got {len(arguments)}") from None
+        raise ValueError(
+            f"{name}: {value['name']} takes the arguments {list(inspect.signature(schedule).parameters)}, "
+            f"got {len(arguments)}"
+        ) from None
     finite_number(0.0, low_open=True)(arguments[0], f"{name} arguments[0] (the peak learning rate)")
     for i, argument in enumerate(arguments[1:], 1):
         finite_number(-math.inf)(argument, f"{name} arguments[{i}]")
@@ -296,15 +331,18 @@ def fine_tune(args, log=report) -> None:
     if args.trainable_tokens is not None:
         token_ids = sorted(set(tokenizer.encode(str(args.trainable_tokens), add_special_tokens=False)))
         if not token_ids:
-            raise FineTuneError(f"--trainable-tokens {args.trainable_tokens!r} encodes to no token; give the "
-                                "text of the tokens whose embeddings to train")
+            raise FineTuneError(
+                f"--trainable-tokens {args.trainable_tokens!r} encodes to no token; give the "
+                "text of the tokens whose embeddings to train"
+            )
         args.train_embeddings = True
     gen = getattr(model, "generation_config", None)
     objective = train.ObjectiveConfig(t_min=gen.t_min, t_max=gen.t_max) if gen else train.ObjectiveConfig()
     if args.train:
         if len(data["train"]) < args.batch_size:
-            raise FineTuneError(f"train.jsonl has {len(data['train'])} samples, fewer than --batch-size "
-                                f"{args.batch_size}")
+            raise FineTuneError(
+                f"train.jsonl has {len(data['train'])} samples, fewer than --batch-size {args.batch_size}"
+            )
         check_writable_folder(args.adapter_path, "--adapter-path")
         apply_fine_tune(model, args.fine_tune_type, args.num_layers, args.lora_parameters, args.train_embeddings)
         if args.resume_adapter_file:
@@ -312,17 +350,20 @@ def fine_tune(args, log=report) -> None:
         embedding_rows = EmbeddingRows(model, token_ids) if token_ids else None
         trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
         total = sum(v.size for _, v in tree_flatten(model.parameters()))
-        log(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M), "
+        log(
+            f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M), "
             f"{args.fine_tune_type} on the last {args.num_layers} of {n_layers} layers"
-            + (f", the embedding rows of {len(token_ids)} tokens" if token_ids else ""))
+            + (f", the embedding rows of {len(token_ids)} tokens" if token_ids else "")
+        )
         with np.errstate(over="ignore", invalid="ignore"):  # a diverging run is stopped by its loss, in one line
             run_training(model, args, data["train"], data["valid"], objective, log, embedding_rows)
     elif args.adapter_path:
         load_adapters(model, args.adapter_path)
     if args.test:
         model.eval()
-        loss, decoder, encoder = evaluate_loss(model, data["test"], args.batch_size, args.test_batches, args.seed + 3,
-                                          objective)
+        loss, decoder, encoder = evaluate_loss(
+            model, data["test"], args.batch_size, args.test_batches, args.seed + 3, objective
+        )
         log(f"Test loss {loss:.3f} (decoder {decoder:.3f}, encoder {encoder:.3f}).")
 
 

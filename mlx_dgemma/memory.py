@@ -36,8 +36,18 @@ LOGIT_COPIES = 4
 KV_CHUNK = 256  # positions a layer's cache grows by (cache.LayerCache.step)
 MEMORY_RECIPES = ("mixed-32gb", "mixed-24gb", "mixed-16gb")  # largest first: the best one that fits is named
 MAX_SIZE = 2.0**63  # bytes: a size past it is a typo, not a device
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -57,9 +67,11 @@ class MemoryNeed:
     def describe(self) -> str:
         kv = f" at {self.kv_bits} bits" if self.kv_bits else ""
         what = f"a {self.canvas}-position canvas" if self.attention <= self.activations else "attention"
-        return (f"{format_size(self.total)} ({format_size(self.weights)} of weights, {format_size(self.kv_cache)} of KV "
-                f"cache for {self.context} tokens{kv}, {format_size(max(self.activations, self.attention))} for "
-                f"{what})")
+        return (
+            f"{format_size(self.total)} ({format_size(self.weights)} of weights, {format_size(self.kv_cache)} of KV "
+            f"cache for {self.context} tokens{kv}, {format_size(max(self.activations, self.attention))} for "
+            f"{what})"
+        )
 
 
 def parse_size(text: str, name: str = DEVICE_MEMORY_ENV) -> int:
@@ -121,8 +133,9 @@ def _activation_itemsize(tensors: dict[str, TensorInfo]) -> int:
     return 4
 
 
-def kv_cache_bytes(config: ModelConfig, context: int, itemsize: int, kv_bits: int | None = None,
-                   group_size: int = KV_GROUP_SIZE) -> int:
+def kv_cache_bytes(
+    config: ModelConfig, context: int, itemsize: int, kv_bits: int | None = None, group_size: int = KV_GROUP_SIZE
+) -> int:
     """The encoder's cache at ``context`` tokens (a sliding layer keeps its window and a canvas, in
     whole chunks) and the canvas view's copy of it with room for a canvas. Quantized (cache.py), the
     view keeps the prefix as stored and only its canvas room is a copy; a forward reads one layer at
@@ -157,22 +170,32 @@ def attention_bytes(config: ModelConfig, context: int, chunk: int = PREFILL_STEP
     return 4 * (2 * min(config.num_attention_heads * chunk * context, ATTENTION_SCORES_ELEMENTS) + around)
 
 
-def memory_need(config: ModelConfig, tensors: dict[str, TensorInfo], context: int, ranks: int = 1,
-                kv_bits: int | None = None) -> MemoryNeed:
+def memory_need(
+    config: ModelConfig, tensors: dict[str, TensorInfo], context: int, ranks: int = 1, kv_bits: int | None = None
+) -> MemoryNeed:
     context = min(context, config.max_position_embeddings)
     kv = kv_cache_bytes(config, context, _activation_itemsize(tensors), kv_bits)
-    return MemoryNeed(weight_bytes(tensors, config, ranks), kv, canvas_bytes(config), context, config.canvas_length,
-                      kv_bits, attention_bytes(config, context))
+    return MemoryNeed(
+        weight_bytes(tensors, config, ranks),
+        kv,
+        canvas_bytes(config),
+        context,
+        config.canvas_length,
+        kv_bits,
+        attention_bytes(config, context),
+    )
 
 
-def largest_context(config: ModelConfig, weights: int, itemsize: int, available: int, kv_bits: int | None = None,
-                    step: int = 1024) -> int:
+def largest_context(
+    config: ModelConfig, weights: int, itemsize: int, available: int, kv_bits: int | None = None, step: int = 1024
+) -> int:
     """The most tokens of context (a multiple of ``step``, up to the model's) that ``weights`` bytes of
     weights, their KV cache at ``kv_bits`` and the activations fit in ``available`` bytes; 0 if none."""
 
     def fits(context: int) -> bool:
-        need = kv_cache_bytes(config, context, itemsize, kv_bits) + max(canvas_bytes(config),
-                                                                          attention_bytes(config, context))
+        need = kv_cache_bytes(config, context, itemsize, kv_bits) + max(
+            canvas_bytes(config), attention_bytes(config, context)
+        )
         return weights + need <= available
 
     low, high = 0, config.max_position_embeddings // step
@@ -192,8 +215,13 @@ def requested_context(folder: Path, config: ModelConfig, prompt: str = "", max_t
     return len(prompt.encode()) + -(-max_tokens // config.canvas_length) * config.canvas_length
 
 
-def check_memory(path_or_repo: str | os.PathLike, prompt: str = "", max_tokens: int | None = None,
-                 ranks: int = 1, kv_bits: int | None = None) -> MemoryNeed | None:
+def check_memory(
+    path_or_repo: str | os.PathLike,
+    prompt: str = "",
+    max_tokens: int | None = None,
+    ranks: int = 1,
+    kv_bits: int | None = None,
+) -> MemoryNeed | None:
     """Raise MemoryCheckError, naming what would fit, when the model needs more than the device can
     give with its KV cache at ``kv_bits`` (None: the activations' dtype); returns the need (None
     when the device's memory is unknown). Reads only headers and configs."""
@@ -207,13 +235,16 @@ def check_memory(path_or_repo: str | os.PathLike, prompt: str = "", max_tokens: 
     available, source = device
     if needed.total <= available:
         return needed
-    raise MemoryCheckError(f"the model needs {needed.describe()} and this device can give {format_size(available)} "
-                           f"({source}); {_what_fits(folder, config, tensors, needed, available, ranks)}, or pass "
-                           f"{IGNORE_FLAG} to load it anyway")
+    raise MemoryCheckError(
+        f"the model needs {needed.describe()} and this device can give {format_size(available)} "
+        f"({source}); {_what_fits(folder, config, tensors, needed, available, ranks)}, or pass "
+        f"{IGNORE_FLAG} to load it anyway"
+    )
 
 
-def _what_fits(folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo], needed: MemoryNeed,
-               available: int, ranks: int) -> str:
+def _what_fits(
+    folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo], needed: MemoryNeed, available: int, ranks: int
+) -> str:
     """What would fit: a narrower KV cache alone, the largest recipe (with the widest KV cache it fits
     with), more machines like this one."""
     narrower = [b for b in sorted(KV_BITS, reverse=True) if needed.kv_bits is None or b < needed.kv_bits]
@@ -239,8 +270,9 @@ def _what_fits(folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo]
     return "; ".join(options) if options else "no recipe or sharding here makes it fit"
 
 
-def recipe_weight_sizes(folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo],
-                        ranks: int = 1) -> list[tuple[str, int]]:
+def recipe_weight_sizes(
+    folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo], ranks: int = 1
+) -> list[tuple[str, int]]:
     """(recipe, weight bytes per rank) for ``MEMORY_RECIPES``, planned from shapes: the checkpoint's own
     tensors when unquantized, else its config's text model in bfloat16 and its vision tensors as they are."""
     with warnings.catch_warnings():  # the converter's import asks for the fast BLAS, loaded (or not) by now
@@ -264,4 +296,3 @@ def recipe_weight_sizes(folder: Path, config: ModelConfig, tensors: dict[str, Te
             sizes.append((name, weight_bytes(infos, base, ranks)))
             break
     return sizes
-

@@ -37,15 +37,21 @@ class KVQuantization:
         if self.bits not in KV_BITS:
             raise OptionError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, not {self.bits!r}", "kv_bits")
         if self.group_size not in KV_GROUP_SIZES:
-            raise OptionError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
-                              f"not {self.group_size!r}", "kv_group_size")
+            raise OptionError(
+                f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, not {self.group_size!r}",
+                "kv_group_size",
+            )
         if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
-            raise OptionError(f"quantized_kv_start must be a whole number of tokens >= 0, not {self.start!r}",
-                              "quantized_kv_start")
+            raise OptionError(
+                f"quantized_kv_start must be a whole number of tokens >= 0, not {self.start!r}", "quantized_kv_start"
+            )
         if bad := [d for d in head_dims if d % self.group_size]:
             fits = [g for g in KV_GROUP_SIZES if all(d % g == 0 for d in head_dims)]
-            raise OptionError(f"kv_group_size {self.group_size} does not divide this model's head dim {bad[0]}; "
-                              f"take {' or '.join(map(str, fits)) or 'no KV quantization'}", "kv_group_size")
+            raise OptionError(
+                f"kv_group_size {self.group_size} does not divide this model's head dim {bad[0]}; "
+                f"take {' or '.join(map(str, fits)) or 'no KV quantization'}",
+                "kv_group_size",
+            )
 
 
 @dataclass(frozen=True)
@@ -81,10 +87,20 @@ class SamplingArgs:
         checkpoint's generation config, whose schedule ``schedule_scale`` scales when
         ``temp_min``/``temp_max`` or ``settings`` do not give it)."""
         given = {f.name: getattr(self.settings, f.name) for f in fields(self.settings)} if self.settings else {}
-        numbers = dict(steps=self.steps, entropy_bound=self.entropy_bound, t_min=self.temp_min, t_max=self.temp_max,
-                       freeze_after=self.freeze_after, draw_temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+        numbers = dict(
+            steps=self.steps,
+            entropy_bound=self.entropy_bound,
+            t_min=self.temp_min,
+            t_max=self.temp_max,
+            freeze_after=self.freeze_after,
+            draw_temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
         given.update({k: v for k, v in numbers.items() if v is not None})
         if self.schedule_scale is not None:
             check_schedule_scale(self.schedule_scale, "schedule_scale")
@@ -123,8 +139,9 @@ class GenerationArgs:
 
     @property
     def kv_quantization(self) -> KVQuantization | None:
-        return None if self.kv_bits is None else KVQuantization(self.kv_bits, self.kv_group_size,
-                                                                self.quantized_kv_start)
+        return (
+            None if self.kv_bits is None else KVQuantization(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
+        )
 
     @classmethod
     def of(cls, **kwargs) -> GenerationArgs:
@@ -133,7 +150,8 @@ class GenerationArgs:
         sampling_names = {f.name for f in fields(SamplingArgs)}
         own = {f.name for f in fields(cls)} - {"sampling"}
         if unknown := sorted(set(kwargs) - sampling_names - own):
-            raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the options are "
-                            f"{', '.join(sorted(own | sampling_names))}")
+            raise TypeError(
+                f"unexpected keyword argument {unknown[0]!r}; the options are {', '.join(sorted(own | sampling_names))}"
+            )
         sampling = SamplingArgs(**{k: v for k, v in kwargs.items() if k in sampling_names})
         return cls(sampling=sampling, **{k: v for k, v in kwargs.items() if k in own})

@@ -22,15 +22,32 @@ from .errors import CheckpointError
 
 # safetensors dtype name → MLX dtype; numpy has no bfloat16, so its bytes travel as uint16.
 _MLX_DTYPES = {
-    "BOOL": mx.bool_, "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
-    "U32": mx.uint32, "I32": mx.int32, "U64": mx.uint64, "I64": mx.int64,
-    "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32,
+    "BOOL": mx.bool_,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "F32": mx.float32,
 }
 _NAMES = {dtype: name for name, dtype in _MLX_DTYPES.items()}
 _NUMPY_DTYPES = {
-    mx.bool_: np.bool_, mx.uint8: np.uint8, mx.int8: np.int8, mx.uint16: np.uint16, mx.int16: np.int16,
-    mx.uint32: np.uint32, mx.int32: np.int32, mx.uint64: np.uint64, mx.int64: np.int64,
-    mx.float16: np.float16, mx.float32: np.float32,
+    mx.bool_: np.bool_,
+    mx.uint8: np.uint8,
+    mx.int8: np.int8,
+    mx.uint16: np.uint16,
+    mx.int16: np.int16,
+    mx.uint32: np.uint32,
+    mx.int32: np.int32,
+    mx.uint64: np.uint64,
+    mx.int64: np.int64,
+    mx.float16: np.float16,
+    mx.float32: np.float32,
 }
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
@@ -78,10 +95,17 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             continue
         entry = entry if isinstance(entry, dict) else {}
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not (entry.get("dtype") in _MLX_DTYPES and _naturals(shape) and _naturals(offsets) and len(offsets) == 2
-                and offsets[0] <= offsets[1]):
-            raise damaged(f"bad header entry for {key[:80]!r}: it needs a dtype, a shape of whole numbers >= 0 and "
-                          "data_offsets [begin, end]")
+        if not (
+            entry.get("dtype") in _MLX_DTYPES
+            and _naturals(shape)
+            and _naturals(offsets)
+            and len(offsets) == 2
+            and offsets[0] <= offsets[1]
+        ):
+            raise damaged(
+                f"bad header entry for {key[:80]!r}: it needs a dtype, a shape of whole numbers >= 0 and "
+                "data_offsets [begin, end]"
+            )
         dtype, shape, (begin, end) = _MLX_DTYPES[entry["dtype"]], tuple(shape), offsets
         if data_start + end > size:
             raise damaged(f"{key[:80]!r} ends past the end of the file")
@@ -94,7 +118,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
 def _cut(value, width: int = 40) -> str:
     text = str(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _naturals(value) -> bool:
@@ -131,8 +155,11 @@ def shard_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None
     header: dict = {"__metadata__": metadata or {"format": "mlx"}}
     offset = 0
     for spec in specs:
-        header[spec.name] = {"dtype": _NAMES[spec.dtype], "shape": list(spec.shape),
-                             "data_offsets": [offset, offset + spec.nbytes]}
+        header[spec.name] = {
+            "dtype": _NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keeps the data 8-byte aligned, as the safetensors library does

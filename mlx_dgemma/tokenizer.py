@@ -29,7 +29,9 @@ THINK = "<|think|>"  # what Gemma 4's template writes into the system turn to sw
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- set thinking = enable_thinking is defined and enable_thinking -%}"
-    "{%- if thinking and messages[0]['role'] != 'system' -%}{{ '<|turn>system\n" + THINK + "\n<turn|>\n' }}{%- endif -%}"
+    "{%- if thinking and messages[0]['role'] != 'system' -%}{{ '<|turn>system\n"
+    + THINK
+    + "\n<turn|>\n' }}{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<|turn>' + role + '\n' }}"
@@ -144,8 +146,10 @@ class Tokenizer:
         ids, and so does the image placeholder (the model's image token) where the vocabulary lacks it.
         ``add_special_tokens`` prepends ``<bos>`` (as Gemma's tokenizer does) unless it is there."""
         if self._backend is None:
-            raise TokenizerError("this checkpoint has no tokenizer files (tokenizer.json or tokenizer.model); "
-                                 "pass the prompt as token ids")
+            raise TokenizerError(
+                "this checkpoint has no tokenizer files (tokenizer.json or tokenizer.model); "
+                "pass the prompt as token ids"
+            )
         ids = self._encode_images(text) if self._image is not None else self._backend.encode(text)
         if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
@@ -171,10 +175,16 @@ class Tokenizer:
         piece = self._backend.piece(int(token)) if 0 <= token < self._backend.size else None
         return "" if piece is None else piece.replace("▁", " ")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **kwargs):
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    bos_token=self._special_text(self.bos_token_id), **kwargs)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False, **kwargs
+    ):
+        text = render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self._special_text(self.bos_token_id),
+            **kwargs,
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @property
@@ -256,7 +266,9 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, stop_ids=None, thought: bool = False):
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
-        self.decode = tokenizer.decode_thought if thought else tokenizer.decode_clean  # the thought channel, or the answer
+        self.decode = (
+            tokenizer.decode_thought if thought else tokenizer.decode_clean
+        )  # the thought channel, or the answer
         self.tokens: list[int] = []
         self.text = ""
 
@@ -267,7 +279,7 @@ class TextStream:
             text = text.rstrip("\ufffd")
         if not text.startswith(self.text):
             return ""
-        new, self.text = text[len(self.text):], text
+        new, self.text = text[len(self.text) :], text
         return new
 
 
@@ -280,8 +292,10 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
 def chat_template_renders_tools(template: str) -> bool:
     """Whether ``template`` renders a conversation differently when it is given a tool."""
     messages = [{"role": "user", "content": "x"}]
-    tool = {"type": "function", "function": {"name": "probe", "description": "a tool",
-                                             "parameters": {"type": "object", "properties": {}}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "probe", "description": "a tool", "parameters": {"type": "object", "properties": {}}},
+    }
     try:
         return render_chat_template(template, messages, tools=[tool]) != render_chat_template(template, messages)
     except Exception:  # a template that cannot take this conversation or these tools: none rendered here
@@ -294,7 +308,8 @@ def chat_template_renders_thinking(template: str) -> bool:
     messages = [{"role": "user", "content": "x"}]
     try:
         return render_chat_template(template, messages, enable_thinking=True) != render_chat_template(
-            template, messages, enable_thinking=False)
+            template, messages, enable_thinking=False
+        )
     except Exception:  # a template that cannot take this conversation: no switch seen
         return False
 
@@ -311,7 +326,8 @@ def _compiled(template: str):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)

@@ -63,6 +63,7 @@ def at_least(minimum: int) -> Callable[[object, str], None]:
 def integer_in(low: int, high: int) -> Callable[[object, str], None]:
     """A check of an integer from ``low`` to ``high`` (a value past the bound reaches MLX's int32 or
     a loop as long as it)."""
+
     def check(value, name: str) -> None:
         if not is_int(value) or not low <= value <= high:
             raise ValueError(f"{name} must be an integer from {low} to {high}, got {shown(value)}")
@@ -74,15 +75,26 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
-def finite_number(low: float, high: float | None = None, low_open: bool = False,
-                  high_open: bool = True) -> Callable[[object, str], None]:
+def finite_number(
+    low: float, high: float | None = None, low_open: bool = False, high_open: bool = True
+) -> Callable[[object, str], None]:
     """A check of a finite number from ``low`` to ``high`` (each end open or closed)."""
-    bounds = ("" if high is None and low == -math.inf else f" {'>' if low_open else '>='} {low:g}" if high is None else
-              f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}")
+    bounds = (
+        ""
+        if high is None and low == -math.inf
+        else f" {'>' if low_open else '>='} {low:g}"
+        if high is None
+        else f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    )
 
     def check(value, name: str) -> None:
-        if not is_number(value) or not math.isfinite(value) or value < low or (low_open and value == low) \
-                or (high is not None and (value > high or (high_open and value == high))):
+        if (
+            not is_number(value)
+            or not math.isfinite(value)
+            or value < low
+            or (low_open and value == low)
+            or (high is not None and (value > high or (high_open and value == high)))
+        ):
             raise ValueError(f"{name} must be a finite number{bounds}, got {shown(value)}")
 
     return check
@@ -112,10 +124,15 @@ def check_seed(seed, name: str = "seed") -> None:
 
 def check_temperature(value, name: str) -> None:
     """0, or from ``MIN_TEMPERATURE`` to ``TEMPERATURE_LIMIT`` (NaN, infinities and denormals give NaN canvases)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value) or not (value == 0 or MIN_TEMPERATURE <= value <= TEMPERATURE_LIMIT):
-        raise ValueError(f"{name} must be 0 or a finite number from {MIN_TEMPERATURE:g} to {TEMPERATURE_LIMIT:g}, "
-                         f"got {shown(value)}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not math.isfinite(value)
+        or not (value == 0 or MIN_TEMPERATURE <= value <= TEMPERATURE_LIMIT)
+    ):
+        raise ValueError(
+            f"{name} must be 0 or a finite number from {MIN_TEMPERATURE:g} to {TEMPERATURE_LIMIT:g}, got {shown(value)}"
+        )
 
 
 def check_temperatures(t_min, t_max) -> None:
@@ -126,8 +143,12 @@ def check_temperatures(t_min, t_max) -> None:
 
 
 def check_entropy_bound(value, name: str = "entropy bound") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) \
-            or not value > 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.floating))
+        or not math.isfinite(value)
+        or not value > 0
+    ):
         raise ValueError(f"{name} must be > 0 and finite (nats), got {shown(value)}")
 
 
@@ -138,8 +159,9 @@ def check_text(text: str, what: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise PromptError(f"{what} is not valid UTF-8 (a bad byte at character {e.start}); "
-                          "re-encode it as UTF-8") from None
+        raise PromptError(
+            f"{what} is not valid UTF-8 (a bad byte at character {e.start}); re-encode it as UTF-8"
+        ) from None
     return text
 
 
@@ -147,8 +169,9 @@ def decode_utf8(data: bytes, what: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PromptError(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                          "re-encode it as UTF-8") from None
+        raise PromptError(
+            f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); re-encode it as UTF-8"
+        ) from None
 
 
 def check_prompt(prompt, name: str = "prompt") -> str | list[int]:
@@ -183,8 +206,9 @@ def check_request(prompt, max_tokens, seed=None, system_prompt=None, chat_templa
     if system_prompt is not None:
         check_text(system_prompt, "the system prompt")
         if not chat_template or not isinstance(prompt, str):
-            raise PromptError("a system prompt needs the chat template and a text prompt; "
-                              "put the system text in the prompt instead")
+            raise PromptError(
+                "a system prompt needs the chat template and a text prompt; put the system text in the prompt instead"
+            )
     return prompt
 
 

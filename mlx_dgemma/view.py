@@ -40,8 +40,10 @@ class TerminalView:
 
     def step(self, draft: Draft) -> None:
         pieces = [_visible(self.tokenizer.piece(int(t))) for t in draft.tokens]
-        status = (f"canvas {self.canvas} · step {draft.step}/{self.steps} · "
-                  f"{sum(draft.accepted)}/{len(pieces)} accepted · mean entropy {draft.mean_entropy:.3f}")
+        status = (
+            f"canvas {self.canvas} · step {draft.step}/{self.steps} · "
+            f"{sum(draft.accepted)}/{len(pieces)} accepted · mean entropy {draft.mean_entropy:.3f}"
+        )
         if draft.fixed is not None:
             status += f" · {sum(draft.fixed)} fixed"
         if self.ansi:
@@ -94,4 +96,3 @@ class TerminalView:
             self._clear()
             self.stream.write("\n")
         self.stream.flush()
-

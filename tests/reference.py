@@ -55,12 +55,19 @@ class ReferenceSession:
         if pixel_values is not None:
             types = (ids == self.model.config.image_token_id).long()
             masks = self.model.model.encoder.create_masks_for_generate(
-                config=self.model.config, inputs_embeds=torch.empty(1, ids.shape[1], 0, device=device),
+                config=self.model.config,
+                inputs_embeds=torch.empty(1, ids.shape[1], 0, device=device),
                 attention_mask=torch.ones(1, self.length + ids.shape[1], dtype=torch.bool, device=device),
-                cache=self.cache, position_ids=positions, mm_token_type_ids=types)
-            vision = dict(pixel_values=torch.as_tensor(np.asarray(pixel_values), device=device),
-                          image_position_ids=torch.as_tensor(np.asarray(image_position_ids), device=device),
-                          mm_token_type_ids=types, attention_mask=masks)
+                cache=self.cache,
+                position_ids=positions,
+                mm_token_type_ids=types,
+            )
+            vision = dict(
+                pixel_values=torch.as_tensor(np.asarray(pixel_values), device=device),
+                image_position_ids=torch.as_tensor(np.asarray(image_position_ids), device=device),
+                mm_token_type_ids=types,
+                attention_mask=masks,
+            )
         self.model.model.encoder(input_ids=ids, cache=self.cache, position_ids=positions, **vision)
         self.length += ids.shape[1]
 
@@ -73,8 +80,9 @@ class ReferenceSession:
             dtype = self.model.model.decoder.embed_tokens.weight.dtype
             sc = torch.as_tensor(np.asarray(self_conditioning)).to(device=device, dtype=dtype)
         positions = torch.arange(self.length, self.length + canvas.shape[1], device=device)[None]
-        out = self.model(decoder_input_ids=canvas, cache=self.cache, self_conditioning_logits=sc,
-                         decoder_position_ids=positions)
+        out = self.model(
+            decoder_input_ids=canvas, cache=self.cache, self_conditioning_logits=sc, decoder_position_ids=positions
+        )
         return out.logits.float().cpu().numpy()
 
     def layer_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,9 +15,14 @@ folder = Path(sys.argv[1])
 whole, tokenizer = load(folder)
 part, _ = distributed.sharded_load(folder, group)
 prompts = ["sort: 42 17 85 23 61", "reverse: a b c d e", "json: name=ada age=36"]
-schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 999}},
-          "required": ["name", "age"]}
+schema = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "age"],
+}
 out = {"ranks": group.size(), "experts": [part.layers[0].experts.shard.start, part.layers[0].experts.shard.stop]}
 for name, model in (("whole", whole), ("sharded", part)):
     out[name] = {

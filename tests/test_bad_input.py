@@ -170,9 +170,14 @@ main(sys.argv[1:])
 def test_a_signal_during_conversion_removes_the_partial_output(models, signum):
     before = snapshot(models.parent)
     dst = models / "out"
-    process = subprocess.Popen([sys.executable, "-c", SLOW_CONVERSION, "--hf-path", str(models / "hf"),
-                                "--mlx-path", str(dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=ENV, cwd=ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CONVERSION, "--hf-path", str(models / "hf"), "--mlx-path", str(dst)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
     assert process.stdout.readline().strip() == "writing"  # the temporary folder exists and is being filled
     assert [p.name for p in models.iterdir() if p.name.endswith(".converting")]
     process.send_signal(signum)
@@ -199,7 +204,8 @@ def test_temporary_folders_of_killed_runs_are_swept(models):
         assert not stale.exists() and running.exists() and other.exists()
         assert (models / "notes.txt").read_text() == "mine" and (models / "photos" / "cat.jpg").exists()
         assert sorted(p.name for p in models.iterdir() if p.name.endswith(".converting")) == sorted(
-            [running.name, other.name])
+            [running.name, other.name]
+        )
     finally:
         alive.kill()
         alive.wait()
@@ -208,8 +214,9 @@ def test_temporary_folders_of_killed_runs_are_swept(models):
 # ---- 4. quantization flags without -q --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag", [["--q-bits", "8"], ["--q-group-size", "32"], ["--q-mode", "mxfp4"],
-                                  ["--quant-predicate", "uniform"]])
+@pytest.mark.parametrize(
+    "flag", [["--q-bits", "8"], ["--q-group-size", "32"], ["--q-mode", "mxfp4"], ["--quant-predicate", "uniform"]]
+)
 def test_quantization_flags_need_quantize(models, flag):
     before = snapshot(models.parent)
     result = convert_cli("--hf-path", str(models / "hf"), "--mlx-path", str(models / "out"), *flag)
@@ -253,15 +260,18 @@ def text_config(change):
     return edit
 
 
-@pytest.mark.parametrize("edit, message", [
-    (text_config({"hidden_size": -4}), "hidden_size must be an integer of at least 1, got -4"),
-    (text_config({"num_experts": 0}), "num_experts must be an integer of at least 1, got 0"),
-    (text_config({"vocab_size": None}), "vocab_size must be an integer of at least 1, got null"),
-    (text_config({"head_dim": "20"}), 'head_dim must be an integer of at least 1, got "20"'),
-    (text_config({"rms_norm_eps": -1}), "rms_norm_eps must be a finite number above 0"),
-    (lambda raw: [raw], "config.json must be a JSON object, got an array"),
-    (lambda raw: {**raw, "text_config": [1]}, "text_config must be a JSON object, got an array"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (text_config({"hidden_size": -4}), "hidden_size must be an integer of at least 1, got -4"),
+        (text_config({"num_experts": 0}), "num_experts must be an integer of at least 1, got 0"),
+        (text_config({"vocab_size": None}), "vocab_size must be an integer of at least 1, got null"),
+        (text_config({"head_dim": "20"}), 'head_dim must be an integer of at least 1, got "20"'),
+        (text_config({"rms_norm_eps": -1}), "rms_norm_eps must be a finite number above 0"),
+        (lambda raw: [raw], "config.json must be a JSON object, got an array"),
+        (lambda raw: {**raw, "text_config": [1]}, "text_config must be a JSON object, got an array"),
+    ],
+)
 def test_config_values_are_checked(checkpoints, tmp_path, edit, message):
     folder = tmp_path / "ckpt"
     shutil.copytree(checkpoints("small"), folder)
@@ -291,12 +301,15 @@ def test_a_tokenizer_config_that_is_an_array(tmp_path):
         load(folder)
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"t_max": float("nan")}, "t_max must be a finite number above 0"),
-    ({"max_new_tokens": -1}, "max_new_tokens must be an integer of at least 1"),
-    ({"t_min": 0.9, "t_max": 0.5}, "t_min 0.9 must be below t_max 0.5"),
-    ([1, 2], "must be a JSON object, got an array"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"t_max": float("nan")}, "t_max must be a finite number above 0"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be an integer of at least 1"),
+        ({"t_min": 0.9, "t_max": 0.5}, "t_min 0.9 must be below t_max 0.5"),
+        ([1, 2], "must be a JSON object, got an array"),
+    ],
+)
 def test_generation_config_values_are_checked(raw, message):
     with pytest.raises(ConfigError) as info:
         GenerationConfig.from_dict(raw)
@@ -325,7 +338,7 @@ def test_schema_numbers_keep_their_fractions(demo):
     model, tokenizer = demo
     schema = {"type": "object", "properties": {"p": {"type": "number", "minimum": 0.2, "maximum": 0.8}}}
     template = json_template(tokenizer, schema)
-    (_, hole), = template.holes
+    ((_, hole),) = template.holes
     assert hole.kind == "number"
     rendered = [template.render([v])["p"] for v in ("0.5", "0.25", "0", "7", "-", "0.95")]
     assert rendered == [0.5, 0.25, 0.2, 0.8, 0.2, 0.8]  # fractions kept, the rest clamped into range
@@ -336,13 +349,18 @@ def test_schema_numbers_keep_their_fractions(demo):
     one_line(info.value, "integer at $: no integer lies between minimum 0.2 and maximum 0.8")
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda t: parse_template(t, "x {{fill:1000000000000}}", limit=1024), "the hole at line 1, column 3"),
-    (lambda t: parse_template(t, "x {{fill:1000000000000}}"), "runs past the model's context"),
-    (lambda t: json_template(t, {"type": "array", "items": {"type": "integer"}, "maxItems": 10 ** 12}, limit=1024),
-     "schema at $ takes the template past the model's context of 1024"),
-    (lambda t: json_template(t, {"type": "string", "maxLength": 10 ** 12}), "schema at $ takes the template past"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda t: parse_template(t, "x {{fill:1000000000000}}", limit=1024), "the hole at line 1, column 3"),
+        (lambda t: parse_template(t, "x {{fill:1000000000000}}"), "runs past the model's context"),
+        (
+            lambda t: json_template(t, {"type": "array", "items": {"type": "integer"}, "maxItems": 10**12}, limit=1024),
+            "schema at $ takes the template past the model's context of 1024",
+        ),
+        (lambda t: json_template(t, {"type": "string", "maxLength": 10**12}), "schema at $ takes the template past"),
+    ],
+)
 def test_huge_holes_are_refused_before_they_are_built(demo, build, message):
     _, tokenizer = demo
     start = time.perf_counter()
@@ -359,15 +377,21 @@ def test_a_huge_hole_from_the_command_line(demo, tmp_path):
     one_line_error(run_generate("--template", str(template)), f"runs past the model's context of {context} positions")
 
 
-@pytest.mark.parametrize("schema, message", [
-    ({"type": "integer", "minimum": "0"}, 'minimum at $ must be a finite number, got "0"'),
-    ({"type": "object", "properties": {"n": {"type": "number", "maximum": [1]}}}, "maximum at $.n must be a finite"),
-    ({"type": "array", "maxItems": "3"}, 'maxItems at $ must be a non-negative integer, got "3"'),
-    ({"type": "string", "maxLength": 2.5}, "maxLength at $ must be a non-negative integer, got 2.5"),
-    ({"type": "string", "maxLength": math.inf}, "maxLength at $ must be a non-negative integer, got Infinity"),
-    ({"type": "integer", "maximum": math.inf}, "maximum at $ must be a finite number, got Infinity"),
-    ({"type": "object", "properties": [1]}, "properties at $ must be an object"),
-])
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ({"type": "integer", "minimum": "0"}, 'minimum at $ must be a finite number, got "0"'),
+        (
+            {"type": "object", "properties": {"n": {"type": "number", "maximum": [1]}}},
+            "maximum at $.n must be a finite",
+        ),
+        ({"type": "array", "maxItems": "3"}, 'maxItems at $ must be a non-negative integer, got "3"'),
+        ({"type": "string", "maxLength": 2.5}, "maxLength at $ must be a non-negative integer, got 2.5"),
+        ({"type": "string", "maxLength": math.inf}, "maxLength at $ must be a non-negative integer, got Infinity"),
+        ({"type": "integer", "maximum": math.inf}, "maximum at $ must be a finite number, got Infinity"),
+        ({"type": "object", "properties": [1]}, "properties at $ must be an object"),
+    ],
+)
 def test_bad_schema_values_name_the_place(demo, schema, message):
     _, tokenizer = demo
     with pytest.raises(TemplateError) as info:
@@ -393,8 +417,10 @@ def test_deep_nesting_is_refused_by_place(demo, tmp_path):
 def test_a_schema_file_with_an_integer_past_pythons_digits(tmp_path):
     path = tmp_path / "digits.json"
     path.write_text('{"type": "integer", "maximum": ' + "9" * 5000 + "}")
-    text = one_line_error(run_generate("--schema", str(path)),
-                          f"{path} holds an integer of more than {sys.get_int_max_str_digits()} digits")
+    text = one_line_error(
+        run_generate("--schema", str(path)),
+        f"{path} holds an integer of more than {sys.get_int_max_str_digits()} digits",
+    )
     assert "set_int_max_str_digits" not in text
 
 
@@ -457,8 +483,9 @@ def test_a_damaged_profile_cache_is_measured_again(demo, tmp_path, fake_measure,
 def test_auto_policy_with_an_unwritable_home(tmp_path, fake_measure):
     home = tmp_path / "home-is-a-file"
     home.write_text("")
-    result = CliRunner().invoke(main, ["--prompt", PROMPT, "--policy", "auto", "--max-tokens", "8"],
-                                env={"HOME": str(home)})
+    result = CliRunner().invoke(
+        main, ["--prompt", PROMPT, "--policy", "auto", "--max-tokens", "8"], env={"HOME": str(home)}
+    )
     assert result.exit_code == 0, result.output
     assert "cannot cache the device profile" in result.stderr and "Traceback" not in result.output
 
@@ -466,15 +493,32 @@ def test_auto_policy_with_an_unwritable_home(tmp_path, fake_measure):
 # ---- 6. temperatures -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag, value", [("--temp-max", "nan"), ("--temp-max", "inf"), ("--temp-min", "-inf"),
-                                         ("--temp-max", "1e-310"), ("--temp-min", "nan"), ("--entropy-bound", "nan")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--temp-max", "nan"),
+        ("--temp-max", "inf"),
+        ("--temp-min", "-inf"),
+        ("--temp-max", "1e-310"),
+        ("--temp-min", "nan"),
+        ("--entropy-bound", "nan"),
+    ],
+)
 def test_nan_infinite_and_denormal_temperatures_are_refused(flag, value):
     result = run_generate(flag, value)
     one_line_error(result, f"{flag} must be", "finite")
 
 
-@pytest.mark.parametrize("kwargs", [{"temp_max": math.nan}, {"temp_max": math.inf}, {"temp_min": math.nan},
-                                    {"temp_max": 5e-324}, {"entropy_bound": math.inf}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temp_max": math.nan},
+        {"temp_max": math.inf},
+        {"temp_min": math.nan},
+        {"temp_max": 5e-324},
+        {"entropy_bound": math.inf},
+    ],
+)
 def test_nan_infinite_and_denormal_temperatures_in_the_api(demo, kwargs):
     model, tokenizer = demo
     with pytest.raises(ValueError) as info:
@@ -486,19 +530,30 @@ def test_nan_infinite_and_denormal_temperatures_in_the_api(demo, kwargs):
 
 
 def test_a_prompt_on_stdin_that_is_not_utf8():
-    done = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "-"], input=b"sort: \xff 1",
-                          capture_output=True, env=ENV, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "-"],
+        input=b"sort: \xff 1",
+        capture_output=True,
+        env=ENV,
+        cwd=ROOT,
+    )
     assert done.returncode == 1
     assert done.stderr.decode().strip().split("\n") == [
-        "Error: the prompt on stdin is not valid UTF-8 (byte 0xff at offset 6); re-encode it as UTF-8"]
+        "Error: the prompt on stdin is not valid UTF-8 (byte 0xff at offset 6); re-encode it as UTF-8"
+    ]
 
 
 def test_a_prompt_argument_that_is_not_utf8():
-    done = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", b"--prompt", b"sort: \xfe 1"],
-                          capture_output=True, env=ENV, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.generate", b"--prompt", b"sort: \xfe 1"],
+        capture_output=True,
+        env=ENV,
+        cwd=ROOT,
+    )
     assert done.returncode == 1
     assert done.stderr.decode().strip().split("\n") == [
-        "Error: --prompt is not valid UTF-8 (a bad byte at character 6); re-encode it as UTF-8"]
+        "Error: --prompt is not valid UTF-8 (a bad byte at character 6); re-encode it as UTF-8"
+    ]
 
 
 @pytest.mark.parametrize("prompt", ["", "   ", "\n\t "])
@@ -523,8 +578,9 @@ def test_an_empty_infill_prefix_is_still_a_start(demo):
 
 
 def test_system_prompt_with_ignore_chat_template_is_refused(demo):
-    one_line_error(run_generate("--system-prompt", "be brief", "--ignore-chat-template"),
-                   "--system-prompt needs the chat template")
+    one_line_error(
+        run_generate("--system-prompt", "be brief", "--ignore-chat-template"), "--system-prompt needs the chat template"
+    )
     model, tokenizer = demo
     for kwargs in ({"chat_template": False}, {}):
         prompt = PROMPT if kwargs else [2, 40, 41]  # token ids take no system prompt either
@@ -546,15 +602,15 @@ def test_prompt_from_stdin_gives_no_deprecation_warning():
 # ---- 8. seeds ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", ["-1", str(2 ** 64), str(10 ** 30)])
+@pytest.mark.parametrize("seed", ["-1", str(2**64), str(10**30)])
 def test_seeds_out_of_range_are_refused(seed):
     one_line_error(run_generate("--seed", seed), "--seed must be an integer from 0 to 2**64 - 1", seed)
 
 
 def test_seeds_in_the_api(demo):
     model, tokenizer = demo
-    assert generate(model, tokenizer, PROMPT, 8, seed=2 ** 64 - 1) is not None  # the largest is fine
-    for seed in (-1, 2 ** 64, 1.5, "7"):
+    assert generate(model, tokenizer, PROMPT, 8, seed=2**64 - 1) is not None  # the largest is fine
+    for seed in (-1, 2**64, 1.5, "7"):
         with pytest.raises(ValueError) as info:
             next(stream_generate(model, tokenizer, PROMPT, 8, seed=seed))
         one_line(info.value, "seed must be an integer from 0 to 2**64 - 1")
@@ -563,13 +619,16 @@ def test_seeds_in_the_api(demo):
 # ---- 11. the API's prompt and template types -----------------------------------------------------
 
 
-@pytest.mark.parametrize("prompt, message", [
-    (b"sort: 1 2", "the prompt is bytes; decode it to text"),
-    ([2, 40.7, 41], "token ids must be integers, got 40.7 (float)"),
-    (None, "the prompt is None; pass text (str) or a list of token ids"),
-    ({"text": "hi"}, "must be text (str) or a list of token ids, got dict"),
-    ([2, True], "token ids must be integers, got True (bool)"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        (b"sort: 1 2", "the prompt is bytes; decode it to text"),
+        ([2, 40.7, 41], "token ids must be integers, got 40.7 (float)"),
+        (None, "the prompt is None; pass text (str) or a list of token ids"),
+        ({"text": "hi"}, "must be text (str) or a list of token ids, got dict"),
+        ([2, True], "token ids must be integers, got True (bool)"),
+    ],
+)
 def test_api_prompts_of_the_wrong_type(demo, prompt, message):
     model, tokenizer = demo
     with pytest.raises(PromptError) as info:
@@ -598,8 +657,19 @@ def test_api_token_ids_as_arrays_still_work(demo):
 
 
 def test_verbose_plan_shows_the_callers_settings():
-    result = run_generate("--verbose", "--steps", "3", "--entropy-bound", "0.5", "--temp-min", "0.1",
-                          "--temp-max", "0.3", "--prompt", PROMPT)
+    result = run_generate(
+        "--verbose",
+        "--steps",
+        "3",
+        "--entropy-bound",
+        "0.5",
+        "--temp-min",
+        "0.1",
+        "--temp-max",
+        "0.3",
+        "--prompt",
+        PROMPT,
+    )
     assert result.exit_code == 0, result.output
     head = result.stderr.split("\n")[0]
     assert head == "plan (reference): diffusion, ≤3 steps/canvas, entropy bound 0.5, t 0.1–0.3, full canvases"
@@ -615,15 +685,20 @@ def test_verbose_plan_shows_the_callers_settings():
 def test_generation_past_the_context_is_refused_up_front(demo, monkeypatch):
     model, tokenizer = demo
     calls = []
-    monkeypatch.setattr(importlib.import_module("mlx_dgemma.engine.rows.diffusion"), "new_run", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(
+        importlib.import_module("mlx_dgemma.engine.rows.diffusion"), "new_run", lambda *a, **k: calls.append(1)
+    )
     context = model.config.max_position_embeddings
     too_many = context  # with the prompt, past the context
     with pytest.raises(PromptError) as info:
         next(stream_generate(model, tokenizer, PROMPT, too_many))
     prompt_tokens = len(gen.prompt_ids(tokenizer, PROMPT))
     room = (context - prompt_tokens) // 32 * 32
-    one_line(info.value, f"max_tokens of {too_many} takes {context // 32} canvases of 32 after the {prompt_tokens}-token "
-             f"prompt", f"past the model's context of {context} tokens; ask for at most {room}")
+    one_line(
+        info.value,
+        f"max_tokens of {too_many} takes {context // 32} canvases of 32 after the {prompt_tokens}-token prompt",
+        f"past the model's context of {context} tokens; ask for at most {room}",
+    )
     one_line_error(run_generate("--prompt", PROMPT, "--max-tokens", str(too_many)), f"ask for at most {room}")
     with pytest.raises(PromptError):
         next(stream_generate(model, tokenizer, PROMPT, too_many, policy="ar"))
@@ -652,8 +727,9 @@ def test_bench_output_into_a_missing_folder_is_refused_before_the_run(tmp_path, 
 def test_max_tokens_caps_the_answer_on_every_policy(demo, policy_name):
     model, tokenizer = demo
     for max_tokens in (1, 5, 33):
-        responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens, seed=1, policy=policy_name,
-                                         profile=PROFILE))
+        responses = list(
+            stream_generate(model, tokenizer, PROMPT, max_tokens, seed=1, policy=policy_name, profile=PROFILE)
+        )
         tokens = [t for r in responses for t in r.tokens]
         assert len(tokens) <= max_tokens and responses[-1].generation_tokens == len(tokens)
         assert "".join(r.text for r in responses) == tokenizer.decode_clean(tokens)

@@ -62,8 +62,8 @@ def test_encode_and_next_token_rows_equal_single_rows(model, rows):
     logits = model.next_token_logits(step, cache)
     for i, prompt in enumerate(prompts):
         alone, alone_hidden = single_cache(model, prompt)
-        assert relative(hidden[i, padding[i]:], alone_hidden[0]) <= BOUND
-        assert relative(logits[i], model.next_token_logits(step[i:i + 1], alone)[0]) <= BOUND
+        assert relative(hidden[i, padding[i] :], alone_hidden[0]) <= BOUND
+        assert relative(logits[i], model.next_token_logits(step[i : i + 1], alone)[0]) <= BOUND
     assert cache.lengths.tolist() == [len(p) + 1 for p in prompts]
 
 
@@ -78,7 +78,7 @@ def test_denoise_rows_equal_single_rows(model, rows, self_conditioned):
     got = model.denoise(canvas, cache, sc)
     for i, prompt in enumerate(prompts):
         alone, _ = single_cache(model, prompt)
-        want = model.denoise(canvas[i:i + 1], alone, None if sc is None else sc[i:i + 1])
+        want = model.denoise(canvas[i : i + 1], alone, None if sc is None else sc[i : i + 1])
         assert relative(got[i], want[0]) <= DENOISE_BOUND
 
 
@@ -98,15 +98,19 @@ def test_compacted_rows_equal_single_compacted_rows(model, rows):
     index = mx.array(np.stack(padded))
     view = cache.canvas_view(C)
     model.denoise(canvas, view, sc, probs)  # every position's K/V laid into the view
-    got = model.denoise(mx.take_along_axis(canvas, index, axis=1), view,
-                        mx.take_along_axis(sc, index[..., None], axis=1),
-                        mx.take_along_axis(probs, index[..., None], axis=1), active=index)
+    got = model.denoise(
+        mx.take_along_axis(canvas, index, axis=1),
+        view,
+        mx.take_along_axis(sc, index[..., None], axis=1),
+        mx.take_along_axis(probs, index[..., None], axis=1),
+        active=index,
+    )
     for i, prompt in enumerate(prompts):
         alone, _ = single_cache(model, prompt)
         own = alone.canvas_view(C)
-        model.denoise(canvas[i:i + 1], own, sc[i:i + 1], probs[i:i + 1])
+        model.denoise(canvas[i : i + 1], own, sc[i : i + 1], probs[i : i + 1])
         a = mx.array(actives[i])
-        want = model.denoise(canvas[i:i + 1, a], own, sc[i:i + 1, a], probs[i:i + 1, a], active=a)
+        want = model.denoise(canvas[i : i + 1, a], own, sc[i : i + 1, a], probs[i : i + 1, a], active=a)
         assert relative(got[i, : len(actives[i])], want[0]) <= DENOISE_BOUND
 
 
@@ -259,7 +263,9 @@ def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints
     model, tokenizer = load(checkpoints("small", tame=True))
     prompts = [[2, 10, 11, 12], [2] + list(range(20, 39)), [2, 7], [2, 30, 31, 32, 33, 34]]
     budgets = [40, 23, 9, 31]
-    requests = [job(model, tokenizer, p, n, seed=i, policy="verified") for i, (p, n) in enumerate(zip(prompts, budgets))]
+    requests = [
+        job(model, tokenizer, p, n, seed=i, policy="verified") for i, (p, n) in enumerate(zip(prompts, budgets))
+    ]
     passes = []
     original = drafting.verify_rounds
 
@@ -283,13 +289,16 @@ def test_a_template_row_joins_plain_rows_on_the_demo(demo):
 
     model, tokenizer = demo
     template = parse_template(tokenizer, '{"name": "{{fill:6}}", "age": {{fill:3}}}')
-    requests = [job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[3]), 96, seed=1),
-                job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[3]), seed=2, template=template),
-                job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[0]), 96, seed=3)]
+    requests = [
+        job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[3]), 96, seed=1),
+        job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[3]), seed=2, template=template),
+        job(model, tokenizer, prompt_ids(tokenizer, DEMO_PROMPTS[0]), 96, seed=3),
+    ]
     texts = _staggered(model, tokenizer, requests)
     for i, r in enumerate(requests):
-        alone = generate(model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, template=r.template,
-                         chat_template=False)
+        alone = generate(
+            model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, template=r.template, chat_template=False
+        )
         assert texts[i] == alone, i
 
 
@@ -317,12 +326,15 @@ def test_demo_rows_that_join_at_every_step_give_what_they_give_alone(demo, polic
 
     model, tokenizer = demo
     prompts = DEMO_PROMPTS + ["json: name=bob age=7 city=oslo", "sort: 9 3 77 12"]
-    requests = [job(model, tokenizer, prompt_ids(tokenizer, p), 96, seed=i, policy=policy) for i, p in enumerate(prompts)]
+    requests = [
+        job(model, tokenizer, prompt_ids(tokenizer, p), 96, seed=i, policy=policy) for i, p in enumerate(prompts)
+    ]
     texts = _staggered(model, tokenizer, requests, remove_at=2)
     for i, text in texts.items():
         r = requests[i]
-        assert text == generate(model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, policy=policy,
-                                chat_template=False)
+        assert text == generate(
+            model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, policy=policy, chat_template=False
+        )
 
 
 def test_with_mlxs_own_blas_batched_denoise_rows_are_within_the_encoders_bound(checkpoints):
@@ -373,11 +385,15 @@ def test_sampled_rows_in_a_batch_give_what_they_give_alone(demo, policy):
     prompts = ["add: 417 85", "add: 417 85", "sort: 9 3 77 12", "reverse: planet", "add: 305 96"]
     # verified: a fixed draft plan (the model's running acceptance estimate would move it)
     draft = dict(draft_length=6, draft_steps=2) if policy == "verified" else {}
-    settings = [dict(seed=i, policy=policy, temperature=t, chat_template=False, **draft)
-                for i, t in enumerate(temperatures)]
+    settings = [
+        dict(seed=i, policy=policy, temperature=t, chat_template=False, **draft) for i, t in enumerate(temperatures)
+    ]
     ids = [prompt_ids(tokenizer, p) for p in prompts]
-    texts = _staggered(model, tokenizer, [prepare(model, tokenizer, p, GenerationArgs.of(max_tokens=40, **kw))
-                                          for p, kw in zip(ids, settings)])
+    texts = _staggered(
+        model,
+        tokenizer,
+        [prepare(model, tokenizer, p, GenerationArgs.of(max_tokens=40, **kw)) for p, kw in zip(ids, settings)],
+    )
     for i, (p, kw) in enumerate(zip(ids, settings)):
         assert texts[i] == generate(model, tokenizer, p, 40, **kw), i
 
@@ -416,20 +432,27 @@ def test_auto_rows_switch_kinds_in_the_batch_and_give_what_they_give_alone(demo,
     PLANNERS.set(model, ScriptedPlanner(model))
     rows = {"denoise": 0, "next_token_logits": 0, "encode": 0}
     for name in rows:
+
         def counted(ids, *args, _forward=getattr(model, name), _name=name, **kwargs):
             rows[_name] = max(rows[_name], ids.shape[0])
             return _forward(ids, *args, **kwargs)
+
         monkeypatch.setattr(model, name, counted, raising=False)
     try:
         prompts = DEMO_PROMPTS + ["json: name=bob age=7 city=oslo", "sort: 9 3 77 12"]
-        requests = [job(model, tokenizer, prompt_ids(tokenizer, p), 96, seed=i, policy="auto") for i, p in enumerate(prompts)]
+        requests = [
+            job(model, tokenizer, prompt_ids(tokenizer, p), 96, seed=i, policy="auto") for i, p in enumerate(prompts)
+        ]
         texts = _staggered(model, tokenizer, requests)
         assert min(rows.values()) > 1, rows
         monkeypatch.undo()
         modes = []
         for i, r in enumerate(requests):
-            responses = list(stream_generate(model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed,
-                                             policy="auto", chat_template=False))
+            responses = list(
+                stream_generate(
+                    model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, policy="auto", chat_template=False
+                )
+            )
             assert texts[i] == "".join(x.text for x in responses), i
             modes += [x.plan.mode for x in responses]
         assert {"diffusion", "ar", "verified"} <= set(modes)
@@ -441,8 +464,10 @@ def test_auto_rows_switch_kinds_in_the_batch_and_give_what_they_give_alone(demo,
 GIVES_UP = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}
 
 
-@pytest.mark.parametrize("policy, bad", [("ar", {"schema": GIVES_UP}), ("verified", {"schema": GIVES_UP}),
-                                         ("reference", {"schema": GIVES_UP})])
+@pytest.mark.parametrize(
+    "policy, bad",
+    [("ar", {"schema": GIVES_UP}), ("verified", {"schema": GIVES_UP}), ("reference", {"schema": GIVES_UP})],
+)
 def test_a_row_whose_step_fails_ends_alone(demo, policy, bad):
     """The failing row's response carries its one-line error; the healthy row beside it gives its answer alone."""
     model, tokenizer = demo

@@ -21,8 +21,16 @@ def test_bench_json_and_plot(checkpoints, tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     r = json.loads(out.read_text())
-    for key in ("device", "dtype", "ar_tok_s", "prefill_tok_s", "step_s_by_canvas", "diffusion_tok_s_by_steps",
-                "crossover_steps", "predicted"):
+    for key in (
+        "device",
+        "dtype",
+        "ar_tok_s",
+        "prefill_tok_s",
+        "step_s_by_canvas",
+        "diffusion_tok_s_by_steps",
+        "crossover_steps",
+        "predicted",
+    ):
         assert key in r, key
     steps = {int(c): s for c, s in r["step_s_by_canvas"].items()}
     # the canvas lengths, and the draft lengths up to the model's canvas (12) for verified drafting
@@ -39,7 +47,8 @@ def test_bench_json_and_plot(checkpoints, tmp_path):
     assert {int(n) for n in r["verify_s_by_length"]} == {2, 4, 8}
     assert v["measured"]["tokens_per_round"] >= 1 and v["measured"]["tok_s"] > 0
     assert v["measured"]["tokens_per_forward"] == pytest.approx(
-        v["measured"]["tokens_per_round"] / (v["measured"]["draft_steps"] + 1), rel=0.35)
+        v["measured"]["tokens_per_round"] / (v["measured"]["draft_steps"] + 1), rel=0.35
+    )
     assert v["half_acceptance"]["tokens_per_round"] < v["demo_acceptance"]["tokens_per_round"]
     assert all(p["verified_tok_s"] > p["verified_half_tok_s"] > 0 for p in r["predicted"].values())
     assert "verified drafting measured" in result.output

@@ -25,27 +25,64 @@ LONG_KEYS = ["first_rather_long_key", "second_rather_long_key"]
 SCHEMAS = {  # dataset -> file -> schema (a str: the file's text as it is)
     "flat": {
         # the canvas template takes it
-        "person.json": {"type": "object", "required": ["name", "age"],
-                        "properties": {"name": {"type": "string", "maxLength": 6},
-                                       "age": {"type": "integer", "minimum": 0, "maximum": 99}}},
+        "person.json": {
+            "type": "object",
+            "required": ["name", "age"],
+            "properties": {
+                "name": {"type": "string", "maxLength": 6},
+                "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+        },
         # $ref and format: the grammar only
-        "tree.json": {"$defs": {"node": {"type": "object", "required": ["label"], "properties": {
-            "label": {"type": "string", "maxLength": 8}, "born": {"type": "string", "format": "date"},
-            "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}}},
-                      "$ref": "#/$defs/node"},
+        "tree.json": {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "required": ["label"],
+                    "properties": {
+                        "label": {"type": "string", "maxLength": 8},
+                        "born": {"type": "string", "format": "date"},
+                        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                    },
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
     },
     "hard": {
         # neither: a oneOf whose branches overlap
         "overlap.json": {"oneOf": [{"type": "object"}, {"type": "object", "required": ["a"]}]},
         # llguidance compiles it, but its shortest answer is longer than MAX_TOKENS
-        "long.json": {"type": "object", "required": LONG_KEYS, "properties": {k: {"type": "integer"} for k in LONG_KEYS}},
+        "long.json": {
+            "type": "object",
+            "required": LONG_KEYS,
+            "properties": {k: {"type": "integer"} for k in LONG_KEYS},
+        },
         "broken.json": '{"type": "object",',
     },
 }
-COVERAGE_COLUMNS = ["dataset", "schemas", "this project", "by template", "llguidance", "llguidance only",
-                    "this project only", "shortest answer too long", "compile p50 / p99 ms"]
-POLICY_COLUMNS = ["policy", "schemas", "answered", "validated", "invalid", "unchecked", "refused", "errors",
-                  "finish reasons"]
+COVERAGE_COLUMNS = [
+    "dataset",
+    "schemas",
+    "this project",
+    "by template",
+    "llguidance",
+    "llguidance only",
+    "this project only",
+    "shortest answer too long",
+    "compile p50 / p99 ms",
+]
+POLICY_COLUMNS = [
+    "policy",
+    "schemas",
+    "answered",
+    "validated",
+    "invalid",
+    "unchecked",
+    "refused",
+    "errors",
+    "finish reasons",
+]
 
 
 def table(text: str, first_column: str) -> list[dict]:
@@ -54,7 +91,7 @@ def table(text: str, first_column: str) -> list[dict]:
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
     header = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append(dict(zip(header, (c.strip().strip("*") for c in line.strip("|").split("|")))))
@@ -63,8 +100,14 @@ def table(text: str, first_column: str) -> list[dict]:
 
 def run_benchmark(data: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "benchmarks/schema_coverage.py", str(data), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "benchmarks/schema_coverage.py", str(data), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def test_schema_coverage_on_a_tiny_folder(tmp_path):
@@ -74,8 +117,9 @@ def test_schema_coverage_on_a_tiny_folder(tmp_path):
         for name, schema in files.items():
             (data / dataset / name).write_text(schema if isinstance(schema, str) else json.dumps(schema))
     out = tmp_path / "out.json"
-    run = run_benchmark(data, "--sample", "4", "--max-tokens", str(MAX_TOKENS), "--cost-schemas", "1",
-                        "--json", str(out))
+    run = run_benchmark(
+        data, "--sample", "4", "--max-tokens", str(MAX_TOKENS), "--cost-schemas", "1", "--json", str(out)
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
     # What each schema gets, asked directly: this project's generate, and llguidance with its defaults.
@@ -118,8 +162,15 @@ def test_schema_coverage_on_a_tiny_folder(tmp_path):
     assert [r["policy"] for r in policies[1:]] == ["reference", "ar", "verified", "auto"]
     for row in policies[1:]:
         counts = {k: int(row[k]) for k in POLICY_COLUMNS[1:-1]}
-        assert counts == {"schemas": 4, "answered": 2, "validated": 2, "invalid": 0, "unchecked": 0, "refused": 2,
-                          "errors": 0}, row
+        assert counts == {
+            "schemas": 4,
+            "answered": 2,
+            "validated": 2,
+            "invalid": 0,
+            "unchecked": 0,
+            "refused": 2,
+            "errors": 0,
+        }, row
 
     result = json.loads(out.read_text())
     assert {(r["dataset"], r["file"]): (r["ours"], r["llguidance"]) for r in result["schemas"]} == direct
@@ -136,5 +187,6 @@ def test_schema_coverage_on_a_tiny_folder(tmp_path):
 def test_schema_coverage_without_a_dataset_folder_says_so(tmp_path):
     run = run_benchmark(tmp_path / "missing")
     assert run.returncode != 0 and run.stdout == ""
-    assert run.stderr.strip().split("\n") == [f"{tmp_path / 'missing'} has no folders of schema files; "
-                                              "give JSONSchemaBench's data/ folder"]
+    assert run.stderr.strip().split("\n") == [
+        f"{tmp_path / 'missing'} has no folders of schema files; give JSONSchemaBench's data/ folder"
+    ]

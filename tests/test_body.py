@@ -18,8 +18,10 @@ from mlx_dgemma.server.body import (
     parse_body,
 )
 
-SAMPLE = ('{"text": "caf\\u00e9 \\"q\\" \\ud83d\\ude00 \\n", "n": [0, -12, 3.5, -1e-7, 2E+3, 123456789012345678901], '
-          '"flags": [true, false, null], "nested": {"a": [[], {}, [{"b": ""}]]}, "x": NaN, "y": -Infinity}')
+SAMPLE = (
+    '{"text": "caf\\u00e9 \\"q\\" \\ud83d\\ude00 \\n", "n": [0, -12, 3.5, -1e-7, 2E+3, 123456789012345678901], '
+    '"flags": [true, false, null], "nested": {"a": [[], {}, [{"b": ""}]]}, "x": NaN, "y": -Infinity}'
+)
 
 
 def many(item: str, count: int = FAST_VALUES + 1) -> bytes:
@@ -35,13 +37,16 @@ def test_a_body_of_many_values_reads_as_pythons_reader_reads_it():
     assert loads(SAMPLE.encode()) == read["items"][0]  # (the C reader's)
 
 
-@pytest.mark.parametrize("tail, error", [
-    ("[1, 2", ValueError),  # cut short
-    ("[1 2]", ValueError),
-    ('["\\x"]', ValueError),  # a bad escape
-    ("[" + "9" * 5000 + "]", ValueError),  # past Python's digits for an integer
-    ("[" * 5000 + "]" * 5000, RecursionError),
-])
+@pytest.mark.parametrize(
+    "tail, error",
+    [
+        ("[1, 2", ValueError),  # cut short
+        ("[1 2]", ValueError),
+        ('["\\x"]', ValueError),  # a bad escape
+        ("[" + "9" * 5000 + "]", ValueError),  # past Python's digits for an integer
+        ("[" * 5000 + "]" * 5000, RecursionError),
+    ],
+)
 def test_a_body_of_many_values_is_refused_as_pythons_reader_refuses_it(tail, error):
     body = many("0")[:-1] + b', "bad": ' + tail.encode() + b"}"
     with pytest.raises(error):
@@ -66,9 +71,15 @@ def test_a_body_in_utf16_reads_as_pythons_reader_reads_it():
 
 
 def test_a_reply_written_in_pieces_is_starlettes():
-    content = {"object": "list", "data": [{"index": i, "embedding": [0.1 * i, -2.5e-8, 3.0]} for i in range(3)],
-               "text": "café \"q\" 😀\n", "empty": [], "nested": [[], [[1, 2], {"a": None}], {}], "flag": True,
-               "top": {"é": -0.5}}
+    content = {
+        "object": "list",
+        "data": [{"index": i, "embedding": [0.1 * i, -2.5e-8, 3.0]} for i in range(3)],
+        "text": 'café "q" 😀\n',
+        "empty": [],
+        "nested": [[], [[1, 2], {"a": None}], {}],
+        "flag": True,
+        "top": {"é": -0.5},
+    }
     assert json_reply(content).body == JSONResponse(content).body
     with pytest.raises(ValueError):
         json_reply({"data": [[float("nan")]]})

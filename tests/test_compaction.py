@@ -43,8 +43,9 @@ def test_compacted_denoise_matches_the_full_one(model_and_cache, self_conditione
     frozen_rows = np.array([0, 2, 3, C // 2, C - 1])
     active = np.setdiff1d(np.arange(C), frozen_rows).astype(np.int32)
     a = mx.array(active)
-    part = model.denoise(canvas[:, a], view, None if scaled is None else scaled[:, a],
-                         None if probs is None else probs[:, a], active=a)
+    part = model.denoise(
+        canvas[:, a], view, None if scaled is None else scaled[:, a], None if probs is None else probs[:, a], active=a
+    )
     assert part.shape == (1, len(active), V)
     assert relative(part, full[:, a]) < 1e-4
 

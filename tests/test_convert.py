@@ -44,10 +44,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # Every input dimension a multiple of 64 (mixed quantization uses group 64), none equal to another;
 # 192 is not a multiple of 128, so --q-group-size 128 must be refused.
 QUANT_PRESET = dict(
-    vocab_size=640, hidden_size=192, intermediate_size=256, moe_intermediate_size=64,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    global_head_dim=64, num_global_key_value_heads=1, num_experts=4, top_k_experts=2,
-    sliding_window=5, canvas_length=16, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+    vocab_size=640,
+    hidden_size=192,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    global_head_dim=64,
+    num_global_key_value_heads=1,
+    num_experts=4,
+    top_k_experts=2,
+    sliding_window=5,
+    canvas_length=16,
+    layer_types=["sliding_attention"] * 2 + ["full_attention"],
 )
 SIDE_FILES = {
     "tokenizer_config.json": '{"add_bos_token": true}',
@@ -190,13 +201,27 @@ def test_mixed_recipe_writes_mlx_lm_overrides(converted, src):
     dst = converted(quantize=True, q_bits=4)
     quantization = json.loads((dst / "config.json").read_text())["quantization"]
     eight = {"group_size": 64, "bits": 8, "mode": "affine"}
-    assert {k: quantization[k] for k in ("group_size", "bits", "mode")} == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert {k: quantization[k] for k in ("group_size", "bits", "mode")} == {
+        "group_size": 64,
+        "bits": 4,
+        "mode": "affine",
+    }
     overrides = {k for k in quantization if k.startswith("model.")}
     assert overrides == {
         "model.decoder.embed_tokens",
-        *(f"model.decoder.layers.{i}.{m}" for i in range(3) for m in
-          ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "router.proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
+        *(
+            f"model.decoder.layers.{i}.{m}"
+            for i in range(3)
+            for m in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.o_proj",
+                "router.proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            )
+        ),
         *(f"model.decoder.layers.{i}.self_attn.v_proj" for i in range(2)),  # the full layer has none
     }
     assert all(quantization[k] == eight for k in overrides)
@@ -207,8 +232,10 @@ def test_mixed_recipe_writes_mlx_lm_overrides(converted, src):
     assert model.model.decoder.self_conditioning.gate_proj.bits == 4
     assert (layer.self_attn.q_proj.bits, layer.router.proj.bits, layer.mlp.down_proj.bits) == (8, 8, 8)
     assert model.model.decoder.embed_tokens.bits == 8
-    sizes = [sum(f.stat().st_size for f in converted(**o).glob("*.safetensors"))
-             for o in ({}, {"quantize": True, "q_bits": 8}, {"quantize": True, "q_bits": 4})]
+    sizes = [
+        sum(f.stat().st_size for f in converted(**o).glob("*.safetensors"))
+        for o in ({}, {"quantize": True, "q_bits": 8}, {"quantize": True, "q_bits": 4})
+    ]
     assert sizes[0] > sizes[1] > sizes[2]
 
 
@@ -217,8 +244,14 @@ def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def dequantized(module: nn.Module) -> mx.array:
-    return mx.dequantize(module.weight, module.scales, getattr(module, "biases", None), group_size=module.group_size,
-                         bits=module.bits, mode=module.mode)
+    return mx.dequantize(
+        module.weight,
+        module.scales,
+        getattr(module, "biases", None),
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=module.mode,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +262,20 @@ def uniform_at(src, tmp_path_factory):
     def get(bits: int) -> Path:
         if bits not in made:
             dst = tmp_path_factory.mktemp(f"uniform-{bits}") / "out"
-            result = CliRunner().invoke(convert_command, ["--hf-path", str(src), "--mlx-path", str(dst), "-q",
-                                                          "--q-bits", str(bits), "--quant-predicate", "uniform"])
+            result = CliRunner().invoke(
+                convert_command,
+                [
+                    "--hf-path",
+                    str(src),
+                    "--mlx-path",
+                    str(dst),
+                    "-q",
+                    "--q-bits",
+                    str(bits),
+                    "--quant-predicate",
+                    "uniform",
+                ],
+            )
             assert result.exit_code == 0, result.output
             made[bits] = dst
         return made[bits]
@@ -276,28 +321,39 @@ def test_dequantize_writes_each_weight_as_mx_dequantize_gives_it(src, converted,
     assert quantized_modules(quantized) and not quantized_modules(plain)
     assert "quantization" not in json.loads((dst / "config.json").read_text())
     weights, modules = dict(tree_flatten(plain.parameters())), quantized_modules(quantized)
-    expected = {name: array for name, array in tree_flatten(quantized.parameters())
-                if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "scales", "biases")}
+    expected = {
+        name: array
+        for name, array in tree_flatten(quantized.parameters())
+        if name.rpartition(".")[0] not in modules or name.rpartition(".")[2] not in ("weight", "scales", "biases")
+    }
     expected.update({f"{path}.weight": dequantized(module) for path, module in modules.items()})
     assert set(weights) == set(expected)
     for name, array in expected.items():
         assert mx.array_equal(weights[name], array).item(), name
 
 
-@pytest.mark.parametrize("options, message", [
-    (["-q"], "Error: -d/--dequantize writes the checkpoint's own weights unquantized; drop -q"),
-    (["--dtype", "float16"], "Error: -d/--dequantize writes the checkpoint's own weights unquantized; drop --dtype"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["-q"], "Error: -d/--dequantize writes the checkpoint's own weights unquantized; drop -q"),
+        (
+            ["--dtype", "float16"],
+            "Error: -d/--dequantize writes the checkpoint's own weights unquantized; drop --dtype",
+        ),
+    ],
+)
 def test_dequantize_with_quantization_flags_is_refused(converted, tmp_path, options, message):
-    assert cli_error(["--hf-path", str(converted(quantize=True, q_bits=4)), "-d", *options],
-                     tmp_path / "out") == message
+    assert (
+        cli_error(["--hf-path", str(converted(quantize=True, q_bits=4)), "-d", *options], tmp_path / "out") == message
+    )
 
 
 def test_dequantize_of_an_unquantized_checkpoint_is_refused(converted, tmp_path):
     plain = converted()
     assert cli_error(["--hf-path", str(plain), "-d"], tmp_path / "out") == (
         f"Error: --dequantize takes a quantized MLX checkpoint, and {plain}'s config.json has no quantization; "
-        "convert it without -d")
+        "convert it without -d"
+    )
 
 
 def test_an_upload_that_fails_says_what_was_written_and_why(src, tmp_path, monkeypatch):
@@ -305,8 +361,10 @@ def test_an_upload_that_fails_says_what_was_written_and_why(src, tmp_path, monke
     hub's reason, exit 1, the conversion kept whole."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     dst = tmp_path / "out"
-    result = CliRunner().invoke(convert_command, ["--hf-path", str(src), "--mlx-path", str(dst),
-                                                  "--upload-repo", "someone/dgemma-mlx", "--trust-remote-code"])
+    result = CliRunner().invoke(
+        convert_command,
+        ["--hf-path", str(src), "--mlx-path", str(dst), "--upload-repo", "someone/dgemma-mlx", "--trust-remote-code"],
+    )
     assert result.exit_code == 1
     (line,) = [line for line in result.stderr.split("\n") if line.startswith("Error:")]  # (after the progress bar)
     assert line.startswith(f"Error: wrote {dst}, but could not upload it to someone/dgemma-mlx: ") and "offline" in line
@@ -318,10 +376,16 @@ def test_logit_error_falls_with_every_bit(uniform_at, reference):
     assert all(a > b for a, b in zip(rel_rms, rel_rms[1:])), rel_rms
 
 
-@pytest.mark.parametrize("options,message", [
-    (["--q-bits", "3", "--quant-predicate", "mixed-24gb"], "mixed-24gb quantizes the experts at 4 bits; drop --q-bits 3"),
-    (["--quant-predicate", "mixed-16gb", "--q-mode", "mxfp4"], "mixed-16gb is affine; drop --q-mode mxfp4"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (
+            ["--q-bits", "3", "--quant-predicate", "mixed-24gb"],
+            "mixed-24gb quantizes the experts at 4 bits; drop --q-bits 3",
+        ),
+        (["--quant-predicate", "mixed-16gb", "--q-mode", "mxfp4"], "mixed-16gb is affine; drop --q-mode mxfp4"),
+    ],
+)
 def test_conflicting_quantization_flags_are_refused(src, tmp_path, options, message):
     assert message in cli_error(["--hf-path", str(src), "-q", *options], tmp_path / "dst")
 
@@ -370,14 +434,21 @@ def test_uniform_microscaling_quantizes_the_embedding_too(converted, reference):
 
 def test_report_lists_every_recipe(src, tmp_path):
     """The recipes that take --q-bits once per width asked for; the memory recipes once, at their own."""
-    result = CliRunner().invoke(report_command, ["--hf-path", str(src), "--work-dir", str(tmp_path), "-n", "0",
-                                                 "--q-bits", "4", "--q-bits", "8"])
+    result = CliRunner().invoke(
+        report_command,
+        ["--hf-path", str(src), "--work-dir", str(tmp_path), "-n", "0", "--q-bits", "4", "--q-bits", "8"],
+    )
     assert result.exit_code == 0, result.output
     rows = result.stdout.strip().split("\n")[2:]
     assert [r.split("  ")[0] for r in rows] == [
-        "unquantized (config dtype)", "mixed 4-bit affine g64", "mixed 8-bit affine g64",
-        "uniform 4-bit affine g64", "uniform 8-bit affine g64", "mixed-16gb 2-bit affine g64",
-        "mixed-24gb 4-bit affine g64", "mixed-32gb 6-bit affine g64",
+        "unquantized (config dtype)",
+        "mixed 4-bit affine g64",
+        "mixed 8-bit affine g64",
+        "uniform 4-bit affine g64",
+        "uniform 8-bit affine g64",
+        "mixed-16gb 2-bit affine g64",
+        "mixed-24gb 4-bit affine g64",
+        "mixed-32gb 6-bit affine g64",
     ]
     assert " 0.00e+00 " in rows[0] and " 0.00e+00 " not in rows[1]
     assert "diff acc" not in result.stdout  # -n 0: logit error only
@@ -386,12 +457,26 @@ def test_report_lists_every_recipe(src, tmp_path):
 
 def test_report_with_failed_trials_exits_1_naming_the_first(broken):
     """A --work-dir inside the source: every trial's destination is refused, so there is nothing to report."""
-    result = CliRunner().invoke(report_command, ["--hf-path", str(broken), "--work-dir", str(broken), "-n", "0",
-                                                 "--q-bits", "4", "--quant-predicate", "uniform"])
+    result = CliRunner().invoke(
+        report_command,
+        [
+            "--hf-path",
+            str(broken),
+            "--work-dir",
+            str(broken),
+            "-n",
+            "0",
+            "--q-bits",
+            "4",
+            "--quant-predicate",
+            "uniform",
+        ],
+    )
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().split("\n")
-    assert len(lines) == 1 and lines[0].startswith("Error: 2 trials failed; the first: unquantized (config dtype): "
-                                                   "failed ("), result.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "Error: 2 trials failed; the first: unquantized (config dtype): failed ("
+    ), result.stderr
     assert len(result.stdout.strip().split("\n")) == 2  # the table's header alone
 
 
@@ -399,9 +484,23 @@ def test_report_measures_the_demo_tasks(tmp_path):
     """Accuracy under diffusion (with steps per canvas) and AR: the unquantized row is what the demo
     evaluation gives the same instances; a 2-bit-expert recipe is measured the same way."""
     n = 2
-    result = CliRunner().invoke(report_command, ["--hf-path", str(DEMO_MODEL), "--work-dir", str(tmp_path),
-                                                 "--quant-predicate", "mixed-16gb", "--q-group-size", "32",
-                                                 "-n", str(n), "--seed", "5"])
+    result = CliRunner().invoke(
+        report_command,
+        [
+            "--hf-path",
+            str(DEMO_MODEL),
+            "--work-dir",
+            str(tmp_path),
+            "--quant-predicate",
+            "mixed-16gb",
+            "--q-group-size",
+            "32",
+            "-n",
+            str(n),
+            "--seed",
+            "5",
+        ],
+    )
     assert result.exit_code == 0, result.output
     header, _, *rows = result.stdout.strip().split("\n")
     assert header.split()[-5:] == ["diff", "acc", "steps", "AR", "acc"]
@@ -532,7 +631,9 @@ def test_command_line_exit_status(src, tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()
     command = [sys.executable, "-m", "mlx_dgemma.convert", "--hf-path", str(src), "--mlx-path", str(dst), "-q"]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT
+    )
     assert done.returncode == 1
     assert done.stderr.strip().split("\n") == [f"Error: {dst} already exists; pass --force to replace it"]
 
@@ -558,8 +659,11 @@ def mlx_vlm_quantize(model: nn.Module, bits: int = 4, group_size: int = 64) -> d
             return False
         if "vision" in path:  # mlx-vlm's skip_multimodal_module: the vision tower stays unquantized
             return False
-        if (path.endswith(("embed_tokens", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-                or ".self_attn." in path or "router" in path):
+        if (
+            path.endswith(("embed_tokens", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+            or ".self_attn." in path
+            or "router" in path
+        ):
             quantization[path] = {"group_size": 64, "bits": 8}  # mlx-vlm writes no "mode" here
             return quantization[path]
         return True
@@ -653,8 +757,13 @@ def test_conversion_memory_does_not_hold_the_model(tmp_path):
     src = write_checkpoint(tmp_path / "src", scaled_sizes(layers=7), "float32", shard_bytes=100 << 20)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     assert size > 250e6
-    done = subprocess.run([sys.executable, "-c", PEAK_RSS, str(src), str(tmp_path / "dst")], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, str(src), str(tmp_path / "dst")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
     imported, peak = map(int, done.stdout.split())
     assert peak - imported < size / 3, (peak - imported) / 1e6
     assert (tmp_path / "dst" / "model.safetensors.index.json").exists()

@@ -55,6 +55,6 @@ def test_history_puts_answered_turns_before_the_prompt():
     _, tokenizer = load(DEMO_MODEL)
     alone = prompt_ids(tokenizer, "reverse: planet")
     ids = with_history(tokenizer, "reverse: planet", 300, random.Random(0))
-    assert len(ids) >= 300 and ids[:1] == alone[:1] and ids[-(len(alone) - 1):] == alone[1:]
+    assert len(ids) >= 300 and ids[:1] == alone[:1] and ids[-(len(alone) - 1) :] == alone[1:]
     text = tokenizer.decode(ids)
     assert text.count("<|turn>user") == text.count("<|turn>model") >= 2

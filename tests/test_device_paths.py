@@ -111,6 +111,7 @@ def test_cpu_kernels_give_mlx_gradients(numpy_always):
     heads, queries, dim, keys, value_dim = q.shape[1], q.shape[2], q.shape[3], k.shape[2], v.shape[3]
     chained = dim + 2 * keys + (value_dim + 2 * keys + heads * queries) + dim
     for m in (mask, None):
+
         def loss(q, k, v, kern):
             return (kern.attention(q, k, v, m) ** 2).sum()
 
@@ -177,8 +178,12 @@ def test_expert_products_get_operands_of_their_own(checkpoints, expert_operands,
 
     model, _ = load(checkpoints("mixed"))
     if quantized:
-        nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: hasattr(m, "to_quantized")
-                    and m.weight.shape[-1] % 32 == 0)
+        nn.quantize(
+            model,
+            group_size=32,
+            bits=4,
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0,
+        )
     model.use_kernels(kernels.MLX)
     sizes = PRESETS["mixed"]
     rng = np.random.default_rng(0)

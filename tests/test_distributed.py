@@ -26,8 +26,9 @@ from mlx_dgemma.safetensors_io import read_header, read_tensor
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "mlx_dgemma" / "demo"
 LAUNCH = shutil.which("mlx.launch")
-needs_launch = pytest.mark.skipif(LAUNCH is None or not mx.distributed.is_available(),
-                                  reason="mlx.launch and a distributed backend are needed")
+needs_launch = pytest.mark.skipif(
+    LAUNCH is None or not mx.distributed.is_available(), reason="mlx.launch and a distributed backend are needed"
+)
 PROMPT = "sort: 42 17 85 23 61"
 
 
@@ -39,14 +40,33 @@ def _env(**extra) -> dict:
 
 
 def single(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", *args], capture_output=True, text=True,
-                          env=_env(), timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.generate", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def sharded(*args: str, ranks: int = 2) -> subprocess.CompletedProcess:
     # Ports of our own: two launches on one machine at the default ports would join each other's ring.
-    command = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(_free_ports(ranks)),
-               "--python", sys.executable, "--", "-m", "mlx_dgemma.generate", *args]
+    command = [
+        LAUNCH,
+        "-n",
+        str(ranks),
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(_free_ports(ranks)),
+        "--python",
+        sys.executable,
+        "--",
+        "-m",
+        "mlx_dgemma.generate",
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
 
 
@@ -143,8 +163,19 @@ def test_two_ranks_on_the_demo_other_policies(policy):
 @needs_launch
 @pytest.mark.slow
 def test_batch_engine_templates_and_schemas_on_two_ranks():
-    command = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(2)), "--python",
-               sys.executable, str(ROOT / "tests" / "sharded_check.py"), str(DEMO)]
+    command = [
+        LAUNCH,
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(_free_ports(2)),
+        "--python",
+        sys.executable,
+        str(ROOT / "tests" / "sharded_check.py"),
+        str(DEMO),
+    ]
     run = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert run.returncode == 0 and run.stdout.strip(), run.stderr
     seen = json.loads(run.stdout.strip().split("\n")[-1])
@@ -161,11 +192,30 @@ def test_batch_engine_templates_and_schemas_on_two_ranks():
 def test_two_ranks_plan_auto_from_rank_0s_profile(tmp_path):
     """Each rank's own timings would differ; they measure together and all use rank 0's profile."""
     first = _free_ports(2)
-    command = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(first), "--python", sys.executable,
-               "--", "-m", "mlx_dgemma.generate", "--prompt", PROMPT, "--policy", "auto", "--seed", "2"]
+    command = [
+        LAUNCH,
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(first),
+        "--python",
+        sys.executable,
+        "--",
+        "-m",
+        "mlx_dgemma.generate",
+        "--prompt",
+        PROMPT,
+        "--policy",
+        "auto",
+        "--seed",
+        "2",
+    ]
     for _ in range(2):  # measured, then read from rank 0's cache
-        run = subprocess.run(command, capture_output=True, text=True, env=_env(HOME=str(tmp_path)), timeout=300,
-                             cwd=ROOT)
+        run = subprocess.run(
+            command, capture_output=True, text=True, env=_env(HOME=str(tmp_path)), timeout=300, cwd=ROOT
+        )
         assert run.returncode == 0 and run.stdout.strip(), run.stderr
     assert len(list((tmp_path / ".cache" / "mlx_dgemma" / "profiles").glob("*.json"))) == 1
 
@@ -179,8 +229,14 @@ def many_experts(checkpoints, tmp_path_factory):
     for f in DEMO.glob("tokenizer*"):
         shutil.copy(f, folder)
     quantized = folder.parent / "q4"
-    done = subprocess.run([sys.executable, "-m", "mlx_dgemma.convert", "--hf-path", str(folder), "--mlx-path",
-                           str(quantized), "-q"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.convert", "--hf-path", str(folder), "--mlx-path", str(quantized), "-q"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     for f in DEMO.glob("tokenizer*"):
         shutil.copy(f, quantized)
@@ -192,10 +248,10 @@ def many_experts(checkpoints, tmp_path_factory):
         stacked = weights.pop(key)
         for e in range(stacked.shape[0]):
             if key.endswith("down_proj"):
-                weights[f"{key[:-len('down_proj')]}{e}.down_proj.weight"] = stacked[e]
+                weights[f"{key[: -len('down_proj')]}{e}.down_proj.weight"] = stacked[e]
             else:
-                weights[f"{key[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = stacked[e, :inner]
-                weights[f"{key[:-len('gate_up_proj')]}{e}.up_proj.weight"] = stacked[e, inner:]
+                weights[f"{key[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = stacked[e, :inner]
+                weights[f"{key[: -len('gate_up_proj')]}{e}.up_proj.weight"] = stacked[e, inner:]
     mx.save_safetensors(str(per_expert / "model.safetensors"), weights)
     return {"fp32": folder, "4-bit": quantized, "per-expert": per_expert}
 
@@ -208,12 +264,23 @@ def many_experts_config() -> dict:
 
 @needs_launch
 @pytest.mark.slow
-@pytest.mark.parametrize("which, policy", [("fp32", "reference"), ("fp32", "ar"), ("fp32", "fast"), ("fp32", "verified"),
-                                           ("4-bit", "reference"), ("4-bit", "ar"), ("per-expert", "reference")])
+@pytest.mark.parametrize(
+    "which, policy",
+    [
+        ("fp32", "reference"),
+        ("fp32", "ar"),
+        ("fp32", "fast"),
+        ("fp32", "verified"),
+        ("4-bit", "reference"),
+        ("4-bit", "ar"),
+        ("per-expert", "reference"),
+    ],
+)
 def test_two_ranks_write_the_single_process_text_on_a_random_checkpoint(many_experts, policy, which):
     folder = many_experts[which]
-    assert_same_text("--model", str(folder), "--prompt", "hello there", "--seed", "5", "--max-tokens", "48",
-                     "--policy", policy)
+    assert_same_text(
+        "--model", str(folder), "--prompt", "hello there", "--seed", "5", "--max-tokens", "48", "--policy", policy
+    )
 
 
 @needs_launch
@@ -247,8 +314,14 @@ def _free_ports(n: int) -> int:
 
 def _rank(rank: int, hostfile: Path, *args: str, timeout: str = "4") -> subprocess.Popen:
     env = _env(MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank), **{distributed.TIMEOUT_ENV: timeout})
-    return subprocess.Popen([sys.executable, "-m", "mlx_dgemma.generate", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlx_dgemma.generate", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _hostfile(tmp_path: Path) -> Path:

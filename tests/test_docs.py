@@ -36,8 +36,20 @@ CHAIN = {"&&", "||", ";", "|", "&"}
 REDIRECT = re.compile(r"^\d*(<<|<|>|>>)$")
 PYTHONS = {"python", "python3", "$(which python)", "$(which python3)"}
 NEVER_RUN = {"pip", "pytest", "mlx_dgemma.server"}  # changes the environment, runs the suite, or serves for ever
-INPUT_FLAGS = {"--model", "--hf-path", "--data", "-c", "--config", "--template", "--schema", "--image",
-               "--peer-python", "--peer-script", "--resume-adapter-file", "--adapter-path"}
+INPUT_FLAGS = {
+    "--model",
+    "--hf-path",
+    "--data",
+    "-c",
+    "--config",
+    "--template",
+    "--schema",
+    "--image",
+    "--peer-python",
+    "--peer-script",
+    "--resume-adapter-file",
+    "--adapter-path",
+}
 SECOND_MACHINE = {"--hostfile", "--hosts"}
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]+$")  # PATH, CK, DIR, SRC: a value the reader fills in
 QUICK = {"mlx_dgemma.generate"}  # seconds on the bundled demo
@@ -168,9 +180,15 @@ def commands_in(text: str, name: str) -> list[list[Command]]:
 
 def console_scripts() -> dict[str, list[str]]:
     """Executable name → the argv prefix that runs it with this interpreter."""
-    scripts = {name: [sys.executable, "-c", f"import sys; from {target.split(':')[0]} import "
-                      f"{target.split(':')[1]} as m; sys.argv[0] = {name!r}; sys.exit(m())"]
-               for name, target in SCRIPTS_TABLE.items()}
+    scripts = {
+        name: [
+            sys.executable,
+            "-c",
+            f"import sys; from {target.split(':')[0]} import "
+            f"{target.split(':')[1]} as m; sys.argv[0] = {name!r}; sys.exit(m())",
+        ]
+        for name, target in SCRIPTS_TABLE.items()
+    }
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="console_scripts"):
@@ -197,12 +215,12 @@ def entry_point(cmd: Command) -> EntryPoint | None:
         return python_entry(rest)
     if head == "mlx.launch":
         if "--" in rest:
-            inner = rest[rest.index("--") + 1:]
+            inner = rest[rest.index("--") + 1 :]
         else:
-            inner = rest[next((i for i, a in enumerate(rest) if a.endswith(".py")), len(rest)):]
+            inner = rest[next((i for i, a in enumerate(rest) if a.endswith(".py")), len(rest)) :]
         ep = python_entry(inner)
         if ep is not None:
-            ep.launcher = Command(cmd.page, cmd.line, cmd.argv[:len(cmd.argv) - len(inner)], cmd.env)
+            ep.launcher = Command(cmd.page, cmd.line, cmd.argv[: len(cmd.argv) - len(inner)], cmd.env)
         return ep
     if head in SCRIPTS:
         return EntryPoint(SCRIPTS[head], head, rest)
@@ -237,8 +255,9 @@ def python_bin() -> str:
 @functools.cache
 def help_text(program: tuple[str, ...], cwd: str = ".") -> str | None:
     """`PROGRAM --help`'s output, or None when it fails."""
-    proc = subprocess.run([*program, "--help"], cwd=ROOT / cwd, env=env_for({}), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [*program, "--help"], cwd=ROOT / cwd, env=env_for({}), capture_output=True, text=True, timeout=120
+    )
     return proc.stdout + proc.stderr if proc.returncode == 0 else None
 
 
@@ -294,8 +313,13 @@ def missing_flags(program: list[str], args: list[str], cwd: str = ".", source: P
 def check_parses(cmd: Command) -> list[str]:
     """What is wrong with ``cmd`` as written (empty when nothing)."""
     if cmd.argv[0] in ("pip", "pip3") or cmd.argv[1:3] == ["-m", "pip"]:
-        return [f"{cmd}: no extra {e!r} in pyproject.toml" for a in cmd.argv for group in re.findall(r"^\.\[(.+)\]$", a)
-                for e in group.split(",") if e not in EXTRAS]
+        return [
+            f"{cmd}: no extra {e!r} in pyproject.toml"
+            for a in cmd.argv
+            for group in re.findall(r"^\.\[(.+)\]$", a)
+            for e in group.split(",")
+            if e not in EXTRAS
+        ]
     ep = entry_point(cmd)
     if ep is None:
         return []
@@ -360,8 +384,15 @@ def run(cmd: Command, root: Path, quick: bool, timeout: float) -> str | None:
     temp.mkdir(exist_ok=True)
     stdin = open(cwd / cmd.stdin, "rb") if cmd.stdin else subprocess.DEVNULL
     # A session of its own, so that a timeout ends what the command started too (a server, ranks).
-    proc = subprocess.Popen(argv, cwd=cwd, env=env_for({**cmd.env, "TMPDIR": str(temp)}, root), stdin=stdin,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env_for({**cmd.env, "TMPDIR": str(temp)}, root),
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -381,8 +412,9 @@ def run(cmd: Command, root: Path, quick: bool, timeout: float) -> str | None:
 def repo_copy(tmp_path: Path) -> Path:
     """The working tree without .git: commands that write next to themselves write here."""
     copy = tmp_path / "repo"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache",
-                                                              ".ruff_cache", "*.egg-info"))
+    shutil.copytree(
+        ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info")
+    )
     return copy
 
 
@@ -439,8 +471,10 @@ def test_commands_run(page, tmp_path):
 
 
 def test_shell_lines_are_split_as_a_shell_splits_them():
-    text = ("```bash\nA=1 python -m mod --x 1 \\\n  --y 'a b' && pip install -e '.[test]'  # note\n"
-            "python s.py < in.txt > out.txt\ncurl -d '{\"a\":\n 1}' u\n```\n```python\nprint(1)\n```\n")
+    text = (
+        "```bash\nA=1 python -m mod --x 1 \\\n  --y 'a b' && pip install -e '.[test]'  # note\n"
+        "python s.py < in.txt > out.txt\ncurl -d '{\"a\":\n 1}' u\n```\n```python\nprint(1)\n```\n"
+    )
     [block] = commands_in(text, "x.md")
     assert [(c.argv, c.env, c.stdin, c.stdout) for c in block] == [
         (["python", "-m", "mod", "--x", "1", "--y", "a b"], {"A": "1"}, None, None),
@@ -450,12 +484,17 @@ def test_shell_lines_are_split_as_a_shell_splits_them():
     ]
     assert flags(block[0].argv) == ["-m", "--x", "--y"]
 
-    [block] = commands_in("```console\n$ cd examples && python chat.py --turns 2\npython - <<EOF\nprint(1)\n"
-                          "python -m x\nEOF\necho hi | python -m y --prompt -\n```\n", "x.md")
-    assert [(c.argv, c.cwd, c.piped) for c in block] == [(["python", "chat.py", "--turns", "2"], "examples", False),
-                                                          (["python", "-"], "examples", False),
-                                                          (["echo", "hi"], "examples", False),
-                                                          (["python", "-m", "y", "--prompt", "-"], "examples", True)]
+    [block] = commands_in(
+        "```console\n$ cd examples && python chat.py --turns 2\npython - <<EOF\nprint(1)\n"
+        "python -m x\nEOF\necho hi | python -m y --prompt -\n```\n",
+        "x.md",
+    )
+    assert [(c.argv, c.cwd, c.piped) for c in block] == [
+        (["python", "chat.py", "--turns", "2"], "examples", False),
+        (["python", "-"], "examples", False),
+        (["echo", "hi"], "examples", False),
+        (["python", "-m", "y", "--prompt", "-"], "examples", True),
+    ]
 
 
 def test_parse_check_finds_what_is_wrong():
@@ -481,15 +520,22 @@ def test_readme_predicted_table_is_what_the_roofline_predicts():
     predicted = predicted_table()
     for device, cells in rows:
         p = predicted[device]
-        expected = [f"{p['ar_tok_s']:.1f}", f"{p['diffusion_tok_s']:.1f}", f"{p['speedup']:.2f}x",
-                    f"{p['verified_tok_s']:.1f} ({p['verified_length']}/{p['verified_steps']})",
-                    f"{p['verified_half_tok_s']:.1f} ({p['verified_half_length']}/{p['verified_half_steps']})"]
+        expected = [
+            f"{p['ar_tok_s']:.1f}",
+            f"{p['diffusion_tok_s']:.1f}",
+            f"{p['speedup']:.2f}x",
+            f"{p['verified_tok_s']:.1f} ({p['verified_length']}/{p['verified_steps']})",
+            f"{p['verified_half_tok_s']:.1f} ({p['verified_half_length']}/{p['verified_half_steps']})",
+        ]
         assert [c.strip() for c in cells.split("|")] == expected, device
 
 
 def test_a_command_that_fails_is_reported(tmp_path):
-    [[good, bad]] = commands_in('```bash\npython -m mlx_dgemma.generate --prompt "reverse: abc"\n'
-                                'python -m mlx_dgemma.generate --prompt " "\n```\n', "x.md")
+    [[good, bad]] = commands_in(
+        '```bash\npython -m mlx_dgemma.generate --prompt "reverse: abc"\n'
+        'python -m mlx_dgemma.generate --prompt " "\n```\n',
+        "x.md",
+    )
     root = repo_copy(tmp_path)
     assert run(good, root, quick=True, timeout=120) is None
     assert "exit 1: Error: the prompt is empty" in run(bad, root, quick=True, timeout=120)

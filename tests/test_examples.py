@@ -11,8 +11,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def run(name: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300,
-                         cwd=EXAMPLES.parent)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 

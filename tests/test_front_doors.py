@@ -49,16 +49,21 @@ def held_out(n: int) -> list[str]:
 def command_line(prompt: str, schema: dict, seed: int, policy: str, tmp_path) -> str:
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
-    result = CliRunner().invoke(main, ["--prompt", prompt, "--schema", str(path), "--seed", str(seed),
-                                       "--policy", policy])
+    result = CliRunner().invoke(
+        main, ["--prompt", prompt, "--schema", str(path), "--seed", str(seed), "--policy", policy]
+    )
     assert result.exit_code == 0, result.output
     return result.output.removesuffix("\n")
 
 
 def served(client, prompt: str, schema: dict, seed: int, policy: str) -> str:
     completion = client.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": prompt}], seed=seed, extra_body={"policy": policy},
-        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": prompt}],
+        seed=seed,
+        extra_body={"policy": policy},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
     return completion.choices[0].message.content
 
 
@@ -73,9 +78,11 @@ def test_the_api_the_command_line_and_the_server_answer_alike(demo, client, tmp_
 
     for seed, prompt in enumerate(held_out(PROMPTS)):
         schema = json_schema(prompt)
-        answers = {"api": fresh(generate, model, tokenizer, prompt, schema=schema, seed=seed, policy=policy),
-                   "cli": command_line(prompt, schema, seed, policy, tmp_path),
-                   "server": fresh(served, client, prompt, schema, seed, policy)}
+        answers = {
+            "api": fresh(generate, model, tokenizer, prompt, schema=schema, seed=seed, policy=policy),
+            "cli": command_line(prompt, schema, seed, policy, tmp_path),
+            "server": fresh(served, client, prompt, schema, seed, policy),
+        }
         assert len(set(answers.values())) == 1, (prompt, answers)
         jsonschema.validate(json.loads(answers["api"]), schema)
 
@@ -108,19 +115,48 @@ def test_each_check_runs_once_per_server_request(client, counted):
     prompt = held_out(1)[0]
     schema = json_schema(prompt)
     asked = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-    client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": prompt}], n=2, seed=0,
-                                   response_format=asked, extra_body={"policy": "ar"})
-    assert counted == {"check_prompt_fits": 1, "check_closing_room": 1, "check_closing_fits": 1,
-                       "check_template_fits": 0}
+    client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": prompt}],
+        n=2,
+        seed=0,
+        response_format=asked,
+        extra_body={"policy": "ar"},
+    )
+    assert counted == {
+        "check_prompt_fits": 1,
+        "check_closing_room": 1,
+        "check_closing_fits": 1,
+        "check_template_fits": 0,
+    }
     for name in CHECKS:
         counted[name] = 0
-    client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "sort: 9 4 1"}], n=2,
-                                   seed=0, extra_body={"template": "1 {{fill:3}} 9"})
-    assert counted == {"check_prompt_fits": 1, "check_closing_room": 0, "check_closing_fits": 0,
-                       "check_template_fits": 1}
+    client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "sort: 9 4 1"}],
+        n=2,
+        seed=0,
+        extra_body={"template": "1 {{fill:3}} 9"},
+    )
+    assert counted == {
+        "check_prompt_fits": 1,
+        "check_closing_room": 0,
+        "check_closing_fits": 0,
+        "check_template_fits": 1,
+    }
     for name in CHECKS:
         counted[name] = 0
-    client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": prompt}], n=2, seed=0,
-                                   response_format=asked, extra_body={"policy": "reference"})
-    assert counted == {"check_prompt_fits": 1, "check_closing_room": 0, "check_closing_fits": 0,
-                       "check_template_fits": 1}
+    client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": prompt}],
+        n=2,
+        seed=0,
+        response_format=asked,
+        extra_body={"policy": "reference"},
+    )
+    assert counted == {
+        "check_prompt_fits": 1,
+        "check_closing_room": 0,
+        "check_closing_fits": 0,
+        "check_template_fits": 1,
+    }

@@ -24,8 +24,18 @@ from mlx_dgemma.loader import load_model  # noqa: E402
 def test_released_sizes_are_the_released_config():
     sizes = full_scale.released_sizes(30)
     config = full_scale.ModelConfig.from_dict(full_scale.hf_config(sizes, "bfloat16"))
-    for name in ("vocab_size", "hidden_size", "num_experts", "top_k_experts", "moe_intermediate_size", "head_dim",
-                 "global_head_dim", "num_global_key_value_heads", "sliding_window", "layer_types"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_experts",
+        "top_k_experts",
+        "moe_intermediate_size",
+        "head_dim",
+        "global_head_dim",
+        "num_global_key_value_heads",
+        "sliding_window",
+        "layer_types",
+    ):
         assert getattr(config, name) == getattr(RELEASED, name), name
     assert 50.4e9 < full_scale.source_bytes(sizes, "bfloat16") < 50.6e9  # the issue's 50.5 GB
     assert full_scale.released_sizes(2)["layer_types"] == ["sliding_attention", "full_attention"]
@@ -40,8 +50,9 @@ def test_model_made_in_memory_is_quantized_as_the_converter_does(tmp_path):
     checkpoint gives it, and leaves nothing unfilled."""
     sizes = scaled_sizes(2, width=8)
     write_checkpoint(tmp_path / "src", sizes)
-    convert(str(tmp_path / "src"), str(tmp_path / "dst"), quantize=True, q_bits=4, quant_predicate="mixed",
-            progress=False)
+    convert(
+        str(tmp_path / "src"), str(tmp_path / "dst"), quantize=True, q_bits=4, quant_predicate="mixed", progress=False
+    )
     converted = quantized_modules(load_model(tmp_path / "dst"))
     model, _ = full_scale.random_model(sizes, "mixed", 4, "bfloat16")
     assert quantized_modules(model) == converted
@@ -76,11 +87,25 @@ QUICK = ["--prompt", "8", "--ar-tokens", "2", "--steps", "1", "--canvas", "16", 
 @pytest.mark.slow
 def test_full_scale_at_two_layers(tmp_path):
     """Writes, converts, loads and runs each policy at the released shapes (2 layers), then cleans up."""
-    run = subprocess.run([sys.executable, "benchmarks/full_scale.py", "--layers", "2", "--work-dir", str(tmp_path),
-                          *QUICK], cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    run = subprocess.run(
+        [sys.executable, "benchmarks/full_scale.py", "--layers", "2", "--work-dir", str(tmp_path), *QUICK],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
-    for stage in ("source written", "converted", "loaded", "prefill", "AR answer", "verified round", "diffusion canvas",
-                  "peak", "load and runs"):
+    for stage in (
+        "source written",
+        "converted",
+        "loaded",
+        "prefill",
+        "AR answer",
+        "verified round",
+        "diffusion canvas",
+        "peak",
+        "load and runs",
+    ):
         assert f"\n{stage}" in run.stdout, stage
     assert list(tmp_path.iterdir()) == []
 
@@ -89,8 +114,9 @@ def test_gpu_suite_dry_run():
     """benchmarks/gpu_suite.sh, the GPU run, in its CPU dry run: every step wired (the parity tests
     collected; each benchmark on a small model of the released layout), and the sweep's figures printed
     beside the roofline's for the device."""
-    run = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
+    run = subprocess.run(
+        ["bash", "benchmarks/gpu_suite.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     lines = run.stdout.split("\n")
     assert lines[-2] == "gpu_suite: all steps passed"
@@ -101,8 +127,12 @@ def test_gpu_suite_dry_run():
     number = r"\s+\d+\.\d\d"
     for start in sweeps:
         assert "predicted (H200)" in lines[start + 1]
-        rows = [("AR", "tok/s", True), ("prefill", "tok/s", True), ("step at 16", "ms", True),
-                ("crossover at 16", "steps", False)]
-        for line, (row, unit, ratio) in zip(lines[start + 2:], rows):
+        rows = [
+            ("AR", "tok/s", True),
+            ("prefill", "tok/s", True),
+            ("step at 16", "ms", True),
+            ("crossover at 16", "steps", False),
+        ]
+        for line, (row, unit, ratio) in zip(lines[start + 2 :], rows):
             pattern = row + 2 * f"{number} {unit}" + (f"{number}x" if ratio else "")  # measured, predicted, x roofline
             assert re.fullmatch(pattern, line.rstrip()), line

@@ -126,8 +126,10 @@ def test_cli_view_shows_every_step(chat_checkpoint, chat_model, reference_run):
     for canvas, response in enumerate(reference_run, start=1):
         for draft in response.drafts:
             pieces = "".join(_visible(tokenizer.piece(t)) for t in draft.tokens)
-            expected.append(f"[canvas {canvas} · step {draft.step}/{STEPS} · {sum(draft.accepted)}/{C} accepted · "
-                            f"mean entropy {draft.mean_entropy:.3f}] {pieces}")
+            expected.append(
+                f"[canvas {canvas} · step {draft.step}/{STEPS} · {sum(draft.accepted)}/{C} accepted · "
+                f"mean entropy {draft.mean_entropy:.3f}] {pieces}"
+            )
         expected.append(f"[canvas {canvas} committed] {response.text}")
     assert result.output.removesuffix("\n").split("\n") == expected  # "\n" alone ends a line: the text may hold \x1c
 
@@ -141,7 +143,7 @@ def test_view_redraws_in_place_on_a_terminal(chat_model):
     first = out.getvalue()
     assert SAVE in first and RESTORE_AND_CLEAR not in first and f"{ACCEPTED}a" in first and "step 1/4" in first
     view.step(Draft(2, tokens, np.array([False, True, False, False]), 1.0))
-    second = out.getvalue()[len(first):]
+    second = out.getvalue()[len(first) :]
     assert second.startswith(RESTORE_AND_CLEAR) and f"{ACCEPTED}b" in second and "step 2/4" in second
     view.commit("abcd")
     assert out.getvalue().endswith(RESTORE_AND_CLEAR + "abcd")
@@ -171,10 +173,13 @@ def test_cli_verbose_false_is_the_text_alone(chat_checkpoint):
     assert refused.exit_code == 2 and "'maybe' is not a valid boolean" in refused.output
 
 
-@pytest.mark.parametrize("args, prompt_ids_kwargs", [
-    (["--system-prompt", "be brief"], {"system_prompt": "be brief"}),
-    (["--ignore-chat-template"], {"chat_template": False}),
-])
+@pytest.mark.parametrize(
+    "args, prompt_ids_kwargs",
+    [
+        (["--system-prompt", "be brief"], {"system_prompt": "be brief"}),
+        (["--ignore-chat-template"], {"chat_template": False}),
+    ],
+)
 def test_cli_prompt_options(chat_checkpoint, chat_model, args, prompt_ids_kwargs):
     _, tokenizer = chat_model
     ids = prompt_ids(tokenizer, PROMPT, **prompt_ids_kwargs)
@@ -183,14 +188,17 @@ def test_cli_prompt_options(chat_checkpoint, chat_model, args, prompt_ids_kwargs
     assert result.exit_code == 0 and f"Prompt: {len(ids)} tokens" in result.output
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "/no/such/model"], "is not a folder"),
-    (["--steps", "0"], "--steps must be an integer from 1 to 512, got 0"),
-    (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
-    (["--prompt", "x" * 5000], "does not fit the model's context of 4096 tokens"),
-    (["--temp-min", "0.9", "--temp-max", "0.5"], "temp-min < temp-max"),
-    (["--entropy-bound", "0"], "--entropy-bound must be > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model"], "is not a folder"),
+        (["--steps", "0"], "--steps must be an integer from 1 to 512, got 0"),
+        (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
+        (["--prompt", "x" * 5000], "does not fit the model's context of 4096 tokens"),
+        (["--temp-min", "0.9", "--temp-max", "0.5"], "temp-min < temp-max"),
+        (["--entropy-bound", "0"], "--entropy-bound must be > 0"),
+    ],
+)
 def test_cli_bad_input_is_a_one_line_error(chat_checkpoint, args, message):
     result = invoke(chat_checkpoint, *args)
     assert result.exit_code != 0
@@ -212,11 +220,16 @@ def test_an_extra_eos_token_ends_the_answer_where_it_first_comes(policy):
     assert cut.output.rstrip("\n") == text[: text.index(token)]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--extra-eos-token", "ab"], "Error: --extra-eos-token 'ab' is 2 tokens, not one; give one token's text or a "
-                                  "special token's name"),
-    (["--extra-eos-token", "1", "--template", __file__], "Error: --extra-eos-token ends free text;"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--extra-eos-token", "ab"],
+            "Error: --extra-eos-token 'ab' is 2 tokens, not one; give one token's text or a special token's name",
+        ),
+        (["--extra-eos-token", "1", "--template", __file__], "Error: --extra-eos-token ends free text;"),
+    ],
+)
 def test_an_extra_eos_token_that_is_not_one_token_or_meets_a_layout_is_refused(args, message):
     result = CliRunner().invoke(main, ["--prompt", "x", *args])
     assert result.exit_code == 1 and result.output.startswith(message), result.output

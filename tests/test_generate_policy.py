@@ -63,16 +63,35 @@ def test_auto_policy_follows_the_device_profile(pattern):
     tokens (compute-bound), diffusion where steps are cheap and few, verified drafting where a short
     draft and its check cost about an AR token each."""
     model, tokenizer = pattern
-    compute_bound = Profile("mac-like", "measured", {2: 0.02, 16: 0.05, 256: 0.256}, ar_token_s=0.01,
-                            prefill_tok_s=1e3, verify_s_by_length={2: 0.02, 16: 0.05})
-    bandwidth_bound = Profile("gpu-like", "measured", {2: 0.002, 16: 0.002, 256: 0.004}, ar_token_s=0.004,
-                              prefill_tok_s=1e4, verify_s_by_length={2: 0.004, 16: 0.004})
-    draft_friendly = Profile("cpu-like", "measured", {2: 0.003, 16: 0.004, 256: 0.064}, ar_token_s=0.004,
-                             prefill_tok_s=1e4, verify_s_by_length={2: 0.003, 16: 0.004})
+    compute_bound = Profile(
+        "mac-like",
+        "measured",
+        {2: 0.02, 16: 0.05, 256: 0.256},
+        ar_token_s=0.01,
+        prefill_tok_s=1e3,
+        verify_s_by_length={2: 0.02, 16: 0.05},
+    )
+    bandwidth_bound = Profile(
+        "gpu-like",
+        "measured",
+        {2: 0.002, 16: 0.002, 256: 0.004},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.004, 16: 0.004},
+    )
+    draft_friendly = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.003, 16: 0.004, 256: 0.064},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.003, 16: 0.004},
+    )
     cases = ((compute_bound, 16, "ar"), (bandwidth_bound, 2, "diffusion"), (draft_friendly, 16, "verified"))
     for profile, steps, mode in cases:
-        response = next(stream_generate(model, tokenizer, PROMPT, 8, policy="auto", profile=profile,
-                                        expected_steps=steps))
+        response = next(
+            stream_generate(model, tokenizer, PROMPT, 8, policy="auto", profile=profile, expected_steps=steps)
+        )
         assert response.plan.mode == mode, profile.device
         text = response.plan.explain()
         assert profile.device in text and all(name in text for name in ("reference", "fast", "ar", "verified"))
@@ -85,8 +104,14 @@ def test_auto_learns_from_what_it_observes(pattern):
     from mlx_dgemma.model.config import GenerationConfig
 
     model, tokenizer = pattern
-    profile = Profile("cpu-like", "measured", {2: 0.008, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
-                      prefill_tok_s=1e4, verify_s_by_length={2: 0.05, 16: 0.05})
+    profile = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.008, 16: 0.016, 256: 0.256},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.05, 16: 0.05},
+    )
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=1)
     assert planner.choose(64).mode == "diffusion"
     for _ in range(4):
@@ -101,8 +126,14 @@ def test_auto_expects_answers_as_long_as_the_last_ones():
     from mlx_dgemma.engine.policy import AutoPlanner
     from mlx_dgemma.model.config import GenerationConfig
 
-    profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
-                      verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
+    profile = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.008, 8: 0.012, 16: 0.016},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
+    )
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
     assert planner.choose(64).mode == "diffusion"  # a whole canvas in 2 steps: 500 tok/s (fast more), AR 250
     for _ in range(3):
@@ -123,8 +154,14 @@ def planner_of_two_answer_lengths():
     from mlx_dgemma.engine.policy import AutoPlanner
     from mlx_dgemma.model.config import GenerationConfig
 
-    profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
-                      verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
+    profile = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.008, 8: 0.012, 16: 0.016},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
+    )
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
     template, short, long = [2, 105, 9], [40, 41], [50, 51]
     for i in range(8):
@@ -153,8 +190,14 @@ def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
 def test_auto_learns_each_answers_length(pattern):
     model, tokenizer = pattern
     PLANNERS.set(model, None)
-    profile = Profile("any", "measured", {2: 0.01, 16: 0.01}, ar_token_s=0.01, prefill_tok_s=1e3,
-                      verify_s_by_length={2: 0.01, 16: 0.01})
+    profile = Profile(
+        "any",
+        "measured",
+        {2: 0.01, 16: 0.01},
+        ar_token_s=0.01,
+        prefill_tok_s=1e3,
+        verify_s_by_length={2: 0.01, 16: 0.01},
+    )
     lengths = []
     for max_tokens in (5, 21):
         responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens, policy="auto", profile=profile))
@@ -188,8 +231,9 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern, monkeypatch):
     PLANNERS.set(model, Scripted(script, GenerationConfig(max_denoising_steps=4), 16, profile))
     responses = list(stream_generate(model, tokenizer, PROMPT, 80, policy="auto", profile=profile, seed=0))
     assert responses[-1].finish_reason == "length"  # no stop id cut the script short
-    assert [r.plan.mode for r in responses][:len(script)] == [make_plan(m, GenerationConfig(), 16, 8).mode
-                                                                 for m in script]
+    assert [r.plan.mode for r in responses][: len(script)] == [
+        make_plan(m, GenerationConfig(), 16, 8).mode for m in script
+    ]
     emitted = list(PROMPT)
     for r in responses:
         if r.plan.mode != "diffusion":
@@ -216,8 +260,14 @@ def test_auto_runs_a_close_second_again_now_and_then():
     from mlx_dgemma.engine.policy import EXPLORE_EVERY, EXPLORE_WITHIN, AutoPlanner
     from mlx_dgemma.model.config import GenerationConfig
 
-    profile = Profile("cpu-like", "measured", {2: 0.0055, 16: 0.016, 256: 0.256}, ar_token_s=0.004,
-                      prefill_tok_s=1e4, verify_s_by_length={2: 0.0055, 16: 0.016})
+    profile = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.0055, 16: 0.016, 256: 0.256},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.0055, 16: 0.016},
+    )
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=48), 16, profile, expected_steps=48)
     predicted = planner.predictions(64)
     assert max(predicted, key=lambda n: predicted[n][0]) == "ar"
@@ -233,9 +283,19 @@ def test_overrides_apply_on_top_of_given_settings():
     from mlx_dgemma.engine.sampler import SamplerSettings
 
     model, tokenizer = load(DEMO_MODEL)
-    responses = list(stream_generate(model, tokenizer, "sort: 42 17 85 23 61", 32, seed=0,
-                                     settings=SamplerSettings(steps=20, confidence_threshold=1e-30), steps=3,
-                                     freeze_after=1, drafts=True))
+    responses = list(
+        stream_generate(
+            model,
+            tokenizer,
+            "sort: 42 17 85 23 61",
+            32,
+            seed=0,
+            settings=SamplerSettings(steps=20, confidence_threshold=1e-30),
+            steps=3,
+            freeze_after=1,
+            drafts=True,
+        )
+    )
     assert responses[0].steps == 3 == len(responses[0].drafts)  # the override's step count, not the settings'
     assert responses[0].plan.settings.steps == 3
 
@@ -243,11 +303,28 @@ def test_overrides_apply_on_top_of_given_settings():
 def test_auto_applies_the_callers_settings_to_every_plan(pattern):
     """Auto re-plans at every canvas; each plan carries the caller's sampler numbers (none dropped)."""
     model, tokenizer = pattern
-    cheap_steps = Profile("gpu-like", "measured", {2: 0.002, 16: 0.002, 256: 0.004}, ar_token_s=0.004,
-                          prefill_tok_s=1e4, verify_s_by_length={2: 0.004, 16: 0.004})
+    cheap_steps = Profile(
+        "gpu-like",
+        "measured",
+        {2: 0.002, 16: 0.002, 256: 0.004},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.004, 16: 0.004},
+    )
     assert model.generation_config.max_denoising_steps > 2
-    responses = list(stream_generate(model, tokenizer, PROMPT, 32, policy="auto", profile=cheap_steps,
-                                     expected_steps=2, steps=2, entropy_bound=0.7))
+    responses = list(
+        stream_generate(
+            model,
+            tokenizer,
+            PROMPT,
+            32,
+            policy="auto",
+            profile=cheap_steps,
+            expected_steps=2,
+            steps=2,
+            entropy_bound=0.7,
+        )
+    )
     diffused = [r for r in responses if r.plan.mode == "diffusion"]
     assert diffused, [r.plan.mode for r in responses]
     for r in diffused:
@@ -263,8 +340,14 @@ def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
     from mlx_dgemma.engine.policy import AutoPlanner
     from mlx_dgemma.model.config import GenerationConfig
 
-    profile = Profile("cpu-like", "measured", {2: 0.008, 8: 0.012, 16: 0.016}, ar_token_s=0.004, prefill_tok_s=1e4,
-                      verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03})
+    profile = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.008, 8: 0.012, 16: 0.016},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
+    )
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
     first = planner.choose(64)
     name, predicted = first.predicted

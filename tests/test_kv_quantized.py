@@ -94,8 +94,16 @@ def test_demo_answers_are_unchanged_with_an_8bit_cache(demo, policy):
     model, tokenizer = demo
     for seed, prompt in enumerate(DEMO_PROMPTS):
         want = generate(model, tokenizer, prompt, seed=seed, policy=policy)
-        got = generate(model, tokenizer, prompt, seed=seed, policy=policy, kv_bits=8, kv_group_size=DEMO_GROUP,
-                       quantized_kv_start=0)
+        got = generate(
+            model,
+            tokenizer,
+            prompt,
+            seed=seed,
+            policy=policy,
+            kv_bits=8,
+            kv_group_size=DEMO_GROUP,
+            quantized_kv_start=0,
+        )
         assert got == want, (policy, prompt)
 
 
@@ -178,8 +186,12 @@ def test_the_command_line_takes_the_kv_flags(demo):
     flags = ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0", "--seed", "0", "--policy", "ar"]
     result = CliRunner().invoke(generate_main, ["--prompt", prompt, *flags])
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == generate(model, tokenizer, prompt, seed=0, policy="ar", kv_bits=4,
-                                             kv_group_size=DEMO_GROUP, quantized_kv_start=0).strip()
+    assert (
+        result.stdout.strip()
+        == generate(
+            model, tokenizer, prompt, seed=0, policy="ar", kv_bits=4, kv_group_size=DEMO_GROUP, quantized_kv_start=0
+        ).strip()
+    )
     bad = CliRunner().invoke(generate_main, ["--prompt", prompt, "--kv-bits", "3"])
     assert bad.exit_code == 2 and "Invalid value for '--kv-bits': '3' is not one of '4', '8'" in bad.stderr
     bad = CliRunner().invoke(generate_main, ["--prompt", prompt, "--kv-bits", "4"])
@@ -199,9 +211,25 @@ def test_a_server_started_with_kv_bits_answers_as_the_api_does(demo):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "mlx_dgemma.server", "--port", str(port), "--kv-bits", "4",
-                               "--kv-group-size", "32", "--quantized-kv-start", "0", "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlx_dgemma.server",
+            "--port",
+            str(port),
+            "--kv-bits",
+            "4",
+            "--kv-group-size",
+            "32",
+            "--quantized-kv-start",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         deadline = time.monotonic() + 60
@@ -213,10 +241,15 @@ def test_a_server_started_with_kv_bits_answers_as_the_api_does(demo):
                 assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
                 time.sleep(0.2)
         for prompt in prompts:
-            got = client.chat.completions.create(model="mlx-dgemma-demo", messages=[{"role": "user", "content": prompt}],
-                                                 seed=0, extra_body={"policy": "ar"})
-            want = generate(model, tokenizer, prompt, seed=0, policy="ar", kv_bits=4, kv_group_size=DEMO_GROUP,
-                            quantized_kv_start=0)
+            got = client.chat.completions.create(
+                model="mlx-dgemma-demo",
+                messages=[{"role": "user", "content": prompt}],
+                seed=0,
+                extra_body={"policy": "ar"},
+            )
+            want = generate(
+                model, tokenizer, prompt, seed=0, policy="ar", kv_bits=4, kv_group_size=DEMO_GROUP, quantized_kv_start=0
+            )
             assert want != generate(model, tokenizer, prompt, seed=0, policy="ar")
             assert got.choices[0].message.content == want, prompt
     finally:
@@ -224,8 +257,9 @@ def test_a_server_started_with_kv_bits_answers_as_the_api_does(demo):
         server.wait(timeout=30)
     result = CliRunner().invoke(server_main, ["--kv-bits", "4"])
     lines = result.stderr.strip().split("\n")
-    assert result.exit_code == 1 and lines == ["Error: kv_group_size 64 does not divide this model's head dim 32; "
-                                               "take 32"]
+    assert result.exit_code == 1 and lines == [
+        "Error: kv_group_size 64 does not divide this model's head dim 32; take 32"
+    ]
 
 
 def test_a_stack_of_quantized_and_plain_prefixes_denoises_each_row_as_alone(demo):

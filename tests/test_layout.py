@@ -103,8 +103,11 @@ def test_every_third_party_import_is_declared():
     declared = {normalized(re.match(r"[A-Za-z0-9._-]+", r).group()) for r in requirements}
     # Import names to distributions as installed (yaml -> PyYAML, PIL -> pillow, mlx -> mlx or mlx-cpu).
     distributions = importlib.metadata.packages_distributions()
-    undeclared = {module: path for module, path in third_party_imports().items()
-                  if not declared & {normalized(d) for d in distributions.get(module, [module])}}
+    undeclared = {
+        module: path
+        for module, path in third_party_imports().items()
+        if not declared & {normalized(d) for d in distributions.get(module, [module])}
+    }
     assert undeclared == {}, f"imported but not declared in pyproject.toml: {undeclared}"
 
 
@@ -126,8 +129,10 @@ def parameter_count(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 
 def is_click_command(function) -> bool:
     """A command line's entry point: click passes each of its flags as a parameter."""
-    return any(isinstance(d, ast.Call) and ast.unparse(d.func) in ("click.command", "command", "click.group")
-               for d in function.decorator_list)
+    return any(
+        isinstance(d, ast.Call) and ast.unparse(d.func) in ("click.command", "command", "click.group")
+        for d in function.decorator_list
+    )
 
 
 def test_no_function_of_the_generation_path_takes_more_than_eight_parameters():
@@ -137,8 +142,11 @@ def test_no_function_of_the_generation_path_takes_more_than_eight_parameters():
         if not within(name, GENERATION_PATH):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_click_command(node)
-                    and parameter_count(node) > MAX_PARAMETERS):
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and not is_click_command(node)
+                and parameter_count(node) > MAX_PARAMETERS
+            ):
                 crowded.append(f"{name}.{node.name} ({parameter_count(node)})")
     assert not crowded, f"more than {MAX_PARAMETERS} parameters: {crowded}"
 
@@ -187,16 +195,22 @@ def test_only_the_engine_denoise_and_drafting_drive_the_generation_forwards():
         if within(name, DRIVERS) or name in MEASURING:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in GENERATION_FORWARDS):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in GENERATION_FORWARDS
+            ):
                 outside.append(f"{name}:{node.lineno} {ast.unparse(node.func)}")
     assert not outside, f"the model's generation forwards called outside the engine: {outside}"
 
 
 def class_fields(tree: ast.Module) -> dict[str, set[str]]:
     """Annotated fields of each class defined at the top of a module."""
-    return {node.name: {f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
-            for node in tree.body if isinstance(node, ast.ClassDef)}
+    return {
+        node.name: {f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)}
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+    }
 
 
 # How many option names a class may share with GenerationArgs and SamplingArgs: a plan's or a
@@ -223,7 +237,6 @@ def test_option_fields_are_defined_once():
     assert not copies, f"option fields declared outside options.py: {copies}"
 
 
-
 MAX_ROOT_MODULES = 20
 FOLDERS = ("model", "engine", "structured", "convert", "tuner", "server")
 BELOW = {  # what a folder's modules import nothing from
@@ -239,8 +252,10 @@ GROUND = ("errors", "validate", "options", "fast_blas", "safetensors_io")
 def import_graph() -> dict[str, set[str]]:
     """Each module's imports of the package's modules (the packages above them left out)."""
     modules = module_names()
-    return {name: {t for t in imports_of(name, path, set(modules))[0] if t in modules and t not in FOLDERS}
-            for name, path in modules.items()}
+    return {
+        name: {t for t in imports_of(name, path, set(modules))[0] if t in modules and t not in FOLDERS}
+        for name, path in modules.items()
+    }
 
 
 def broken_rules(graph: dict[str, set[str]]) -> list[str]:
@@ -268,12 +283,15 @@ def test_the_root_holds_at_most_20_modules_beside_the_six_folders():
     assert [f for f in FOLDERS if not (PACKAGE / f / "__init__.py").exists()] == []
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("structured.template", "engine.sampler"),  # Clamp, once the sampler's
-    ("structured.grammar", "engine.filters"),  # sampling_probs
-    ("convert.checkpoint", "fuse"),  # save_model and dequantize_model, once the fuse command's
-    ("tuner.adapters", "cli"),  # write_atomically, once the command lines' helper
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("structured.template", "engine.sampler"),  # Clamp, once the sampler's
+        ("structured.grammar", "engine.filters"),  # sampling_probs
+        ("convert.checkpoint", "fuse"),  # save_model and dequantize_model, once the fuse command's
+        ("tuner.adapters", "cli"),  # write_atomically, once the command lines' helper
+    ],
+)
 def test_an_old_wrong_way_import_brought_back_breaks_a_rule(importer, imported):
     graph = import_graph()
     graph[importer] = graph[importer] | {imported}

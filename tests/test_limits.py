@@ -32,11 +32,16 @@ def test_a_run_holds_no_schedule_of_its_steps(demo):
     assert settings.temperature(10**6 - 1).item() == pytest.approx(settings.t_min, abs=1e-5)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(steps=10**9), "steps"), (dict(steps=MAX_STEPS + 1), "steps"), (dict(steps=True), "steps"),
-    (dict(settings=SamplerSettings(steps=10**9)), "steps"),
-    (dict(policy="verified", draft_length=8, draft_steps=10**9), "draft_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(steps=10**9), "steps"),
+        (dict(steps=MAX_STEPS + 1), "steps"),
+        (dict(steps=True), "steps"),
+        (dict(settings=SamplerSettings(steps=10**9)), "steps"),
+        (dict(policy="verified", draft_length=8, draft_steps=10**9), "draft_steps"),
+    ],
+)
 def test_steps_past_the_bound_are_refused(demo, kwargs, name):
     model, tokenizer = demo
     with pytest.raises(ValueError, match=rf"^{name} must be an integer from 1 to {MAX_STEPS}, got "):
@@ -65,8 +70,9 @@ def test_steps_past_the_checkpoints_default_run(two_step_checkpoint):
     assert model.generation_config.max_denoising_steps == 2
     responses = list(stream_generate(model, tokenizer, "sort: 3 1", steps=8, entropy_bound=1e-9, seed=0))
     assert max(r.steps for r in responses) > 2
-    result = CliRunner().invoke(main, ["--model", str(two_step_checkpoint), "--prompt", "sort: 3 1", "--steps", "8",
-                                       "--max-tokens", "8"])
+    result = CliRunner().invoke(
+        main, ["--model", str(two_step_checkpoint), "--prompt", "sort: 3 1", "--steps", "8", "--max-tokens", "8"]
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -75,7 +81,10 @@ def test_cli_steps_past_the_bound(flag, tmp_path):
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "integer"}')
     for extra in ([], ["--schema", str(schema)]):  # the bound holds before a schema's free draft runs
-        result = CliRunner().invoke(main, ["--prompt", "sort: 3 1", "--policy", "verified", "--draft-length", "8",
-                                           flag, "1000000000", *extra])
+        result = CliRunner().invoke(
+            main, ["--prompt", "sort: 3 1", "--policy", "verified", "--draft-length", "8", flag, "1000000000", *extra]
+        )
         assert result.exit_code == 1
-        assert result.output.strip().split("\n") == [f"Error: {flag} must be an integer from 1 to {MAX_STEPS}, got 1000000000"]
+        assert result.output.strip().split("\n") == [
+            f"Error: {flag} must be an integer from 1 to {MAX_STEPS}, got 1000000000"
+        ]

@@ -38,15 +38,19 @@ def sort_docs(tokenizer) -> list[dict]:
 def write_tasks(folder, docs: list[dict]) -> None:
     data = folder / "sort.jsonl"
     data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
-    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-              "doc_to_text: '{{question}}'\n")
+    common = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "doc_to_text: '{{question}}'\n"
+    )
     (folder / "sort_choice.yaml").write_text(
         "task: demo_sort_choice\n" + common + "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{answer}}'\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n")
+        "doc_to_target: '{{answer}}'\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n"
+    )
     (folder / "sort_generate.yaml").write_text(
         "task: demo_sort_generate\n" + common + "output_type: generate_until\ndoc_to_target: '{{target}}'\n"
         "target_delimiter: ''\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 64\n"
-        "metric_list:\n  - metric: exact_match\n")
+        "metric_list:\n  - metric: exact_match\n"
+    )
 
 
 @pytest.mark.slow  # about a minute; test_server_logprobs.py sends the same request shapes in the default suite
@@ -60,10 +64,17 @@ def test_harness_scores_a_loglikelihood_and_a_generate_task(demo, tmp_path):
     statuses = []
     with serving(model, tokenizer, statuses=statuses) as url:
         results = simple_evaluate(
-            model="local-completions", tasks=["demo_sort_choice", "demo_sort_generate"],
+            model="local-completions",
+            tasks=["demo_sort_choice", "demo_sort_generate"],
             model_args=f"model={MODEL_ID},base_url={url}/v1/completions,max_retries=1,timeout=600",
-            batch_size=4, task_manager=TaskManager(include_path=str(tmp_path)), random_seed=0, numpy_random_seed=0,
-            torch_random_seed=0, fewshot_random_seed=0, log_samples=True)
+            batch_size=4,
+            task_manager=TaskManager(include_path=str(tmp_path)),
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+            log_samples=True,
+        )
     assert statuses and all(status == 200 for _, status in statuses), statuses
 
     def loglikelihoods(doc) -> list[float]:  # each choice's, as the encoder's log-probabilities in process make it
@@ -71,7 +82,7 @@ def test_harness_scores_a_loglikelihood_and_a_generate_task(demo, tmp_path):
         sums = []
         for answer in doc["choices"]:
             ids = context + tokenizer.encode(answer, add_special_tokens=False)
-            sums.append(sum(e.logprob for e in sequence_logprobs(model, ids)[len(context):]))
+            sums.append(sum(e.logprob for e in sequence_logprobs(model, ids)[len(context) :]))
         return sums
 
     ours = [loglikelihoods(doc) for doc in docs]
@@ -80,7 +91,16 @@ def test_harness_scores_a_loglikelihood_and_a_generate_task(demo, tmp_path):
     accuracy = sum(max(range(3), key=sums.__getitem__) == doc["answer"] for sums, doc in zip(ours, docs)) / len(docs)
     assert results["results"]["demo_sort_choice"]["acc,none"] == pytest.approx(accuracy)
 
-    answers = [generate(model, tokenizer, tokenizer.encode(doc["question"], add_special_tokens=False),
-                        max_tokens=64, seed=SEED, temperature=0).split("\n")[0] for doc in docs]
+    answers = [
+        generate(
+            model,
+            tokenizer,
+            tokenizer.encode(doc["question"], add_special_tokens=False),
+            max_tokens=64,
+            seed=SEED,
+            temperature=0,
+        ).split("\n")[0]
+        for doc in docs
+    ]
     exact = sum(answer == doc["target"] for answer, doc in zip(answers, docs)) / len(docs)
     assert results["results"]["demo_sort_generate"]["exact_match,none"] == pytest.approx(exact)

@@ -54,7 +54,9 @@ def test_unexpected_key(ckpt):
 
 
 def test_shape_mismatch(ckpt):
-    rewrite(ckpt, lambda t: t.update({"model.decoder.layers.3.self_attn.o_proj.weight": np.zeros((72, 80), np.float32)}))
+    rewrite(
+        ckpt, lambda t: t.update({"model.decoder.layers.3.self_attn.o_proj.weight": np.zeros((72, 80), np.float32)})
+    )
     msg = load_error(ckpt)
     assert "model.decoder.layers.3.self_attn.o_proj.weight" in msg and "(72, 80)" in msg and "(72, 144)" in msg
 
@@ -148,6 +150,7 @@ def test_broken_generation_config(ckpt):
 
 # ---- hostile safetensors headers: one line naming the file, from every command that reads them ----
 
+
 def hostile_header(folder, header: bytes) -> None:
     header += b" " * (-len(header) % 8)
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
@@ -172,11 +175,15 @@ def commands(folder):
     from mlx_dgemma.generate import main as generate_main
     from mlx_dgemma.server.__main__ import main as server_main
 
-    return {"convert sizes": (sizes_command, ["--hf-path", str(folder)]),
-            "generate": (generate_main, ["--model", str(folder), "--prompt", "hi"]),
-            "generate --ignore-memory-check": (generate_main, ["--model", str(folder), "--prompt", "hi",
-                                                               "--ignore-memory-check"]),
-            "server": (server_main, ["--model", str(folder), "--port", "1"])}
+    return {
+        "convert sizes": (sizes_command, ["--hf-path", str(folder)]),
+        "generate": (generate_main, ["--model", str(folder), "--prompt", "hi"]),
+        "generate --ignore-memory-check": (
+            generate_main,
+            ["--model", str(folder), "--prompt", "hi", "--ignore-memory-check"],
+        ),
+        "server": (server_main, ["--model", str(folder), "--port", "1"]),
+    }
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_HEADERS))
@@ -186,5 +193,6 @@ def test_a_hostile_header_is_one_line_naming_the_file(ckpt, name):
         result = CliRunner().invoke(main, args)
         lines = result.output.strip().split("\n")
         assert result.exit_code == 1 and len(lines) == 1, (command, result.output[-2000:], result.exception)
-        assert lines[0].startswith("Error: model.safetensors is not a readable safetensors file") \
-            and len(lines[0]) < 300, (command, lines[0][:400])
+        assert (
+            lines[0].startswith("Error: model.safetensors is not a readable safetensors file") and len(lines[0]) < 300
+        ), (command, lines[0][:400])

@@ -48,8 +48,17 @@ def answers(model, tokenizer, ids, kv_bits, step):
         mx.clear_cache()
         others = mx.get_active_memory() - weights  # what other tests in this process still hold
         mx.reset_peak_memory()
-        out[policy] = generate(model, tokenizer, ids, MAX_TOKENS, seed=0, policy=policy, kv_bits=kv_bits,
-                               quantized_kv_start=0, prefill_step_size=step)
+        out[policy] = generate(
+            model,
+            tokenizer,
+            ids,
+            MAX_TOKENS,
+            seed=0,
+            policy=policy,
+            kv_bits=kv_bits,
+            quantized_kv_start=0,
+            prefill_step_size=step,
+        )
         out[policy + " peak"] = mx.get_peak_memory() - max(others, 0)
     return out
 
@@ -100,18 +109,48 @@ def test_auto_picks_by_the_prefix_at_hand(device, short, long):
 
 def test_the_benchmark_runs_at_a_tiny_size(tmp_path):
     out = tmp_path / "figures.json"
-    run = subprocess.run([sys.executable, "benchmarks/long_context.py", "--prefixes", "256", "512", "--prefill-limit",
-                          "256", "--float-prefill-limit", "0", "--kv", "none", "4", "--keys", "256", "--released", "4096",
-                          "--repeats", "1", "--answer-tokens", "8", "--work-dir", str(tmp_path), "--json", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/long_context.py",
+            "--prefixes",
+            "256",
+            "512",
+            "--prefill-limit",
+            "256",
+            "--float-prefill-limit",
+            "0",
+            "--kv",
+            "none",
+            "4",
+            "--keys",
+            "256",
+            "--released",
+            "4096",
+            "--repeats",
+            "1",
+            "--answer-tokens",
+            "8",
+            "--work-dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     figures = json.loads(out.read_text())
     rows = {(r["prefix"], r["kv_bits"]): r for r in figures["prefixes"]}
     assert sorted(rows) == [(256, 4), (256, 32), (512, 4), (512, 32)]
     assert rows[256, 4]["prefill_s"] > 0 and rows[256, 32]["prefill_s"] is None  # filled past its limit
     assert rows[512, 4]["kv_mb"] < 0.5 * rows[512, 32]["kv_mb"]
-    assert all(r["step_ms"] > 0 and r["ar_ms"] > 0 and r["auto"] in ("reference", "fast", "ar", "verified")
-               for r in rows.values())
+    assert all(
+        r["step_ms"] > 0 and r["ar_ms"] > 0 and r["auto"] in ("reference", "fast", "ar", "verified")
+        for r in rows.values()
+    )
     assert [r["policy"] for r in figures["answers"][:3]] == ["reference", "ar", "verified"]
     assert figures["answers"][3]["verified_is_ar"] is True
     assert [r["kv_bits"] for r in figures["attention"]] == [32, 8, 4]

@@ -72,16 +72,23 @@ def test_a_sharded_run_counts_one_ranks_share_of_the_experts(ranks):
     assert weight_bytes(tensors, read_config(DEMO_MODEL), ranks) == parameter_bytes(model)
 
 
-@pytest.mark.parametrize("text", ["9" * 400, "9" * 400 + ".5GB", "0.1", "0", "1e3", "-5GB", "9" * 30 + "TiB"],
-                         ids=["400-nines", "400-nines-GB", "0.1", "0", "1e3", "-5GB", "30-nines-TiB"])
+@pytest.mark.parametrize(
+    "text",
+    ["9" * 400, "9" * 400 + ".5GB", "0.1", "0", "1e3", "-5GB", "9" * 30 + "TiB"],
+    ids=["400-nines", "400-nines-GB", "0.1", "0", "1e3", "-5GB", "30-nines-TiB"],
+)
 def test_a_device_memory_that_is_no_size_is_one_line_from_generate_and_the_server(monkeypatch, text):
     monkeypatch.setenv(DEVICE_MEMORY_ENV, text)
     for main, args in ((generate_main, ["--prompt", "hi"]), (server_main, ["--port", "1"])):
         result = CliRunner().invoke(main, args)
         lines = result.output.strip().split("\n")
-        assert result.exit_code == 1 and len(lines) == 1 and len(lines[0]) < 200, (result.output[-300:], result.exception)
+        assert result.exit_code == 1 and len(lines) == 1 and len(lines[0]) < 200, (
+            result.output[-300:],
+            result.exception,
+        )
         assert lines[0].startswith(f"Error: {DEVICE_MEMORY_ENV}=") and lines[0].endswith(
-            "is not a memory size; write it like 16GB or 24GiB"), lines[0]
+            "is not a memory size; write it like 16GB or 24GiB"
+        ), lines[0]
 
 
 def test_device_memory_from_the_environment(monkeypatch):
@@ -109,8 +116,9 @@ def test_a_refusal_names_a_recipe_whose_conversion_then_fits(monkeypatch, tmp_pa
     assert message.endswith("or pass --ignore-memory-check to load it anyway")
     recipe = message.split("converted with --quant-predicate ")[1].split()[0]
     assert recipe == MEMORY_RECIPES[0]  # the largest, and it fits
-    dst = convert(str(DEMO_MODEL), str(tmp_path / recipe), quantize=True, quant_predicate=recipe, q_group_size=32,
-                  progress=False)
+    dst = convert(
+        str(DEMO_MODEL), str(tmp_path / recipe), quantize=True, quant_predicate=recipe, q_group_size=32, progress=False
+    )
     assert f"it fits ({format_size(demo_need(dst).weights)} of weights)" in message  # what it then holds
     assert check_memory(dst, PROMPT).total < need.total  # no refusal
 
@@ -163,8 +171,9 @@ def test_generate_refuses_before_reading_a_weight(monkeypatch):
     assert result.exit_code == 1
     lines = result.stderr.strip().split("\n")
     assert len(lines) == 1 and lines[0].startswith("Error: the model needs ")
-    assert "converted with --quant-predicate mixed-" in lines[0] and lines[0].endswith("--ignore-memory-check to "
-                                                                                          "load it anyway")
+    assert "converted with --quant-predicate mixed-" in lines[0] and lines[0].endswith(
+        "--ignore-memory-check to load it anyway"
+    )
 
 
 def test_generate_goes_on_with_the_flag(monkeypatch):
@@ -200,8 +209,9 @@ def test_256k_on_the_24gb_recipe_needs_a_quantized_kv_cache(released, monkeypatc
     for bits, kv in ((8, "5.2 GB"), (4, "3.8 GB")):
         need = check_memory(converted, prompt, max_tokens, kv_bits=bits)
         assert need.context == 256 * 1024 and format_size(need.kv_cache) == kv and need.total <= 24e9
-    result = CliRunner().invoke(generate_main, ["--model", str(converted), "--prompt", "-", "--max-tokens",
-                                                str(max_tokens)], input=prompt)
+    result = CliRunner().invoke(
+        generate_main, ["--model", str(converted), "--prompt", "-", "--max-tokens", str(max_tokens)], input=prompt
+    )
     assert result.exit_code == 1 and "with --kv-bits 8 it fits" in result.stderr.strip().split("\n")[-1]
 
 

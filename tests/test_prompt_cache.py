@@ -70,8 +70,9 @@ def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
     while len(engine):
         for response in engine.next():
             texts[response.uid] += response.text
-    assert list(texts.values()) == [generate(model, tokenizer, ids, 64, seed=i, policy=policy)
-                                    for i, ids in enumerate(prompts)]
+    assert list(texts.values()) == [
+        generate(model, tokenizer, ids, 64, seed=i, policy=policy) for i, ids in enumerate(prompts)
+    ]
 
 
 @pytest.mark.parametrize("policy", ["ar", "verified"])
@@ -86,8 +87,9 @@ def test_a_template_row_starts_from_its_prefilled_prefix(policy):
     engine = BatchGenerator(model, tokenizer)
     from mlx_dgemma.structured.template import parse_template
 
-    uid = engine.insert(job(model, tokenizer, ids, seed=1, policy=policy, template=parse_template(tokenizer, template)),
-                        cache)
+    uid = engine.insert(
+        job(model, tokenizer, ids, seed=1, policy=policy, template=parse_template(tokenizer, template)), cache
+    )
     text = ""
     while len(engine):
         text += "".join(r.text for r in engine.next() if r.uid == uid)
@@ -102,7 +104,9 @@ def test_an_auto_row_hands_back_its_prompt_as_every_row_does():
     ids = prompt_ids(tokenizer, "reverse: kayak7")
     handed = []
     engine = BatchGenerator(model, tokenizer)
-    engine.insert(job(model, tokenizer, ids, 8, seed=0, policy="auto"), on_prefilled=lambda c: handed.append(copy.deepcopy(c)))
+    engine.insert(
+        job(model, tokenizer, ids, 8, seed=0, policy="auto"), on_prefilled=lambda c: handed.append(copy.deepcopy(c))
+    )
     while len(engine):
         engine.next()
     assert len(handed) == 1 and handed[0].offset == len(ids)
@@ -131,8 +135,9 @@ def test_the_engine_hands_back_each_fresh_prompt_unpadded():
     engine = BatchGenerator(model, tokenizer)
     handed = {}
     for i, ids in enumerate(prompts):
-        engine.insert(job(model, tokenizer, ids, 8, seed=i),
-                      on_prefilled=lambda c, i=i: handed.setdefault(i, copy.deepcopy(c)))
+        engine.insert(
+            job(model, tokenizer, ids, 8, seed=i), on_prefilled=lambda c, i=i: handed.setdefault(i, copy.deepcopy(c))
+        )
     engine.next()
     step = mx.array([[7]])
     for i, ids in enumerate(prompts):

@@ -34,8 +34,9 @@ def test_quantized_linear_goes_through_the_seam():
     model = nn.Sequential(Linear(128, 64, bias=False))
     nn.quantize(model, group_size=64, bits=4)
     calls = []
-    model.layers[0].kernels = replace(kernels.CPU, quantized_matmul=lambda *a: calls.append(a) or
-                                                          kernels.CPU.quantized_matmul(*a))
+    model.layers[0].kernels = replace(
+        kernels.CPU, quantized_matmul=lambda *a: calls.append(a) or kernels.CPU.quantized_matmul(*a)
+    )
     model(mx.zeros((5, 128)))
     assert len(calls) == 1
 
@@ -43,8 +44,12 @@ def test_quantized_linear_goes_through_the_seam():
 def test_quantized_experts_match_gather_qmm():
     cfg = SimpleNamespace(hidden_size=128, moe_intermediate_size=64, num_experts=8, top_k_experts=2)
     experts = Experts(cfg)
-    experts.update({"gate_up_proj": {"weight": 0.1 * mx.random.normal(experts.gate_up_proj.weight.shape)},
-                    "down_proj": {"weight": 0.1 * mx.random.normal(experts.down_proj.weight.shape)}})
+    experts.update(
+        {
+            "gate_up_proj": {"weight": 0.1 * mx.random.normal(experts.gate_up_proj.weight.shape)},
+            "down_proj": {"weight": 0.1 * mx.random.normal(experts.down_proj.weight.shape)},
+        }
+    )
     nn.quantize(experts, group_size=32, bits=4, class_predicate=lambda p, m: hasattr(m, "to_quantized"))
     x = mx.random.normal((2, 24, cfg.hidden_size))
     idx = mx.random.randint(0, cfg.num_experts, (2, 24, cfg.top_k_experts))

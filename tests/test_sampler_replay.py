@@ -65,8 +65,10 @@ def recorded_draws():
 
         return wrapper
 
-    with mock.patch.object(torch, "randint", recording("uniform", torch.randint)), \
-         mock.patch.object(torch, "multinomial", recording("categorical", torch.multinomial)):
+    with (
+        mock.patch.object(torch, "randint", recording("uniform", torch.randint)),
+        mock.patch.object(torch, "multinomial", recording("categorical", torch.multinomial)),
+    ):
         yield draws
 
 
@@ -118,7 +120,7 @@ def run_reference(path, max_tokens, seed=1234, prompt=PROMPT):
     torch.manual_seed(seed)
     with recorded_draws() as draws:
         out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_tokens, streamer=streamer)
-    return out.sequences[0, len(prompt):].tolist(), streamer.canvases, float(out.tokens_per_forward[0]), draws
+    return out.sequences[0, len(prompt) :].tolist(), streamer.canvases, float(out.tokens_per_forward[0]), draws
 
 
 def run_ours(path, max_tokens, draws, prompt=PROMPT):
@@ -131,7 +133,7 @@ def run_ours(path, max_tokens, draws, prompt=PROMPT):
     for r in responses:
         commit = list(r.drafts[-1].tokens)  # the whole canvas (the reference returns it all)
         if r.finish_reason == "length":  # handed out only up to max_tokens
-            assert r.tokens == commit[:len(r.tokens)] and len(tokens) + len(r.tokens) == max_tokens
+            assert r.tokens == commit[: len(r.tokens)] and len(tokens) + len(r.tokens) == max_tokens
             tokens += commit
         else:
             tokens += r.tokens + [pad] * (canvas - len(r.tokens))
@@ -173,9 +175,9 @@ def test_stop_id_inside_a_canvas(small, tmp_path):
 
     ref_tokens, _, responses = assert_replay_matches(path, max_tokens=3 * C)
     assert len(ref_tokens) == 2 * C  # the reference stopped after the second canvas …
-    assert ref_tokens[position] == stop_id and set(ref_tokens[position + 1:]) == {0}  # … padded after the stop
+    assert ref_tokens[position] == stop_id and set(ref_tokens[position + 1 :]) == {0}  # … padded after the stop
     assert [r.finish_reason for r in responses] == [None, "stop"]
-    assert responses[-1].tokens == tokens[C:position + 1]
+    assert responses[-1].tokens == tokens[C : position + 1]
 
 
 def test_stop_rule_fires_before_the_step_limit(converging):
@@ -192,13 +194,20 @@ def test_stop_rule_with_other_stability_thresholds(converging, tmp_path, stabili
 
 
 def test_other_sampler_settings(converging, tmp_path):
-    path = variant(converging, tmp_path / "settings", max_denoising_steps=5, t_min=0.2, t_max=1.1,
-                   confidence_threshold=0.05,
-                   sampler_config={"entropy_bound": 0.5, "_cls_name": "EntropyBoundSamplerConfig"})
+    path = variant(
+        converging,
+        tmp_path / "settings",
+        max_denoising_steps=5,
+        t_min=0.2,
+        t_max=1.1,
+        confidence_threshold=0.05,
+        sampler_config={"entropy_bound": 0.5, "_cls_name": "EntropyBoundSamplerConfig"},
+    )
     assert_replay_matches(path, max_tokens=2 * C)
 
 
 # The pieces of a step, against the reference's classes on the same logits.
+
 
 def test_temperature_schedule_rounds_like_the_reference():
     logits = torch.randn(1, 4, 50, generator=torch.Generator().manual_seed(0)) * 10
@@ -246,6 +255,7 @@ def test_stop_rule_matches_the_reference():
 
 
 # The default rng.
+
 
 def test_default_rng_draws_from_the_right_distributions():
     rng = MxRandom(seed=3)

@@ -33,8 +33,17 @@ def mlx_lms(logits, top_p=1.0, top_k=0, min_p=0.0):
     return mx.softmax(log_probs, axis=-1)
 
 
-@pytest.mark.parametrize("filters", [dict(top_p=0.7), dict(top_p=0.95), dict(min_p=0.3), dict(top_k=3),
-                                     dict(top_p=0.9, top_k=2), dict(top_p=0.8, min_p=0.4, top_k=5)])
+@pytest.mark.parametrize(
+    "filters",
+    [
+        dict(top_p=0.7),
+        dict(top_p=0.95),
+        dict(min_p=0.3),
+        dict(top_k=3),
+        dict(top_p=0.9, top_k=2),
+        dict(top_p=0.8, min_p=0.4, top_k=5),
+    ],
+)
 def test_the_filters_are_mlx_lms_at_temperature_one(filters):
     logits = mx.array(LOGITS)
     got, want = np.array(sampling_probs(logits, 1.0, **filters)), np.array(mlx_lms(logits, **filters))
@@ -56,13 +65,18 @@ def test_the_filters_apply_to_the_tempered_distribution():
         assert np.abs(got - want / want.sum()).max() <= EPS
         got = np.array(sampling_probs(mx.array(LOGITS), temperature, min_p=0.3))[0]
         assert set(np.flatnonzero(got)) == set(np.flatnonzero(tempered >= 0.3 * tempered.max()))
-    assert len(np.flatnonzero(sampling_probs(mx.array(LOGITS), 2.0, top_p=0.8))) > \
-        len(np.flatnonzero(sampling_probs(mx.array(LOGITS), 0.5, top_p=0.8)))
+    assert len(np.flatnonzero(sampling_probs(mx.array(LOGITS), 2.0, top_p=0.8))) > len(
+        np.flatnonzero(sampling_probs(mx.array(LOGITS), 0.5, top_p=0.8))
+    )
 
 
 def test_temperature_zero_and_top_k_one_are_the_argmax():
-    for probs in (sampling_probs(mx.array(LOGITS), 0), sampling_probs(mx.array(LOGITS), 0, top_p=0.5),
-                  sampling_probs(mx.array(LOGITS), 1.9, top_k=1), sampling_probs(mx.array(LOGITS), 1.9, top_p=1e-6)):
+    for probs in (
+        sampling_probs(mx.array(LOGITS), 0),
+        sampling_probs(mx.array(LOGITS), 0, top_p=0.5),
+        sampling_probs(mx.array(LOGITS), 1.9, top_k=1),
+        sampling_probs(mx.array(LOGITS), 1.9, top_p=1e-6),
+    ):
         assert np.array(probs).tolist() == [[1.0] + [0.0] * 7]
 
 
@@ -73,8 +87,9 @@ def test_top_k_one_is_greedy_at_any_temperature(demo, policy):
     filter that temperature gives other answers over the seeds."""
     model, tokenizer = demo
     greedy = [generate(model, tokenizer, PROMPT, 32, seed=seed, policy=policy, temperature=0) for seed in range(2)]
-    top_1 = [generate(model, tokenizer, PROMPT, 32, seed=seed, policy=policy, temperature=1.7, top_k=1)
-             for seed in range(2)]
+    top_1 = [
+        generate(model, tokenizer, PROMPT, 32, seed=seed, policy=policy, temperature=1.7, top_k=1) for seed in range(2)
+    ]
     hot = [generate(model, tokenizer, PROMPT, 32, seed=seed, policy=policy, temperature=1.7) for seed in range(2)]
     assert top_1 == greedy and hot != greedy
 
@@ -96,8 +111,10 @@ class Recording:
 
 
 @pytest.mark.parametrize("policy", ["reference", "fast", "ar"])
-@pytest.mark.parametrize("filters, kept", [(dict(top_k=3), lambda p: np.argsort(-p)[:3]),
-                                           (dict(min_p=0.2), lambda p: np.flatnonzero(p >= 0.2 * p.max()))])
+@pytest.mark.parametrize(
+    "filters, kept",
+    [(dict(top_k=3), lambda p: np.argsort(-p)[:3]), (dict(min_p=0.2), lambda p: np.flatnonzero(p >= 0.2 * p.max()))],
+)
 def test_every_draw_goes_through_the_filters(demo, policy, filters, kept):
     """Each position a denoising step draws (and each autoregressive token) comes from a distribution
     the filter cut; the same draws unfiltered reach past the cut (so the check can fail)."""
@@ -121,13 +138,18 @@ def test_a_diffusion_temperature_scales_the_draws_and_schedule_scale_the_schedul
         assert generate(model, tokenizer, PROMPT, 32, seed=seed, temperature=1.0) == plain
         scaled = generate(model, tokenizer, PROMPT, 32, seed=seed, schedule_scale=0.5)
         assert scaled == generate(model, tokenizer, PROMPT, 32, seed=seed, temp_min=t_min * 0.5, temp_max=t_max * 0.5)
-    answers = {(t, s): tuple(generate(model, tokenizer, PROMPT, 32, seed=seed, temperature=t, schedule_scale=s)
-                             for seed in range(4)) for t, s in ((1.8, None), (None, 1.8))}
+    answers = {
+        (t, s): tuple(
+            generate(model, tokenizer, PROMPT, 32, seed=seed, temperature=t, schedule_scale=s) for seed in range(4)
+        )
+        for t, s in ((1.8, None), (None, 1.8))
+    }
     assert len(set(answers.values())) == 2
 
 
-@pytest.mark.parametrize("penalty", [dict(repetition_penalty=3.0), dict(presence_penalty=2.0),
-                                     dict(frequency_penalty=1.5)])
+@pytest.mark.parametrize(
+    "penalty", [dict(repetition_penalty=3.0), dict(presence_penalty=2.0), dict(frequency_penalty=1.5)]
+)
 def test_penalties_under_ar_are_mlx_lms(demo, penalty):
     """Greedy ar with a penalty: each token is the argmax after mlx-lm's own logits processor over the
     last 20 tokens (the prompt's included), replayed token by token; the penalty changes the answer."""
@@ -157,8 +179,11 @@ def test_a_template_samples_under_diffusion_and_is_refused_a_temperature_under_a
     """ar and verified decode a template's holes greedily, so a temperature or a filter there is an
     error saying so; a diffusion policy draws the holes at it."""
     template = "{{fill:6}} and {{fill:6}}"
-    for policy, settings in [("ar", dict(temperature=0.5)), ("verified", dict(top_k=3)),
-                             ("ar", dict(presence_penalty=1.0))]:
+    for policy, settings in [
+        ("ar", dict(temperature=0.5)),
+        ("verified", dict(top_k=3)),
+        ("ar", dict(presence_penalty=1.0)),
+    ]:
         with pytest.raises(ValueError, match=f"^templates decode greedily under {policy}; drop the temperature"):
             generate(*demo, PROMPT, policy=policy, template=template, **settings)
     answers = {generate(*demo, PROMPT, seed=seed, template=template, temperature=2.0) for seed in range(4)}
@@ -166,13 +191,15 @@ def test_a_template_samples_under_diffusion_and_is_refused_a_temperature_under_a
 
 
 def test_the_draw_settings_are_checked():
-    for name, value, message in [("top_p", 0.0, "top_p must be a finite number in (0, 1], got 0.0"),
-                                 ("top_k", 2.5, "top_k must be an integer, got 2.5"),
-                                 ("min_p", 1.5, "min_p must be a finite number in [0, 1], got 1.5"),
-                                 ("draw_temperature", -1.0, "temperature must be 0 or a finite number from 0.0001 to 10000"),
-                                 ("repetition_penalty", 0, "repetition_penalty must be a finite number in [0.0001, 10000], got 0"),
-                                 ("repetition_penalty", 1e-300, "repetition_penalty must be a finite number in [0.0001, "),
-                                 ("presence_penalty", 3, "presence_penalty must be a finite number in [-2, 2], got 3")]:
+    for name, value, message in [
+        ("top_p", 0.0, "top_p must be a finite number in (0, 1], got 0.0"),
+        ("top_k", 2.5, "top_k must be an integer, got 2.5"),
+        ("min_p", 1.5, "min_p must be a finite number in [0, 1], got 1.5"),
+        ("draw_temperature", -1.0, "temperature must be 0 or a finite number from 0.0001 to 10000"),
+        ("repetition_penalty", 0, "repetition_penalty must be a finite number in [0.0001, 10000], got 0"),
+        ("repetition_penalty", 1e-300, "repetition_penalty must be a finite number in [0.0001, "),
+        ("presence_penalty", 3, "presence_penalty must be a finite number in [-2, 2], got 3"),
+    ]:
         with pytest.raises(ValueError) as caught:
             SamplerSettings(**{name: value})
         assert str(caught.value).startswith(message)

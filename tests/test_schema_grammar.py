@@ -26,59 +26,160 @@ from mlx_dgemma.structured.grammar import ANY_JSON, schema_grammar
 POLICIES = ["reference", "fast", "ar", "verified", "auto"]
 # Schemas the canvas template cannot lay out, one feature each (and annotations it ignores).
 SCHEMAS = {
-    "refs": {"$defs": {"node": {"type": "object", "properties": {
-        "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
-        "required": ["v", "kids"]}}, "$ref": "#/$defs/node"},
-    "definitions": {"definitions": {"n": {"type": "integer", "minimum": 3}}, "type": "object",
-                    "properties": {"x": {"$ref": "#/definitions/n"}}, "required": ["x"]},
-    "unbounded": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}},
-                                                   "note": {"type": "string"}}, "required": ["tags", "note"]},
-    "nullable": {"type": "object", "properties": {"a": {"type": ["integer", "null"]}, "b": {"anyOf": [
-        {"type": "string", "maxLength": 3}, {"type": "null"}]}}, "required": ["a", "b"]},
-    "combinators": {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
-                              {"properties": {"b": {"oneOf": [{"type": "boolean"}, {"type": "integer"}]}},
-                               "required": ["b"]}]},
-    "formats": {"type": "object", "required": ["date", "time", "date-time", "duration", "email", "uuid", "uri",
-                                               "hostname", "ipv4", "ipv6"],
-                "properties": {f: {"type": "string", "format": f} for f in [
-                    "date", "time", "date-time", "duration", "email", "uuid", "uri", "hostname", "ipv4", "ipv6"]}},
+    "refs": {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+                "required": ["v", "kids"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
+    "definitions": {
+        "definitions": {"n": {"type": "integer", "minimum": 3}},
+        "type": "object",
+        "properties": {"x": {"$ref": "#/definitions/n"}},
+        "required": ["x"],
+    },
+    "unbounded": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}}, "note": {"type": "string"}},
+        "required": ["tags", "note"],
+    },
+    "nullable": {
+        "type": "object",
+        "properties": {
+            "a": {"type": ["integer", "null"]},
+            "b": {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}]},
+        },
+        "required": ["a", "b"],
+    },
+    "combinators": {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+            {"properties": {"b": {"oneOf": [{"type": "boolean"}, {"type": "integer"}]}}, "required": ["b"]},
+        ]
+    },
+    "formats": {
+        "type": "object",
+        "required": ["date", "time", "date-time", "duration", "email", "uuid", "uri", "hostname", "ipv4", "ipv6"],
+        "properties": {
+            f: {"type": "string", "format": f}
+            for f in ["date", "time", "date-time", "duration", "email", "uuid", "uri", "hostname", "ipv4", "ipv6"]
+        },
+    },
     "pattern": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{1,3}$"},
-    "pattern-suffix": {"type": "object", "required": ["id", "v"], "properties": {
-        "id": {"type": "string", "pattern": "^[A-Z0-9_]+(_DEVICE|_LAYOUT)$"}, "v": {"type": "string", "pattern": r"v1\.0\.\d+"}}},
-    "expression": {"$defs": {"expr": {"anyOf": [
-        *({"type": "object", "required": [k], "additionalProperties": False, "properties": {
-            k: {"type": "array", "minItems": 2, "items": {"$ref": "#/$defs/expr"}}}} for k in "-+/*"),
-        {"type": "object", "required": ["expr"], "additionalProperties": False, "properties": {"expr": {"type": "string"}}}]}},
-        "$ref": "#/$defs/expr"},
-    "many-strings": {"type": "object", "required": [f"k{i:02d}" for i in range(30)],
-                     "properties": {f"k{i:02d}": {"type": "string"} for i in range(30)}},
+    "pattern-suffix": {
+        "type": "object",
+        "required": ["id", "v"],
+        "properties": {
+            "id": {"type": "string", "pattern": "^[A-Z0-9_]+(_DEVICE|_LAYOUT)$"},
+            "v": {"type": "string", "pattern": r"v1\.0\.\d+"},
+        },
+    },
+    "expression": {
+        "$defs": {
+            "expr": {
+                "anyOf": [
+                    *(
+                        {
+                            "type": "object",
+                            "required": [k],
+                            "additionalProperties": False,
+                            "properties": {k: {"type": "array", "minItems": 2, "items": {"$ref": "#/$defs/expr"}}},
+                        }
+                        for k in "-+/*"
+                    ),
+                    {
+                        "type": "object",
+                        "required": ["expr"],
+                        "additionalProperties": False,
+                        "properties": {"expr": {"type": "string"}},
+                    },
+                ]
+            }
+        },
+        "$ref": "#/$defs/expr",
+    },
+    "many-strings": {
+        "type": "object",
+        "required": [f"k{i:02d}" for i in range(30)],
+        "properties": {f"k{i:02d}": {"type": "string"} for i in range(30)},
+    },
     "map": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 3},
     "closed": {"type": "object", "properties": {"k": {"type": "boolean"}}, "additionalProperties": False},
-    "pattern-properties": {"type": "object", "patternProperties": {"^x-": {"type": "string"}},
-                           "additionalProperties": False},
-    "tuple": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False,
-              "minItems": 2},
-    "numbers": {"type": "array", "minItems": 2, "items": {"type": "integer", "multipleOf": 5,
-                                                          "exclusiveMinimum": 0, "exclusiveMaximum": 100}},
-    "dependent": {"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
-                  "dependentRequired": {"a": ["b"]}},
-    "dependencies": {"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}},
-                     "dependencies": {"a": {"properties": {"c": {"type": "boolean"}}, "required": ["c"]}}},
-    "other-formats": {"type": "object", "required": ["r", "p", "x", "t", "u"], "properties": {
-        "r": {"type": "string", "format": "uri-reference"}, "p": {"type": "string", "format": "json-pointer"},
-        "x": {"type": "string", "format": "regex"}, "t": {"type": "string", "format": "uri-template"},
-        "u": {"type": "string", "format": "made-up"}}},
+    "pattern-properties": {
+        "type": "object",
+        "patternProperties": {"^x-": {"type": "string"}},
+        "additionalProperties": False,
+    },
+    "tuple": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False, "minItems": 2},
+    "numbers": {
+        "type": "array",
+        "minItems": 2,
+        "items": {"type": "integer", "multipleOf": 5, "exclusiveMinimum": 0, "exclusiveMaximum": 100},
+    },
+    "dependent": {
+        "type": "object",
+        "required": ["a"],
+        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+        "dependentRequired": {"a": ["b"]},
+    },
+    "dependencies": {
+        "type": "object",
+        "required": ["a"],
+        "properties": {"a": {"type": "string"}},
+        "dependencies": {"a": {"properties": {"c": {"type": "boolean"}}, "required": ["c"]}},
+    },
+    "other-formats": {
+        "type": "object",
+        "required": ["r", "p", "x", "t", "u"],
+        "properties": {
+            "r": {"type": "string", "format": "uri-reference"},
+            "p": {"type": "string", "format": "json-pointer"},
+            "x": {"type": "string", "format": "regex"},
+            "t": {"type": "string", "format": "uri-template"},
+            "u": {"type": "string", "format": "made-up"},
+        },
+    },
     "any-const": {"enum": [{"k": [1, None]}, "x", 2.5, None]},
-    "annotated": {"$schema": "http://json-schema.org/draft-07/schema#", "$id": "http://example.com/s", "id": "s",
-                  "title": "t", "description": "d", "examples": [{}], "default": {}, "readOnly": True,
-                  "x-vendor": {"a": 1}, "type": "object", "required": ["a"],
-                  "properties": {"a": {"type": "string", "example": "e", "name": "n", "self": {}}}},
+    "annotated": {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "$id": "http://example.com/s",
+        "id": "s",
+        "title": "t",
+        "description": "d",
+        "examples": [{}],
+        "default": {},
+        "readOnly": True,
+        "x-vendor": {"a": 1},
+        "type": "object",
+        "required": ["a"],
+        "properties": {"a": {"type": "string", "example": "e", "name": "n", "self": {}}},
+    },
     "any-json": ANY_JSON,
-    "alternation": {"type": "object", "required": ["hosts", "mode"], "properties": {
-        "hosts": {"type": "array", "items": {"type": "object", "required": ["stage", "name", "path"], "properties": {
-            "stage": {"type": "string", "pattern": "^test|acceptance|production$"}, "name": {"type": "string"},
-            "path": {"type": "string"}, "port": {"type": "integer"}}}},
-        "mode": {"type": "string", "pattern": "^(fast|careful)$"}, "note": {"type": "string"}}},
+    "alternation": {
+        "type": "object",
+        "required": ["hosts", "mode"],
+        "properties": {
+            "hosts": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["stage", "name", "path"],
+                    "properties": {
+                        "stage": {"type": "string", "pattern": "^test|acceptance|production$"},
+                        "name": {"type": "string"},
+                        "path": {"type": "string"},
+                        "port": {"type": "integer"},
+                    },
+                },
+            },
+            "mode": {"type": "string", "pattern": "^(fast|careful)$"},
+            "note": {"type": "string"},
+        },
+    },
 }
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
@@ -89,8 +190,9 @@ def validate(answer, schema):
 
 def grammar(demo, schema):
     model, tokenizer = demo
-    return schema_grammar(tokenizer, schema, model.config.vocab_size,
-                          grammar_stop_ids(tokenizer, generation_config(model, tokenizer)))
+    return schema_grammar(
+        tokenizer, schema, model.config.vocab_size, grammar_stop_ids(tokenizer, generation_config(model, tokenizer))
+    )
 
 
 @pytest.mark.parametrize("name", SCHEMAS)
@@ -142,8 +244,11 @@ def test_a_token_after_which_no_closing_path_is_found_is_not_taken(demo):
     """The alternation inside a group gives no example of "acceptance" or "production", so after "e"
     no closing path is found: the model's "e" is not taken there (it was, and the answer never
     closed), though it is after "test", where any text may follow."""
-    schema = {"type": "object", "required": ["stage"], "properties": {
-        "stage": {"type": "string", "pattern": "(^test|acceptance|production$)"}}}
+    schema = {
+        "type": "object",
+        "required": ["stage"],
+        "properties": {"stage": {"type": "string", "pattern": "(^test|acceptance|production$)"}},
+    }
     rule = wanting_forever(demo, schema, 150, '{"stage": "', "e")
     answer = json.loads(demo[1].decode_clean(rule.output))
     validate(answer, schema)
@@ -190,8 +295,10 @@ def test_the_closing_path_costs_a_bounded_count_of_operations_per_token(demo, na
         validate(json.loads(tokenizer.decode_clean(rule.output)), schema)
 
 
-@pytest.mark.parametrize("policy", [pytest.param("reference", marks=pytest.mark.slow), "ar", "verified",
-                                    pytest.param("auto", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "policy",
+    [pytest.param("reference", marks=pytest.mark.slow), "ar", "verified", pytest.param("auto", marks=pytest.mark.slow)],
+)
 def test_sampled_answers_validate_under_every_policy_streamed_or_not_down_to_the_shortest(demo, policy):
     model, tokenizer = demo
     schema = SCHEMAS["alternation"]
@@ -205,11 +312,21 @@ def test_sampled_answers_validate_under_every_policy_streamed_or_not_down_to_the
         validate(json.loads(generate(*demo, "json: hosts", **kwargs)), schema)
 
 
-@pytest.mark.parametrize("name, policy", [("refs", "reference"), ("unbounded", "fast"), ("nullable", "ar"),
-                                          ("formats", "verified"), ("map", "auto"), ("any-json", "reference")])
+@pytest.mark.parametrize(
+    "name, policy",
+    [
+        ("refs", "reference"),
+        ("unbounded", "fast"),
+        ("nullable", "ar"),
+        ("formats", "verified"),
+        ("map", "auto"),
+        ("any-json", "reference"),
+    ],
+)
 def test_the_demo_answers_validate_under_every_policy(demo, name, policy):
-    responses = list(stream_generate(*demo, "json: name=ada age=36", max_tokens=400, policy=policy,
-                                     schema=SCHEMAS[name], seed=0))
+    responses = list(
+        stream_generate(*demo, "json: name=ada age=36", max_tokens=400, policy=policy, schema=SCHEMAS[name], seed=0)
+    )
     assert responses[-1].finish_reason == "stop"
     validate(json.loads("".join(r.text for r in responses)), SCHEMAS[name])
 
@@ -218,55 +335,106 @@ def test_the_demo_answers_validate_under_every_policy(demo, name, policy):
 def test_verified_under_a_grammar_is_constrained_ar_token_for_token(demo, name, prompt):
     ar = generate(*demo, prompt, max_tokens=80, policy="ar", schema=SCHEMAS[name])
     for length, steps in [(8, 1), (16, 2)]:
-        assert generate(*demo, prompt, max_tokens=80, policy="verified", schema=SCHEMAS[name],
-                        draft_length=length, draft_steps=steps) == ar
+        assert (
+            generate(
+                *demo,
+                prompt,
+                max_tokens=80,
+                policy="verified",
+                schema=SCHEMAS[name],
+                draft_length=length,
+                draft_steps=steps,
+            )
+            == ar
+        )
 
 
 def test_grammar_rows_batched_equal_themselves_alone(demo):
     prompts = ["json: name=ada age=36", "sort: 42 17 85"]
     for policy, temperature in [("ar", None), ("verified", 0.9)]:  # (verified's draft fixed: its plan learns)
-        kwargs = dict(max_tokens=60, policy=policy, schema=SCHEMAS["unbounded"], temperature=temperature,
-                      **(dict(draft_length=8, draft_steps=1) if policy == "verified" else {}))
+        kwargs = dict(
+            max_tokens=60,
+            policy=policy,
+            schema=SCHEMAS["unbounded"],
+            temperature=temperature,
+            **(dict(draft_length=8, draft_steps=1) if policy == "verified" else {}),
+        )
         together = batch_generate(*demo, prompts, seeds=[0, 1], **kwargs)
         assert together == [generate(*demo, p, seed=s, **kwargs) for p, s in zip(prompts, [0, 1])]
 
 
-@pytest.mark.parametrize("schema, keyword", [
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
-    ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}, "then": {}}, "if"),
-    ({"not": {"type": "string"}}, "not"),
-    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
-    ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
-])
+@pytest.mark.parametrize(
+    "schema, keyword",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}, "then": {}}, "if"),
+        ({"not": {"type": "string"}}, "not"),
+        ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+        ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames"),
+    ],
+)
 def test_what_no_grammar_enforces_is_refused_by_name(demo, schema, keyword):
     with pytest.raises(TemplateError, match=f'cannot be enforced: .*"{keyword}"'):
         generate(*demo, "json: x", schema=schema, policy="ar")
 
 
-@pytest.mark.parametrize("schema, path, lower", [
-    ({"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4}, "$", 1),
-    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"],
-      "minProperties": 3}, "$", 2),  # (b may be left out, and the other keys repeat)
-    ({"anyOf": [{"type": "object", "patternProperties": {"^x": {}}, "additionalProperties": False,
-                 "minProperties": 2}, {"type": "null"}]}, "$.anyOf[0]", 1),
-])
+@pytest.mark.parametrize(
+    "schema, path, lower",
+    [
+        ({"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4}, "$", 1),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a"],
+                "minProperties": 3,
+            },
+            "$",
+            2,
+        ),  # (b may be left out, and the other keys repeat)
+        (
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "patternProperties": {"^x": {}},
+                        "additionalProperties": False,
+                        "minProperties": 2,
+                    },
+                    {"type": "null"},
+                ]
+            },
+            "$.anyOf[0]",
+            1,
+        ),
+    ],
+)
 def test_a_min_properties_that_repeated_keys_could_meet_is_refused_by_name(demo, schema, path, lower):
     """llguidance lets a key of additionalProperties or patternProperties repeat: with minProperties 4,
     {"color": "da", "name": "ada", "year": "rda", "color": "dda"} was an answer (three keys once parsed)."""
-    with pytest.raises(TemplateError, match=rf"minProperties at {re.escape(path)} is .* lower minProperties to {lower}$"):
+    with pytest.raises(
+        TemplateError, match=rf"minProperties at {re.escape(path)} is .* lower minProperties to {lower}$"
+    ):
         grammar(demo, schema)
 
 
 def test_a_min_properties_its_required_properties_meet_is_answered_with_as_many_keys(demo):
     """Three required properties and one key more: that key is none of them, so four keys once parsed."""
     model, tokenizer = demo
-    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in "abc"}, "required": list("abc"),
-              "additionalProperties": {"type": "string"}, "minProperties": 4}
+    schema = {
+        "type": "object",
+        "properties": {k: {"type": "integer"} for k in "abc"},
+        "required": list("abc"),
+        "additionalProperties": {"type": "string"},
+        "minProperties": 4,
+    }
     for seed in range(3):
         rng = np.random.default_rng(seed)
         rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 200)
-        while rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None \
-                and not rule.done:
+        while (
+            rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None
+            and not rule.done
+        ):
             pass
         text = tokenizer.decode_clean(rule.output)
         pairs = json.loads(text, object_pairs_hook=list)
@@ -274,18 +442,30 @@ def test_a_min_properties_its_required_properties_meet_is_answered_with_as_many_
         validate(dict(pairs), schema)
 
 
-@pytest.mark.parametrize("schema, loop", [
-    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "#/$defs/a → #/$defs/a"),
-    ({"$ref": "#", "title": "t"}, "# → #"),
-    ({"type": "object", "required": ["x"], "properties": {"x": {"$ref": "#/$defs/b"}},
-      "$defs": {"b": {"$ref": "#/$defs/c"}, "c": {"description": "d", "$ref": "#/$defs/b"}}},
-     "#/$defs/b → #/$defs/c → #/$defs/b"),
-])
+@pytest.mark.parametrize(
+    "schema, loop",
+    [
+        ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "#/$defs/a → #/$defs/a"),
+        ({"$ref": "#", "title": "t"}, "# → #"),
+        (
+            {
+                "type": "object",
+                "required": ["x"],
+                "properties": {"x": {"$ref": "#/$defs/b"}},
+                "$defs": {"b": {"$ref": "#/$defs/c"}, "c": {"description": "d", "$ref": "#/$defs/b"}},
+            },
+            "#/$defs/b → #/$defs/c → #/$defs/b",
+        ),
+    ],
+)
 def test_a_ref_that_leads_back_to_itself_is_refused_by_name(demo, schema, loop):
     """It never describes a value (llguidance's grammar ended the answer before it began, refused as if
     a pattern were to blame)."""
-    with pytest.raises(TemplateError, match=rf"^\$ref at \$\S* leads back to itself \({re.escape(loop)}\) and "
-                                            "never describes a value;"):
+    with pytest.raises(
+        TemplateError,
+        match=rf"^\$ref at \$\S* leads back to itself \({re.escape(loop)}\) and "
+        "never describes a value;",
+    ):
         grammar(demo, schema)
 
 
@@ -302,6 +482,7 @@ def test_a_budget_shorter_than_the_closing_path_is_refused_before_any_forward(de
 
 
 # -- everyday pydantic models -------------------------------------------------------------------------
+
 
 class Color(enum.Enum):
     RED = "red"
@@ -333,8 +514,9 @@ class Tree(pydantic.BaseModel):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("model_class", [Everyday, Tree])
 def test_everyday_pydantic_models_answer_under_every_policy(demo, policy, model_class):
-    text = generate(*demo, "json: name=ada age=36", max_tokens=256, policy=policy,
-                    schema=model_class.model_json_schema(), seed=1)
+    text = generate(
+        *demo, "json: name=ada age=36", max_tokens=256, policy=policy, schema=model_class.model_json_schema(), seed=1
+    )
     model_class.model_validate_json(text)
     validate(json.loads(text), model_class.model_json_schema())
 
@@ -352,9 +534,12 @@ def test_a_schema_whose_closing_path_is_past_the_cap_is_refused(demo):
     schema = required_keys(300)
     assert len(tokenizer.encode(json.dumps({k: 0 for k in schema["required"]}))) > CLOSING_CAP
     for policy in ("ar", "reference"):
-        with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within, "
-                                                "so no max_tokens fits it; lower its minLength or minItems, or make "
-                                                "fewer of its keys required$"):
+        with pytest.raises(
+            TemplateError,
+            match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within, "
+            "so no max_tokens fits it; lower its minLength or minItems, or make "
+            "fewer of its keys required$",
+        ):
             generate(*demo, "json: x", schema=schema, max_tokens=256, policy=policy)
     with pytest.raises(TemplateError, match=f"more than {CLOSING_CAP} tokens, the most an answer is closed within"):
         check_closing_fits(grammar(demo, schema), model.config.vocab_size, CLOSING_CAP + 88)  # past the demo's context
@@ -367,16 +552,22 @@ def test_a_schema_whose_shortest_answer_cannot_fit_the_context_says_so(demo):
     schema = {"type": "string", "minLength": 3000}
     shortest = len(GrammarRule(grammar(demo, schema), model.config.vocab_size, CLOSING_CAP).path)
     assert shortest < CLOSING_CAP
-    with pytest.raises(TemplateError, match=rf"takes {shortest} tokens, more than the 2\d\d\d the model's context "
-                                            "leaves after the prompt, so no max_tokens fits it;"):
+    with pytest.raises(
+        TemplateError,
+        match=rf"takes {shortest} tokens, more than the 2\d\d\d the model's context "
+        "leaves after the prompt, so no max_tokens fits it;",
+    ):
         generate(*demo, "x" * 6000, schema=schema, max_tokens=32, policy="ar")
 
 
-@pytest.mark.parametrize("name, shortest", [
-    ("many-strings", {f"k{i:02d}": "" for i in range(30)}),  # a quote closes each string, however many came before
-    ("pattern-suffix", {"id": "0_DEVICE", "v": "v1.0.0"}),  # a pattern's shortest match, not its narrowest way on
-    ("expression", {"expr": ""}),  # the key that opens a string, not one of the four that open an array of more
-])
+@pytest.mark.parametrize(
+    "name, shortest",
+    [
+        ("many-strings", {f"k{i:02d}": "" for i in range(30)}),  # a quote closes each string, however many came before
+        ("pattern-suffix", {"id": "0_DEVICE", "v": "v1.0.0"}),  # a pattern's shortest match, not its narrowest way on
+        ("expression", {"expr": ""}),  # the key that opens a string, not one of the four that open an array of more
+    ],
+)
 def test_the_closing_path_from_the_start_is_the_shortest_answer(demo, name, shortest):
     model, tokenizer = demo
     path = GrammarRule(grammar(demo, SCHEMAS[name]), model.config.vocab_size, 10_000).path
@@ -399,8 +590,10 @@ def test_where_llguidance_gives_up_mid_answer_no_answer_ends_as_if_whole(demo):
         rng = np.random.default_rng(seed)
         rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 300)
         try:
-            while rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None \
-                    and not rule.done:
+            while (
+                rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None
+                and not rule.done
+            ):
                 pass
         except TemplateError as e:
             assert "llguidance gave up on the schema mid-answer" in str(e) and "\n" not in str(e)

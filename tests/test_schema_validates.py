@@ -45,15 +45,23 @@ USED = {
 }
 TOOLS = {"server-weather": WEATHER, "get-weather": GET_WEATHER}
 EDGES = {
-    "required": {"type": "object", "additionalProperties": False, "required": ["a", "b"], "properties": {
-        "a": {"type": "string", "minLength": 3, "maxLength": 4}, "b": {"type": "null"}, "c": {"type": "boolean"}}},
+    "required": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["a", "b"],
+        "properties": {
+            "a": {"type": "string", "minLength": 3, "maxLength": 4},
+            "b": {"type": "null"},
+            "c": {"type": "boolean"},
+        },
+    },
     "typed-enum": {"type": "string", "enum": ["x", "yy", "zzz"]},
     "nullable-enum": {"type": ["string", "null"], "enum": ["a", None]},
-    "integer-enum": {"type": "integer", "enum": [1, 2.0, 10 ** 30]},
+    "integer-enum": {"type": "integer", "enum": [1, 2.0, 10**30]},
     "typed-const": {"type": "object", "const": {"k": [1, "x", None]}},
     "enum-items": {"type": "array", "minItems": 1, "maxItems": 6, "items": {"enum": ["cat", 12, None, [1]]}},
-    "past-int64": {"type": "integer", "minimum": 2 ** 64 + 1, "maximum": 2 ** 64 + 3},
-    "past-float-precision": {"type": "integer", "minimum": 2 ** 53 + 1, "maximum": 2 ** 53 + 1},
+    "past-int64": {"type": "integer", "minimum": 2**64 + 1, "maximum": 2**64 + 3},
+    "past-float-precision": {"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 1},
     "float-range": {"type": "number", "minimum": -1e20, "maximum": 1e20},
     "integer-from-floats": {"type": "integer", "minimum": 0.5, "maximum": 1e19},
 }
@@ -83,8 +91,7 @@ def random_canvas(template, tokenizer, model, rng) -> list[int]:
     for _, clamp in canvas_clamps(template, tokenizer, model.config.vocab_size, model.config.canvas_length, end):
         allowed = np.array(clamp.bias)[np.array(clamp.classes[0])] == 0
         fixed, tokens = np.array(clamp.fixed[0]), np.array(clamp.tokens[0])
-        out += [int(tokens[i]) if fixed[i] else int(rng.choice(np.flatnonzero(allowed[i])))
-                for i in range(len(fixed))]
+        out += [int(tokens[i]) if fixed[i] else int(rng.choice(np.flatnonzero(allowed[i]))) for i in range(len(fixed))]
     return out
 
 

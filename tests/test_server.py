@@ -27,12 +27,28 @@ from mlx_dgemma.server import Limits, Scheduler, Server, create_app
 
 MODEL_ID = "demo"
 SORT = "sort: 42 17 85 23 61"
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 999}}}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "required": ["city", "days"], "properties": {
-        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "required": ["city", "days"],
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+        },
+    },
+}
 MAX_BODY = 64 * 1024
 CONTEXT = json.loads((DEMO_MODEL / "config.json").read_text())["text_config"]["max_position_embeddings"]
 
@@ -49,16 +65,25 @@ def short_context(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(model, tokenizer, model_id: str = MODEL_ID, allowed_origins=("*",), log_level: str = "warning",
-            statuses: list | None = None, **server_options):
+def serving(
+    model,
+    tokenizer,
+    model_id: str = MODEL_ID,
+    allowed_origins=("*",),
+    log_level: str = "warning",
+    statuses: list | None = None,
+    **server_options,
+):
     """A real uvicorn server for ``model`` on a free loopback port: its base URL while it runs (``log_level``
     "info" logs every request's status to ``uvicorn.access``). Each answer's (path, status) is appended to
     ``statuses`` when given."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(Server(model, tokenizer, model_id, Scheduler(model, tokenizer, prompt_cache_size=4),
-                            Limits(**server_options)), allowed_origins)
+    app = create_app(
+        Server(model, tokenizer, model_id, Scheduler(model, tokenizer, prompt_cache_size=4), Limits(**server_options)),
+        allowed_origins,
+    )
     if statuses is not None:
         app = recording(app, statuses)
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
@@ -77,6 +102,7 @@ def serving(model, tokenizer, model_id: str = MODEL_ID, allowed_origins=("*",), 
 
 def recording(app, statuses: list):
     """``app``, appending each answer's (path, status) to ``statuses``."""
+
     async def recorded(scope, receive, send):
         async def sent(message):
             if message["type"] == "http.response.start":
@@ -144,9 +170,15 @@ def test_completions_streamed_equals_whole_and_chat(client, demo):
     _, tokenizer = demo
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "reverse: kayak7"}])  # the chat's text
     whole = client.completions.create(model=MODEL_ID, prompt=prompt, seed=5, max_tokens=40)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL_ID, prompt=prompt, seed=5, max_tokens=40, stream=True))
-    assert whole.choices[0].text == streamed == chat(client, "reverse: kayak7", seed=5, max_tokens=40).choices[0].message.content
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL_ID, prompt=prompt, seed=5, max_tokens=40, stream=True)
+    )
+    assert (
+        whole.choices[0].text
+        == streamed
+        == chat(client, "reverse: kayak7", seed=5, max_tokens=40).choices[0].message.content
+    )
     assert whole.object == "text_completion"
 
 
@@ -179,8 +211,10 @@ def test_multi_turn_reuses_the_prompt_cache(client, demo):
     model, tokenizer = demo
     first = [{"role": "user", "content": "sort: 8 31 64 2"}]
     reply = client.chat.completions.create(model=MODEL_ID, messages=first, seed=1)
-    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
-                      {"role": "user", "content": "reverse: abc"}]
+    second = first + [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "reverse: abc"},
+    ]
     again = client.chat.completions.create(model=MODEL_ID, messages=second, seed=1)
     first_ids = tokenizer.apply_chat_template(first, tokenize=True)
     second_ids = tokenizer.apply_chat_template(second, tokenize=True)
@@ -194,8 +228,10 @@ def test_multi_turn_under_auto_reuses_the_prompt_cache(client, demo):
     _, tokenizer = demo
     first = [{"role": "user", "content": "add: 12 75"}]
     reply = client.chat.completions.create(model=MODEL_ID, messages=first, seed=1, extra_body={"policy": "auto"})
-    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
-                      {"role": "user", "content": "sort: 4 1 3"}]
+    second = first + [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "sort: 4 1 3"},
+    ]
     again = client.chat.completions.create(model=MODEL_ID, messages=second, seed=1, extra_body={"policy": "auto"})
     first_ids = tokenizer.apply_chat_template(first, tokenize=True)
     assert again.usage.prompt_tokens_details.cached_tokens == len(first_ids) - 1
@@ -203,12 +239,23 @@ def test_multi_turn_under_auto_reuses_the_prompt_cache(client, demo):
 
 def test_json_schema_reply_parses_and_validates(client):
     for prompt in ("json: name=ada age=36", "json: name=bo age=7", "sort: 5 3 9"):  # the last is not a json task
-        reply = chat(client, prompt, seed=2, response_format={
-            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        reply = chat(
+            client,
+            prompt,
+            seed=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        )
         jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
-    assert json.loads(chat(client, "json: name=ada age=36", seed=2, response_format={
-        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}).choices[0].message.content) \
-        == {"name": "ada", "age": 36}
+    assert json.loads(
+        chat(
+            client,
+            "json: name=ada age=36",
+            seed=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        )
+        .choices[0]
+        .message.content
+    ) == {"name": "ada", "age": 36}
 
 
 def test_json_object_reply_is_an_object(client):
@@ -218,18 +265,25 @@ def test_json_object_reply_is_an_object(client):
 
 
 def test_forced_tool_call(client):
-    reply = chat(client, "weather in paris for 3 days", seed=0, tools=[WEATHER],
-                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    reply = chat(
+        client,
+        "weather in paris for 3 days",
+        seed=0,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    chunks = list(chat(client, "weather in paris for 3 days", seed=0, tools=[WEATHER], tool_choice="required",
-                       stream=True))
+    chunks = list(
+        chat(client, "weather in paris for 3 days", seed=0, tools=[WEATHER], tool_choice="required", stream=True)
+    )
     calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \
-        [(0, "get_weather", call.function.arguments)]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (0, "get_weather", call.function.arguments)
+    ]
 
 
 def test_tool_call_in_the_answer_is_parsed(client):
@@ -264,8 +318,11 @@ def test_ar_and_verified_sample_at_the_requests_temperature(client, demo, policy
         # moves it: generate starts from the estimate the server's request started from
         planner = PLANNERS.get(model)
         before = copy.deepcopy(planner.acceptance) if planner else None
-        served.append(chat(client, prompt, seed=seed, temperature=1.5, max_tokens=32, extra_body={"policy": policy})
-                      .choices[0].message.content)
+        served.append(
+            chat(client, prompt, seed=seed, temperature=1.5, max_tokens=32, extra_body={"policy": policy})
+            .choices[0]
+            .message.content
+        )
         if planner:
             planner.acceptance = before
         else:
@@ -275,16 +332,33 @@ def test_ar_and_verified_sample_at_the_requests_temperature(client, demo, policy
     assert served == alone
 
 
-@pytest.mark.parametrize("kwargs, error, param", [
-    ({"model": "gpt-4o"}, openai.NotFoundError, "model"),
-    ({"max_tokens": -5}, openai.BadRequestError, "max_tokens"),
-    ({"extra_body": {"policy": "warp"}}, openai.BadRequestError, "policy"),
-    ({"temperature": 3}, openai.BadRequestError, "temperature"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"code": {"not": {"type": "string"}}}}}}},
-     openai.BadRequestError, "response_format"),
-    ({"messages": [{"role": "user", "content": "sort: 1 2 " * (CONTEXT // 8)}]}, openai.BadRequestError, "messages"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, param",
+    [
+        ({"model": "gpt-4o"}, openai.NotFoundError, "model"),
+        ({"max_tokens": -5}, openai.BadRequestError, "max_tokens"),
+        ({"extra_body": {"policy": "warp"}}, openai.BadRequestError, "policy"),
+        ({"temperature": 3}, openai.BadRequestError, "temperature"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"code": {"not": {"type": "string"}}}},
+                    },
+                }
+            },
+            openai.BadRequestError,
+            "response_format",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "sort: 1 2 " * (CONTEXT // 8)}]},
+            openai.BadRequestError,
+            "messages",
+        ),
+    ],
+)
 def test_bad_requests_get_openai_errors(client, kwargs, error, param):
     request = {"model": MODEL_ID, "messages": [{"role": "user", "content": SORT}], **kwargs}
     with pytest.raises(error) as caught:
@@ -304,8 +378,11 @@ def test_content_the_demo_cannot_take_is_refused(client):
     for payload, message in [
         ("aGVsbG8=", "messages[0]: the image data is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)"),
         # The demo's chat template (its tiny vision tower is untrained) writes no image placeholders.
-        (base64.b64encode(png.getvalue()).decode(), "the chat template wrote 0 image placeholders for 1 images "
-                                                    "(a template that takes no image parts, or drops them from some messages)"),
+        (
+            base64.b64encode(png.getvalue()).decode(),
+            "the chat template wrote 0 image placeholders for 1 images "
+            "(a template that takes no image parts, or drops them from some messages)",
+        ),
     ]:
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + payload}}
         with pytest.raises(openai.BadRequestError) as caught:
@@ -322,13 +399,18 @@ def test_a_refusal_by_the_worker_names_the_field(client, monkeypatch):
     from mlx_dgemma.server import scheduler
 
     def refusing(model, tokenizer, resolved):
-        raise TemplateError("the template is refused") if resolved.args.template is not None else PromptError(
-            "the prompt is refused")
+        raise (
+            TemplateError("the template is refused")
+            if resolved.args.template is not None
+            else PromptError("the prompt is refused")
+        )
 
     monkeypatch.setattr(scheduler, "plan", refusing)
-    for request, param in [(lambda: chat(client, SORT, extra_body={"template": "{{fill:4}}"}), "template"),
-                           (lambda: chat(client, SORT), "messages"),
-                           (lambda: client.completions.create(model=MODEL_ID, prompt=SORT), "prompt")]:
+    for request, param in [
+        (lambda: chat(client, SORT, extra_body={"template": "{{fill:4}}"}), "template"),
+        (lambda: chat(client, SORT), "messages"),
+        (lambda: client.completions.create(model=MODEL_ID, prompt=SORT), "prompt"),
+    ]:
         with pytest.raises(openai.BadRequestError) as caught:
             request()
         assert caught.value.body["param"] == param, caught.value.body
@@ -366,8 +448,16 @@ def test_disconnect_stops_the_compute(client, server):
 
 
 def test_concurrent_clients_get_their_answers_served_alone(client, server):
-    prompts = [SORT, "reverse: kayak7", "add: 17 + 25", "json: name=ada age=36", "sort: 9 71 33 48",
-               "reverse: hello", "add: 305 + 96", "json: name=li age=7"]
+    prompts = [
+        SORT,
+        "reverse: kayak7",
+        "add: 17 + 25",
+        "json: name=ada age=36",
+        "sort: 9 71 33 48",
+        "reverse: hello",
+        "add: 305 + 96",
+        "json: name=li age=7",
+    ]
     start = health(server)["rounds"]
     alone = [chat(client, p, seed=i, max_tokens=64).choices[0].message.content for i, p in enumerate(prompts)]
     middle = health(server)["rounds"]

@@ -29,8 +29,11 @@ ANSWER = "17 23 42 61 85"  # the demo model's answer to SORT at seed 3
 # A template that writes Gemma 4's call syntax into the answer, as a tool-trained checkpoint does.
 CALL = 'Sure. <|tool_call>call:get_weather{city:<|"|>{{fill:6}}<|"|>,days:3}<tool_call|>'
 PREFIX = "<bos><|turn>user\nsort: 42 17 85 23 61<turn|>\n<|turn>model\n<|channel>thought\n<channel|>17 "
-ANTHROPIC_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"],
-                     "input_schema": WEATHER["function"]["parameters"]}
+ANTHROPIC_WEATHER = {
+    "name": "get_weather",
+    "description": WEATHER["function"]["description"],
+    "input_schema": WEATHER["function"]["parameters"],
+}
 RESPONSES_WEATHER = {"type": "function", **{k: WEATHER["function"][k] for k in ("name", "description", "parameters")}}
 
 
@@ -60,6 +63,7 @@ def user(text):
 
 
 # -- Ollama -----------------------------------------------------------------------------------------
+
 
 def ollama_chat(client, text=SORT, seed=3, **kwargs):
     options = {"seed": seed, "num_predict": 64, **kwargs.pop("options", {})}
@@ -125,8 +129,12 @@ def test_ollama_generate_through_the_chat_template_and_raw(ollama_client, demo):
     _, tokenizer = demo
     reply = ollama_client.generate(model=MODEL_ID, prompt=SORT, options={"seed": 3, "num_predict": 64})
     assert reply.response == ANSWER and reply.done_reason == "stop"
-    streamed = "".join(c.response for c in ollama_client.generate(
-        model=MODEL_ID, prompt=SORT, options={"seed": 3, "num_predict": 64}, stream=True))
+    streamed = "".join(
+        c.response
+        for c in ollama_client.generate(
+            model=MODEL_ID, prompt=SORT, options={"seed": 3, "num_predict": 64}, stream=True
+        )
+    )
     assert streamed == ANSWER
     raw = tokenizer.apply_chat_template(user(SORT))
     assert ollama_client.generate(model=MODEL_ID, prompt=raw, raw=True, options={"seed": 3}).response == ANSWER
@@ -138,15 +146,13 @@ def test_ollama_format_schema_and_json(ollama_client):
     reply = ollama_chat(ollama_client, "json: name=ada age=36", seed=2, format=PERSON)
     assert json.loads(reply.message.content) == {"name": "ada", "age": 36}
     for text in ("json: name=bo age=7", "sort: 5 3 9"):
-        jsonschema.validate(json.loads(ollama_chat(ollama_client, text, seed=2, format=PERSON).message.content),
-                            PERSON)
+        jsonschema.validate(json.loads(ollama_chat(ollama_client, text, seed=2, format=PERSON).message.content), PERSON)
         assert isinstance(json.loads(ollama_chat(ollama_client, text, seed=2, format="json").message.content), dict)
 
 
 def test_ollama_takes_an_editors_stop_strings(ollama_client):
     stop = [" 42", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<|endoftext|>", "\n\n", "```", "</code>"]
     assert ollama_chat(ollama_client, options={"stop": stop}).message.content == ANSWER[: ANSWER.index(" 42")]
-
 
 
 def test_ollama_takes_sixteen_long_stop_strings(ollama_client):
@@ -162,17 +168,25 @@ def test_ollama_takes_sixteen_long_stop_strings(ollama_client):
 
 def test_ollama_tool_call(ollama_client):
     for stream in (False, True):
-        reply = ollama_chat(ollama_client, "weather in oslo", seed=0, tools=[WEATHER], options={"template": CALL},
-                            stream=stream)
+        reply = ollama_chat(
+            ollama_client, "weather in oslo", seed=0, tools=[WEATHER], options={"template": CALL}, stream=stream
+        )
         chunks = list(reply) if stream else [reply]
         assert "".join(c.message.content for c in chunks) == "Sure. "
         (call,) = [call for c in chunks for call in c.message.tool_calls or []]
         assert call.function.name == "get_weather" and call.function.arguments["days"] == 3
         assert isinstance(call.function.arguments["city"], str)
     # Each call has an id (the ollama client's model leaves it out; Ollama's API has it).
-    raw = ollama_client._client.post("/api/chat", json={
-        "model": MODEL_ID, "messages": user("weather in oslo"), "tools": [WEATHER], "stream": False,
-        "options": {"seed": 0, "template": CALL}}).json()
+    raw = ollama_client._client.post(
+        "/api/chat",
+        json={
+            "model": MODEL_ID,
+            "messages": user("weather in oslo"),
+            "tools": [WEATHER],
+            "stream": False,
+            "options": {"seed": 0, "template": CALL},
+        },
+    ).json()
     (call,) = raw["message"]["tool_calls"]
     assert call["id"].startswith("call_") and call["function"]["index"] == 0
 
@@ -181,7 +195,11 @@ def test_ollama_errors(ollama_client):
     for kwargs, status, message in [
         ({"model": "llama3"}, 404, "the model \"llama3\" does not exist; this server serves 'demo'"),
         ({"options": {"num_predict": 0}}, 400, "options.num_predict must be at least 1, got 0"),
-        ({"options": {"temperature": 5}}, 400, "options.temperature must be 0 or a finite number from 0.0001 to 2, got 5"),
+        (
+            {"options": {"temperature": 5}},
+            400,
+            "options.temperature must be 0 or a finite number from 0.0001 to 2, got 5",
+        ),
         ({"options": {"stop": ["x"] * 17}}, 400, "options.stop must be a non-empty string or a list of at most 16"),
         ({"format": {"type": "string", "not": {"pattern": "[a-z]+"}}}, 400, '"not"'),
         ({"messages": user("sort: 1 2 " * (CONTEXT // 8))}, 400, "does not fit the model's context"),
@@ -194,9 +212,11 @@ def test_ollama_errors(ollama_client):
 
 # -- OpenAI Responses ---------------------------------------------------------------------------------
 
+
 def respond(client, prompt=SORT, seed=3, **kwargs):
-    return client.responses.create(**{"model": MODEL_ID, "input": prompt, "max_output_tokens": 64,
-                                      "extra_body": {"seed": seed}, **kwargs})
+    return client.responses.create(
+        **{"model": MODEL_ID, "input": prompt, "max_output_tokens": 64, "extra_body": {"seed": seed}, **kwargs}
+    )
 
 
 def test_responses_streamed_equals_whole_and_generate(openai_client, demo):
@@ -211,8 +231,10 @@ def test_responses_streamed_equals_whole_and_generate(openai_client, demo):
     assert events[-1].response.output_text == ANSWER
     assert [e.sequence_number for e in events] == list(range(len(events)))
     # Items and instructions go through the chat template as messages do.
-    items = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "input_text",
-                                                                                     "text": SORT}]}]
+    items = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "input_text", "text": SORT}]},
+    ]
     expected = generate(model, tokenizer, SORT, max_tokens=64, seed=3, system_prompt="be brief")
     assert respond(openai_client, items[1:], instructions="be brief").output_text == expected
     assert respond(openai_client, items).output_text == expected
@@ -226,8 +248,10 @@ def test_responses_max_output_tokens_is_incomplete(openai_client):
 
 def test_responses_json_schema(openai_client):
     text = {"format": {"type": "json_schema", "name": "person", "schema": PERSON}}
-    assert json.loads(respond(openai_client, "json: name=ada age=36", seed=2, text=text).output_text) == \
-        {"name": "ada", "age": 36}
+    assert json.loads(respond(openai_client, "json: name=ada age=36", seed=2, text=text).output_text) == {
+        "name": "ada",
+        "age": 36,
+    }
     jsonschema.validate(json.loads(respond(openai_client, "sort: 5 3 9", seed=2, text=text).output_text), PERSON)
 
 
@@ -237,14 +261,24 @@ def test_responses_function_call(openai_client):
     (call,) = whole.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
-    events = list(respond(openai_client, "weather in paris for 3 days", seed=0, tools=[RESPONSES_WEATHER],
-                          tool_choice=forced, stream=True))
+    events = list(
+        respond(
+            openai_client,
+            "weather in paris for 3 days",
+            seed=0,
+            tools=[RESPONSES_WEATHER],
+            tool_choice=forced,
+            stream=True,
+        )
+    )
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert done.arguments == call.arguments and events[-1].response.output[0].arguments == call.arguments
     # The call's result goes back as items.
-    history = [{"role": "user", "content": "weather in paris for 3 days"},
-               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    history = [
+        {"role": "user", "content": "weather in paris for 3 days"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]
     assert respond(openai_client, history, seed=0).status == "completed"
 
 
@@ -252,12 +286,24 @@ def test_responses_errors(openai_client):
     for kwargs, error, param, message in [
         ({"model": "gpt-4o"}, openai.NotFoundError, "model", "does not exist"),
         ({"max_output_tokens": 0}, openai.BadRequestError, "max_output_tokens", "max_output_tokens must be at least 1"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "not": {"const": "a"}}}}},
-         openai.BadRequestError, "text.format", '"not"'),
+        (
+            {
+                "text": {
+                    "format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "not": {"const": "a"}}}
+                }
+            },
+            openai.BadRequestError,
+            "text.format",
+            '"not"',
+        ),
         ({"previous_response_id": "resp_1"}, openai.BadRequestError, "previous_response_id", "stores no responses"),
         ({"tools": [{"type": "web_search"}]}, openai.BadRequestError, "tools", "each tool must be"),
-        ({"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "input_file"}]}]},
-         openai.BadRequestError, "input", "input[1]: content of type input_file is not supported"),
+        (
+            {"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "input_file"}]}]},
+            openai.BadRequestError,
+            "input",
+            "input[1]: content of type input_file is not supported",
+        ),
     ]:
         with pytest.raises(error) as caught:
             openai_client.responses.create(**{"model": MODEL_ID, "input": SORT, "instructions": "x", **kwargs})
@@ -268,9 +314,11 @@ def test_responses_errors(openai_client):
 
 # -- Anthropic Messages -------------------------------------------------------------------------------
 
+
 def message(client, text=SORT, seed=3, **kwargs):
-    return client.messages.create(**{"model": MODEL_ID, "messages": user(text), "max_tokens": 64,
-                                     "extra_body": {"seed": seed}, **kwargs})
+    return client.messages.create(
+        **{"model": MODEL_ID, "messages": user(text), "max_tokens": 64, "extra_body": {"seed": seed}, **kwargs}
+    )
 
 
 def test_messages_streamed_equals_whole_and_generate(anthropic_client, demo):
@@ -280,8 +328,9 @@ def test_messages_streamed_equals_whole_and_generate(anthropic_client, demo):
     assert whole.stop_reason == "end_turn" and whole.role == "assistant"
     prompt = len(tokenizer.apply_chat_template(user(SORT), tokenize=True))
     assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens == prompt
-    with anthropic_client.messages.stream(model=MODEL_ID, messages=user(SORT), max_tokens=64,
-                                          extra_body={"seed": 3}) as stream:
+    with anthropic_client.messages.stream(
+        model=MODEL_ID, messages=user(SORT), max_tokens=64, extra_body={"seed": 3}
+    ) as stream:
         assert "".join(stream.text_stream) == ANSWER
         final = stream.get_final_message()
     assert final.content[0].text == ANSWER and final.usage.output_tokens == whole.usage.output_tokens
@@ -303,8 +352,13 @@ def test_messages_stop_sequences_and_max_tokens(anthropic_client):
 def test_messages_json_schema_through_a_forced_tool(anthropic_client):
     # Anthropic's way to structured output: a tool whose input schema is the answer's.
     person = {"name": "person", "input_schema": PERSON}
-    reply = message(anthropic_client, "json: name=ada age=36", seed=2, tools=[person],
-                    tool_choice={"type": "tool", "name": "person"})
+    reply = message(
+        anthropic_client,
+        "json: name=ada age=36",
+        seed=2,
+        tools=[person],
+        tool_choice={"type": "tool", "name": "person"},
+    )
     (block,) = reply.content
     assert block.type == "tool_use" and reply.stop_reason == "tool_use"
     jsonschema.validate(block.input, PERSON)
@@ -316,19 +370,24 @@ def test_messages_tool_use(anthropic_client):
     (block,) = whole.content
     assert block.type == "tool_use" and block.name == "get_weather" and whole.stop_reason == "tool_use"
     jsonschema.validate(block.input, WEATHER["function"]["parameters"])
-    with anthropic_client.messages.stream(model=MODEL_ID, messages=user("weather in paris for 3 days"), max_tokens=64,
-                                          extra_body={"seed": 0}, **kwargs) as stream:
+    with anthropic_client.messages.stream(
+        model=MODEL_ID, messages=user("weather in paris for 3 days"), max_tokens=64, extra_body={"seed": 0}, **kwargs
+    ) as stream:
         final = stream.get_final_message()
     assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", block.input)]
     assert final.stop_reason == "tool_use"
     # A call in the answer's own text is parsed too; its result goes back as a tool_result block.
-    parsed = message(anthropic_client, "weather in oslo", seed=0, tools=[ANTHROPIC_WEATHER],
-                     extra_body={"seed": 0, "template": CALL})
+    parsed = message(
+        anthropic_client, "weather in oslo", seed=0, tools=[ANTHROPIC_WEATHER], extra_body={"seed": 0, "template": CALL}
+    )
     assert [b.type for b in parsed.content] == ["text", "tool_use"] and parsed.content[0].text == "Sure. "
     history = user("weather in oslo") + [
-        {"role": "assistant", "content": [{"type": "tool_use", "id": block.id, "name": block.name,
-                                           "input": block.input}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}]}]
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": block.id, "name": block.name, "input": block.input}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}]},
+    ]
     assert anthropic_client.messages.create(model=MODEL_ID, messages=history, max_tokens=8).stop_reason
 
 
@@ -338,16 +397,21 @@ def test_messages_errors(anthropic_client):
         ({"max_tokens": 0}, anthropic.BadRequestError, "max_tokens must be at least 1"),
         ({"stop_sequences": ["a"] * 17}, anthropic.BadRequestError, "stop_sequences must be"),
         ({"extra_body": {"top_k": -1}}, anthropic.BadRequestError, "top_k must be at least 0, got -1"),
-        ({"messages": user("hi") + [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
-         anthropic.BadRequestError, "messages[1]: content of type document is not supported"),
+        (
+            {"messages": user("hi") + [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+            anthropic.BadRequestError,
+            "messages[1]: content of type document is not supported",
+        ),
     ]:
         with pytest.raises(error) as caught:
-            anthropic_client.messages.create(**{"model": MODEL_ID, "messages": user(SORT), "max_tokens": 8,
-                                                "system": "x", **kwargs})
+            anthropic_client.messages.create(
+                **{"model": MODEL_ID, "messages": user(SORT), "max_tokens": 8, "system": "x", **kwargs}
+            )
         body = caught.value.body
         assert body["type"] == "error" and message_part in body["error"]["message"], body
-        assert body["error"]["type"] == ("not_found_error" if error is anthropic.NotFoundError
-                                         else "invalid_request_error")
+        assert body["error"]["type"] == (
+            "not_found_error" if error is anthropic.NotFoundError else "invalid_request_error"
+        )
 
 
 def test_messages_count_tokens(anthropic_client, demo):
@@ -368,8 +432,9 @@ def test_messages_count_tokens(anthropic_client, demo):
 
 def test_messages_stream_usage_first_agrees_with_last(anthropic_client):
     for _ in range(2):  # the second time the prompt cache holds all but the prompt's last token
-        with anthropic_client.messages.stream(model=MODEL_ID, messages=user(SORT), max_tokens=64,
-                                              extra_body={"seed": 3}) as stream:
+        with anthropic_client.messages.stream(
+            model=MODEL_ID, messages=user(SORT), max_tokens=64, extra_body={"seed": 3}
+        ) as stream:
             events = list(stream)
         first = next(e for e in events if e.type == "message_start").message.usage
         last = next(e for e in events if e.type == "message_delta").usage
@@ -388,13 +453,13 @@ def test_an_answer_padded_to_the_limit_is_whole_in_every_api(demo, ollama_client
     assert responses[-1].finish_reason == "length" and len(tokens) == limit and tokens[-1] == tokenizer.pad_token_id
     answer_tokens = sum(t != tokenizer.pad_token_id for t in tokens)
     answer = "".join(r.text for r in responses)
-    chat = openai_client.chat.completions.create(model=MODEL_ID, messages=user(text), max_tokens=limit,
-                                                 extra_body=options)
+    chat = openai_client.chat.completions.create(
+        model=MODEL_ID, messages=user(text), max_tokens=limit, extra_body=options
+    )
     assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (answer, "stop")
     assert chat.usage.completion_tokens == answer_tokens < limit
     response = respond(openai_client, text, max_output_tokens=limit, extra_body=options)
-    assert (response.output_text, response.status, response.usage.output_tokens) == (answer, "completed",
-                                                                                      answer_tokens)
+    assert (response.output_text, response.status, response.usage.output_tokens) == (answer, "completed", answer_tokens)
     reply = message(anthropic_client, text, max_tokens=limit, extra_body=options)
     assert (reply.stop_reason, reply.usage.output_tokens) == ("end_turn", answer_tokens)
     ollama = ollama_chat(ollama_client, text, options={"num_predict": limit, **options})
@@ -414,50 +479,68 @@ def test_unknown_routes_answer_in_their_apis_error_shape(server):
 
     assert get("/api/pull") == (404, {"error": "no route GET /api/pull"})
     assert get("/api/chat") == (405, {"error": "/api/chat does not take GET; send POST"})
-    assert get("/v1/messages/batches") == (404, {"type": "error", "error": {
-        "type": "not_found_error", "message": "no route GET /v1/messages/batches"}})
-    assert get("/v1/messages") == (405, {"type": "error", "error": {
-        "type": "invalid_request_error", "message": "/v1/messages does not take GET; send POST"}})
+    assert get("/v1/messages/batches") == (
+        404,
+        {"type": "error", "error": {"type": "not_found_error", "message": "no route GET /v1/messages/batches"}},
+    )
+    assert get("/v1/messages") == (
+        405,
+        {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": "/v1/messages does not take GET; send POST"},
+        },
+    )
     status, body = get("/v1/audio/speech")
     assert status == 404 and body["error"]["message"] == "no route GET /v1/audio/speech"
     status, body = get("/v1/embeddings")
     assert status == 405 and body["error"]["message"] == "/v1/embeddings does not take GET; send POST"
 
 
-@pytest.mark.parametrize("path, shape", [
-    ("/api/chat", lambda body: body["error"]),
-    ("/api/generate", lambda body: body["error"]),
-    ("/v1/responses", lambda body: body["error"]["message"]),
-    ("/v1/messages", lambda body: body["type"] == "error" and body["error"]["message"]),
-])
+@pytest.mark.parametrize(
+    "path, shape",
+    [
+        ("/api/chat", lambda body: body["error"]),
+        ("/api/generate", lambda body: body["error"]),
+        ("/v1/responses", lambda body: body["error"]["message"]),
+        ("/v1/messages", lambda body: body["type"] == "error" and body["error"]["message"]),
+    ],
+)
 def test_malformed_and_oversized_bodies_in_each_shape(server, path, shape):
     status, body = raw_post(server, path, b'{"model": "demo", "messages": [')
     assert status == 400 and "not valid JSON" in shape(body), body
     status, body = raw_post(server, path, json.dumps({"prompt": "x" * MAX_BODY}).encode())
     assert status == 413 and shape(body).endswith(
-        f"over the server's limit of {MAX_BODY} bytes; send less, or start the server with a larger "
-        "--max-request-bytes"), body
+        f"over the server's limit of {MAX_BODY} bytes; send less, or start the server with a larger --max-request-bytes"
+    ), body
     if path == "/v1/messages":
         assert body["error"]["type"] == "request_too_large"
 
 
 # -- infill through suffix ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("suffix, max_fill", [(" 85", 8), (" 61 85", 40)])  # one canvas; a fill over two
 def test_suffix_fills_the_middle_as_infill_does(ollama_client, openai_client, demo, suffix, max_fill):
     model, tokenizer = demo
     expected = infill(model, tokenizer, PREFIX, suffix, max_fill=max_fill, seed=1)
     assert suffix not in expected
-    completion = openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=suffix, max_tokens=max_fill,
-                                                  seed=1)
+    completion = openai_client.completions.create(
+        model=MODEL_ID, prompt=PREFIX, suffix=suffix, max_tokens=max_fill, seed=1
+    )
     assert completion.choices[0].text == expected
-    streamed = openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=suffix, max_tokens=max_fill,
-                                                seed=1, stream=True)
+    streamed = openai_client.completions.create(
+        model=MODEL_ID, prompt=PREFIX, suffix=suffix, max_tokens=max_fill, seed=1, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected
     options = {"seed": 1, "num_predict": max_fill}
     assert ollama_client.generate(model=MODEL_ID, prompt=PREFIX, suffix=suffix, options=options).response == expected
-    assert "".join(c.response for c in ollama_client.generate(model=MODEL_ID, prompt=PREFIX, suffix=suffix,
-                                                              options=options, stream=True)) == expected
+    assert (
+        "".join(
+            c.response
+            for c in ollama_client.generate(model=MODEL_ID, prompt=PREFIX, suffix=suffix, options=options, stream=True)
+        )
+        == expected
+    )
 
 
 def test_suffix_errors(openai_client, ollama_client):
@@ -468,8 +551,9 @@ def test_suffix_errors(openai_client, ollama_client):
         openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=" 85" * CONTEXT)
     assert caught.value.body["param"] == "suffix" and caught.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as caught:
-        openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=" 85",
-                                         extra_body={"response_format": {"type": "json_object"}})
+        openai_client.completions.create(
+            model=MODEL_ID, prompt=PREFIX, suffix=" 85", extra_body={"response_format": {"type": "json_object"}}
+        )
     assert caught.value.body["param"] == "suffix"
     with pytest.raises(ollama.ResponseError, match="leave out suffix and raw"):
         ollama_client.generate(model=MODEL_ID, prompt=PREFIX, suffix=" 85", images=[b"\x89PNG"])
@@ -477,19 +561,37 @@ def test_suffix_errors(openai_client, ollama_client):
 
 # -- all four at once ---------------------------------------------------------------------------------
 
+
 def test_a_mix_of_the_four_apis_is_answered_as_each_alone(ollama_client, openai_client, anthropic_client, server):
     asks = [
         lambda: ollama_chat(ollama_client, "reverse: kayak7", seed=1).message.content,
         lambda: respond(openai_client, "add: 17 + 25", seed=2).output_text,
         lambda: message(anthropic_client, "sort: 9 71 33 48", seed=3).content[0].text,
-        lambda: openai_client.chat.completions.create(model=MODEL_ID, messages=user("json: name=li age=7"), seed=4,
-                                                      max_tokens=64).choices[0].message.content,
-        lambda: ollama_client.generate(model=MODEL_ID, prompt=PREFIX, suffix=" 85",
-                                       options={"seed": 5, "num_predict": 8}).response,
-        lambda: openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=" 61 85", max_tokens=8,
-                                                 seed=6).choices[0].text,
-        lambda: respond(openai_client, "json: name=ada age=36", seed=7, text={"format": {
-            "type": "json_schema", "name": "person", "schema": PERSON}}).output_text,
+        lambda: (
+            openai_client.chat.completions.create(
+                model=MODEL_ID, messages=user("json: name=li age=7"), seed=4, max_tokens=64
+            )
+            .choices[0]
+            .message.content
+        ),
+        lambda: (
+            ollama_client.generate(
+                model=MODEL_ID, prompt=PREFIX, suffix=" 85", options={"seed": 5, "num_predict": 8}
+            ).response
+        ),
+        lambda: (
+            openai_client.completions.create(model=MODEL_ID, prompt=PREFIX, suffix=" 61 85", max_tokens=8, seed=6)
+            .choices[0]
+            .text
+        ),
+        lambda: (
+            respond(
+                openai_client,
+                "json: name=ada age=36",
+                seed=7,
+                text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+            ).output_text
+        ),
         lambda: message(anthropic_client, "reverse: hello", seed=8).content[0].text,
     ]
     start = health(server)["rounds"]
@@ -502,6 +604,7 @@ def test_a_mix_of_the_four_apis_is_answered_as_each_alone(ollama_client, openai_
 
 
 # -- images on a checkpoint with a vision tower ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def vision_server(vision_model):  # noqa: F811 (the fixture imported above)
@@ -523,23 +626,46 @@ def test_an_image_through_each_api_is_answered_as_generate_answers_it(vision_ser
     client = ollama.Client(host=vision_server, timeout=60)
     options = {"seed": 5, "num_predict": 2 * C}
     assert "vision" in client.show("vision").capabilities
-    chat = client.chat(model="vision", messages=[{"role": "user", "content": PROMPT, "images": [picture]}],
-                       options=options)
+    chat = client.chat(
+        model="vision", messages=[{"role": "user", "content": PROMPT, "images": [picture]}], options=options
+    )
     assert chat.message.content == expected
     assert client.generate(model="vision", prompt=PROMPT, images=[encoded], options=options).response == expected
     with pytest.raises(ollama.ResponseError, match="images: the image data is not an image Pillow can read"):
         client.generate(model="vision", prompt=PROMPT, images=["aGVsbG8="])
     responses = openai.OpenAI(base_url=vision_server + "/v1", api_key="none", max_retries=0)
-    content = [{"type": "input_image", "image_url": "data:image/png;base64," + encoded},
-               {"type": "input_text", "text": PROMPT}]
-    assert responses.responses.create(model="vision", input=[{"role": "user", "content": content}],
-                                      max_output_tokens=2 * C, extra_body={"seed": 5}).output_text == expected
+    content = [
+        {"type": "input_image", "image_url": "data:image/png;base64," + encoded},
+        {"type": "input_text", "text": PROMPT},
+    ]
+    assert (
+        responses.responses.create(
+            model="vision",
+            input=[{"role": "user", "content": content}],
+            max_output_tokens=2 * C,
+            extra_body={"seed": 5},
+        ).output_text
+        == expected
+    )
     messages = anthropic.Anthropic(base_url=vision_server, api_key="none", max_retries=0)
-    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}},
-              {"type": "text", "text": PROMPT}]
-    reply = messages.messages.create(model="vision", messages=[{"role": "user", "content": blocks}],
-                                     max_tokens=2 * C, extra_body={"seed": 5})
+    blocks = [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}},
+        {"type": "text", "text": PROMPT},
+    ]
+    reply = messages.messages.create(
+        model="vision", messages=[{"role": "user", "content": blocks}], max_tokens=2 * C, extra_body={"seed": 5}
+    )
     assert reply.content[0].text == expected
     with pytest.raises(anthropic.BadRequestError, match="not an image Pillow can read"):
-        messages.messages.create(model="vision", max_tokens=8, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGVsbG8="}}]}])
+        messages.messages.create(
+            model="vision",
+            max_tokens=8,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGVsbG8="}}
+                    ],
+                }
+            ],
+        )

@@ -30,12 +30,17 @@ def server(demo):
 
 
 def still_serving(server):
-    status, reply = raw_post_timeout(server, "/v1/chat/completions", json.dumps(
-        {"messages": [{"role": "user", "content": SORT}], "seed": 3}).encode(), 60)
+    status, reply = raw_post_timeout(
+        server,
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": SORT}], "seed": 3}).encode(),
+        60,
+    )
     assert status == 200 and reply["choices"][0]["message"]["content"] == "17 23 42 61 85"
 
 
 # -- infill: the hole is sized against the context before it is built --------------------------------
+
 
 @pytest.mark.parametrize("max_tokens", [CONTEXT, 150_000_000, 10**12])
 def test_an_infill_past_the_context_is_refused_before_its_hole_is_built(server, max_tokens):
@@ -60,6 +65,7 @@ def test_a_suffix_that_leaves_no_room_for_a_fill_names_the_suffix(server):
 
 # -- images whose chunks inflate past Pillow's bound --------------------------------------------------
 
+
 def chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -79,8 +85,9 @@ BOMBS = [(kind, before) for kind in (b"zTXt", b"iCCP") for before in (True, Fals
 NOT_AN_IMAGE = "is not an image Pillow can read"
 
 
-@pytest.mark.parametrize("kind, before_pixels", BOMBS, ids=[f"{k.decode()}-{'header' if b else 'pixels'}"
-                                                           for k, b in BOMBS])
+@pytest.mark.parametrize(
+    "kind, before_pixels", BOMBS, ids=[f"{k.decode()}-{'header' if b else 'pixels'}" for k, b in BOMBS]
+)
 def test_an_image_whose_chunk_inflates_is_an_image_error(kind, before_pixels):
     with pytest.raises(ImageError, match=f"^the image data {NOT_AN_IMAGE}"):
         load_image(inflating_png(kind, before_pixels))
@@ -92,13 +99,43 @@ def test_an_image_whose_chunk_inflates_is_refused_by_every_api(server, kind):
     data = base64.b64encode(inflating_png(kind, before_pixels=True)).decode()
     url = "data:image/png;base64," + data
     cases = [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]}]}),
-        ("/v1/responses", {"input": [{"role": "user", "content": [
-            {"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": url}]}]}),
-        ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
-            {"type": "text", "text": "x"}]}]}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}],
+                    }
+                ]
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": url}],
+                    }
+                ]
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                            {"type": "text", "text": "x"},
+                        ],
+                    }
+                ],
+            },
+        ),
         ("/api/chat", {"stream": False, "messages": [{"role": "user", "content": "x", "images": [data]}]}),
         ("/api/generate", {"stream": False, "prompt": "x", "images": [data]}),
     ]
@@ -111,51 +148,149 @@ def test_an_image_whose_chunk_inflates_is_refused_by_every_api(server, kind):
 
 # -- NaN, nested shapes, and the field the client sent ------------------------------------------------
 
+
 def body_error(reply) -> tuple[str, str | None]:
     """The message and param of an error in any API's shape (Anthropic's and Ollama's have no param)."""
     error = reply.get("error", reply)
     return (error, None) if isinstance(error, str) else (error["message"], error.get("param"))
 
 
-@pytest.mark.parametrize("path, body, param, message", [
-    ("/v1/responses", {"input": SORT, "metadata": {"a": float("nan")}}, "metadata.a",
-     "metadata.a is NaN, which is not JSON; send a number or null"),
-    ("/v1/responses", {"input": SORT, "parallel_tool_calls": float("nan")}, "parallel_tool_calls",
-     "parallel_tool_calls is NaN"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SORT}], "user": float("-inf")}, "user",
-     "user is -Infinity"),
-    ("/api/generate", {"prompt": "x", "stream": False, "options": {"temperature": float("nan")}}, None,
-     "options.temperature is NaN, which is not JSON"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": float("inf")}]}]},
-     "messages[0].content[0].text", "messages[0].content[0].text is Infinity"),
-    ("/v1/responses", {"input": [
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": 5}]}]}, "input",
-     "input[1].output must be a string or a list of parts"),
-    ("/v1/responses", {"input": SORT, "instructions": "\ud800"}, "instructions",
-     "instructions holds text that is not valid Unicode"),
-    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": []},
-                      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, None,
-     'tool_choice type must be "auto", "any", "tool" or "none", got []'),
-    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [{
-        "type": "tool_result", "tool_use_id": "x", "content": [{"type": "image", "source": {}}]}]}]}, None,
-     "messages[0]: a tool_result's content must be a string or a list of text blocks"),
-    ("/v1/messages", {"max_tokens": 8, "system": "\ud800", "messages": [{"role": "user", "content": "hi"}]}, None,
-     "system holds text that is not valid Unicode"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SORT}], "max_completion_tokens": CONTEXT},
-     "max_completion_tokens", f"max_completion_tokens of {CONTEXT} takes"),
-    ("/v1/messages", {"max_tokens": CONTEXT, "messages": [{"role": "user", "content": SORT}]}, None,
-     f"max_tokens of {CONTEXT} takes"),
-    ("/api/generate", {"prompt": 5, "stream": False}, None, "prompt must be a string"),
-    ("/api/generate", {"prompt": "x", "system": ["a"], "stream": False}, None, "system must be a string"),
-    ("/v1/messages/count_tokens", {"system": "\ud800", "messages": [{"role": "user", "content": "hi"}]}, None,
-     "system holds text that is not valid Unicode"),
-    ("/v1/messages/count_tokens", {"system": "be brief", "messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": 5, "content": "x"}]},
-     None, "messages[2] must be an object with a role"),
-], ids=["nan-metadata", "nan-parallel", "inf-user", "nan-ollama-option", "inf-deep", "call-output-text", "instructions", "anthropic-tool-choice",
-        "tool-result-image", "anthropic-system", "max-completion-tokens", "anthropic-max-tokens", "ollama-prompt",
-        "ollama-system", "count-tokens-system", "count-tokens-index"])
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        (
+            "/v1/responses",
+            {"input": SORT, "metadata": {"a": float("nan")}},
+            "metadata.a",
+            "metadata.a is NaN, which is not JSON; send a number or null",
+        ),
+        (
+            "/v1/responses",
+            {"input": SORT, "parallel_tool_calls": float("nan")},
+            "parallel_tool_calls",
+            "parallel_tool_calls is NaN",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": SORT}], "user": float("-inf")},
+            "user",
+            "user is -Infinity",
+        ),
+        (
+            "/api/generate",
+            {"prompt": "x", "stream": False, "options": {"temperature": float("nan")}},
+            None,
+            "options.temperature is NaN, which is not JSON",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": float("inf")}]}]},
+            "messages[0].content[0].text",
+            "messages[0].content[0].text is Infinity",
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": 5}]},
+                ]
+            },
+            "input",
+            "input[1].output must be a string or a list of parts",
+        ),
+        (
+            "/v1/responses",
+            {"input": SORT, "instructions": "\ud800"},
+            "instructions",
+            "instructions holds text that is not valid Unicode",
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tool_choice": {"type": []},
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            },
+            None,
+            'tool_choice type must be "auto", "any", "tool" or "none", got []',
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 8,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "x", "content": [{"type": "image", "source": {}}]}
+                        ],
+                    }
+                ],
+            },
+            None,
+            "messages[0]: a tool_result's content must be a string or a list of text blocks",
+        ),
+        (
+            "/v1/messages",
+            {"max_tokens": 8, "system": "\ud800", "messages": [{"role": "user", "content": "hi"}]},
+            None,
+            "system holds text that is not valid Unicode",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": SORT}], "max_completion_tokens": CONTEXT},
+            "max_completion_tokens",
+            f"max_completion_tokens of {CONTEXT} takes",
+        ),
+        (
+            "/v1/messages",
+            {"max_tokens": CONTEXT, "messages": [{"role": "user", "content": SORT}]},
+            None,
+            f"max_tokens of {CONTEXT} takes",
+        ),
+        ("/api/generate", {"prompt": 5, "stream": False}, None, "prompt must be a string"),
+        ("/api/generate", {"prompt": "x", "system": ["a"], "stream": False}, None, "system must be a string"),
+        (
+            "/v1/messages/count_tokens",
+            {"system": "\ud800", "messages": [{"role": "user", "content": "hi"}]},
+            None,
+            "system holds text that is not valid Unicode",
+        ),
+        (
+            "/v1/messages/count_tokens",
+            {
+                "system": "be brief",
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "yo"},
+                    {"role": 5, "content": "x"},
+                ],
+            },
+            None,
+            "messages[2] must be an object with a role",
+        ),
+    ],
+    ids=[
+        "nan-metadata",
+        "nan-parallel",
+        "inf-user",
+        "nan-ollama-option",
+        "inf-deep",
+        "call-output-text",
+        "instructions",
+        "anthropic-tool-choice",
+        "tool-result-image",
+        "anthropic-system",
+        "max-completion-tokens",
+        "anthropic-max-tokens",
+        "ollama-prompt",
+        "ollama-system",
+        "count-tokens-system",
+        "count-tokens-index",
+    ],
+)
 def test_hostile_fields_are_named_as_the_client_sent_them(server, path, body, param, message):
     # (json.dumps writes NaN, -Infinity and lone surrogates as a hostile client would)
     status, reply = raw_post_timeout(server, path, json.dumps(body).encode(), 10)
@@ -166,30 +301,87 @@ def test_hostile_fields_are_named_as_the_client_sent_them(server, path, body, pa
 # -- every path of a valid body, each API ------------------------------------------------------------
 
 VALID = [
-    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": SORT}], "max_tokens": 4,
-                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-                                  "type": "object", "properties": {"a": {"type": "string"}}}}}],
-                              "response_format": {"type": "text"}, "stop": ["x"], "seed": 1, "temperature": 0.5}),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": SORT}],
+            "max_tokens": 4,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
+                    },
+                }
+            ],
+            "response_format": {"type": "text"},
+            "stop": ["x"],
+            "seed": 1,
+            "temperature": 0.5,
+        },
+    ),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "sort: 42 ", "suffix": " 85", "max_tokens": 4, "seed": 1}),
-    ("/v1/responses", {"model": MODEL_ID, "instructions": "be brief", "max_output_tokens": 4, "metadata": {"k": "v"},
-                       "input": [{"role": "user", "content": [{"type": "input_text", "text": SORT}]},
-                                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
-                                 {"type": "function_call_output", "call_id": "c",
-                                  "output": [{"type": "input_text", "text": "ok"}]}],
-                       "text": {"format": {"type": "text"}}, "tools": [{"type": "function", "name": "f"}],
-                       "tool_choice": {"type": "function", "name": "f"}}),
-    ("/v1/messages", {"model": MODEL_ID, "max_tokens": 4, "system": [{"type": "text", "text": "be brief"}],
-                      "messages": [{"role": "user", "content": [{"type": "text", "text": SORT}]},
-                                   {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
-                                                                      "input": {"a": "b"}}]},
-                                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                                                 "content": [{"type": "text", "text": "ok"}]}]}],
-                      "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "auto"},
-                      "stop_sequences": ["x"]}),
-    ("/api/chat", {"model": MODEL_ID, "stream": False, "messages": [{"role": "user", "content": SORT}],
-                   "options": {"num_predict": 4, "seed": 1, "stop": ["x"]}, "format": {"type": "string"}}),
-    ("/api/generate", {"model": MODEL_ID, "stream": False, "prompt": "sort: 42 ", "suffix": " 85", "system": "s",
-                       "options": {"num_predict": 4}}),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL_ID,
+            "instructions": "be brief",
+            "max_output_tokens": 4,
+            "metadata": {"k": "v"},
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": SORT}]},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "ok"}]},
+            ],
+            "text": {"format": {"type": "text"}},
+            "tools": [{"type": "function", "name": "f"}],
+            "tool_choice": {"type": "function", "name": "f"},
+        },
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": MODEL_ID,
+            "max_tokens": 4,
+            "system": [{"type": "text", "text": "be brief"}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": SORT}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"a": "b"}}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "ok"}]}
+                    ],
+                },
+            ],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "auto"},
+            "stop_sequences": ["x"],
+        },
+    ),
+    (
+        "/api/chat",
+        {
+            "model": MODEL_ID,
+            "stream": False,
+            "messages": [{"role": "user", "content": SORT}],
+            "options": {"num_predict": 4, "seed": 1, "stop": ["x"]},
+            "format": {"type": "string"},
+        },
+    ),
+    (
+        "/api/generate",
+        {
+            "model": MODEL_ID,
+            "stream": False,
+            "prompt": "sort: 42 ",
+            "suffix": " 85",
+            "system": "s",
+            "options": {"num_predict": 4},
+        },
+    ),
 ]
 HOSTILE = [None, 5, -1, 1e308, float("nan"), True, "", "x", [], [5], {}, {"type": []}, [{"text": 5}]]
 
@@ -213,8 +405,9 @@ def replaced(body, path, value):
 
 def answer(server, path, body) -> tuple[int, bytes]:
     """The status and raw reply (a stream's lines, or a 500's plain text, are no one JSON value)."""
-    request = urllib.request.Request(server + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.read()

@@ -100,6 +100,7 @@ def test_the_demos_answer_is_generates(demo):
 
 # -- llm with llm-ollama (its command line, in process) ---------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llm(server, tmp_path_factory):
     """``llm ARGS`` with OLLAMA_HOST pointing here and a fresh llm home: its output."""
@@ -144,6 +145,7 @@ def test_llm_structured(llm, model, prompt, expected):
 
 # -- langchain-ollama -----------------------------------------------------------------------------------
 
+
 def test_langchain_ollama_plain_and_streamed(server):
     chat = ChatOllama(model=MODEL_ID, base_url=server, seed=3, num_predict=64)
     reply = chat.invoke(SORT)
@@ -171,8 +173,11 @@ def test_langchain_ollama_tool_call_and_its_result(server):
     assert [(c["name"], c["args"]) for c in streamed] == [(parsed["name"], parsed["args"])]
     # The call and its result go back (the arguments as an object, Ollama's way) and the model answers.
     result = {"role": "tool", "content": tool(**parsed["args"]), "tool_call_id": parsed["id"]}
-    answer = ChatOllama(model=MODEL_ID, base_url=server, seed=0, num_predict=16).bind_tools([tool]).invoke(
-        [("user", "weather in oslo"), call, result])
+    answer = (
+        ChatOllama(model=MODEL_ID, base_url=server, seed=0, num_predict=16)
+        .bind_tools([tool])
+        .invoke([("user", "weather in oslo"), call, result])
+    )
     assert answer.response_metadata["done_reason"] in ("stop", "length") and not answer.tool_calls
 
 
@@ -191,8 +196,11 @@ def agent(server, kind, **kwargs) -> Agent:
 def run_streamed(agent: Agent, prompt: str) -> tuple[str, object]:
     async def run():
         result = Runner.run_streamed(agent, prompt)
-        deltas = [event.data.delta async for event in result.stream_events()
-                  if event.type == "raw_response_event" and event.data.type == "response.output_text.delta"]
+        deltas = [
+            event.data.delta
+            async for event in result.stream_events()
+            if event.type == "raw_response_event" and event.data.type == "response.output_text.delta"
+        ]
         return "".join(deltas), result
 
     return asyncio.run(run())
@@ -225,8 +233,11 @@ def test_agents_tool_call(server, kind):
         tooled = agent(server, kind, tools=[function_tool(weather(calls))], model_settings=settings)
         result = run_streamed(tooled, "weather in oslo")[1] if streamed else Runner.run_sync(tooled, "weather in oslo")
         check_calls(calls)
-        assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item",
-                                                             "message_output_item"]
+        assert [item.type for item in result.new_items] == [
+            "tool_call_item",
+            "tool_call_output_item",
+            "message_output_item",
+        ]
         assert isinstance(result.final_output, str)
 
 
@@ -234,16 +245,19 @@ def test_agents_take_an_answer_padded_to_the_limit(server):
     # The demo under greedy AR ends this answer and pads up to max_tokens: a whole answer, not a cut one
     # (an incomplete response would end the run with ModelBehaviorError).
     settings = ModelSettings(max_tokens=32, extra_body={"seed": 0, "policy": "ar"})
-    result = Runner.run_sync(agent(server, OpenAIResponsesModel, model_settings=settings),
-                             "What is the capital of France?")
+    result = Runner.run_sync(
+        agent(server, OpenAIResponsesModel, model_settings=settings), "What is the capital of France?"
+    )
     assert result.final_output and result.context_wrapper.usage.output_tokens < 32
 
 
 # -- instructor -----------------------------------------------------------------------------------------
 
+
 def patched(server, mode=instructor.Mode.TOOLS):
-    return instructor.from_openai(openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0,
-                                                timeout=60), mode=mode)
+    return instructor.from_openai(
+        openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=60), mode=mode
+    )
 
 
 @pytest.mark.parametrize("model, prompt, expected", STRUCTURED + EVERYDAY)
@@ -251,8 +265,14 @@ def test_instructor_structured(server, model, prompt, expected):
     # JSON_SCHEMA: the model's schema as response_format; TOOLS (instructor's default): a forced call to a
     # tool whose parameters are the schema (the demo was taught JSON answers, not calls: any instance).
     # (strict=False: instructor's strict validation takes no JSON string for an Enum or a date)
-    ask = dict(model=MODEL_ID, response_model=model, messages=[{"role": "user", "content": prompt}], seed=2,
-               max_retries=1, strict=model is not Everyday)
+    ask = dict(
+        model=MODEL_ID,
+        response_model=model,
+        messages=[{"role": "user", "content": prompt}],
+        seed=2,
+        max_retries=1,
+        strict=model is not Everyday,
+    )
     check_structured(patched(server, instructor.Mode.JSON_SCHEMA).chat.completions.create(**ask), model, expected)
     called = patched(server).chat.completions.create(**ask)
     check_structured(called, model, None)
@@ -262,6 +282,7 @@ def test_instructor_structured(server, model, prompt, expected):
 
 
 # -- pydantic-ai, through the OpenAI and the Ollama providers ------------------------------------------------
+
 
 def pydantic_model(server, provider=OpenAIProvider):
     keys = {"api_key": "none"} if provider is OpenAIProvider else {}
@@ -294,8 +315,15 @@ def test_pydantic_ai_structured(server, model, prompt, expected):
 def test_pydantic_ai_tool_call(server, streamed):
     calls = []
     # A tool forced on the first step only (per-step settings), then the model answers.
-    assistant = PydanticAgent(pydantic_model(server), tools=[weather(calls)], model_settings=lambda ctx: {
-        "seed": 0, "max_tokens": 32, "tool_choice": ["get_weather"] if ctx.run_step == 1 else "auto"})
+    assistant = PydanticAgent(
+        pydantic_model(server),
+        tools=[weather(calls)],
+        model_settings=lambda ctx: {
+            "seed": 0,
+            "max_tokens": 32,
+            "tool_choice": ["get_weather"] if ctx.run_step == 1 else "auto",
+        },
+    )
 
     async def run_streamed():
         async with assistant.run_stream("weather in oslo") as run:
@@ -314,6 +342,7 @@ def test_pydantic_ai_tool_call(server, streamed):
 
 
 # -- smolagents ---------------------------------------------------------------------------------------
+
 
 def test_smolagents_tool_calling_agent_takes_a_step(server, caplog):
     """ToolCallingAgent sends its tools and final_answer with tool_choice "required" on every step: the

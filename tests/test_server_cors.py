@@ -26,8 +26,12 @@ def call(server: str, method: str, path: str, headers: dict, body: dict | None =
     """Status, headers (lowercase names) and body of one request as a browser sends it."""
     connection = http.client.HTTPConnection(urlsplit(server).netloc, timeout=60)
     data = None if body is None else json.dumps(body)
-    connection.request(method, path, body=data, headers={**headers, **({"Content-Type": "application/json"}
-                                                                       if body is not None else {})})
+    connection.request(
+        method,
+        path,
+        body=data,
+        headers={**headers, **({"Content-Type": "application/json"} if body is not None else {})},
+    )
     response = connection.getresponse()
     answer = response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
     connection.close()
@@ -35,8 +39,16 @@ def call(server: str, method: str, path: str, headers: dict, body: dict | None =
 
 
 def preflight(server: str, path: str, origin: str):
-    return call(server, "OPTIONS", path, {"Origin": origin, "Access-Control-Request-Method": "POST",
-                                          "Access-Control-Request-Headers": "content-type, authorization"})
+    return call(
+        server,
+        "OPTIONS",
+        path,
+        {
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, authorization",
+        },
+    )
 
 
 @pytest.mark.parametrize("path", ROUTES)
@@ -71,8 +83,12 @@ def test_a_cross_origin_reply_carries_the_headers_on_every_route(servers, path):
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_answer_to_an_allowed_origin_carries_the_headers(servers, stream):
     _, one = servers
-    body = {"messages": [{"role": "user", "content": "sort: 42 17 85 23 61"}], "max_tokens": 4, "seed": 3,
-            "stream": stream}
+    body = {
+        "messages": [{"role": "user", "content": "sort: 42 17 85 23 61"}],
+        "max_tokens": 4,
+        "seed": 3,
+        "stream": stream,
+    }
     status, headers, answer = call(one, "POST", "/v1/chat/completions", {"Origin": ALLOWED}, body)
     assert status == 200 and headers["access-control-allow-origin"] == ALLOWED
     assert b"17" in answer

@@ -114,8 +114,10 @@ def test_ollama_cuts_a_text_past_the_context_unless_truncate_is_false(short_cont
         assert status == 200 and body["prompt_eval_count"] == context
         check_alone(short_context, body["embeddings"], [ids[:context]])
         status, body = raw_post(server, "/api/embed", json.dumps({"input": text, "truncate": False}).encode())
-    assert status == 400 and body == {"error": f"input is {len(ids)} tokens, more than the model's context of "
-                                               f"{context}; shorten it or leave truncate out"}
+    assert status == 400 and body == {
+        "error": f"input is {len(ids)} tokens, more than the model's context of "
+        f"{context}; shorten it or leave truncate out"
+    }
 
 
 def test_litellms_embedding_call_with_no_4xx(demo, server, statuses):
@@ -132,8 +134,15 @@ def test_embeddings_and_generation_at_once_each_give_what_they_give_alone(demo, 
     """An embedding request runs on the worker between generation steps: the answer being generated and
     the vectors are each what they are alone."""
     answers = []
-    chat = threading.Thread(target=lambda: answers.append(client.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": SORT}], max_tokens=64, seed=3).choices[0].message.content))
+    chat = threading.Thread(
+        target=lambda: answers.append(
+            client.chat.completions.create(
+                model=MODEL_ID, messages=[{"role": "user", "content": SORT}], max_tokens=64, seed=3
+            )
+            .choices[0]
+            .message.content
+        )
+    )
     chat.start()
     many = [f"sort: {i} " + "42 17 85 23 61 " * 46 for i in range(6)]  # ~700 tokens: three forwards of two
     vectors = [d.embedding for d in client.embeddings.create(model=MODEL_ID, input=many).data]
@@ -153,8 +162,13 @@ def test_a_failed_embedding_is_a_500_and_generation_goes_on(demo, client, monkey
     with pytest.raises(openai.InternalServerError) as failed:
         client.embeddings.create(model=MODEL_ID, input=TEXTS)
     assert failed.value.body["message"] == "embedding failed: out of memory"
-    answer = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": SORT}],
-                                            max_tokens=64, seed=3).choices[0].message.content
+    answer = (
+        client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": SORT}], max_tokens=64, seed=3
+        )
+        .choices[0]
+        .message.content
+    )
     assert answer == generate(*demo, SORT, max_tokens=64, seed=3)
 
 
@@ -179,8 +193,11 @@ OPENAI_BAD = [
     ({"input": ["a", {"text": "b"}]}, "input", "input[1] must be a non-empty string or a non-empty list of token ids"),
     ({"input": ["a"] * (MAX_INPUTS + 1)}, "input", f"input has {MAX_INPUTS + 1} texts, more than the {MAX_INPUTS}"),
     ({"input": [[2] * (CONTEXT + 1)]}, "input", f"input[0] is {CONTEXT + 1} tokens, more than the model's context"),
-    ({"input": [[2] * CONTEXT] * (MAX_REQUEST_TOKENS // CONTEXT + 1)}, "input",
-     f"input's texts are more than {MAX_REQUEST_TOKENS} tokens together (by input[{MAX_REQUEST_TOKENS // CONTEXT}])"),
+    (
+        {"input": [[2] * CONTEXT] * (MAX_REQUEST_TOKENS // CONTEXT + 1)},
+        "input",
+        f"input's texts are more than {MAX_REQUEST_TOKENS} tokens together (by input[{MAX_REQUEST_TOKENS // CONTEXT}])",
+    ),
     ({"input": [[2, 99999]]}, "input", "input[0] holds token id 99999, outside the vocabulary (0..347)"),
     ({"input": "x", "dimensions": 3}, "dimensions", "dimensions must be 128 (the model's width) or left out, got 3"),
     ({"input": "x", "encoding_format": "hex"}, "encoding_format", 'encoding_format must be "float" or "base64"'),

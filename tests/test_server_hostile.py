@@ -37,12 +37,17 @@ BIG = 7990  # a 7990x7990 PNG: 64 MB of pixels in 62 KB of file
 
 def png(width: int, height: int) -> bytes:
     """A valid all-black greyscale PNG of any size, small on the wire (its rows compress to nothing)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     rows = zlib.compress(bytes((width + 1) * height), 9)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
-            + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", rows)
+        + chunk(b"IEND", b"")
+    )
 
 
 def image_part(url: str) -> dict:
@@ -121,6 +126,7 @@ def assert_still_serving(client):
 
 # -- 1. steps ---------------------------------------------------------------------------------------
 
+
 def test_steps_are_bounded_by_the_servers_limit(server, client):
     status, error, took = post(server, ask(SORT, steps=1_000_000_000))
     assert status == 400 and error["param"] == "steps" and took < 1
@@ -141,12 +147,14 @@ def test_max_steps_is_the_servers_not_the_checkpoints(demo):
 
 # -- 2. big images ----------------------------------------------------------------------------------
 
+
 def test_many_big_images_are_refused_from_their_headers(server, client, big_png):
     parts = [{"type": "text", "text": SORT}] + [image_part(data_url(big_png))] * 2
     (status, error, took), slowest = health_while(server, ask(parts))
     assert status == 400 and error["param"] == "messages" and took < 1
-    assert error["message"] == (f"the request's images are {2 * BIG * BIG} pixels together, more than the "
-                                f"{1 << 24} accepted; scale them down")
+    assert error["message"] == (
+        f"the request's images are {2 * BIG * BIG} pixels together, more than the {1 << 24} accepted; scale them down"
+    )
     assert slowest < 1
     status, error, took = post(server, ask([image_part(data_url(png(8, 8)))] * 9))
     assert status == 400 and error["param"] == "messages" and took < 1
@@ -177,9 +185,20 @@ def test_an_allowed_folder_reads_only_its_regular_files_with_one_refusal(allowin
     if not link.is_symlink():
         link.symlink_to(outside)
     (image_dir / "sub").mkdir(exist_ok=True)
-    bad = [str(image_dir / "missing.png"), str(image_dir / "sub"), str(fifo), str(link), str(outside), "/dev/zero",
-           "/etc/passwd", f"{image_dir}/../{tmp_path.name}/secret.png", f"file://{fifo}", str(image_dir / "notes.png"),
-           f"{image_dir}/ok.png\x00.txt", "ok.png/.."]
+    bad = [
+        str(image_dir / "missing.png"),
+        str(image_dir / "sub"),
+        str(fifo),
+        str(link),
+        str(outside),
+        "/dev/zero",
+        "/etc/passwd",
+        f"{image_dir}/../{tmp_path.name}/secret.png",
+        f"file://{fifo}",
+        str(image_dir / "notes.png"),
+        f"{image_dir}/ok.png\x00.txt",
+        "ok.png/..",
+    ]
     for url in bad:
         status, error, took = post(allowing_server, ask([image_part(url)]), timeout=5)  # a FIFO never blocks
         assert status == 400 and error["param"] == "messages", url
@@ -192,6 +211,7 @@ def test_an_allowed_folder_reads_only_its_regular_files_with_one_refusal(allowin
 
 # -- 4. event-loop stalls ---------------------------------------------------------------------------
 
+
 def nested_arrays(depth: int) -> dict:
     schema = {"type": "string"}
     for _ in range(depth):
@@ -203,11 +223,15 @@ PAST_CONTEXT = f"takes the template past the model's context of {CONTEXT} positi
 TOO_LONG = f"characters: more than the model's context of {CONTEXT} tokens can hold (at most "  # (not tokenized)
 
 
-@pytest.mark.parametrize("body, path, param, message", [
-    (ask(SORT, template="{{fill:4}}" * 300_000), "/v1/chat/completions", "template", TOO_LONG),
-    (ask("sort: 1 2 " * 300_000), "/v1/chat/completions", "messages", TOO_LONG),
-    ({"model": MODEL_ID, "prompt": "sort: 1 2 " * 300_000}, "/v1/completions", "prompt", TOO_LONG),
-], ids=["template", "messages", "prompt"])
+@pytest.mark.parametrize(
+    "body, path, param, message",
+    [
+        (ask(SORT, template="{{fill:4}}" * 300_000), "/v1/chat/completions", "template", TOO_LONG),
+        (ask("sort: 1 2 " * 300_000), "/v1/chat/completions", "messages", TOO_LONG),
+        ({"model": MODEL_ID, "prompt": "sort: 1 2 " * 300_000}, "/v1/completions", "prompt", TOO_LONG),
+    ],
+    ids=["template", "messages", "prompt"],
+)
 def test_costly_templates_and_text_are_refused_while_health_answers(server, client, body, path, param, message):
     (status, error, took), slowest = health_while(server, body, path)
     assert status == 400 and error["param"] == param and message in error["message"], error
@@ -250,24 +274,62 @@ def test_bodies_are_parsed_off_the_event_loop(server, client, monkeypatch):
 UNICODE = "holds text that is not valid Unicode"
 
 
-@pytest.mark.parametrize("body, param, message", [
-    (b"[" * 100_000 + b"]" * 100_000, None, "not valid JSON: maximum recursion depth"),
-    (b'{"model": "demo", "seed": ' + b"9" * 5000 + b"}", None, "not valid JSON: Exceeds the limit"),
-    (ask(SORT, template="{{fill:4}}\ud800"), "template", UNICODE),
-    (ask("sort \ud800"), "messages", UNICODE),
-    ({"model": MODEL_ID, "prompt": "sort \ud800"}, "prompt", UNICODE),
-    ({**ask(SORT), "model": "demo\ud800"}, "model", UNICODE),
-    (ask(SORT, tools=[{"type": "function", "function": {"name": "get", "parameters": "a string"}}]), "tools",
-     "each tool must be"),
-    (ask(SORT, tools=[{"type": "function", "function": {"name": "get", "parameters": ["a", "list"]}}]), "tools",
-     "each tool must be"),
-    (ask(SORT, tools=[{"type": "function", "function": {"name": "get"}}],
-         tool_choice={"type": "function", "function": "get"}), "tool_choice", "tool_choice must be"),
-    (ask(SORT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 10**400}}}}}), "response_format",
-     "number out of range"),
-], ids=["deep", "digits", "surrogate-template", "surrogate-message", "surrogate-prompt", "surrogate-model",
-        "parameters-string", "parameters-list", "choice-string", "huge-minimum"])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, None, "not valid JSON: maximum recursion depth"),
+        (b'{"model": "demo", "seed": ' + b"9" * 5000 + b"}", None, "not valid JSON: Exceeds the limit"),
+        (ask(SORT, template="{{fill:4}}\ud800"), "template", UNICODE),
+        (ask("sort \ud800"), "messages", UNICODE),
+        ({"model": MODEL_ID, "prompt": "sort \ud800"}, "prompt", UNICODE),
+        ({**ask(SORT), "model": "demo\ud800"}, "model", UNICODE),
+        (
+            ask(SORT, tools=[{"type": "function", "function": {"name": "get", "parameters": "a string"}}]),
+            "tools",
+            "each tool must be",
+        ),
+        (
+            ask(SORT, tools=[{"type": "function", "function": {"name": "get", "parameters": ["a", "list"]}}]),
+            "tools",
+            "each tool must be",
+        ),
+        (
+            ask(
+                SORT,
+                tools=[{"type": "function", "function": {"name": "get"}}],
+                tool_choice={"type": "function", "function": "get"},
+            ),
+            "tool_choice",
+            "tool_choice must be",
+        ),
+        (
+            ask(
+                SORT,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**400}}},
+                    },
+                },
+            ),
+            "response_format",
+            "number out of range",
+        ),
+    ],
+    ids=[
+        "deep",
+        "digits",
+        "surrogate-template",
+        "surrogate-message",
+        "surrogate-prompt",
+        "surrogate-model",
+        "parameters-string",
+        "parameters-list",
+        "choice-string",
+        "huge-minimum",
+    ],
+)
 def test_bodies_that_gave_500s_are_400s(server, client, body, param, message):
     if isinstance(body, dict):  # (json.dumps writes lone surrogates as \ud800 escapes, as a hostile client would)
         body = json.dumps(body).encode()
@@ -282,12 +344,19 @@ def schema_body(schema: dict) -> dict:
     return ask(SORT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
 
 
-@pytest.mark.parametrize("body, param, message", [
-    (schema_body({"const": float("nan")}), "response_format.json_schema.schema.const", "not JSON"),  # (sent as NaN)
-    (schema_body({"enum": list(range(100_000))}), "response_format", "has 100000 values, more than the 10000"),
-    (schema_body({"type": "object", "properties": {"k" * 3_000_000: {"type": "null"}}}), "response_format",
-     TOO_LONG),
-], ids=["nan", "huge-enum", "long-key"])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        (schema_body({"const": float("nan")}), "response_format.json_schema.schema.const", "not JSON"),  # (sent as NaN)
+        (schema_body({"enum": list(range(100_000))}), "response_format", "has 100000 values, more than the 10000"),
+        (
+            schema_body({"type": "object", "properties": {"k" * 3_000_000: {"type": "null"}}}),
+            "response_format",
+            TOO_LONG,
+        ),
+    ],
+    ids=["nan", "huge-enum", "long-key"],
+)
 def test_schemas_that_cannot_be_enforced_are_400s(server, client, body, param, message):
     (status, error, took), slowest = health_while(server, body)
     assert status == 400 and error["param"] == param and message in error["message"], error
@@ -295,17 +364,47 @@ def test_schemas_that_cannot_be_enforced_are_400s(server, client, body, param, m
     assert_still_serving(client)
 
 
-@pytest.mark.parametrize("body, schema", [
-    (schema_body({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["a", "b"]}), None),
-    (ask(SORT, tools=[{"type": "function", "function": {"name": "get", "parameters": {
-        "type": "object", "properties": {}, "required": ["city"]}}}], tool_choice="required"),
-     {"type": "object", "properties": {}, "required": ["city"]}),
-    (schema_body({"type": "string", "enum": ["a", 1]}), None),
-    (schema_body(nested_arrays(19)), None),
-    (ask(SORT, tools=[{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": nested_arrays(19)}, "required": ["a"]}}}], tool_choice="required"),
-     {"type": "object", "properties": {"a": nested_arrays(19)}, "required": ["a"]}),
-], ids=["required-not-a-property", "tool-required", "enum-of-two-types", "nested-arrays", "tool-nested-arrays"])
+@pytest.mark.parametrize(
+    "body, schema",
+    [
+        (schema_body({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["a", "b"]}), None),
+        (
+            ask(
+                SORT,
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "get",
+                            "parameters": {"type": "object", "properties": {}, "required": ["city"]},
+                        },
+                    }
+                ],
+                tool_choice="required",
+            ),
+            {"type": "object", "properties": {}, "required": ["city"]},
+        ),
+        (schema_body({"type": "string", "enum": ["a", 1]}), None),
+        (schema_body(nested_arrays(19)), None),
+        (
+            ask(
+                SORT,
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": nested_arrays(19)}, "required": ["a"]},
+                        },
+                    }
+                ],
+                tool_choice="required",
+            ),
+            {"type": "object", "properties": {"a": nested_arrays(19)}, "required": ["a"]},
+        ),
+    ],
+    ids=["required-not-a-property", "tool-required", "enum-of-two-types", "nested-arrays", "tool-nested-arrays"],
+)
 def test_schemas_no_canvas_template_takes_are_answered_by_their_grammar(server, client, body, schema):
     """A required key that is no property (any value, as JSON Schema says), an enum whose values are
     not all of its type (the ones that are), arrays nested past what a canvas holds: each answer
@@ -323,22 +422,27 @@ def test_schemas_no_canvas_template_takes_are_answered_by_their_grammar(server, 
 
 # -- 7. CLI flags -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags, message", [
-    (["--port", "70000"], "70000 is not in the range 1<=x<=65535"),
-    (["--port", "0"], "0 is not in the range 1<=x<=65535"),
-    (["--max-images", "-1"], "-1 is not in the range x>=0"),
-    (["--max-image-pixels", "0"], "0 is not in the range x>=1"),
-    (["--shutdown-grace", "-1"], "-1.0 is not in the range x>=0"),
-    (["--allowed-image-dir", "/nowhere"], "'/nowhere' does not exist"),
-    (["--max-steps", "0"], f"0 is not in the range 1<=x<={MAX_STEPS}"),
-    (["--max-steps", str(MAX_STEPS + 1)], f"{MAX_STEPS + 1} is not in the range 1<=x<={MAX_STEPS}"),
-])
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--port", "70000"], "70000 is not in the range 1<=x<=65535"),
+        (["--port", "0"], "0 is not in the range 1<=x<=65535"),
+        (["--max-images", "-1"], "-1 is not in the range x>=0"),
+        (["--max-image-pixels", "0"], "0 is not in the range x>=1"),
+        (["--shutdown-grace", "-1"], "-1.0 is not in the range x>=0"),
+        (["--allowed-image-dir", "/nowhere"], "'/nowhere' does not exist"),
+        (["--max-steps", "0"], f"0 is not in the range 1<=x<={MAX_STEPS}"),
+        (["--max-steps", str(MAX_STEPS + 1)], f"{MAX_STEPS + 1} is not in the range 1<=x<={MAX_STEPS}"),
+    ],
+)
 def test_bad_server_flags_exit_before_loading(flags, message):
     result = CliRunner().invoke(main, flags)
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
 # -- 8, 9. max_tokens and the context -----------------------------------------------------------------
+
 
 def test_default_max_tokens_is_cut_to_whole_canvases(short_context):  # noqa: F811
     model, tokenizer = short_context
@@ -357,16 +461,23 @@ def test_default_max_tokens_is_cut_to_whole_canvases(short_context):  # noqa: F8
 def test_an_infills_num_predict_past_the_context_is_refused_at_once(server, client, demo, num_predict):
     """A hole is generated whole: Ollama's num_predict, elsewhere a cap, is a 400 naming its bound here
     (cut to the context instead, it was a hole of 32,000 positions: minutes on a released model)."""
-    body = {"model": MODEL_ID, "prompt": "sort: 42 ", "suffix": " 85", "stream": False,
-            "options": {"num_predict": num_predict}}
+    body = {
+        "model": MODEL_ID,
+        "prompt": "sort: 42 ",
+        "suffix": " 85",
+        "stream": False,
+        "options": {"num_predict": num_predict},
+    }
     status, error, _ = post(server, body, "/api/generate")
     assert status == 400, error
     model, tokenizer = demo
     prompt, suffix = len(tokenizer.encode("sort: 42 ")), len(tokenizer.encode(" 85", add_special_tokens=False))
     canvas = model.config.canvas_length
     room = (CONTEXT - prompt) // canvas * canvas - suffix  # whole canvases after the prompt, less the suffix
-    assert error == (f"options.num_predict is {num_predict}, but the model's context of {CONTEXT} leaves room for at "
-                     f"most {room} before the {suffix}-token suffix after the {prompt}-token prompt")
+    assert error == (
+        f"options.num_predict is {num_predict}, but the model's context of {CONTEXT} leaves room for at "
+        f"most {room} before the {suffix}-token suffix after the {prompt}-token prompt"
+    )
     assert_still_serving(client)
 
 
@@ -379,24 +490,48 @@ def test_a_seed_out_of_range_is_refused_by_name(server, seed):
 
 # -- 10. OpenAI parameters the server does not honour ------------------------------------------------
 
-@pytest.mark.parametrize("key, value", [
-    ("echo", True), ("best_of", 2), ("logit_bias", {"17": 5}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
-    ("top_p", "1"), ("suffix", "end"), ("top_logprobs", 3),
-    ("functions", [{"name": "f"}]), ("echo", 0),
-])
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("echo", True),
+        ("best_of", 2),
+        ("logit_bias", {"17": 5}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", 1),
+        ("top_p", "1"),
+        ("suffix", "end"),
+        ("top_logprobs", 3),
+        ("functions", [{"name": "f"}]),
+        ("echo", 0),
+    ],
+)
 def test_unhonoured_openai_parameters_are_refused_by_name(server, key, value):
     status, error, _ = post(server, {**ask(SORT), key: value})
     assert status == 400 and error["param"] == key and key in error["message"], error
 
 
 def test_their_off_defaults_and_harmless_ones_are_accepted(client):
-    reply = chat(client, SORT, seed=3, n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0, top_p=1,
-                 user="someone", store=False, metadata={"k": "v"}, parallel_tool_calls=True,
-                 extra_body={"echo": False, "best_of": 1, "logit_bias": {}, "suffix": ""})
+    reply = chat(
+        client,
+        SORT,
+        seed=3,
+        n=1,
+        logprobs=False,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        top_p=1,
+        user="someone",
+        store=False,
+        metadata={"k": "v"},
+        parallel_tool_calls=True,
+        extra_body={"echo": False, "best_of": 1, "logit_bias": {}, "suffix": ""},
+    )
     assert reply.choices[0].message.content == "17 23 42 61 85"
 
 
 # -- 5 and memory: subprocess servers -----------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -411,9 +546,13 @@ class Subprocess:
         self.url = f"http://127.0.0.1:{(port := free_port())}"
         self.log = tmp_path / "server.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "mlx_dgemma.server", "--port", str(port),
-                                         "--log-level", "warning", *flags], cwd=ROOT, env=env,
-                                        stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlx_dgemma.server", "--port", str(port), "--log-level", "warning", *flags],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+        )
         deadline = time.monotonic() + 60
         while True:
             assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()
@@ -442,8 +581,9 @@ def in_flight(server: Subprocess):
 
     def send():
         try:
-            answer["status"], answer["body"] = raw_post_timeout(server.url, "/v1/chat/completions",
-                                                                json.dumps(LONG).encode(), 60)
+            answer["status"], answer["body"] = raw_post_timeout(
+                server.url, "/v1/chat/completions", json.dumps(LONG).encode(), 60
+            )
         except OSError as e:  # (a server that exits at once drops the connection)
             answer["dropped"] = e
 
@@ -491,10 +631,15 @@ def test_hostile_requests_keep_the_servers_memory_bounded(tmp_path, big_png):
     pixels: 48 MiB as RGB, a few copies while converted and resized, ~200 MiB each): 512 MiB holds
     that. The unbounded server decoded every image at full size: 3.4 GB on twelve 7990x7990 PNGs."""
     server = Subprocess(tmp_path, "--max-request-bytes", str(8 << 20))
-    chats = [ask([image_part(data_url(big_png))] * 12), ask([image_part(data_url(big_png))]),
-             ask([image_part(data_url(png(4096, 4096)))]), ask([image_part(data_url(png(10_000, 10_000)))]),
-             ask(SORT, steps=10**9), ask(SORT, response_format={"type": "json_schema", "json_schema": {
-                 "name": "x", "schema": nested_arrays(19)}}), ask("sort: 1 2 " * 400_000)]
+    chats = [
+        ask([image_part(data_url(big_png))] * 12),
+        ask([image_part(data_url(big_png))]),
+        ask([image_part(data_url(png(4096, 4096)))]),
+        ask([image_part(data_url(png(10_000, 10_000)))]),
+        ask(SORT, steps=10**9),
+        ask(SORT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested_arrays(19)}}),
+        ask("sort: 1 2 " * 400_000),
+    ]
     # Infill holes past the context: 150M positions took 2.4 GB before their 400, 10^12 a MemoryError.
     infills = [{"prompt": "sort: 42 ", "suffix": " 85", "max_tokens": n} for n in (150_000_000, 10**12)]
     try:
@@ -516,16 +661,33 @@ def test_hostile_requests_keep_the_servers_memory_bounded(tmp_path, big_png):
 GIVES_UP = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": GIVES_UP}}},
-     "response_format"),
-    ("/v1/responses", {"input": "hello", "text": {"format": {"type": "json_schema", "name": "x", "schema": GIVES_UP}}},
-     "text.format"),
-    ("/v1/messages", {"max_tokens": 64, "tools": [{"name": "f", "input_schema": {
-        "type": "object", "required": ["s"], "properties": {"s": GIVES_UP}}}], "tool_choice": {"type": "tool", "name": "f"}},
-     None),  # (Anthropic's error shape names no field)
-    ("/api/chat", {"format": GIVES_UP, "stream": False}, None),  # (Ollama's error is its message alone)
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": GIVES_UP}}},
+            "response_format",
+        ),
+        (
+            "/v1/responses",
+            {"input": "hello", "text": {"format": {"type": "json_schema", "name": "x", "schema": GIVES_UP}}},
+            "text.format",
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 64,
+                "tools": [
+                    {"name": "f", "input_schema": {"type": "object", "required": ["s"], "properties": {"s": GIVES_UP}}}
+                ],
+                "tool_choice": {"type": "tool", "name": "f"},
+            },
+            None,
+        ),  # (Anthropic's error shape names no field)
+        ("/api/chat", {"format": GIVES_UP, "stream": False}, None),  # (Ollama's error is its message alone)
+    ],
+)
 def test_a_row_that_fails_in_the_worker_ends_alone(server, client, path, body, param):
     """A 400 naming the API's schema field in one line, while a request beside it is answered as alone."""
     with ThreadPoolExecutor(1) as pool:
@@ -537,12 +699,18 @@ def test_a_row_that_fails_in_the_worker_ends_alone(server, client, path, body, p
     assert "\n" not in str(message) and (param is None or error.get("param") == param), error
 
 
-@pytest.mark.parametrize("path, body, message", [
-    ("/v1/chat/completions", {"freeze_after": 2147483648}, "freeze_after must be an integer from 0 to 512"),
-    ("/api/chat", {"options": {"freeze_after": 2147483648}, "stream": False},
-     "options.freeze_after must be an integer from 0 to 512"),
-    ("/v1/messages", {"max_tokens": 8, "freeze_after": 10 ** 30}, "freeze_after must be an integer from 0 to 512"),
-])
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/v1/chat/completions", {"freeze_after": 2147483648}, "freeze_after must be an integer from 0 to 512"),
+        (
+            "/api/chat",
+            {"options": {"freeze_after": 2147483648}, "stream": False},
+            "options.freeze_after must be an integer from 0 to 512",
+        ),
+        ("/v1/messages", {"max_tokens": 8, "freeze_after": 10**30}, "freeze_after must be an integer from 0 to 512"),
+    ],
+)
 def test_freeze_after_is_bounded_by_the_field_sent(server, client, path, body, message):
     status, error, _ = post(server, {**ask("hello"), **body}, path)
     assert status == 400 and message in json.dumps(error), error
@@ -553,14 +721,24 @@ LONG_TEXT = "x" * (2 << 20)  # (the server's body limit here is 4 MiB)
 TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
 
 
-@pytest.mark.parametrize("body, param, message", [
-    ({"policy": LONG_TEXT}, "policy", "policy must be one of "),
-    ({"response_format": {"type": LONG_TEXT}}, "response_format", "response_format type must be text, json_object or "
-                                                             "json_schema, got "),
-    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": LONG_TEXT}}}, "tool_choice",
-     "tool_choice must be 'none', 'auto', 'required' or name one of the tools, got "),
-    ({"draft_length": int("9" * 4000)}, "draft_length", "draft_length must be an integer from 1 to the model's "),
-], ids=["policy", "response-format-type", "tool-choice-name", "draft-length"])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({"policy": LONG_TEXT}, "policy", "policy must be one of "),
+        (
+            {"response_format": {"type": LONG_TEXT}},
+            "response_format",
+            "response_format type must be text, json_object or json_schema, got ",
+        ),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": LONG_TEXT}}},
+            "tool_choice",
+            "tool_choice must be 'none', 'auto', 'required' or name one of the tools, got ",
+        ),
+        ({"draft_length": int("9" * 4000)}, "draft_length", "draft_length must be an integer from 1 to the model's "),
+    ],
+    ids=["policy", "response-format-type", "tool-choice-name", "draft-length"],
+)
 def test_an_error_shows_a_short_cut_of_the_value(server, caplog, body, param, message):
     """A value of megabytes comes back (and goes to the log) as its first few dozen characters."""
     caplog.set_level(logging.INFO, logger="mlx_dgemma.server")
@@ -571,11 +749,15 @@ def test_an_error_shows_a_short_cut_of_the_value(server, caplog, body, param, me
     assert len(logged) < 400 and error["message"] in logged
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"temperature": 1e-308}, "temperature must be 0 or a finite number from 0.0001 to 2, got 1e-308"),
-    ({"schedule_scale": 1e308}, "schedule_scale 1e+308: the temperature schedule they make cannot be used ("),
-    ({"temp_min": 0.5, "temp_max": 0.25}, "temp_min 0.5, temp_max 0.25: the temperature schedule they make cannot"),
-], ids=["temperature", "schedule-scale", "temp-min-over-max"])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"temperature": 1e-308}, "temperature must be 0 or a finite number from 0.0001 to 2, got 1e-308"),
+        ({"schedule_scale": 1e308}, "schedule_scale 1e+308: the temperature schedule they make cannot be used ("),
+        ({"temp_min": 0.5, "temp_max": 0.25}, "temp_min 0.5, temp_max 0.25: the temperature schedule they make cannot"),
+    ],
+    ids=["temperature", "schedule-scale", "temp-min-over-max"],
+)
 def test_numeric_options_name_their_bound_and_the_field_sent(server, body, message):
     status, error, _ = post(server, {**ask(SORT), **body})
     assert status == 400 and error["param"] == next(iter(body)) and error["message"].startswith(message), error

@@ -40,8 +40,11 @@ def with_image(url: str, text: str = PROMPT) -> list[dict]:
 def vision_model(checkpoints, tmp_path_factory):
     folder = with_tokenizer(checkpoints("vision", tame=True), tmp_path_factory)
     turn = "{{ '<|turn>' + role + '\n' }}"
-    (folder / "chat_template.jinja").write_text(BUILTIN_CHAT_TEMPLATE.replace(
-        turn, turn + "{%- if role == 'model' -%}{{ '<|channel>thought\n<channel|>' }}{%- endif -%}"))
+    (folder / "chat_template.jinja").write_text(
+        BUILTIN_CHAT_TEMPLATE.replace(
+            turn, turn + "{%- if role == 'model' -%}{{ '<|channel>thought\n<channel|>' }}{%- endif -%}"
+        )
+    )
     return load(folder)
 
 
@@ -104,8 +107,9 @@ def test_the_prompt_cache_tells_images_apart_and_keeps_them_for_the_next_turn(cl
     answer = ask(client, first).choices[0].message.content
     # Another picture with the same ids: none of it comes from the first one's cache, and its answer is its own.
     other = ask(client, [{"role": "user", "content": with_image(data_url(LOOKALIKE))}])
-    first_image = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}],
-                                                tokenize=True).index(IMAGE)
+    first_image = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}]}], tokenize=True
+    ).index(IMAGE)
     assert other.usage.prompt_tokens_details.cached_tokens <= first_image
     expected_other = generate(model, tokenizer, PROMPT, 2 * C, seed=5, images=[LOOKALIKE])
     assert other.choices[0].message.content == expected_other != answer
@@ -122,15 +126,25 @@ def test_the_prompt_cache_tells_images_apart_and_keeps_them_for_the_next_turn(cl
     assert again.choices[0].message.content == generate(model, tokenizer, ids, 2 * C, seed=5, images=[PICTURES[0]])
 
 
-@pytest.mark.parametrize("url, message", [
-    ("data:text/plain;base64,aGk=", "messages[0]: an image data URL must look like data:image/png;base64,..."),
-    ("data:image/png;base64,aGVsbG8=",
-     "messages[0]: the image data is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)"),
-    ("https://example.com/cat.png", "messages[0]: remote image URLs are not fetched (https://example.com/cat.png); "
-                                    "send the image as a data URL"),
-    ("/nowhere/cat.png", "messages[0]: '/nowhere/cat.png' is not an image file that may be read here; send the "
-                         "image as a data URL"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("data:text/plain;base64,aGk=", "messages[0]: an image data URL must look like data:image/png;base64,..."),
+        (
+            "data:image/png;base64,aGVsbG8=",
+            "messages[0]: the image data is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)",
+        ),
+        (
+            "https://example.com/cat.png",
+            "messages[0]: remote image URLs are not fetched (https://example.com/cat.png); "
+            "send the image as a data URL",
+        ),
+        (
+            "/nowhere/cat.png",
+            "messages[0]: '/nowhere/cat.png' is not an image file that may be read here; send the image as a data URL",
+        ),
+    ],
+)
 def test_bad_image_parts_get_openai_errors(client, url, message):
     with pytest.raises(openai.BadRequestError) as caught:
         ask(client, [{"role": "user", "content": with_image(url)}])
@@ -146,8 +160,15 @@ def test_a_template_image_prompt_is_answered_with_its_image(client, vision_model
     model, tokenizer = vision_model
     template = "{{fill:8}}"
     expected = generate(model, tokenizer, PROMPT, seed=5, images=[PICTURES[0]], policy=policy, template=template)
-    reply = ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}],
-                extra_body={"policy": policy, "template": template}).choices[0].message.content
+    reply = (
+        ask(
+            client,
+            [{"role": "user", "content": with_image(data_url(PICTURES[0]))}],
+            extra_body={"policy": policy, "template": template},
+        )
+        .choices[0]
+        .message.content
+    )
     assert reply == expected
     if policy != "fast":  # (what ar and verified decode of this random model's hole depends on the image)
         assert expected != generate(model, tokenizer, PROMPT, seed=5, policy=policy, template=template)
@@ -164,8 +185,13 @@ def test_an_image_prompt_under_auto_is_answered(client, vision_model):
 
 def test_an_image_to_a_text_only_model_is_refused(text_only_client):
     with pytest.raises(openai.BadRequestError) as caught:
-        ask(text_only_client, [{"role": "system", "content": "Be brief."},
-                               {"role": "user", "content": with_image(data_url(PICTURES[0]))}])
+        ask(
+            text_only_client,
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": with_image(data_url(PICTURES[0]))},
+            ],
+        )
     assert caught.value.body["message"] == "messages[1] has an image, but this model takes text only (no vision tower)"
     parts = ask(text_only_client, [{"role": "user", "content": [{"type": "text", "text": "sort: 5 3 9"}]}])
     text = ask(text_only_client, [{"role": "user", "content": "sort: 5 3 9"}])  # text parts still go through

@@ -34,10 +34,14 @@ def chat_ids(tokenizer, content: str) -> list[int]:
 def test_echoed_prompt_logprobs_are_the_encoders(client, demo):
     """lm-eval's loglikelihood request: token-id prompts in a batch, echo, logprobs 1, one token."""
     model, tokenizer = demo
-    prompts = [chat_ids(tokenizer, SORT) + tokenizer.encode("17 23", add_special_tokens=False),
-               tokenizer.encode("add: 4 5"), [2, 300]]
-    reply = client.completions.create(model=MODEL_ID, prompt=prompts, max_tokens=1, echo=True, logprobs=1,
-                                      temperature=0, seed=1234)
+    prompts = [
+        chat_ids(tokenizer, SORT) + tokenizer.encode("17 23", add_special_tokens=False),
+        tokenizer.encode("add: 4 5"),
+        [2, 300],
+    ]
+    reply = client.completions.create(
+        model=MODEL_ID, prompt=prompts, max_tokens=1, echo=True, logprobs=1, temperature=0, seed=1234
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2]
     for ids, choice in zip(prompts, reply.choices):
         expected = sequence_logprobs(model, ids, top=1)
@@ -72,7 +76,8 @@ def test_a_prompt_array_gives_each_prompt_alone(client):
     assert [c.text for c in batched.choices] == [c.text for c in alone]
     assert [c.finish_reason for c in batched.choices] == [c.finish_reason for c in alone]
     assert batched.usage.completion_tokens == sum(
-        client.completions.create(prompt=p, **kwargs).usage.completion_tokens for p in prompts)
+        client.completions.create(prompt=p, **kwargs).usage.completion_tokens for p in prompts
+    )
 
 
 def test_a_prompt_array_with_n_gives_each_prompts_choices_in_turn(client):
@@ -85,13 +90,15 @@ def test_a_prompt_array_with_n_gives_each_prompts_choices_in_turn(client):
     assert [c.index for c in batched.choices] == [0, 1, 2, 3]
     assert [c.text for c in batched.choices] == [a.choices[0].text for a in alone]
     assert [c.text.startswith(p) for c, p in zip(batched.choices, [p for p in prompts for _ in range(2)])] == [True] * 4
-    assert [c.logprobs.token_logprobs for c in batched.choices] == [
-        a.choices[0].logprobs.token_logprobs for a in alone]
+    assert [c.logprobs.token_logprobs for c in batched.choices] == [a.choices[0].logprobs.token_logprobs for a in alone]
     assert batched.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
     assert batched.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
     # Streamed, each choice's chunks (by index) join into its whole text and entries; usage as above.
-    chunks = list(client.completions.create(prompt=prompts, n=2, seed=5, stream=True,
-                                            stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        client.completions.create(
+            prompt=prompts, n=2, seed=5, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
     for choice in batched.choices:
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
         assert "".join(c.text for c in mine) == choice.text
@@ -103,9 +110,15 @@ def test_a_prompt_array_with_n_gives_each_prompts_choices_in_turn(client):
 @pytest.mark.parametrize("policy, drawn", [("ar", "encoder"), ("reference", "denoiser")])
 def test_chat_logprobs_are_the_encoders_of_the_answer(client, demo, policy, drawn):
     model, tokenizer = demo
-    reply = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": SORT}], seed=3,
-                                           max_tokens=64, logprobs=True, top_logprobs=2,
-                                           extra_body={"policy": policy})
+    reply = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": SORT}],
+        seed=3,
+        max_tokens=64,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"policy": policy},
+    )
     logprobs = reply.choices[0].logprobs
     assert logprobs.model_extra["sampled_from"] == drawn
     content = logprobs.content
@@ -120,9 +133,17 @@ def test_chat_logprobs_are_the_encoders_of_the_answer(client, demo, policy, draw
     if policy == "ar":  # greedy: every token is the encoder's likeliest
         assert all(e.logprob == e.top_logprobs[0].logprob for e in content)
 
-    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": SORT}],
-                                                 seed=3, max_tokens=64, logprobs=True, stream=True,
-                                                 extra_body={"policy": policy}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": SORT}],
+            seed=3,
+            max_tokens=64,
+            logprobs=True,
+            stream=True,
+            extra_body={"policy": policy},
+        )
+    )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) <= PIECES_BOUND
@@ -131,30 +152,52 @@ def test_chat_logprobs_are_the_encoders_of_the_answer(client, demo, policy, draw
 def test_the_tokenizer_endpoints_tokenize_as_the_server(served, demo):
     url = served
     _, tokenizer = demo
-    status, body = raw_post(url, "/tokenize", json.dumps({"prompt": "<bos>sort: 1", "add_special_tokens": False}).encode())
+    status, body = raw_post(
+        url, "/tokenize", json.dumps({"prompt": "<bos>sort: 1", "add_special_tokens": False}).encode()
+    )
     assert status == 200 and body["tokens"] == tokenizer.encode("<bos>sort: 1", add_special_tokens=False)
     assert body["count"] == len(body["tokens"])
     status, body = raw_post(url, "/detokenize", json.dumps({"tokens": body["tokens"]}).encode())
     assert status == 200 and body["prompt"] == "sort: 1"
 
 
-@pytest.mark.parametrize("path, body, param, message", [
-    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be an integer from 0 to 20"),
-    ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs", "logprobs must be an integer from 0 to 20"),
-    ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs", "top_logprobs is for chat completions"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1 (0 with echo"),
-    ("/v1/completions", {"prompt": ["x"] * 65}, "prompt", "prompt holds 65 prompts, more than the 64"),
-    ("/v1/completions", {"prompt": ["x"] * 33, "n": 2}, "n", "33 prompts of n 2 choices each are more than the 64"),
-    ("/v1/completions", {"prompt": [[2, 300], [2, 9999]]}, "prompt", "prompt[1]: prompt token id 9999 is outside"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
-     "top_logprobs", "top_logprobs must be from 0 to 20, got 21"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
-     "top_logprobs needs logprobs true"),
-    ("/v1/responses", {"input": "x", "top_logprobs": 3}, "top_logprobs",
-     "top_logprobs is not supported on the Responses API"),
-    ("/tokenize", {"text": "x"}, "prompt", "prompt must be the text to tokenize"),
-    ("/detokenize", {"tokens": [1, -1]}, "tokens", "tokens must be a list of token ids from 0 to 347"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be an integer from 0 to 20"),
+        ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs", "logprobs must be an integer from 0 to 20"),
+        ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs", "top_logprobs is for chat completions"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 0},
+            "max_tokens",
+            "max_tokens must be at least 1 (0 with echo",
+        ),
+        ("/v1/completions", {"prompt": ["x"] * 65}, "prompt", "prompt holds 65 prompts, more than the 64"),
+        ("/v1/completions", {"prompt": ["x"] * 33, "n": 2}, "n", "33 prompts of n 2 choices each are more than the 64"),
+        ("/v1/completions", {"prompt": [[2, 300], [2, 9999]]}, "prompt", "prompt[1]: prompt token id 9999 is outside"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+            "top_logprobs must be from 0 to 20, got 21",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+            "top_logprobs needs logprobs true",
+        ),
+        (
+            "/v1/responses",
+            {"input": "x", "top_logprobs": 3},
+            "top_logprobs",
+            "top_logprobs is not supported on the Responses API",
+        ),
+        ("/tokenize", {"text": "x"}, "prompt", "prompt must be the text to tokenize"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens", "tokens must be a list of token ids from 0 to 347"),
+    ],
+)
 def test_bad_values_are_refused_by_name(served, path, body, param, message):
     status, reply = raw_post(served, path, json.dumps(body).encode())
     assert status == 400 and reply["error"]["param"] == param and reply["error"]["message"].startswith(message), reply
@@ -177,11 +220,17 @@ def test_a_streamed_echo_gives_the_whole_ones_text_and_entries(client, demo):
     whole = client.completions.create(**kwargs).choices[0]
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
     assert "".join(c.text for c in chunks) == whole.text
-    entries = [(token, logprob, offset) for c in chunks if c.logprobs for token, logprob, offset in
-               zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.text_offset)]
+    entries = [
+        (token, logprob, offset)
+        for c in chunks
+        if c.logprobs
+        for token, logprob, offset in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.text_offset)
+    ]
     assert [e[0] for e in entries] == whole.logprobs.tokens
     assert [e[2] for e in entries] == whole.logprobs.text_offset
     prompt = len(kwargs["prompt"])  # scored in one piece either way: the same numbers
     assert [e[1] for e in entries[:prompt]] == whole.logprobs.token_logprobs[:prompt]
-    assert max(abs(a - b) for (_, a, _), b in zip(entries[prompt:], whole.logprobs.token_logprobs[prompt:])) \
+    assert (
+        max(abs(a - b) for (_, a, _), b in zip(entries[prompt:], whole.logprobs.token_logprobs[prompt:]))
         <= PIECES_BOUND
+    )

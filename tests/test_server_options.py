@@ -41,9 +41,11 @@ def server(demo):
 
 @pytest.fixture(scope="module")
 def clients(server):
-    return {"openai": openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=60),
-            "ollama": ollama.Client(host=server, timeout=60),
-            "anthropic": anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=60)}
+    return {
+        "openai": openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=60),
+        "ollama": ollama.Client(host=server, timeout=60),
+        "anthropic": anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=60),
+    }
 
 
 def user(text):
@@ -55,15 +57,26 @@ def ask(clients, api: str, seed: int, max_tokens: int, prompt: str = PROMPT, **s
     extra = {k: v for k, v in settings.items() if k not in ("temperature", "top_p")}
     native = {k: v for k, v in settings.items() if k in ("temperature", "top_p")}
     if api == "chat":
-        return clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(prompt), seed=seed,
-                                                         max_tokens=max_tokens, extra_body=extra,
-                                                         **native).choices[0].message.content
+        return (
+            clients["openai"]
+            .chat.completions.create(
+                model=MODEL_ID, messages=user(prompt), seed=seed, max_tokens=max_tokens, extra_body=extra, **native
+            )
+            .choices[0]
+            .message.content
+        )
     if api == "responses":
-        return clients["openai"].responses.create(model=MODEL_ID, input=prompt, max_output_tokens=max_tokens,
-                                                  extra_body={"seed": seed, **extra}, **native).output_text
+        return (
+            clients["openai"]
+            .responses.create(
+                model=MODEL_ID, input=prompt, max_output_tokens=max_tokens, extra_body={"seed": seed, **extra}, **native
+            )
+            .output_text
+        )
     if api == "messages":  # (anthropic 2.15's create() no longer names temperature, top_p and top_k)
-        reply = clients["anthropic"].messages.create(model=MODEL_ID, messages=user(prompt), max_tokens=max_tokens,
-                                                     extra_body={"seed": seed, **settings})
+        reply = clients["anthropic"].messages.create(
+            model=MODEL_ID, messages=user(prompt), max_tokens=max_tokens, extra_body={"seed": seed, **settings}
+        )
         return "".join(block.text for block in reply.content)
     options = {"seed": seed, "num_predict": max_tokens, **settings}
     if "repetition_penalty" in options:  # Ollama's name for it
@@ -119,9 +132,11 @@ def test_penalties_reach_ar_through_the_apis(clients, demo):
     model, tokenizer = demo
     prompt = "sort: 5 5 5 3 3"
     plain = generate(model, tokenizer, prompt, 16, seed=0, policy="ar")
-    for api, sent, options in [("chat", {"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
-                               ("chat", {"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
-                               ("ollama", {"repeat_penalty": 3.0}, {"repetition_penalty": 3.0})]:
+    for api, sent, options in [
+        ("chat", {"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
+        ("chat", {"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
+        ("ollama", {"repeat_penalty": 3.0}, {"repetition_penalty": 3.0}),
+    ]:
         served = ask(clients, api, 0, 16, prompt, policy="ar", **sent)
         assert served == generate(model, tokenizer, prompt, 16, seed=0, policy="ar", **options) != plain, api
 
@@ -139,11 +154,25 @@ def test_every_option_a_request_can_set_reaches_the_engine(clients, monkeypatch)
     assert not set(SETTINGS) & set(NOT_SETTABLE)
     seen = []
     real = scheduler.plan
-    monkeypatch.setattr(scheduler, "plan", lambda model, tokenizer, resolved: real(
-        model, tokenizer, seen.append(resolved) or resolved))
-    given = {"policy": "verified", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "steps": 6,
-             "entropy_bound": 0.2, "temp_min": 0.3, "temp_max": 0.9, "schedule_scale": 0.8, "freeze_after": 2,
-             "draft_length": 4, "draft_steps": 2, "expected_steps": 5.0}
+    monkeypatch.setattr(
+        scheduler, "plan", lambda model, tokenizer, resolved: real(model, tokenizer, seen.append(resolved) or resolved)
+    )
+    given = {
+        "policy": "verified",
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "min_p": 0.05,
+        "steps": 6,
+        "entropy_bound": 0.2,
+        "temp_min": 0.3,
+        "temp_max": 0.9,
+        "schedule_scale": 0.8,
+        "freeze_after": 2,
+        "draft_length": 4,
+        "draft_steps": 2,
+        "expected_steps": 5.0,
+    }
     penalties = {"policy": "ar", "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.25}
     assert set(given) | set(penalties) | {"seed"} == set(SETTINGS)
     for api in ("chat", "responses", "messages", "ollama"):
@@ -152,23 +181,27 @@ def test_every_option_a_request_can_set_reaches_the_engine(clients, monkeypatch)
             args = seen[-1].args
             assert {name: option(args, name) for name in sent} == sent, api
             assert args.seed == 9 and args.max_tokens == 8, api
-    clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=1,
-                                              extra_body={"template": "{{fill:4}} and {{fill:4}}"})
+    clients["openai"].chat.completions.create(
+        model=MODEL_ID, messages=user(PROMPT), seed=1, extra_body={"template": "{{fill:4}} and {{fill:4}}"}
+    )
     assert isinstance(seen[-1].template, CanvasTemplate) and seen[-1].template.holes
 
 
-@pytest.mark.parametrize("api, field, value, message", [
-    ("chat", "top_p", 0, "top_p must be a finite number in (0, 1], got 0"),
-    ("chat", "top_k", 2.5, "top_k must be an integer, got 2.5"),
-    ("chat", "min_p", -0.1, "min_p must be a finite number in [0, 1], got -0.1"),
-    ("chat", "schedule_scale", 0, "schedule_scale must be a finite number > 0, got 0"),
-    ("chat", "temp_min", 0.9, "temperatures need temp-min < temp-max"),
-    ("chat", "presence_penalty", 0.5, 'presence_penalty applies to autoregressive decoding only: send policy "ar"'),
-    ("chat", "repetition_penalty", 0, "repetition_penalty must be a finite number in [0.0001, 10000], got 0"),
-    ("responses", "top_p", 1.5, "top_p must be a finite number in (0, 1], got 1.5"),
-    ("messages", "top_k", -1, "top_k must be at least 0, got -1"),
-    ("ollama", "min_p", 2, "options.min_p must be a finite number in [0, 1], got 2"),
-])
+@pytest.mark.parametrize(
+    "api, field, value, message",
+    [
+        ("chat", "top_p", 0, "top_p must be a finite number in (0, 1], got 0"),
+        ("chat", "top_k", 2.5, "top_k must be an integer, got 2.5"),
+        ("chat", "min_p", -0.1, "min_p must be a finite number in [0, 1], got -0.1"),
+        ("chat", "schedule_scale", 0, "schedule_scale must be a finite number > 0, got 0"),
+        ("chat", "temp_min", 0.9, "temperatures need temp-min < temp-max"),
+        ("chat", "presence_penalty", 0.5, 'presence_penalty applies to autoregressive decoding only: send policy "ar"'),
+        ("chat", "repetition_penalty", 0, "repetition_penalty must be a finite number in [0.0001, 10000], got 0"),
+        ("responses", "top_p", 1.5, "top_p must be a finite number in (0, 1], got 1.5"),
+        ("messages", "top_k", -1, "top_k must be at least 0, got -1"),
+        ("ollama", "min_p", 2, "options.min_p must be a finite number in [0, 1], got 2"),
+    ],
+)
 def test_a_bad_setting_is_a_400_naming_it(clients, api, field, value, message):
     with pytest.raises((openai.BadRequestError, anthropic.BadRequestError, ollama.ResponseError)) as caught:
         ask(clients, api, 1, 8, **{field: value})
@@ -186,13 +219,18 @@ def test_a_setting_a_template_cannot_take_is_a_400_naming_it(clients):
     """ar decodes a template's holes greedily: the worker's refusal of a temperature or a filter beside
     one names that field, in each API's terms."""
     with pytest.raises(openai.BadRequestError) as caught:
-        clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), temperature=0.5,
-                                                  extra_body={"policy": "ar", "template": "{{fill:4}}"})
+        clients["openai"].chat.completions.create(
+            model=MODEL_ID,
+            messages=user(PROMPT),
+            temperature=0.5,
+            extra_body={"policy": "ar", "template": "{{fill:4}}"},
+        )
     assert caught.value.body["param"] == "temperature"
     assert caught.value.body["message"].startswith("templates decode greedily under ar; drop the temperature")
     with pytest.raises(ollama.ResponseError) as caught:
-        clients["ollama"].chat(model=MODEL_ID, messages=user(PROMPT),
-                               options={"policy": "verified", "top_k": 3, "template": "{{fill:4}}"})
+        clients["ollama"].chat(
+            model=MODEL_ID, messages=user(PROMPT), options={"policy": "verified", "top_k": 3, "template": "{{fill:4}}"}
+        )
     assert caught.value.status_code == 400 and "templates decode greedily under verified" in caught.value.error
 
 
@@ -208,8 +246,14 @@ def command_line_server(*flags: str):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "mlx_dgemma", "server", "--port", str(port), *flags],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlx_dgemma", "server", "--port", str(port), *flags],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -249,8 +293,18 @@ def test_the_servers_flags_are_the_defaults_of_requests_that_omit_them(demo, dem
     reasoning gets --temp, --top-k and --chat-template-args' enable_thinking, on the model with
     --adapter-path's adapters; that is, the answer of the same request with those fields sent to a
     server of the adapted model. A field the request sends is its own."""
-    flags = ["--temp", "0.7", "--top-k", "5", "--adapter-path", str(demo_adapters), "--log-level", "INFO",
-             "--chat-template-args", '{"enable_thinking": true}']
+    flags = [
+        "--temp",
+        "0.7",
+        "--top-k",
+        "5",
+        "--adapter-path",
+        str(demo_adapters),
+        "--log-level",
+        "INFO",
+        "--chat-template-args",
+        '{"enable_thinking": true}',
+    ]
     asked = dict(model="default_model", messages=user(PROMPT), seed=1, max_tokens=32)  # (either server's)
     with command_line_server(*flags) as (url, process):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -259,8 +313,12 @@ def test_the_servers_flags_are_the_defaults_of_requests_that_omit_them(demo, dem
     adapted = load(DEMO_MODEL, adapter_path=demo_adapters)
     with serving(*adapted) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        sent = client.chat.completions.create(**asked, temperature=0.7, reasoning_effort="high", extra_body={"top_k": 5})
-        greedy = client.chat.completions.create(**asked, temperature=0, reasoning_effort="high", extra_body={"top_k": 0})
+        sent = client.chat.completions.create(
+            **asked, temperature=0.7, reasoning_effort="high", extra_body={"top_k": 5}
+        )
+        greedy = client.chat.completions.create(
+            **asked, temperature=0, reasoning_effort="high", extra_body={"top_k": 0}
+        )
         plain = client.chat.completions.create(**asked)
     assert (defaulted.choices[0].message, defaulted.usage) == (sent.choices[0].message, sent.usage)
     assert (own.choices[0].message, own.usage) == (greedy.choices[0].message, greedy.usage)
@@ -286,22 +344,32 @@ def test_the_servers_chat_template_flag_renders_every_prompt(demo):
     assert reply.usage.prompt_tokens == len(tokenizer.apply_chat_template(user(PROMPT), tokenize=True)) != default
 
 
-@pytest.mark.parametrize("flags, status, message", [
-    (["--chat-template", "{% for %}"], 1, "Error: --chat-template cannot render a conversation: "),
-    (["--temp", "3"], 1, "--temp: temperature must be 0 or a finite number from 0.0001 to 2, got 3"),
-    (["--chat-template-args", "[1]"], 2, "must be a JSON object"),
-    (["--chat-template-args", '{"tools": []}'], 2, "tools is set by each request"),
-    (["--log-level", "LOUD"], 2, "'LOUD' is not one of"),
-])
+@pytest.mark.parametrize(
+    "flags, status, message",
+    [
+        (["--chat-template", "{% for %}"], 1, "Error: --chat-template cannot render a conversation: "),
+        (["--temp", "3"], 1, "--temp: temperature must be 0 or a finite number from 0.0001 to 2, got 3"),
+        (["--chat-template-args", "[1]"], 2, "must be a JSON object"),
+        (["--chat-template-args", '{"tools": []}'], 2, "tools is set by each request"),
+        (["--log-level", "LOUD"], 2, "'LOUD' is not one of"),
+    ],
+)
 def test_bad_server_flags_are_refused_by_name(flags, status, message):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "mlx_dgemma", "server", "--port", "1", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma", "server", "--port", "1", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == status and message in done.stderr, done.stderr
     assert done.stderr.strip().split("\n")[-1].startswith("Error: ")
 
 
 # -- n: several choices -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy", ["reference", "fast", "ar", "verified"])
 def test_n_choices_are_the_request_at_seed_plus_their_index(clients, demo, policy):
@@ -311,42 +379,78 @@ def test_n_choices_are_the_request_at_seed_plus_their_index(clients, demo, polic
     client = clients["openai"]
     settings = {"policy": policy, "temperature": 0.7}
     before = planner_kept(model)
-    reply = client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5, max_tokens=32, n=3,
-                                           temperature=0.7, extra_body={"policy": policy})
+    reply = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=user(PROMPT),
+        seed=5,
+        max_tokens=32,
+        n=3,
+        temperature=0.7,
+        extra_body={"policy": policy},
+    )
     planner_set(model, before)
     texts = [choice.message.content for choice in reply.choices]
     assert [choice.index for choice in reply.choices] == [0, 1, 2] and len(set(texts)) > 1
-    alone = [client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5 + i, max_tokens=32,
-                                            temperature=0.7, extra_body={"policy": policy}) for i in range(3)]
+    alone = [
+        client.chat.completions.create(
+            model=MODEL_ID,
+            messages=user(PROMPT),
+            seed=5 + i,
+            max_tokens=32,
+            temperature=0.7,
+            extra_body={"policy": policy},
+        )
+        for i in range(3)
+    ]
     planner_set(model, before)
     assert texts == [a.choices[0].message.content for a in alone]
     assert texts == [generate(model, tokenizer, PROMPT, 32, seed=5 + i, **settings) for i in range(3)]
     assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
     assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
     planner_set(model, before)
-    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=user(PROMPT), seed=5, max_tokens=32, n=3,
-                                                 temperature=0.7, extra_body={"policy": policy}, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_ID,
+            messages=user(PROMPT),
+            seed=5,
+            max_tokens=32,
+            n=3,
+            temperature=0.7,
+            extra_body={"policy": policy},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     planner_set(model, before)
-    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-                for i in range(3)]
+    streamed = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    ]
     finishes = [c.choices[0].index for c in chunks if len(c.choices) == 1 and c.choices[0].finish_reason]
     assert streamed == texts and sorted(finishes) == [0, 1, 2]
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
-    completions = client.completions.create(model=MODEL_ID, prompt=PROMPT, seed=5, max_tokens=16, n=2,
-                                            extra_body={"policy": policy})
+    completions = client.completions.create(
+        model=MODEL_ID, prompt=PROMPT, seed=5, max_tokens=16, n=2, extra_body={"policy": policy}
+    )
     assert [c.text for c in completions.choices] == [
-        client.completions.create(model=MODEL_ID, prompt=PROMPT, seed=5 + i, max_tokens=16,
-                                  extra_body={"policy": policy}).choices[0].text for i in range(2)]
+        client.completions.create(
+            model=MODEL_ID, prompt=PROMPT, seed=5 + i, max_tokens=16, extra_body={"policy": policy}
+        )
+        .choices[0]
+        .text
+        for i in range(2)
+    ]
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"n": 9}, "n must be from 1 to 8, the choices this server runs for one request, got 9"),
-    ({"n": 0}, "n must be from 1 to 8, the choices this server runs for one request, got 0"),
-    ({"n": "2"}, 'n must be of type int, got "2"'),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"n": 9}, "n must be from 1 to 8, the choices this server runs for one request, got 9"),
+        ({"n": 0}, "n must be from 1 to 8, the choices this server runs for one request, got 0"),
+        ({"n": "2"}, 'n must be of type int, got "2"'),
+    ],
+)
 def test_n_past_its_bound_is_a_400_naming_it(clients, body, message):
     with pytest.raises(openai.BadRequestError) as caught:
-        clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), max_tokens=8,
-                                                  extra_body=body)
+        clients["openai"].chat.completions.create(model=MODEL_ID, messages=user(PROMPT), max_tokens=8, extra_body=body)
     assert caught.value.body["param"] == "n" and caught.value.body["message"] == message

@@ -24,8 +24,17 @@ TENFOLD = "{%- for message in messages %}{{ message['content'] * 10 }}{% endfor 
 
 
 def tool(i: int, description: str = "x") -> dict:
-    return {"type": "function", "function": {"name": f"tool_{i}", "description": description, "parameters": {
-        "type": "object", "properties": {"query": {"type": "string", "description": "what to look up"}}}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "description": "what to look up"}},
+            },
+        },
+    }
 
 
 def user(text):
@@ -65,8 +74,11 @@ def test_tools_a_template_does_not_render_count_for_nothing(demo_server, demo):
     alone = client.chat(model=MODEL_ID, messages=user(SORT), options={"seed": 3})
     with_tools = client.chat(model=MODEL_ID, messages=user(SORT), tools=many, options={"seed": 3})
     assert with_tools.message.content == alone.message.content == ANSWER
-    assert with_tools.prompt_eval_count == alone.prompt_eval_count == len(
-        tokenizer.apply_chat_template(user(SORT), tokenize=True))
+    assert (
+        with_tools.prompt_eval_count
+        == alone.prompt_eval_count
+        == len(tokenizer.apply_chat_template(user(SORT), tokenize=True))
+    )
 
 
 def test_tools_a_template_renders_count_and_are_refused_before_rendering(demo):
@@ -84,7 +96,8 @@ def test_tools_a_template_renders_count_and_are_refused_before_rendering(demo):
             client.chat(model=MODEL_ID, messages=user(SORT), tools=many)
         assert time.monotonic() - start < 5
         assert caught.value.status_code == 400 and caught.value.error.startswith(
-            "the text of the messages and tools is "), caught.value.error
+            "the text of the messages and tools is "
+        ), caught.value.error
 
 
 def test_a_prompt_the_template_makes_too_long_is_refused_before_tokenizing(demo):
@@ -96,8 +109,10 @@ def test_a_prompt_the_template_makes_too_long_is_refused_before_tokenizing(demo)
             client.chat.completions.create(model=MODEL_ID, messages=user("s" * (limit // 5)))
     error = caught.value.body
     assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
-    assert error["message"].startswith("the prompt the chat template renders is ") and f"(at most {limit})" in \
-        error["message"]
+    assert (
+        error["message"].startswith("the prompt the chat template renders is ")
+        and f"(at most {limit})" in error["message"]
+    )
 
 
 def test_background_prompts_of_a_chat_ui_fit_the_demo(demo_server):
@@ -151,14 +166,20 @@ def test_the_log_outlines_each_request_and_gives_each_refusal_its_reason(demo_se
     assert json.loads(body)["messages"] == user(SORT) and json.loads(body)["options"] == {"seed": 3}
     second = arrived[1].split(" ")[0]
     # The field behind the refusal, as the client named it.
-    assert (f"{second} /api/chat refused with 400 (options.temperature): options.temperature must be 0 or a "
-            "finite number from 0.0001 to 2, got 5") in lines
+    assert (
+        f"{second} /api/chat refused with 400 (options.temperature): options.temperature must be 0 or a "
+        "finite number from 0.0001 to 2, got 5"
+    ) in lines
     assert int(second[1:]) == int(number[1:]) + 1
 
 
 def test_outline_cuts_long_text_and_counts_long_lists():
-    body = {"messages": [{"role": "user", "content": "a" * 1000}], "tools": list(range(ITEMS_SHOWN + 1)),
-            "stop": ["x"] * ITEMS_SHOWN, "deep": [[[[[[[["bottom"]]]]]]]]}
+    body = {
+        "messages": [{"role": "user", "content": "a" * 1000}],
+        "tools": list(range(ITEMS_SHOWN + 1)),
+        "stop": ["x"] * ITEMS_SHOWN,
+        "deep": [[[[[[[["bottom"]]]]]]]],
+    }
     shown = outline(body)
     assert shown["messages"][0]["content"] == "a" * TEXT_SHOWN + "… (1000 characters)"
     assert shown["tools"] == f"({ITEMS_SHOWN + 1} items)" and shown["stop"] == ["x"] * ITEMS_SHOWN

@@ -21,8 +21,20 @@ from mlx_dgemma.engine.policy import Profile  # noqa: E402
 
 PRESET = "pattern"  # the released 5:1 layer pattern, canvas 16
 LAYERS = PRESETS[PRESET]["num_hidden_layers"]
-QUICK = ["--preset", PRESET, "--dtype", "float32", "--prompt", "8", "--canvas", "16", "--draft-length", "8",
-         "--repeats", "1"]
+QUICK = [
+    "--preset",
+    PRESET,
+    "--dtype",
+    "float32",
+    "--prompt",
+    "8",
+    "--canvas",
+    "16",
+    "--draft-length",
+    "8",
+    "--repeats",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -118,21 +130,31 @@ def test_reference_times_each_denoising_step_of_its_own_loop():
 
 
 def test_speed_up_is_reference_seconds_over_mlx_seconds():
-    reference = Profile("torch", "measured", {16: 0.04}, ar_token_s=0.01, prefill_tok_s=100.0,
-                        verify_s_by_length={8: 0.02}, prefix=8)
-    mlx = Profile("mlx", "measured", {16: 0.01}, ar_token_s=0.02, prefill_tok_s=400.0,
-                  verify_s_by_length={8: 0.01}, prefix=8)
+    reference = Profile(
+        "torch", "measured", {16: 0.04}, ar_token_s=0.01, prefill_tok_s=100.0, verify_s_by_length={8: 0.02}, prefix=8
+    )
+    mlx = Profile(
+        "mlx", "measured", {16: 0.01}, ar_token_s=0.02, prefill_tok_s=400.0, verify_s_by_length={8: 0.01}, prefix=8
+    )
     lines = reference_speed.table(reference, mlx, [16], 8)
     speed_up = {line.split("  ")[0]: line.split()[-1] for line in lines[2:]}
-    assert speed_up == {"AR": "0.50x", "prefill": "4.00x", "step at 16": "4.00x", "crossover at 16": "steps",
-                        "round of 8, 1 step": "2.67x"}
+    assert speed_up == {
+        "AR": "0.50x",
+        "prefill": "4.00x",
+        "step at 16": "4.00x",
+        "crossover at 16": "steps",
+        "round of 8, 1 step": "2.67x",
+    }
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--canvas", "300"], "--canvas must be 1..256"),
-    (["--canvas", "16", "--draft-length", "32"], "--draft-length 1..--canvas"),
-    (["--steps", "0"], "--steps must be at least 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--canvas", "300"], "--canvas must be 1..256"),
+        (["--canvas", "16", "--draft-length", "32"], "--draft-length 1..--canvas"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+    ],
+)
 def test_reference_speed_refuses_bad_options(capsys, argv, message):
     with pytest.raises(SystemExit):
         reference_speed.parse_args(argv)

@@ -65,21 +65,37 @@ def read_as_it_grows(pieces, stop, hold, tail=""):
             return out, stop_sequence
 
 
-@pytest.mark.parametrize("pieces, stop, hold", [
-    (["ab", "cSTOPd"], ["STOP"], []),  # inside one piece
-    (["abST", "O", "Pcd"], ["STOP"], []),  # across piece boundaries, its start held back meanwhile
-    (["STOPab"], ["STOP"], []),  # at the very start
-    (["abc", "dSTOP"], ["STOP"], []),  # at the very end
-    (["abcd", "ef"], ["abcdef", "cd"], []),  # overlapping: the earlier start wins once both are whole
-    (["ab", "cdef"], ["cd", "abcdef"], []),
-    (["xx", "aab"], ["ab", "aab"], []),  # two starting at once: the one given first
-    (["ST", "xSTOP"], ["STOP"], []),  # a held-back start that was not the stop goes out later
-    (["one <tool", "_call> two", " STOP"], ["STOP"], ["<tool_call>"]),  # text waits from a held string on
-    (["a <to", "x <tool_call>"], [], ["<tool_call>"]),
-    (["aaaa", "aaab"], ["aaaab"], []),  # a repeated prefix: the border, not a fresh start
-    (["the answer<suf", "fix>"], ["fix"], []),  # a stop inside the infill's suffix, cut off at the end
-], ids=["inside", "across", "start", "end", "overlap", "overlap-reversed", "same-start", "false-start", "held",
-        "held-late", "border", "tail"])
+@pytest.mark.parametrize(
+    "pieces, stop, hold",
+    [
+        (["ab", "cSTOPd"], ["STOP"], []),  # inside one piece
+        (["abST", "O", "Pcd"], ["STOP"], []),  # across piece boundaries, its start held back meanwhile
+        (["STOPab"], ["STOP"], []),  # at the very start
+        (["abc", "dSTOP"], ["STOP"], []),  # at the very end
+        (["abcd", "ef"], ["abcdef", "cd"], []),  # overlapping: the earlier start wins once both are whole
+        (["ab", "cdef"], ["cd", "abcdef"], []),
+        (["xx", "aab"], ["ab", "aab"], []),  # two starting at once: the one given first
+        (["ST", "xSTOP"], ["STOP"], []),  # a held-back start that was not the stop goes out later
+        (["one <tool", "_call> two", " STOP"], ["STOP"], ["<tool_call>"]),  # text waits from a held string on
+        (["a <to", "x <tool_call>"], [], ["<tool_call>"]),
+        (["aaaa", "aaab"], ["aaaab"], []),  # a repeated prefix: the border, not a fresh start
+        (["the answer<suf", "fix>"], ["fix"], []),  # a stop inside the infill's suffix, cut off at the end
+    ],
+    ids=[
+        "inside",
+        "across",
+        "start",
+        "end",
+        "overlap",
+        "overlap-reversed",
+        "same-start",
+        "false-start",
+        "held",
+        "held-late",
+        "border",
+        "tail",
+    ],
+)
 def test_crafted_cases_match_searching_the_whole_text(pieces, stop, hold):
     tail = "<suffix>" if pieces[-1].endswith("fix>") else ""
     assert read_as_it_grows(pieces, stop, hold, tail) == searched_whole(pieces, stop, hold, tail)
@@ -88,14 +104,16 @@ def test_crafted_cases_match_searching_the_whole_text(pieces, stop, hold):
 def test_random_pieces_match_searching_the_whole_text():
     rng = random.Random(0)
     for _ in range(3000):
+
         def word(length):
             return "".join(rng.choice("abc") for _ in range(length))
+
         text = word(rng.randint(0, 40))
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 8)))) if len(text) > 1 else []
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
         stop = [word(rng.randint(1, 5)) for _ in range(rng.randint(0, 4))]
         hold = [word(rng.randint(1, 5)) for _ in range(rng.randint(0, 2))]
-        tail = text[-rng.randint(0, 4):] if rng.random() < 0.2 else ""
+        tail = text[-rng.randint(0, 4) :] if rng.random() < 0.2 else ""
         case = (pieces, stop, hold, tail)
         assert read_as_it_grows(*case) == searched_whole(*case), case
 

@@ -50,8 +50,9 @@ def fixed_positions(template, tokenizer, model):
 def test_clamped_tokens_hold_at_every_step_of_the_view(demo, policy):
     model, tokenizer = demo
     template = parse_template(tokenizer, '{"name": "{{fill:5}}", "note": "{{fill:30}}", "ok": 1}')
-    responses = list(stream_generate(model, tokenizer, "json: name=ada", seed=3, template=template,
-                                     drafts=True, policy=policy))
+    responses = list(
+        stream_generate(model, tokenizer, "json: name=ada", seed=3, template=template, drafts=True, policy=policy)
+    )
     drafts_per_canvas = [r.drafts for r in responses]
     assert len(responses) == -(-(len(template) + 1) // model.config.canvas_length) > 1  # + end of turn
     fixed = fixed_positions(template, tokenizer, model)
@@ -144,17 +145,20 @@ def test_infill_clamps_the_suffix_at_the_canvas_end(demo, max_fill):
     responses = list(stream_generate(model, tokenizer, PREFIX, seed=0, template=template, chat_template=False))
     assert len(responses) == -(-(max_fill + len(suffix)) // C)
     assert all(len(r.tokens) == C for r in responses)
-    assert responses[-1].tokens[-len(suffix):] == suffix
+    assert responses[-1].tokens[-len(suffix) :] == suffix
     text = infill(model, tokenizer, PREFIX, " 9", max_fill=max_fill, seed=0)
     assert responses[-1].text == text + " 9"
 
 
-@pytest.mark.parametrize("template, message", [
-    ("a {{fill:3", "unclosed hole at line 1, column 3"),
-    ("ab\ncd {{fill:x}}", "hole at line 2, column 4: the size must be a positive integer"),
-    ("{{fill:0}}", "size must be a positive integer"),
-    ("x {{fil:3}}", "unknown hole '{{fil:3}}' at line 1, column 3"),
-])
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("a {{fill:3", "unclosed hole at line 1, column 3"),
+        ("ab\ncd {{fill:x}}", "hole at line 2, column 4: the size must be a positive integer"),
+        ("{{fill:0}}", "size must be a positive integer"),
+        ("x {{fil:3}}", "unknown hole '{{fil:3}}' at line 1, column 3"),
+    ],
+)
 def test_bad_templates_name_the_place(demo, template, message):
     _, tokenizer = demo
     with pytest.raises(TemplateError, match=message.replace("{", r"\{").replace("}", r"\}").replace("(", r"\(")):
@@ -175,13 +179,22 @@ def test_a_hole_past_the_context_is_refused(demo):
         list(stream_generate(model, tokenizer, "sort: 1", template="abc {{fill:%d}}" % (context - 8)))
 
 
-@pytest.mark.parametrize("schema, message", [
-    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}}, r"'anyOf' at \$\.a is not supported"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}, r"'pattern' at \$\.a is not"),
-    ({"type": "array", "items": {"type": "integer"}}, r"array at \$ needs maxItems"),
-    ({"type": "object", "properties": {"a": {"type": ["string", "null"]}}}, r"\$\.a: type \[\"string\", \"null\"\]"),
-    ({"type": "integer", "minimum": 5, "maximum": 2}, r"minimum 5 is above maximum 2"),
-])
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        (
+            {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}},
+            r"'anyOf' at \$\.a is not supported",
+        ),
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}, r"'pattern' at \$\.a is not"),
+        ({"type": "array", "items": {"type": "integer"}}, r"array at \$ needs maxItems"),
+        (
+            {"type": "object", "properties": {"a": {"type": ["string", "null"]}}},
+            r"\$\.a: type \[\"string\", \"null\"\]",
+        ),
+        ({"type": "integer", "minimum": 5, "maximum": 2}, r"minimum 5 is above maximum 2"),
+    ],
+)
 def test_unsupported_schemas_name_the_place(demo, schema, message):
     _, tokenizer = demo
     with pytest.raises(TemplateError, match=message):
@@ -243,22 +256,35 @@ def test_a_draft_sizes_the_schema_holes(demo):
         assert sizes(json_template(tokenizer, SCHEMA, draft=nonsense)) == upper
 
 
-@pytest.mark.parametrize("schema, message", [
-    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
-     'required key "b" at $ is not in its properties; add it to properties or drop it from required'),
-    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": "a"},
-     'required at $ must be a list of property names, got "a"'),
-    ({"type": "string", "enum": ["x", 1]}, 'enum value 1 at $ is not of type "string"'),
-    ({"type": ["string", "null"], "enum": ["x", False]}, 'enum value false at $ is not of type ["string", "null"]'),
-    ({"type": "integer", "const": 1.5}, 'const value 1.5 at $ is not of type "integer"'),
-    ({"type": "strin", "enum": ["x"]}, 'type "strin" is not a JSON type'),
-    ({"const": float("nan")}, "const at $ holds a value that is not JSON (Out of range float values"),
-    ({"enum": [1, [float("inf")]]}, "enum at $ holds a value that is not JSON"),
-    ({"enum": ["a", "b"], "maxLength": 1}, "schema feature 'maxLength' at $ is not supported alongside 'enum'"),
-    ({"enum": [f"s{i}" for i in range(100_000)]}, "enum at $ has 100000 values, more than the 1000 a template takes"),
-    ({"type": "integer", "minimum": 10 ** 400}, "minimum at $ is an integer of more than 308 digits; a bound must fit"),
-    ({"type": "number", "maximum": -(10 ** 309)}, "maximum at $ is an integer of more than 308 digits"),
-])
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        (
+            {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+            'required key "b" at $ is not in its properties; add it to properties or drop it from required',
+        ),
+        (
+            {"type": "object", "properties": {"a": {"type": "null"}}, "required": "a"},
+            'required at $ must be a list of property names, got "a"',
+        ),
+        ({"type": "string", "enum": ["x", 1]}, 'enum value 1 at $ is not of type "string"'),
+        ({"type": ["string", "null"], "enum": ["x", False]}, 'enum value false at $ is not of type ["string", "null"]'),
+        ({"type": "integer", "const": 1.5}, 'const value 1.5 at $ is not of type "integer"'),
+        ({"type": "strin", "enum": ["x"]}, 'type "strin" is not a JSON type'),
+        ({"const": float("nan")}, "const at $ holds a value that is not JSON (Out of range float values"),
+        ({"enum": [1, [float("inf")]]}, "enum at $ holds a value that is not JSON"),
+        ({"enum": ["a", "b"], "maxLength": 1}, "schema feature 'maxLength' at $ is not supported alongside 'enum'"),
+        (
+            {"enum": [f"s{i}" for i in range(100_000)]},
+            "enum at $ has 100000 values, more than the 1000 a template takes",
+        ),
+        (
+            {"type": "integer", "minimum": 10**400},
+            "minimum at $ is an integer of more than 308 digits; a bound must fit",
+        ),
+        ({"type": "number", "maximum": -(10**309)}, "maximum at $ is an integer of more than 308 digits"),
+    ],
+)
 def test_schemas_whose_answer_could_not_validate_are_refused(demo, schema, message):
     _, tokenizer = demo
     start = time.perf_counter()
@@ -270,13 +296,13 @@ def test_schemas_whose_answer_could_not_validate_are_refused(demo, schema, messa
 
 def test_integer_bounds_are_exact_and_numbers_finite(demo):
     _, tokenizer = demo
-    big = {"type": "integer", "minimum": 10 ** 20 + 1, "maximum": 10 ** 20 + 3}
-    assert json_template(tokenizer, big).render(["0"]) == 10 ** 20 + 1
-    assert json_template(tokenizer, {"type": "integer", "maximum": 2 ** 53 + 1}).render(["9" * 40]) == 2 ** 53 + 1
+    big = {"type": "integer", "minimum": 10**20 + 1, "maximum": 10**20 + 3}
+    assert json_template(tokenizer, big).render(["0"]) == 10**20 + 1
+    assert json_template(tokenizer, {"type": "integer", "maximum": 2**53 + 1}).render(["9" * 40]) == 2**53 + 1
     assert json_template(tokenizer, {"type": "integer", "minimum": 0.5, "maximum": 1e19}).render(["0"]) == 1
     wide = json_template(tokenizer, {"type": "number", "minimum": -1e308})  # a hole of 315 positions
     assert np.isfinite(wide.render(["9" * 400]))  # more digits than a float holds: the largest float
-    for draft in (float("inf"), float("nan"), 10 ** 400):  # a free draft's nonsense sizes nothing
+    for draft in (float("inf"), float("nan"), 10**400):  # a free draft's nonsense sizes nothing
         assert [h.size for _, h in json_template(tokenizer, {"type": "integer"}, draft=draft).holes] == [7]
 
 
@@ -286,18 +312,20 @@ def test_min_length_holds_when_byte_tokens_make_one_character(demo):
     template = json_template(tokenizer, schema)
     e_acute = tokenizer.encode("é", add_special_tokens=False)
     assert len(e_acute) == 2 and len(tokenizer.decode(e_acute)) == 1  # two byte tokens, one character
-    answer = template.render([tokenizer.decode(v) for v in template.hole_values(e_acute, tokenizer.pad_token_id,
-                                                                                None)])
+    answer = template.render([tokenizer.decode(v) for v in template.hole_values(e_acute, tokenizer.pad_token_id, None)])
     jsonschema.validate(answer, schema)
 
 
-@pytest.mark.parametrize("build", [
-    lambda t: parse_template(t, "x" * 5000 + "{{fill:2}}", limit=1024),
-    lambda t: parse_template(t, "{{fill:2}}" + "x" * 5000, limit=1024),
-    lambda t: json_template(t, {"type": "object", "properties": {"k" * 5000: {"type": "null"}}}, limit=1024),
-    lambda t: json_template(t, {"type": "object", "properties": {"k": {"const": "x" * 5000}}}, limit=1024),
-    lambda t: json_template(t, {"enum": ["a", "x" * 5000]}, limit=1024),
-])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda t: parse_template(t, "x" * 5000 + "{{fill:2}}", limit=1024),
+        lambda t: parse_template(t, "{{fill:2}}" + "x" * 5000, limit=1024),
+        lambda t: json_template(t, {"type": "object", "properties": {"k" * 5000: {"type": "null"}}}, limit=1024),
+        lambda t: json_template(t, {"type": "object", "properties": {"k": {"const": "x" * 5000}}}, limit=1024),
+        lambda t: json_template(t, {"enum": ["a", "x" * 5000]}, limit=1024),
+    ],
+)
 def test_template_text_is_bounded_by_the_context(demo, build):
     _, tokenizer = demo
     with pytest.raises(TemplateError, match="past the model's context of 1024 positions") as info:

@@ -29,8 +29,10 @@ from .test_server import MODEL_ID, SORT, serving
 
 THOUGHT = "the numbers, smallest first"
 TEMPLATE = "<|channel>thought\n" + THOUGHT + "<channel|>sorted:{{fill:8}}"  # a thought, then the answer
-NO_SWITCH = ("{{ bos_token }}{% for m in messages %}{{ '<|turn>' + m['role'] + '\n' }}{{ m['content'] | trim }}"
-             "{{ '<turn|>\n' }}{% endfor %}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}")  # no switch
+NO_SWITCH = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|turn>' + m['role'] + '\n' }}{{ m['content'] | trim }}"
+    "{{ '<turn|>\n' }}{% endfor %}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}"
+)  # no switch
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,7 @@ def openai_client(server):
 
 # -- the chat template ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("template", [BUILTIN_CHAT_TEMPLATE, train_demo.CHAT_TEMPLATE], ids=["builtin", "demo"])
 def test_the_switch_renders_as_gemma4_and_as_transformers_renders_it(demo, template):
     """Gemma 4's convention: thinking on opens the system turn with <|think|> (a turn of its own when
@@ -59,15 +62,16 @@ def test_the_switch_renders_as_gemma4_and_as_transformers_renders_it(demo, templ
         (False, False): "<bos><|turn>user\nSolve it.<turn|>\n<|turn>model\n<|channel>thought\n<channel|>",
         (True, False): "<bos><|turn>system\n<|think|>\n<turn|>\n<|turn>user\nSolve it.<turn|>\n<|turn>model\n",
         (False, True): "<bos><|turn>system\nBe exact.<turn|>\n<|turn>user\nSolve it.<turn|>\n<|turn>model\n"
-                       "<|channel>thought\n<channel|>",
+        "<|channel>thought\n<channel|>",
         (True, True): "<bos><|turn>system\n<|think|>\nBe exact.<turn|>\n<|turn>user\nSolve it.<turn|>\n<|turn>model\n",
     }
     for (think, with_system), text in expected.items():
         messages = system if with_system else user
         ours = tokenizer.apply_chat_template(messages, enable_thinking=think)
         assert ours == text
-        theirs = render_jinja_template([messages], chat_template=template, add_generation_prompt=True,
-                                       bos_token="<bos>", enable_thinking=think)[0][0]
+        theirs = render_jinja_template(
+            [messages], chat_template=template, add_generation_prompt=True, bos_token="<bos>", enable_thinking=think
+        )[0][0]
         assert ours == theirs
     assert tokenizer.apply_chat_template(user) == expected[False, False]  # off unless asked for
     assert tokenizer.renders_thinking
@@ -82,7 +86,7 @@ def test_thinking_off_renders_the_prompt_the_demo_was_trained_on(demo):
     think = tokenizer.encode("<|think|>\n", add_special_tokens=False)
     turn = tokenizer.encode("<|turn>system\n", add_special_tokens=False)
     # on = off with <|think|> after the system turn's opening and without the empty thought channel
-    assert on == ids[: 1 + len(turn)] + think + ids[1 + len(turn): -len(channel)]
+    assert on == ids[: 1 + len(turn)] + think + ids[1 + len(turn) : -len(channel)]
 
 
 def test_a_template_without_the_switch_is_refused(demo):
@@ -99,7 +103,7 @@ def test_the_thought_streams_apart_from_the_answer(demo):
     ids = tokenizer.encode("<|channel>thought\n" + THOUGHT + "<channel|>1 3 7 9<turn|>after", add_special_tokens=False)
     stop = {tokenizer.token_id("<turn|>")}
     answer, thought = TextStream(tokenizer, stop), TextStream(tokenizer, stop, thought=True)
-    pieces = [(answer.add(ids[i:i + 3]), thought.add(ids[i:i + 3])) for i in range(0, len(ids), 3)]
+    pieces = [(answer.add(ids[i : i + 3]), thought.add(ids[i : i + 3])) for i in range(0, len(ids), 3)]
     assert "".join(a for a, _ in pieces) == "1 3 7 9" and "".join(t for _, t in pieces) == THOUGHT
     assert pieces[0] == ("", "")  # "<|channel>thought\n" is the channel's name, no part of the thought
     # thought tokens: the channel, markers included, up to the stop id; padding is none of them
@@ -107,6 +111,7 @@ def test_the_thought_streams_apart_from_the_answer(demo):
 
 
 # -- the API and the CLI -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy", ["reference", "fast", "ar", "verified", "auto"])
 def test_every_policy_hands_out_the_thought_apart(demo, policy):
@@ -135,29 +140,56 @@ def test_without_think_no_thought_and_with_a_json_template_a_refusal(demo):
 def test_cli_think_writes_the_thought_to_stderr(tmp_path, demo):
     model, tokenizer = demo
     (tmp_path / "layout.txt").write_text(TEMPLATE + "\n")
-    run = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", SORT, "--seed", "0", "--think",
-                          "--template", str(tmp_path / "layout.txt")], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_dgemma.generate",
+            "--prompt",
+            SORT,
+            "--seed",
+            "0",
+            "--think",
+            "--template",
+            str(tmp_path / "layout.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stderr == THOUGHT + "\n"  # its line ended before the answer
     assert run.stdout == generate(model, tokenizer, SORT, seed=0, think=True, template=TEMPLATE) + "\n"
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object"}))
-    refused = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--think", "--schema", str(schema)],
-                             capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.generate", "--think", "--schema", str(schema)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 1 and refused.stdout == ""
-    assert refused.stderr == ("Error: a schema lays the answer out from its first token and leaves no room for a "
-                              "thought; drop --think or --schema\n")
+    assert refused.stderr == (
+        "Error: a schema lays the answer out from its first token and leaves no room for a "
+        "thought; drop --think or --schema\n"
+    )
 
 
 # -- the server: each API's own fields -----------------------------------------------------------------
+
 
 def expected_answer(demo, think=True):
     return generate(*demo, SORT, seed=0, think=think, template=TEMPLATE)
 
 
 def chat(client, **kwargs):
-    return client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": SORT}], seed=0,
-                                          extra_body={"template": TEMPLATE, **kwargs.pop("extra_body", {})}, **kwargs)
+    return client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": SORT}],
+        seed=0,
+        extra_body={"template": TEMPLATE, **kwargs.pop("extra_body", {})},
+        **kwargs,
+    )
 
 
 def thought_tokens(demo):
@@ -194,8 +226,9 @@ def test_chat_reasoning_under_a_policy_is_the_apis(openai_client, demo, policy):
 
 def test_responses_reasoning_items(openai_client, demo):
     def respond(**kwargs):
-        return openai_client.responses.create(model=MODEL_ID, input=SORT, extra_body={"seed": 0, "template": TEMPLATE},
-                                              **kwargs)
+        return openai_client.responses.create(
+            model=MODEL_ID, input=SORT, extra_body={"seed": 0, "template": TEMPLATE}, **kwargs
+        )
 
     whole = respond(reasoning={"effort": "low"})
     assert [item.type for item in whole.output] == ["reasoning", "message"]
@@ -203,8 +236,13 @@ def test_responses_reasoning_items(openai_client, demo):
     assert whole.usage.output_tokens_details.reasoning_tokens == thought_tokens(demo)
     events = list(respond(reasoning={"effort": "low"}, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added", "response.reasoning_text.delta"]
+    assert kinds[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+    ]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT
     done = [e for e in events if e.type == "response.output_item.done"]
     assert [(e.item.type, e.output_index) for e in done] == [("reasoning", 0), ("message", 1)]
@@ -219,8 +257,12 @@ def test_responses_reasoning_items(openai_client, demo):
 
 def test_anthropic_thinking_blocks(server, demo):
     client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=60)
-    request = {"model": MODEL_ID, "max_tokens": 2048, "messages": [{"role": "user", "content": SORT}],
-               "extra_body": {"seed": 0, "template": TEMPLATE}}
+    request = {
+        "model": MODEL_ID,
+        "max_tokens": 2048,
+        "messages": [{"role": "user", "content": SORT}],
+        "extra_body": {"seed": 0, "template": TEMPLATE},
+    }
     thinking = {"type": "enabled", "budget_tokens": 1024}
     whole = client.messages.create(**request, thinking=thinking)
     assert [b.type for b in whole.content] == ["thinking", "text"]
@@ -243,8 +285,11 @@ def test_anthropic_thinking_blocks(server, demo):
 
 def test_ollama_think(server, demo):
     client = ollama.Client(host=server, timeout=60)
-    request = {"model": MODEL_ID, "messages": [{"role": "user", "content": SORT}],
-               "options": {"seed": 0, "template": TEMPLATE}}
+    request = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": SORT}],
+        "options": {"seed": 0, "template": TEMPLATE},
+    }
     whole = client.chat(**request, think=True)
     assert whole.message.thinking == THOUGHT and whole.message.content == expected_answer(demo)
     chunks = list(client.chat(**request, think="low", stream=True))
@@ -268,21 +313,27 @@ def test_reasoning_that_cannot_be_had_is_refused(server, openai_client, demo):
         assert caught.value.body["param"] == param and message in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.completions.create(model=MODEL_ID, prompt=SORT, extra_body={"reasoning_effort": "low"})
-    assert caught.value.body["param"] == "reasoning_effort" and "needs the chat template" in caught.value.body["message"]
+    assert (
+        caught.value.body["param"] == "reasoning_effort" and "needs the chat template" in caught.value.body["message"]
+    )
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.responses.create(model=MODEL_ID, input=SORT, reasoning={"effort": "max"})
     assert caught.value.body["param"] == "reasoning" and "reasoning must be one of" in caught.value.body["message"]
     client = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=60)
-    for thinking, message in [({"type": "enabled", "budget_tokens": 100}, "at least 1024, got 100"),
-                              ({"type": "enabled", "budget_tokens": 4096}, "(4096) must be less than max_tokens"),
-                              ({"type": "on"}, 'thinking must be {"type": "enabled"')]:
+    for thinking, message in [
+        ({"type": "enabled", "budget_tokens": 100}, "at least 1024, got 100"),
+        ({"type": "enabled", "budget_tokens": 4096}, "(4096) must be less than max_tokens"),
+        ({"type": "on"}, 'thinking must be {"type": "enabled"'),
+    ]:
         with pytest.raises(anthropic.BadRequestError) as caught:
-            client.messages.create(model=MODEL_ID, max_tokens=2048, messages=[{"role": "user", "content": SORT}],
-                                   thinking=thinking)
+            client.messages.create(
+                model=MODEL_ID, max_tokens=2048, messages=[{"role": "user", "content": SORT}], thinking=thinking
+            )
         assert caught.value.body["type"] == "error" and message in caught.value.body["error"]["message"]
     with pytest.raises(ollama.ResponseError) as caught:
-        ollama.Client(host=server, timeout=60).chat(model=MODEL_ID, messages=[{"role": "user", "content": SORT}],
-                                                    think="max")
+        ollama.Client(host=server, timeout=60).chat(
+            model=MODEL_ID, messages=[{"role": "user", "content": SORT}], think="max"
+        )
     assert caught.value.status_code == 400 and caught.value.error.startswith("think must be true, false")
     # A checkpoint whose chat template has no switch: thinking on is refused, off goes through.
     model, tokenizer = demo
@@ -303,7 +354,8 @@ def test_a_template_thinking_by_default_is_off_unless_asked(demo):
     model, tokenizer = demo
     tokenizer = copy.copy(tokenizer)
     tokenizer.chat_template = train_demo.CHAT_TEMPLATE.replace(
-        "enable_thinking is defined and enable_thinking", "enable_thinking is not defined or enable_thinking")
+        "enable_thinking is defined and enable_thinking", "enable_thinking is not defined or enable_thinking"
+    )
     off, on = prompt_ids(tokenizer, SORT), prompt_ids(tokenizer, SORT, think=True)
     assert off == prompt_ids(demo[1], SORT) and on == prompt_ids(demo[1], SORT, think=True)
     with serving(model, tokenizer) as url:

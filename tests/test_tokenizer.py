@@ -41,8 +41,9 @@ def test_checkpoint_template_renders_as_the_demo_was_trained(tokenizers, sp_mode
     assert sp_tokenizer.apply_chat_template(CONVERSATION) == "<bos>" + expected
     assert sp_tokenizer.apply_chat_template(CONVERSATION, tokenize=True) == [2] + sp.encode(expected)
     # transformers' own renderer gives the same text from the same template
-    hf = render_jinja_template([CONVERSATION], chat_template=train_demo.CHAT_TEMPLATE,
-                               add_generation_prompt=True, bos_token="<bos>")[0][0]
+    hf = render_jinja_template(
+        [CONVERSATION], chat_template=train_demo.CHAT_TEMPLATE, add_generation_prompt=True, bos_token="<bos>"
+    )[0][0]
     assert sp_tokenizer.apply_chat_template(CONVERSATION) == hf
 
 
@@ -51,10 +52,12 @@ def test_builtin_template_is_gemma4_with_an_empty_thought_channel(tokenizers):
     assert json_tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
     assert json_tokenizer.apply_chat_template(CONVERSATION) == (
         "<bos><|turn>system\nbe brief<turn|>\n<|turn>user\nsort: 7 3 9 1<turn|>\n"
-        "<|turn>model\n<|channel>thought\n<channel|>")
+        "<|turn>model\n<|channel>thought\n<channel|>"
+    )
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " hello "}]
     assert json_tokenizer.apply_chat_template(history, add_generation_prompt=False) == (
-        "<bos><|turn>user\nhi<turn|>\n<|turn>model\nhello<turn|>\n")
+        "<bos><|turn>user\nhi<turn|>\n<|turn>model\nhello<turn|>\n"
+    )
 
 
 def test_both_backends_give_the_same_ids_and_text(tokenizers):
@@ -74,8 +77,14 @@ def test_clean_up_cuts_at_stop_ids_and_drops_thoughts_and_padding(tokenizers):
     for tok in tokenizers:
         enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
         turn_end = tok.token_id("<turn|>")
-        tok_ids = (enc("<|channel>thought\nfirst sort<channel|>") + enc("1 3") + [0, 0] + enc(" 7 9")
-                   + [turn_end] + enc("after the stop"))
+        tok_ids = (
+            enc("<|channel>thought\nfirst sort<channel|>")
+            + enc("1 3")
+            + [0, 0]
+            + enc(" 7 9")
+            + [turn_end]
+            + enc("after the stop")
+        )
         assert tok.decode_clean(tok_ids, stop_ids=[1, turn_end]) == "1 3 7 9"
         assert tok.decode_clean(enc("ok <|channel>still thinking"), stop_ids=[1]) == "ok "
         assert tok.decode_clean(enc("a") + [1] + enc("b"), stop_ids=[1]) == "a"
@@ -88,8 +97,12 @@ def test_text_stream_hands_out_text_as_it_grows(tokenizers):
     stream = TextStream(tok, stop_ids=[1])
     e_acute = enc("é")
     assert len(e_acute) == 2  # byte fallback: a character split over two tokens
-    pieces = [stream.add(enc("<|channel>thought\nhmm")), stream.add(enc("<channel|>caf") + e_acute[:1]),
-              stream.add(e_acute[1:] + enc(" ok")), stream.add([1] + enc("never"), final=True)]
+    pieces = [
+        stream.add(enc("<|channel>thought\nhmm")),
+        stream.add(enc("<channel|>caf") + e_acute[:1]),
+        stream.add(e_acute[1:] + enc(" ok")),
+        stream.add([1] + enc("never"), final=True),
+    ]
     assert pieces == ["", "caf", "é ok", ""]
 
 

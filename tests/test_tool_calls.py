@@ -23,14 +23,20 @@ Q = '<|"|>'
 
 
 def test_gemma_call_syntax_is_read_into_arguments():
-    text = (f"Let me look. <|tool_call>call:get_weather{{city:{Q}Paris, {{France}}{Q},days:3,"
-            f"options:{{units:{Q}metric{Q},flags:[true,null,-1.5e2]}}}}<tool_call|>"
-            f"<|tool_call>call:clock{{}}<tool_call|> done")
+    text = (
+        f"Let me look. <|tool_call>call:get_weather{{city:{Q}Paris, {{France}}{Q},days:3,"
+        f"options:{{units:{Q}metric{Q},flags:[true,null,-1.5e2]}}}}<tool_call|>"
+        f"<|tool_call>call:clock{{}}<tool_call|> done"
+    )
     content, calls = parse_tool_calls(text)
     assert content == "Let me look.  done"
-    assert calls == [ToolCall("get_weather", {"city": "Paris, {France}", "days": 3,
-                                              "options": {"units": "metric", "flags": [True, None, -150.0]}}),
-                     ToolCall("clock", {})]
+    assert calls == [
+        ToolCall(
+            "get_weather",
+            {"city": "Paris, {France}", "days": 3, "options": {"units": "metric", "flags": [True, None, -150.0]}},
+        ),
+        ToolCall("clock", {}),
+    ]
 
 
 def test_json_arguments_and_an_unclosed_last_call():
@@ -39,20 +45,33 @@ def test_json_arguments_and_an_unclosed_last_call():
     assert parse_tool_calls("no calls here") == ("no calls here", [])
 
 
-@pytest.mark.parametrize("text, where", [
-    ("<|tool_call>call:f{a:}<tool_call|>", "a value"),
-    ("<|tool_call>call:f{a:1 b:2}<tool_call|>", "',' or '}'"),
-    (f"<|tool_call>call:f{{a:{Q}open}}<tool_call|>", "closing"),
-    ("<|tool_call>get_weather{}<tool_call|>", "call:NAME"),
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("<|tool_call>call:f{a:}<tool_call|>", "a value"),
+        ("<|tool_call>call:f{a:1 b:2}<tool_call|>", "',' or '}'"),
+        (f"<|tool_call>call:f{{a:{Q}open}}<tool_call|>", "closing"),
+        ("<|tool_call>get_weather{}<tool_call|>", "call:NAME"),
+    ],
+)
 def test_malformed_calls_say_where(text, where):
     with pytest.raises(ValueError, match=where):
         parse_tool_calls(text)
 
 
-GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
-                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+GET_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 5},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+        },
+    },
+}
 
 
 def test_forced_call_template_clamps_the_frame_and_renders_the_arguments():
@@ -71,8 +90,10 @@ def test_forced_call_template_clamps_the_frame_and_renders_the_arguments():
 
 def test_tools_whose_call_could_not_validate_are_refused():
     _, tokenizer = load(DEMO_MODEL)
-    no_properties = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {}, "required": ["city"]}}}
+    no_properties = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {}, "required": ["city"]}},
+    }
     with pytest.raises(TemplateError, match='required key "city" at \\$ is not in its properties'):
         forced_call_template(tokenizer, no_properties)
     for tool in ("f", {"type": "function", "function": "f"}, {"function": {"name": "f", "parameters": [1]}}):
@@ -85,17 +106,36 @@ def test_a_call_to_any_of_several_tools_is_one_tools_name_and_its_arguments():
     against that tool's own schema (jsonschema's verdict on the tool as the client sent it: a $ref
     into its own $defs still resolves once the schema sits inside the union)."""
     model, tokenizer = load(DEMO_MODEL)
-    answer = {"type": "function", "function": {"name": "final_answer", "parameters": {
-        "type": "object", "required": ["answer"], "properties": {"answer": {"$ref": "#/$defs/Short"}},
-        "$defs": {"Short": {"type": "string", "maxLength": 5}}}}}
+    answer = {
+        "type": "function",
+        "function": {
+            "name": "final_answer",
+            "parameters": {
+                "type": "object",
+                "required": ["answer"],
+                "properties": {"answer": {"$ref": "#/$defs/Short"}},
+                "$defs": {"Short": {"type": "string", "maxLength": 5}},
+            },
+        },
+    }
     clock = {"type": "function", "function": {"name": "clock"}}
     tools = [GET_WEATHER, answer, clock]
-    grammar = schema_grammar(tokenizer, call_choice_schema(tools), model.config.vocab_size,
-                             grammar_stop_ids(tokenizer, generation_config(model, tokenizer)))
-    calls = [("get_weather", {"city": "Oslo", "days": 3}), ("get_weather", {"city": "Oslo"}),
-             ("get_weather", {"city": "Oslo", "days": 9}), ("final_answer", {"answer": "42"}),
-             ("final_answer", {"answer": "too long"}), ("final_answer", {"city": "Oslo", "days": 3}),
-             ("clock", {}), ("alarm", {})]
+    grammar = schema_grammar(
+        tokenizer,
+        call_choice_schema(tools),
+        model.config.vocab_size,
+        grammar_stop_ids(tokenizer, generation_config(model, tokenizer)),
+    )
+    calls = [
+        ("get_weather", {"city": "Oslo", "days": 3}),
+        ("get_weather", {"city": "Oslo"}),
+        ("get_weather", {"city": "Oslo", "days": 9}),
+        ("final_answer", {"answer": "42"}),
+        ("final_answer", {"answer": "too long"}),
+        ("final_answer", {"city": "Oslo", "days": 3}),
+        ("clock", {}),
+        ("alarm", {}),
+    ]
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     verdicts = []
     for name, arguments in calls:

@@ -33,16 +33,27 @@ LORA = {"rank": 4, "dropout": 0.0, "scale": 10.0}
 
 def random_examples(rng, vocab, shapes):
     """(prompt length, answer length) → examples of random ids, <bos> first and <eos> last."""
-    return [train.Example([2] + rng.integers(5, vocab, p).tolist(), rng.integers(5, vocab, a).tolist() + [1])
-            for p, a in shapes]
+    return [
+        train.Example([2] + rng.integers(5, vocab, p).tolist(), rng.integers(5, vocab, a).tolist() + [1])
+        for p, a in shapes
+    ]
 
 
 def reference_inputs(batch, noise):
-    ref_batch = (on_reference(batch.ids, torch.long), on_reference(batch.pad, torch.long), batch.prefix_length,
-                 batch.canvases, on_reference(batch.scored))
-    ref_noise = {"t": on_reference(noise.t)[:, :, None], "replace": on_reference(noise.replace),
-                 "tokens": on_reference(noise.tokens, torch.long), "sc_mask": on_reference(noise.self_conditioning),
-                 "temp": on_reference(noise.temperature)[:, None, None]}
+    ref_batch = (
+        on_reference(batch.ids, torch.long),
+        on_reference(batch.pad, torch.long),
+        batch.prefix_length,
+        batch.canvases,
+        on_reference(batch.scored),
+    )
+    ref_noise = {
+        "t": on_reference(noise.t)[:, :, None],
+        "replace": on_reference(noise.replace),
+        "tokens": on_reference(noise.tokens, torch.long),
+        "sc_mask": on_reference(noise.self_conditioning),
+        "temp": on_reference(noise.temperature)[:, None, None],
+    }
     return ref_batch, ref_noise
 
 
@@ -112,8 +123,14 @@ def chained_roundings(cfg, keys: int, tokens: int) -> int:
     softmax and p.v over the keys, the dense and expert feed-forwards; then the head over the
     vocabulary and the loss over the tokens; the backward pass chains as many again."""
     head_dim = max(cfg.head_dim, cfg.global_head_dim or 0)
-    layer = (4 * cfg.hidden_size + head_dim + 2 * keys + cfg.num_attention_heads * head_dim
-             + cfg.intermediate_size + cfg.moe_intermediate_size)
+    layer = (
+        4 * cfg.hidden_size
+        + head_dim
+        + 2 * keys
+        + cfg.num_attention_heads * head_dim
+        + cfg.intermediate_size
+        + cfg.moe_intermediate_size
+    )
     forward = 2 * cfg.num_hidden_layers * layer + cfg.hidden_size + 2 * cfg.vocab_size + tokens  # encoder, decoder
     return 2 * forward
 
@@ -130,8 +147,14 @@ def test_grad_checkpoint_gives_the_same_gradients(checkpoints):
         for _, m in layer.named_modules():
             if hasattr(m, "lora_b"):
                 m.lora_b = mx.random.normal(m.lora_b.shape) * 0.01
-    grads = [dict(tree_flatten(nn.value_and_grad(model, lambda: train.loss(model, batch, noise, grad_checkpoint=c)
-                                                 .total)()[1])) for c in (False, True)]
+    grads = [
+        dict(
+            tree_flatten(
+                nn.value_and_grad(model, lambda: train.loss(model, batch, noise, grad_checkpoint=c).total)()[1]
+            )
+        )
+        for c in (False, True)
+    ]
     for key, plain in grads[0].items():
         assert relative_error(np.array(grads[1][key]), np.array(plain)) <= 1e-4, key
 
@@ -141,8 +164,9 @@ def test_chat_data_has_the_demo_training_layout():
     _, tokenizer = load(DEMO_MODEL)
     tok = train_demo.Tok(str(DEMO_MODEL / "tokenizer.model"))
     prompt, answer = "reverse: planet", "tenalp"
-    example = make_example({"messages": [{"role": "user", "content": prompt},
-                                         {"role": "assistant", "content": answer}]}, tokenizer, "x:1")
+    example = make_example(
+        {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}, tokenizer, "x:1"
+    )
     assert example.prefix == [train_demo.BOS] + tok.encode(train_demo.render_prompt(prompt))
     assert example.answer == tok.encode(answer) + [tok.turn_end]
 
@@ -203,13 +227,15 @@ def test_trainable_tokens_leave_the_other_rows_as_they_were(checkpoints):
     rows = EmbeddingRows(model, [7, 40, 41])
     before = np.array(model.model.decoder.embed_tokens.weight)
     rng = np.random.default_rng(0)
-    batch = train.collate(random_examples(rng, model.config.vocab_size, [(7, 5), (11, 8)]),
-                          model.config.canvas_length, 0)
+    batch = train.collate(
+        random_examples(rng, model.config.vocab_size, [(7, 5), (11, 8)]), model.config.canvas_length, 0
+    )
     optimizer = optim.AdamW(learning_rate=1e-2, weight_decay=0.1)
     value_and_grad = nn.value_and_grad(model, lambda b, n: train.loss(model, b, n).total)
     for _ in range(3):
-        _, grads = value_and_grad(batch, train.draw_noise(rng, batch, model.config.canvas_length,
-                                                          model.config.vocab_size))
+        _, grads = value_and_grad(
+            batch, train.draw_noise(rng, batch, model.config.canvas_length, model.config.vocab_size)
+        )
         optimizer.update(model, rows.mask_gradient(grads))
         rows.restore()
         mx.eval(model.parameters(), optimizer.state)
@@ -232,7 +258,8 @@ def test_embedding_learning_rate_follows_the_schedule_scaled(checkpoints):
     rng = np.random.default_rng(0)
     batch = train.collate(random_examples(rng, model.config.vocab_size, [(7, 5)]), model.config.canvas_length, 0)
     _, grads = nn.value_and_grad(model, lambda b, n: train.loss(model, b, n).total)(
-        batch, train.draw_noise(rng, batch, model.config.canvas_length, model.config.vocab_size))
+        batch, train.draw_noise(rng, batch, model.config.canvas_length, model.config.vocab_size)
+    )
     optimizer.update(model, grads)
     after = snapshot(model)
     step = {k: np.abs(after[k] - before[k]).max() for k in before}
@@ -259,8 +286,12 @@ def test_full_fine_tune_trains_the_last_layers_only(checkpoints):
 
 def quantized_demo():
     model, _ = load(DEMO_MODEL)
-    nn.quantize(model, group_size=32, bits=4,  # the vision tower stays as it is, as the converter keeps it
-                class_predicate=lambda path, m: isinstance(m, nn.Linear) and "vision" not in path)
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=4,  # the vision tower stays as it is, as the converter keeps it
+        class_predicate=lambda path, m: isinstance(m, nn.Linear) and "vision" not in path,
+    )
     return model
 
 
@@ -291,9 +322,16 @@ def canvas_logits(model, seed=5):
 def write_adapters(model, folder: Path, num_layers: int, train_embeddings=False):
     folder.mkdir(parents=True, exist_ok=True)
     save_adapters(model, folder / "adapters.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": LORA,
-         "train_embeddings": train_embeddings}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "fine_tune_type": "lora",
+                "num_layers": num_layers,
+                "lora_parameters": LORA,
+                "train_embeddings": train_embeddings,
+            }
+        )
+    )
 
 
 def relative_error(a, b):
@@ -334,9 +372,23 @@ def test_qlora_fuse_dequantized_gives_the_same_logits(tmp_path):
     model.eval()
     expected = canvas_logits(model)
     write_adapters(model, tmp_path / "adapters", 2)
-    result = subprocess.run([sys.executable, "-m", "mlx_dgemma.fuse", "--model", str(base), "--adapter-path",
-                             str(tmp_path / "adapters"), "--save-path", str(tmp_path / "fused"), "--dequantize"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_dgemma.fuse",
+            "--model",
+            str(base),
+            "--adapter-path",
+            str(tmp_path / "adapters"),
+            "--save-path",
+            str(tmp_path / "fused"),
+            "--dequantize",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     fused, _ = load(tmp_path / "fused")
     assert "quantization" not in json.loads((tmp_path / "fused" / "config.json").read_text())
@@ -372,8 +424,10 @@ def chat(prompt, answer):
 
 
 def test_data_forms(tokenizer, tmp_path):
-    path = write(tmp_path / "train.jsonl", [chat("upper: ab", "AB"), {"prompt": "upper: ab", "completion": "AB"},
-                                            {"text": "hello"}])
+    path = write(
+        tmp_path / "train.jsonl",
+        [chat("upper: ab", "AB"), {"prompt": "upper: ab", "completion": "AB"}, {"text": "hello"}],
+    )
     as_chat, as_completion, as_text = load_split(path, tokenizer, 32, 1024)
     assert as_chat == as_completion
     assert as_text.prefix == [tokenizer.bos_token_id] and as_text.answer[-1] == tokenizer.stop_ids[0]
@@ -383,15 +437,26 @@ def test_data_forms(tokenizer, tmp_path):
     assert scored.sum() == len(masked[0].answer) and scored[len(masked[0].prefix) - 1]
 
 
-@pytest.mark.parametrize("lines, message", [
-    ([chat("a", "b"), "{not json"], r"train\.jsonl:2: not valid JSON"),
-    ([chat("a", "b"), {"question": "a"}], r"train\.jsonl:2: expected 'messages', 'prompt' and 'completion', or 'text'"),
-    ([{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
-     r"train\.jsonl:1: the last message must be the assistant's answer"),
-    ([], r"train\.jsonl has no samples"),
-    ([chat("a", "b"), chat("a", "x" * 100)], r"train\.jsonl:2: the sample takes \d+ positions .* more than the "
-                                             r"context of 96"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([chat("a", "b"), "{not json"], r"train\.jsonl:2: not valid JSON"),
+        (
+            [chat("a", "b"), {"question": "a"}],
+            r"train\.jsonl:2: expected 'messages', 'prompt' and 'completion', or 'text'",
+        ),
+        (
+            [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
+            r"train\.jsonl:1: the last message must be the assistant's answer",
+        ),
+        ([], r"train\.jsonl has no samples"),
+        (
+            [chat("a", "b"), chat("a", "x" * 100)],
+            r"train\.jsonl:2: the sample takes \d+ positions .* more than the "
+            r"context of 96",
+        ),
+    ],
+)
 def test_bad_data_names_file_and_line(tokenizer, tmp_path, lines, message):
     path = write(tmp_path / "train.jsonl", lines)
     with pytest.raises(DataError, match=message):
@@ -407,39 +472,85 @@ def test_missing_split_and_text_with_mask_prompt(tokenizer, tmp_path):
 
 
 def lora_cli(*args):
-    return subprocess.run([sys.executable, "-m", "mlx_dgemma.lora", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.lora", *map(str, args)], capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def test_cli_trains_saves_tests_and_generates(tmp_path):
     data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=12,json=4",
-                    "--held-out", "2"], check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=12,json=4", "--held-out", "2"],
+        check=True,
+        cwd=ROOT,
+    )
     adapters = tmp_path / "adapters"
-    (tmp_path / "config.yaml").write_text("lora_parameters: {rank: 4, dropout: 0.0, scale: 10.0}\n"
-                                          "lr_schedule: {name: cosine_decay, arguments: [1.0e-3, 4], warmup: 1}\n")
-    result = lora_cli("--train", "--data", data, "--iters", 4, "--batch-size", 4, "--num-layers", 2,
-                      "-c", tmp_path / "config.yaml", "--steps-per-report", 2, "--steps-per-eval", 4,
-                      "--save-every", 2, "--adapter-path", adapters, "--grad-checkpoint", "--test")
+    (tmp_path / "config.yaml").write_text(
+        "lora_parameters: {rank: 4, dropout: 0.0, scale: 10.0}\n"
+        "lr_schedule: {name: cosine_decay, arguments: [1.0e-3, 4], warmup: 1}\n"
+    )
+    result = lora_cli(
+        "--train",
+        "--data",
+        data,
+        "--iters",
+        4,
+        "--batch-size",
+        4,
+        "--num-layers",
+        2,
+        "-c",
+        tmp_path / "config.yaml",
+        "--steps-per-report",
+        2,
+        "--steps-per-eval",
+        4,
+        "--save-every",
+        2,
+        "--adapter-path",
+        adapters,
+        "--grad-checkpoint",
+        "--test",
+    )
     assert result.returncode == 0, result.stderr
     assert "Iter 2: Train loss" in result.stdout and "Tokens/sec" in result.stdout
     assert "Iter 4: Val loss" in result.stdout and "Test loss" in result.stdout
-    assert {p.name for p in adapters.iterdir()} == {"adapters.safetensors", "adapter_config.json",
-                                                   "0000002_adapters.safetensors", "0000004_adapters.safetensors"}
+    assert {p.name for p in adapters.iterdir()} == {
+        "adapters.safetensors",
+        "adapter_config.json",
+        "0000002_adapters.safetensors",
+        "0000004_adapters.safetensors",
+    }
     config = json.loads((adapters / "adapter_config.json").read_text())
     assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2 and config["lora_parameters"]["rank"] == 4
 
     def resume(*args):
-        return lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--adapter-path",
-                        tmp_path / "resumed", "--resume-adapter-file", adapters / "0000002_adapters.safetensors", *args)
+        return lora_cli(
+            "--train",
+            "--data",
+            data,
+            "--iters",
+            1,
+            "--batch-size",
+            4,
+            "--adapter-path",
+            tmp_path / "resumed",
+            "--resume-adapter-file",
+            adapters / "0000002_adapters.safetensors",
+            *args,
+        )
 
     resumed = resume("--num-layers", 2, "-c", tmp_path / "config.yaml")
     assert resumed.returncode == 0, resumed.stderr
     assert "has shape (4, 256), here (8, 256)" in resume("--num-layers", 2).stderr  # mlx-lm's rank 8
     assert "is not a trainable parameter" in resume("--fine-tune-type", "full").stderr
 
-    generated = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc",
-                                "--adapter-path", adapters], capture_output=True, text=True, cwd=ROOT)
+    generated = subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc", "--adapter-path", adapters],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert generated.returncode == 0, generated.stderr
 
 
@@ -447,20 +558,45 @@ def test_a_validation_loss_that_does_not_move_gets_one_hint(tmp_path):
     from mlx_dgemma import lora
 
     data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=8",
-                    "--held-out", "2"], check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=8", "--held-out", "2"],
+        check=True,
+        cwd=ROOT,
+    )
 
     def logged(learning_rate) -> list[str]:
         lines = []
-        lora.fine_tune(resolve_args(["--train", "--data", str(data), "--iters", "4", "--batch-size", "2", "--num-layers", "1",
-                               "--steps-per-eval", "1", "--learning-rate", str(learning_rate),
-                               "--adapter-path", str(tmp_path / f"a{learning_rate}")]), log=lines.append)
+        lora.fine_tune(
+            resolve_args(
+                [
+                    "--train",
+                    "--data",
+                    str(data),
+                    "--iters",
+                    "4",
+                    "--batch-size",
+                    "2",
+                    "--num-layers",
+                    "1",
+                    "--steps-per-eval",
+                    "1",
+                    "--learning-rate",
+                    str(learning_rate),
+                    "--adapter-path",
+                    str(tmp_path / f"a{learning_rate}"),
+                ]
+            ),
+            log=lines.append,
+        )
         return lines
 
     stalled = [line for line in logged(1e-12) if "Hint" in line]  # evaluated at iterations 1 to 4, never moving
     assert len(stalled) == 1, stalled
-    assert re.fullmatch(r"Hint: the validation loss has not moved since iteration 1 \((\d+\.\d+), now \1\); .*"
-                        r"try a higher --learning-rate.*\(docs/fine-tuning.md\)", stalled[0]), stalled
+    assert re.fullmatch(
+        r"Hint: the validation loss has not moved since iteration 1 \((\d+\.\d+), now \1\); .*"
+        r"try a higher --learning-rate.*\(docs/fine-tuning.md\)",
+        stalled[0],
+    ), stalled
     assert not [line for line in logged(1e-3) if "Hint" in line]
 
 
@@ -468,12 +604,31 @@ def test_cli_trainable_tokens_train_only_their_rows(tmp_path):
     """--trainable-tokens ABC on the demo model: the saved embeddings differ from the demo's in the
     rows of A, B and C only; the adapters load for generation; text with no token is refused."""
     data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=8",
-                    "--held-out", "1"], check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.demo.tasks", str(data), "--mix", "upper=8", "--held-out", "1"],
+        check=True,
+        cwd=ROOT,
+    )
     adapters = tmp_path / "adapters"
-    result = lora_cli("--train", "--data", data, "--iters", 2, "--batch-size", 4, "--num-layers", 1,
-                      "--learning-rate", 1e-2, "--optimizer", "adamw", "--trainable-tokens", "ABC",
-                      "--adapter-path", adapters)
+    result = lora_cli(
+        "--train",
+        "--data",
+        data,
+        "--iters",
+        2,
+        "--batch-size",
+        4,
+        "--num-layers",
+        1,
+        "--learning-rate",
+        1e-2,
+        "--optimizer",
+        "adamw",
+        "--trainable-tokens",
+        "ABC",
+        "--adapter-path",
+        adapters,
+    )
     assert result.returncode == 0, result.stderr
     assert "the embedding rows of 3 tokens" in result.stdout
     model, tokenizer = load(DEMO_MODEL)
@@ -481,14 +636,30 @@ def test_cli_trainable_tokens_train_only_their_rows(tmp_path):
     trained = np.array(mx.load(str(adapters / "adapters.safetensors"))["model.decoder.embed_tokens.weight"])
     changed = np.flatnonzero((base != trained).any(axis=1))
     assert changed.tolist() == sorted(tokenizer.encode("ABC", add_special_tokens=False))
-    generated = subprocess.run([sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc",
-                                "--adapter-path", adapters], capture_output=True, text=True, cwd=ROOT)
+    generated = subprocess.run(
+        [sys.executable, "-m", "mlx_dgemma.generate", "--prompt", "upper: abc", "--adapter-path", adapters],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert generated.returncode == 0, generated.stderr
-    refused = lora_cli("--train", "--data", data, "--iters", 1, "--batch-size", 4, "--trainable-tokens", "",
-                       "--adapter-path", tmp_path / "none")
+    refused = lora_cli(
+        "--train",
+        "--data",
+        data,
+        "--iters",
+        1,
+        "--batch-size",
+        4,
+        "--trainable-tokens",
+        "",
+        "--adapter-path",
+        tmp_path / "none",
+    )
     assert refused.returncode == 1
     assert refused.stderr.strip().split("\n") == [
-        "Error: --trainable-tokens '' encodes to no token; give the text of the tokens whose embeddings to train"]
+        "Error: --trainable-tokens '' encodes to no token; give the text of the tokens whose embeddings to train"
+    ]
     assert not (tmp_path / "none").exists()
 
 
@@ -498,5 +669,6 @@ def test_cli_bad_data_is_one_line(tmp_path):
     result = lora_cli("--train", "--data", tmp_path, "--iters", 1, "--adapter-path", tmp_path / "adapters")
     assert result.returncode == 1
     assert result.stderr.strip().split("\n") == [
-        f"Error: {tmp_path / 'train.jsonl'}:2: not valid JSON (Expecting ',' delimiter at column 6)"]
+        f"Error: {tmp_path / 'train.jsonl'}:2: not valid JSON (Expecting ',' delimiter at column 6)"
+    ]
     assert not (tmp_path / "adapters").exists()

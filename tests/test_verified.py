@@ -37,14 +37,14 @@ def test_cache_trim_is_exact_on_full_and_sliding_layers(checkpoints):
     for kept_a in (0, 1, window // 2, canvas - 1):  # trims of canvas, canvas-1, ... positions
         trimmed = model.make_cache()
         model.encode(mx.array(ids[:, :prompt]), trimmed)
-        model.encode(mx.array(ids[:, prompt:prompt + draft_a]), trimmed)
+        model.encode(mx.array(ids[:, prompt : prompt + draft_a]), trimmed)
         trimmed.trim(draft_a - kept_a)
         end = prompt + kept_a
         assert trimmed.offset == end
-        after_trim = model.next_token_logits(mx.array(ids[:, end:end + draft_b]), trimmed)
+        after_trim = model.next_token_logits(mx.array(ids[:, end : end + draft_b]), trimmed)
         fresh = model.make_cache()
         model.encode(mx.array(ids[:, :end]), fresh)
-        after_fresh = model.next_token_logits(mx.array(ids[:, end:end + draft_b]), fresh)
+        after_fresh = model.next_token_logits(mx.array(ids[:, end : end + draft_b]), fresh)
         assert rel_err(after_trim, after_fresh) <= FP32_BOUND
         for i in range(len(model.layers)):  # what later forwards read: sliding layers' last window - 1
             (ka, va), (kb, vb) = trimmed.layer_keys(i), fresh.layer_keys(i)
@@ -88,8 +88,11 @@ def test_greedy_verified_equals_ar_on_random_checkpoints(checkpoints, preset):
     prompt = [2] + np.random.default_rng(5).integers(10, sizes["vocab_size"], 2 * sizes["sliding_window"] + 3).tolist()
     ar = tokens_of(stream_generate(model, tokenizer, prompt, 40, policy="ar"))
     for length, steps in ((2, 1), (5, 2), (sizes["canvas_length"], 1), (sizes["canvas_length"], 3)):
-        responses = list(stream_generate(model, tokenizer, prompt, 40, policy="verified", seed=length,
-                                         draft_length=length, draft_steps=steps))
+        responses = list(
+            stream_generate(
+                model, tokenizer, prompt, 40, policy="verified", seed=length, draft_length=length, draft_steps=steps
+            )
+        )
         assert tokens_of(responses) == ar, (length, steps)
         plan = responses[0].plan
         assert (plan.mode, plan.draft_length, plan.draft_steps) == ("verified", length, steps)
@@ -104,17 +107,17 @@ def test_a_stop_id_inside_a_draft_ends_it(demo):
     ar = tokens_of(stream_generate(model, tokenizer, prompt, policy="ar"))
     rounds = [tokens for tokens, *_ in run_verified(model, prompt, rules.GreedyRule(set(), 64), 32, 2)]
     free = [t for tokens in rounds for t in tokens]
-    assert free[:len(ar)] == ar  # AR ended at the model's own stop id
+    assert free[: len(ar)] == ar  # AR ended at the model's own stop id
     before = 1  # the first round begins with the prompt's next token, no draft token
     inside = []  # tokens whose first occurrence is a kept draft token, before AR's end
     for k, tokens in enumerate(rounds):
         tokens = tokens[1:] if k == 0 else tokens
-        inside += [t for i, t in enumerate(tokens[:-1]) if before + i < len(ar) - 1 and t not in ar[:before + i]]
+        inside += [t for i, t in enumerate(tokens[:-1]) if before + i < len(ar) - 1 and t not in ar[: before + i]]
         before += len(tokens)
     assert inside, "no round kept a draft token"
     stop = inside[len(inside) // 2]
     rounds = list(run_verified(model, prompt, rules.GreedyRule({stop}, 64), 32, 2))
-    assert [t for tokens, *_ in rounds for t in tokens] == ar[:ar.index(stop) + 1]
+    assert [t for tokens, *_ in rounds for t in tokens] == ar[: ar.index(stop) + 1]
     last_tokens, done, _, kept, _ = rounds[-1]
     assert done and kept >= 1 and last_tokens[-1] == stop
 
@@ -149,8 +152,9 @@ def test_greedy_verified_equals_ar_on_the_demo_tasks(demo, task):
     for i, (prompt, _) in enumerate(instances(task, 4, seed=21)):
         ar = tokens_of(stream_generate(model, tokenizer, prompt, policy="ar"))
         for length, steps in ((32, 1), (12, 2)):
-            verified = stream_generate(model, tokenizer, prompt, policy="verified", seed=i, draft_length=length,
-                                       draft_steps=steps)
+            verified = stream_generate(
+                model, tokenizer, prompt, policy="verified", seed=i, draft_length=length, draft_steps=steps
+            )
             assert tokens_of(verified) == ar, (prompt, length, steps)
 
 
@@ -161,8 +165,11 @@ def test_templates_verified_equals_ar(demo, template):
     model, tokenizer = demo
     for prompt in ("sort: 42 17 85 23 61", "json: name=bob age=41"):
         ar = list(stream_generate(model, tokenizer, prompt, policy="ar", template=template))
-        verified = list(stream_generate(model, tokenizer, prompt, policy="verified", template=template,
-                                        draft_length=16, draft_steps=2))
+        verified = list(
+            stream_generate(
+                model, tokenizer, prompt, policy="verified", template=template, draft_length=16, draft_steps=2
+            )
+        )
         assert tokens_of(verified) == tokens_of(ar)
         assert verified[-1].text == ar[-1].text and verified[-1].finish_reason == "stop"
 
@@ -173,8 +180,9 @@ def test_a_schema_template_verified_equals_ar(demo):
     schema = json_schema(prompt)
     template = json_template(tokenizer, schema)
     ar = generate(model, tokenizer, prompt, policy="ar", template=template)
-    assert generate(model, tokenizer, prompt, policy="verified", template=template, draft_length=32,
-                    draft_steps=2) == ar
+    assert (
+        generate(model, tokenizer, prompt, policy="verified", template=template, draft_length=32, draft_steps=2) == ar
+    )
     json.loads(ar)
 
 
@@ -191,10 +199,23 @@ def test_bad_draft_settings_are_refused(demo):
 # ---------------------------------------------------------------------------------------------
 # Sampling: the autoregressive distribution, exactly
 
-TINY = ModelConfig(vocab_size=5, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
-                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=8,
-                   num_global_key_value_heads=1, num_experts=3, top_k_experts=2,
-                   layer_types=["sliding_attention", "full_attention"], sliding_window=3, canvas_length=4)
+TINY = ModelConfig(
+    vocab_size=5,
+    hidden_size=16,
+    intermediate_size=24,
+    moe_intermediate_size=8,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    global_head_dim=8,
+    num_global_key_value_heads=1,
+    num_experts=3,
+    top_k_experts=2,
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=3,
+    canvas_length=4,
+)
 PROMPT = [2, 4, 3, 0, 1]  # longer than the window
 TEMPERATURE = 1.3
 DRAWS = 3000
@@ -226,7 +247,7 @@ def exact_ar_distribution(model, length: int, filters: tuple = ()) -> np.ndarray
     for seq in np.ndindex(*out.shape):
         cache = model.make_cache()
         logits = model.head(model.encode(mx.array([PROMPT + list(seq[:-1])]), cache, return_hidden=True))[0]
-        probs = np.array(sampling_probs(logits[len(PROMPT) - 1:], TEMPERATURE, *filters))
+        probs = np.array(sampling_probs(logits[len(PROMPT) - 1 :], TEMPERATURE, *filters))
         out[seq] = np.prod([probs[i, t] for i, t in enumerate(seq)])
     return out
 
@@ -287,8 +308,15 @@ def test_sampled_verified_has_the_ar_distribution(tiny, exact):
     assert chi_square_p(counts, exact) > 1e-3
 
 
-@pytest.mark.parametrize("filters", [pytest.param((1.0, 2, 0.0), marks=pytest.mark.slow), (0.6, 0, 0.0),
-                                     pytest.param((1.0, 0, 0.3), marks=pytest.mark.slow)], ids=["top_k", "top_p", "min_p"])
+@pytest.mark.parametrize(
+    "filters",
+    [
+        pytest.param((1.0, 2, 0.0), marks=pytest.mark.slow),
+        (0.6, 0, 0.0),
+        pytest.param((1.0, 0, 0.3), marks=pytest.mark.slow),
+    ],
+    ids=["top_k", "top_p", "min_p"],
+)
 def test_sampled_verified_has_the_filtered_ar_distribution(tiny, filters):
     """Verification stays exact for the filtered target: the tokens the filter cuts never come, and
     the rest come as often as filtered AR sampling gives them."""
@@ -319,13 +347,16 @@ def test_cli_verified_prints_the_ar_answer_and_refuses_a_bad_filter():
 
     prompt = ["--prompt", "reverse: a b c d"]
     ar = CliRunner().invoke(main, prompt + ["--policy", "ar"])
-    verified = CliRunner().invoke(main, prompt + ["--policy", "verified", "--draft-length", "8", "--draft-steps",
-                                                  "1", "--verbose"])
+    verified = CliRunner().invoke(
+        main, prompt + ["--policy", "verified", "--draft-length", "8", "--draft-steps", "1", "--verbose"]
+    )
     assert ar.exit_code == verified.exit_code == 0, verified.output
     assert ar.output.strip() in verified.output and "tokens per round" in verified.output
-    for flag, value, message in [("--top-p", "1.5", "--top-p must be a finite number in (0, 1], got 1.5"),
-                                 ("--top-k", "-1", "--top-k must be at least 0, got -1"),
-                                 ("--min-p", "nan", "--min-p must be a finite number in [0, 1], got nan")]:
+    for flag, value, message in [
+        ("--top-p", "1.5", "--top-p must be a finite number in (0, 1], got 1.5"),
+        ("--top-k", "-1", "--top-k must be at least 0, got -1"),
+        ("--min-p", "nan", "--min-p must be a finite number in [0, 1], got nan"),
+    ]:
         bad = CliRunner().invoke(main, prompt + [flag, value])
         assert bad.exit_code == 1 and bad.output.strip().split("\n") == [f"Error: {message}"], bad.output
 
@@ -336,12 +367,19 @@ def test_the_verified_policy_learns_its_acceptance(demo):
     from mlx_dgemma.engine.policy import PLANNERS, Profile, auto_planner
 
     model, tokenizer = demo
-    profile = Profile("cpu-like", "measured", {2: 0.003, 16: 0.004, 32: 0.005, 256: 0.064}, ar_token_s=0.004,
-                      prefill_tok_s=1e4, verify_s_by_length={2: 0.003, 16: 0.004, 32: 0.005})
+    profile = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.003, 16: 0.004, 32: 0.005, 256: 0.064},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.003, 16: 0.004, 32: 0.005},
+    )
     acceptance = auto_planner(model, model.generation_config, profile).acceptance
     before = acceptance.alpha(1), acceptance.alpha(2)
-    responses = list(stream_generate(model, tokenizer, "json: name=ada city=rome age=36", policy="verified",
-                                     profile=profile))
+    responses = list(
+        stream_generate(model, tokenizer, "json: name=ada city=rome age=36", policy="verified", profile=profile)
+    )
     plan = responses[0].plan
     assert plan.mode == "verified" and 2 <= plan.draft_length <= 32 and "tokens per round" in plan.explain()
     seen = sum(acceptance.kept.values()) + sum(acceptance.rejected.values())
@@ -365,8 +403,12 @@ def test_drafts_of_several_rows_equal_each_row_drafted_alone(checkpoints):
     length, settings = 12, drafting.DraftSettings(12, 2)
     known = [[5], [6, 7], [8]]
     starts = [[9, 10, 11], [], [12]]
-    schedules = [SamplerSettings(t_min=0.2, t_max=0.9), SamplerSettings(t_min=0.5, t_max=0.6),
-                 SamplerSettings(t_min=0.05, t_max=2.0)]
+    schedules = [
+        SamplerSettings(t_min=0.2, t_max=0.9),
+        SamplerSettings(t_min=0.5, t_max=0.6),
+        SamplerSettings(t_min=0.05, t_max=2.0),
+    ]
+
     def row(i, schedule):  # known[i][0] decided, the rest forced by the row's rule
         return drafting.DraftRow(caches[i], known[i][0], Forced(known[i][1:]), schedule, MxRandom(i), starts[i])
 

@@ -69,8 +69,11 @@ def with_tokenizer(checkpoint, tmp_path_factory):
     """A copy of a checkpoint with a tokenizer that knows the image tokens (and the built-in chat template)."""
     folder = tmp_path_factory.mktemp("vision-chat") / "model"
     shutil.copytree(checkpoint, folder)
-    write_tokenizer_json(folder, train_sentencepiece(tmp_path_factory.mktemp("sp")),
-                         {"<|image|>": IMAGE, "<|image>": BOI, "<image|>": EOI})
+    write_tokenizer_json(
+        folder,
+        train_sentencepiece(tmp_path_factory.mktemp("sp")),
+        {"<|image|>": IMAGE, "<|image>": BOI, "<image|>": EOI},
+    )
     return folder
 
 
@@ -97,6 +100,7 @@ def prompt_with_images(count: int, seed: int = 4) -> list[int]:
 
 # Preprocessing
 
+
 @pytest.mark.parametrize("which", ["checkpoint", "defaults"])
 def test_preprocess_matches_the_reference_processor(vision_checkpoint, tmp_path, which):
     if which == "checkpoint":
@@ -119,13 +123,15 @@ def test_placeholders_expand_as_the_reference_processor_expands_them(chat_checkp
     model, tokenizer = load(chat_checkpoint)
     inputs = preprocess(PICTURES, model.image_processor)
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "sort: 7 3"}]}])
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "sort: 7 3"}]}]
+    )
     assert text.count("<|image|>") == 2
     # The reference processor's own replacement, on the text (Gemma4Processor.replace_image_token).
     tokens = types.SimpleNamespace(boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>")
     pieces = text.split("<|image|>")
-    expanded = pieces[0] + "".join(Gemma4Processor.replace_image_token(tokens, inputs, i) + piece
-                                   for i, piece in enumerate(pieces[1:]))
+    expanded = pieces[0] + "".join(
+        Gemma4Processor.replace_image_token(tokens, inputs, i) + piece for i, piece in enumerate(pieces[1:])
+    )
     ids = prompt_ids(tokenizer, "sort: 7 3", images=2)
     ours = expand_image_tokens(ids, inputs["num_soft_tokens_per_image"], IMAGE, BOI, EOI)
     assert ours == tokenizer.encode(expanded, add_special_tokens=False)
@@ -134,6 +140,7 @@ def test_placeholders_expand_as_the_reference_processor_expands_them(chat_checkp
 
 # The model against the reference
 
+
 def test_vision_features_match_the_reference(vision_checkpoint):
     ref = load_reference(vision_checkpoint)
     model, _ = load(vision_checkpoint)
@@ -141,9 +148,13 @@ def test_vision_features_match_the_reference(vision_checkpoint):
     for pictures in (PICTURES[:1], PICTURES):
         inputs = preprocess(pictures, model.image_processor)
         with torch.no_grad():
-            expected = ref.model.encoder.get_image_features(
-                on_reference(inputs["pixel_values"]), on_reference(inputs["image_position_ids"]),
-                return_dict=True).pooler_output.cpu().numpy()
+            expected = (
+                ref.model.encoder.get_image_features(
+                    on_reference(inputs["pixel_values"]), on_reference(inputs["image_position_ids"]), return_dict=True
+                )
+                .pooler_output.cpu()
+                .numpy()
+            )
         ours = image_features(model, inputs["pixel_values"], inputs["image_position_ids"])
         assert ours.shape == expected.shape == (sum(inputs["num_soft_tokens_per_image"]), SIZES["hidden_size"])
         assert rel_err(ours, expected) <= FP32_BOUND
@@ -159,9 +170,15 @@ def test_bfloat16_vision_features_are_as_close_as_the_reference_own(checkpoints)
     expected = {}
     for dtype in (torch.float32, torch.bfloat16):
         with torch.no_grad():
-            expected[dtype] = load_reference(path, dtype).model.encoder.get_image_features(
-                on_reference(inputs["pixel_values"]), on_reference(inputs["image_position_ids"]),
-                return_dict=True).pooler_output.float().cpu().numpy()
+            expected[dtype] = (
+                load_reference(path, dtype)
+                .model.encoder.get_image_features(
+                    on_reference(inputs["pixel_values"]), on_reference(inputs["image_position_ids"]), return_dict=True
+                )
+                .pooler_output.float()
+                .cpu()
+                .numpy()
+            )
     assert rel_err(ours, expected[torch.bfloat16]) <= 5e-2
     assert rel_err(ours, expected[torch.float32]) <= 1.5 * rel_err(expected[torch.bfloat16], expected[torch.float32])
 
@@ -217,10 +234,14 @@ def test_replayed_generation_with_two_images_matches_the_reference(tame_chat_che
     torch.manual_seed(1234)
     with recorded_draws() as draws:
         out = reference.generate(
-            on_reference([ids]), pixel_values=on_reference(inputs["pixel_values"]),
+            on_reference([ids]),
+            pixel_values=on_reference(inputs["pixel_values"]),
             image_position_ids=on_reference(inputs["image_position_ids"]),
-            mm_token_type_ids=on_reference([[int(i == IMAGE) for i in ids]]), max_new_tokens=2 * C, streamer=streamer)
-    expected = out.sequences[0, len(ids):].tolist()
+            mm_token_type_ids=on_reference([[int(i == IMAGE) for i in ids]]),
+            max_new_tokens=2 * C,
+            streamer=streamer,
+        )
+    expected = out.sequences[0, len(ids) :].tolist()
 
     rng = ReplayRandom(draws)
     responses = list(stream_generate(model, tokenizer, placeholders, 2 * C, images=PICTURES, rng=rng, drafts=True))
@@ -242,13 +263,21 @@ def test_next_token_logits_with_an_image_match_the_reference(vision_checkpoint):
         ref.encode([ids], **vision)  # fills the cache; the hidden states come from a second, cache-free pass
         types_ = on_reference([[int(i == IMAGE) for i in ids]])
         masks = ref.model.model.encoder.create_masks_for_generate(
-            config=ref.model.config, inputs_embeds=torch.empty(1, len(ids), 0, device=torch_device()),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.bool, device=torch_device()), cache=None,
-            position_ids=on_reference(np.arange(len(ids)))[None], mm_token_type_ids=types_)
+            config=ref.model.config,
+            inputs_embeds=torch.empty(1, len(ids), 0, device=torch_device()),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.bool, device=torch_device()),
+            cache=None,
+            position_ids=on_reference(np.arange(len(ids)))[None],
+            mm_token_type_ids=types_,
+        )
         hidden = ref.model.model.encoder(
-            input_ids=on_reference([ids]), attention_mask=masks, position_ids=on_reference(np.arange(len(ids)))[None],
-            pixel_values=on_reference(inputs["pixel_values"]), image_position_ids=on_reference(inputs["image_position_ids"]),
-            mm_token_type_ids=types_).last_hidden_state[:, -1]
+            input_ids=on_reference([ids]),
+            attention_mask=masks,
+            position_ids=on_reference(np.arange(len(ids)))[None],
+            pixel_values=on_reference(inputs["pixel_values"]),
+            image_position_ids=on_reference(inputs["image_position_ids"]),
+            mm_token_type_ids=types_,
+        ).last_hidden_state[:, -1]
         cap = ref.model.config.text_config.final_logit_softcapping
         expected = (cap * torch.tanh(ref.model.lm_head(hidden) / cap)).cpu().numpy()
     ours = model.next_token_logits(mx.array([ids]), model.make_cache(), **vision)
@@ -258,15 +287,20 @@ def test_next_token_logits_with_an_image_match_the_reference(vision_checkpoint):
 @pytest.mark.parametrize("policy", ["ar", "fast"])
 def test_policies_and_templates_take_images(chat_checkpoint, policy):
     model, tokenizer = load(chat_checkpoint)
-    answers = [generate(model, tokenizer, "sort: 7 3", C, seed=2, policy=policy, images=pictures,
-                        template="7 {{fill:4}} 3") for pictures in (PICTURES[:1], PICTURES[1:])]
+    answers = [
+        generate(model, tokenizer, "sort: 7 3", C, seed=2, policy=policy, images=pictures, template="7 {{fill:4}} 3")
+        for pictures in (PICTURES[:1], PICTURES[1:])
+    ]
     assert all(a.startswith("7 ") and a.endswith(" 3") for a in answers)
-    free = [generate(model, tokenizer, "sort: 7 3", C, seed=2, policy=policy, images=pictures)
-            for pictures in (PICTURES[:1], PICTURES[1:])]
+    free = [
+        generate(model, tokenizer, "sort: 7 3", C, seed=2, policy=policy, images=pictures)
+        for pictures in (PICTURES[:1], PICTURES[1:])
+    ]
     assert free[0] != free[1]  # the image is seen
 
 
 # The CLI and the Python API
+
 
 def test_image_prompt_through_the_cli(chat_checkpoint, tmp_path):
     files = []
@@ -289,7 +323,8 @@ def test_image_prompt_through_the_cli(chat_checkpoint, tmp_path):
 
 
 def test_a_text_prompt_gets_its_placeholders_from_a_tokenizer_without_image_tokens(
-        vision_checkpoint, chat_checkpoint, tmp_path):
+    vision_checkpoint, chat_checkpoint, tmp_path
+):
     """A sentencepiece tokenizer that knows no image token, and no chat template (the built-in one is
     used): the placeholder the template writes still becomes the model's image token."""
     model = tmp_path / "model"
@@ -306,8 +341,9 @@ def test_a_text_prompt_gets_its_placeholders_from_a_tokenizer_without_image_toke
     assert result.stdout == generate(dgemma, tokenizer, "sort: 7 3", C, seed=5, images=PICTURES[:1]) + "\n"
 
 
-@pytest.mark.parametrize("case", ["text file", "missing", "too large", "no vision tower", "no image tokens",
-                                  "placeholders"])
+@pytest.mark.parametrize(
+    "case", ["text file", "missing", "too large", "no vision tower", "no image tokens", "placeholders"]
+)
 def test_bad_images_get_a_one_line_error(chat_checkpoint, tmp_path, monkeypatch, case):
     good = tmp_path / "picture.png"
     PICTURES[0].save(good)
@@ -331,8 +367,10 @@ def test_bad_images_get_a_one_line_error(chat_checkpoint, tmp_path, monkeypatch,
         expected = "this checkpoint takes text only, not images: it has no vision tower weights"
     elif case == "no image tokens":  # the demo: a vision tower, but image token ids past its vocabulary
         model = DEMO_MODEL
-        expected = ("this checkpoint takes text only, not images: its image token ids (up to 350) are outside its "
-                    "vocabulary of 348")
+        expected = (
+            "this checkpoint takes text only, not images: its image token ids (up to 350) are outside its "
+            "vocabulary of 348"
+        )
     else:
         extra = ["--ignore-chat-template"]
         expected = "the prompt has 0 image placeholders for 1 images; give one image per placeholder"
@@ -346,8 +384,12 @@ def test_image_tokens_and_images_must_agree(vision_checkpoint):
     inputs = preprocess(PICTURES[:1], model.image_processor)
     ids = expand_image_tokens(prompt_with_images(1), [62], IMAGE, BOI, EOI)  # one soft token short
     with pytest.raises(ValueError, match="the prompt has 62 image tokens but the images give 63 soft tokens"):
-        model.encode(mx.array([ids]), model.make_cache(), pixel_values=inputs["pixel_values"],
-                     image_position_ids=inputs["image_position_ids"])
+        model.encode(
+            mx.array([ids]),
+            model.make_cache(),
+            pixel_values=inputs["pixel_values"],
+            image_position_ids=inputs["image_position_ids"],
+        )
 
 
 def test_image_sources(tmp_path):
@@ -359,15 +401,18 @@ def test_image_sources(tmp_path):
     PICTURES[1].save(path)
     assert np.array_equal(np.array(image_from_url(f"file://{path}")), np.array(PICTURES[1]))
     assert np.array_equal(np.array(load_image(str(path))), np.array(PICTURES[1]))
-    for bad, message in [("https://example.com/cat.png", "remote image URLs are not fetched"),
-                         ("data:text/plain;base64,aGk=", "an image data URL must look like"),
-                         ("data:image/png;base64,!!!", "base64 payload is damaged"),
-                         ("data:image/png;base64,aGVsbG8=", "the image data is not an image")]:
+    for bad, message in [
+        ("https://example.com/cat.png", "remote image URLs are not fetched"),
+        ("data:text/plain;base64,aGk=", "an image data URL must look like"),
+        ("data:image/png;base64,!!!", "base64 payload is damaged"),
+        ("data:image/png;base64,aGVsbG8=", "the image data is not an image"),
+    ]:
         with pytest.raises(ImageError, match=message):
             image_from_url(bad)
 
 
 # Conversion
+
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["unquantized", "uniform-4bit-g32"])
 def test_converted_checkpoint_loads_with_its_vision_weights(vision_checkpoint, tmp_path, quantized):

@@ -20,8 +20,13 @@ def train_sentencepiece(folder: Path) -> Path:
 
 def write_sentencepiece(folder: Path, model_file: Path, chat_template: str | None = train_demo.CHAT_TEMPLATE) -> None:
     shutil.copyfile(model_file, Path(folder) / "tokenizer.model")
-    config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-              "add_bos_token": True}
+    config = {
+        "tokenizer_class": "GemmaTokenizer",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+    }
     if chat_template:
         config["chat_template"] = chat_template
     (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))

@@ -38,9 +38,21 @@ SEED = 7
 # every token the demo draws at this seed.
 KNOBS = [("Temperature", 0.3, "temperature"), ("top_k", 1, "top_k"), ("top_p", 0.5, "top_p")]
 # Open WebUI's own prompts for its background tasks begin with these.
-TASKS = {"title": "Generate a concise title", "follow-ups": "Predict 3-5 useful messages", "tags": "Generate 1-3 broad tags"}
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TASKS = {
+    "title": "Generate a concise title",
+    "follow-ups": "Predict 3-5 useful messages",
+    "tags": "Generate 1-3 broad tags",
+}
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 LOGGED = re.compile(r"^(\S+ \S+) (DEBUG|INFO|ERROR) mlx_dgemma\.server: #(\d+) (\S+) (.*)$")
 ACCESS = re.compile(r'"(GET|POST|PUT|DELETE|HEAD|OPTIONS) (\S+) HTTP/[\d.]+" (\d{3})')
 
@@ -63,8 +75,9 @@ class ServerLog:
         for line in self.lines():
             m = LOGGED.match(line)
             if m and m.group(2) == "DEBUG":
-                found.append({"number": int(m.group(3)), "time": m.group(1), "path": m.group(4),
-                              "body": json.loads(m.group(5))})
+                found.append(
+                    {"number": int(m.group(3)), "time": m.group(1), "path": m.group(4), "body": json.loads(m.group(5))}
+                )
         return found
 
     def refusals(self) -> list[str]:
@@ -72,8 +85,11 @@ class ServerLog:
 
     def client_errors(self) -> list[str]:
         """uvicorn's lines of every 4xx (and 5xx) answered."""
-        return [f"{m.group(1)} {m.group(2)} {m.group(3)}" for line in self.lines()
-                if (m := ACCESS.search(line)) and m.group(3)[0] in "45"]
+        return [
+            f"{m.group(1)} {m.group(2)} {m.group(3)}"
+            for line in self.lines()
+            if (m := ACCESS.search(line)) and m.group(3)[0] in "45"
+        ]
 
 
 def logged(text: str) -> str:
@@ -127,6 +143,7 @@ class Run:
                     return
                 if name == "events" and isinstance(payload, dict):
                     self.events.append({**payload.get("data", {}), "at": time.monotonic()})
+
         socket.on("framereceived", received)
 
     def event(self, page, kind: str, after: float, timeout: float):
@@ -164,8 +181,11 @@ class Run:
         return self.answer(page), time.monotonic() - started
 
     def finished(self, page, index: int, timeout: float = 180) -> None:
-        message = page.locator("#response-content-container").nth(index).locator(
-            "xpath=ancestor::div[starts-with(@id, 'message-')][1]")
+        message = (
+            page.locator("#response-content-container")
+            .nth(index)
+            .locator("xpath=ancestor::div[starts-with(@id, 'message-')][1]")
+        )
         message.get_by_role("button", name="Regenerate").wait_for(timeout=timeout * 1000)
 
     @staticmethod
@@ -206,20 +226,29 @@ class Run:
         """The answer the server gives ``messages`` with ``settings`` sent straight to it, in this
         connection's API."""
         if self.connection == "ollama":
-            path, body = "/api/chat", {"model": MODEL, "messages": messages, "stream": False,
-                                       "options": {**settings, "num_predict": settings.get("max_tokens")}}
+            path, body = (
+                "/api/chat",
+                {
+                    "model": MODEL,
+                    "messages": messages,
+                    "stream": False,
+                    "options": {**settings, "num_predict": settings.get("max_tokens")},
+                },
+            )
             body["options"].pop("max_tokens")
         else:
             path, body = "/v1/chat/completions", {"model": MODEL, "messages": messages, **settings}
-        request = urllib.request.Request(self.args.server + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.args.server + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=120) as r:
                 reply = json.load(r)
         except urllib.error.HTTPError as e:  # a setting the server refuses
             return f"(refused: {e.code} {e.read().decode(errors='replace')[:200]})"
-        return (reply["message"]["content"] if self.connection == "ollama"
-                else reply["choices"][0]["message"]["content"]).strip()
+        return (
+            reply["message"]["content"] if self.connection == "ollama" else reply["choices"][0]["message"]["content"]
+        ).strip()
 
     def reached(self, text: str, sent_at: float) -> float | None:
         """Seconds from ``sent_at`` (the Enter key) to the server's log of the chat request ending with ``text``."""
@@ -234,8 +263,11 @@ class Run:
         found = []
         for r in self.log.requests():
             messages = r["body"].get("messages") or []
-            if messages and messages[-1].get("content") == logged(text) and not any(p in first_text(r["body"])
-                                                                            for p in TASKS.values()):
+            if (
+                messages
+                and messages[-1].get("content") == logged(text)
+                and not any(p in first_text(r["body"]) for p in TASKS.values())
+            ):
                 found.append(r)
         return found
 
@@ -244,8 +276,12 @@ class Run:
     def run(self) -> bool:
         with sync_playwright() as p:
             context = p.chromium.launch_persistent_context(
-                tempfile.mkdtemp(prefix="mlx-dgemma-chromium-"), executable_path=self.args.chromium,
-                args=CHROMIUM_FLAGS, headless=True, viewport={"width": 1400, "height": 900})
+                tempfile.mkdtemp(prefix="mlx-dgemma-chromium-"),
+                executable_path=self.args.chromium,
+                args=CHROMIUM_FLAGS,
+                headless=True,
+                viewport={"width": 1400, "height": 900},
+            )
             page = context.pages[0] if context.pages else context.new_page()
             page.on("websocket", self.on_websocket)
             page.set_default_timeout(60_000)
@@ -261,8 +297,11 @@ class Run:
             context.close()
         errors = self.log.client_errors()
         refusals = self.log.refusals()
-        self.step("no 4xx (or 5xx) in the server's log", not errors and not refusals,
-                  "none" if not errors and not refusals else "; ".join(errors + refusals)[:2000])
+        self.step(
+            "no 4xx (or 5xx) in the server's log",
+            not errors and not refusals,
+            "none" if not errors and not refusals else "; ".join(errors + refusals)[:2000],
+        )
         return all(ok for _, ok, _ in self.results)
 
     def conversation(self, page) -> None:
@@ -272,17 +311,23 @@ class Run:
         text, took = self.send(page, FIRST)
         delay = self.reached(FIRST, self.sent_at)
         self.shot(page, "first-answer")
-        self.step("the first message answers", text == FIRST_ANSWER,
-                  f"{FIRST!r} -> {text!r} in {took:.1f} s (at the server {delay:.2f} s after Enter)")
+        self.step(
+            "the first message answers",
+            text == FIRST_ANSWER,
+            f"{FIRST!r} -> {text!r} in {took:.1f} s (at the server {delay:.2f} s after Enter)",
+        )
 
         text, took = self.send(page, SECOND)
         delay = self.reached(SECOND, self.sent_at)
         sent = self.chat_requests(SECOND)
         history = [[(m.get("role"), m.get("content")) for m in r["body"]["messages"]] for r in sent]
         carried = any(h[:2] == [("user", logged(FIRST)), ("assistant", logged(FIRST_ANSWER))] for h in history)
-        self.step("the second message carries the history", carried and bool(text),
-                  f"{SECOND!r} -> {text!r} in {took:.1f} s (at the server {delay:.2f} s after Enter); the server got {history[-1] if history else 'nothing'} "
-                  f"(the demo knows single prompts: with history it answers nonsense)")
+        self.step(
+            "the second message carries the history",
+            carried and bool(text),
+            f"{SECOND!r} -> {text!r} in {took:.1f} s (at the server {delay:.2f} s after Enter); the server got {history[-1] if history else 'nothing'} "
+            f"(the demo knows single prompts: with history it answers nonsense)",
+        )
 
         title = self.event(page, "chat:title", started, 120)
         follow_ups = self.event(page, "chat:message:follow_ups", started, 120)
@@ -293,12 +338,19 @@ class Run:
         for task, opening in TASKS.items():
             sent = [r for r in requests if opening in first_text(r["body"])]
             answered = [r for r in sent if r["number"] not in refused]
-            shown = {"title": f"; the chat's title is now {title!r}",
-                     "follow-ups": f"; Open WebUI shows {len((follow_ups or {}).get('follow_ups', []))} suggestions "
-                                   "(it takes JSON of them, which the demo does not write)"}.get(task, "")
-            self.step(f"{task} generated", bool(sent) and len(answered) == len(sent)
-                      and (task != "title" or title is not None) and (task != "follow-ups" or follow_ups is not None),
-                      f"{len(sent)} requests, {len(answered)} answered{shown}")
+            shown = {
+                "title": f"; the chat's title is now {title!r}",
+                "follow-ups": f"; Open WebUI shows {len((follow_ups or {}).get('follow_ups', []))} suggestions "
+                "(it takes JSON of them, which the demo does not write)",
+            }.get(task, "")
+            self.step(
+                f"{task} generated",
+                bool(sent)
+                and len(answered) == len(sent)
+                and (task != "title" or title is not None)
+                and (task != "follow-ups" or follow_ups is not None),
+                f"{len(sent)} requests, {len(answered)} answered{shown}",
+            )
 
     def stall_check(self, page, times: int) -> None:
         """``times`` more two-message chats, each second message sent as soon as the first is answered
@@ -313,11 +365,17 @@ class Run:
                 delays.append((self.reached(text, self.sent_at), took))
         slowest = probe.stop()
         late = [d for d in delays if d[0] is None or d[0] > 10]
-        self.step(f"every message of {times} more chats reaches the server at once", not late,
-                  "at the server after " + ", ".join("never" if d is None else f"{d:.2f}" for d, _ in delays)
-                  + " s; answered after " + ", ".join(f"{t:.1f}" for _, t in delays) + " s; "
-                  f"the server's /health answered within {slowest:.2f} s throughout (a message late while it "
-                  "answers at once waited in Open WebUI, not in the server)")
+        self.step(
+            f"every message of {times} more chats reaches the server at once",
+            not late,
+            "at the server after "
+            + ", ".join("never" if d is None else f"{d:.2f}" for d, _ in delays)
+            + " s; answered after "
+            + ", ".join(f"{t:.1f}" for _, t in delays)
+            + " s; "
+            f"the server's /health answered within {slowest:.2f} s throughout (a message late while it "
+            "answers at once waited in Open WebUI, not in the server)",
+        )
 
     def stop(self, page) -> None:
         self.new_chat(page)
@@ -336,9 +394,12 @@ class Run:
         later = response.inner_text()
         self.shot(page, "stopped")
         now = self.health()["cancelled"]
-        self.step("Stop cuts the stream", later == at_stop and len(later) < 4096 and now > cancelled,
-                  f"{len(at_stop)} characters when stopped, {len(later)} three seconds later (of up to 4096 tokens); "
-                  f"the server cancelled {now - cancelled} request(s)")
+        self.step(
+            "Stop cuts the stream",
+            later == at_stop and len(later) < 4096 and now > cancelled,
+            f"{len(at_stop)} characters when stopped, {len(later)} three seconds later (of up to 4096 tokens); "
+            f"the server cancelled {now - cancelled} request(s)",
+        )
 
     def knobs(self, page) -> None:
         messages = [{"role": "user", "content": LONG}]
@@ -360,9 +421,12 @@ class Run:
             self.shot(page, f"{key}-{value}")
             expected = self.direct(messages, {**base, key: value})
             carried = [option(r["body"], key) for r in self.chat_requests(LONG)]
-            self.step(f"{name} honoured", shown == expected != plain and value in carried,
-                      f"{key} {value}: the page shows {shown!r}, the server answers the same request {expected!r}, "
-                      f"and {plain!r} without it; Open WebUI sent {key} = {carried[-1] if carried else None}")
+            self.step(
+                f"{name} honoured",
+                shown == expected != plain and value in carried,
+                f"{key} {value}: the page shows {shown!r}, the server answers the same request {expected!r}, "
+                f"and {plain!r} without it; Open WebUI sent {key} = {carried[-1] if carried else None}",
+            )
             self.control(page, name, None)
 
 
@@ -399,8 +463,12 @@ def main() -> None:
     parser.add_argument("--server-log", required=True, help="the server's log (written with --log-level debug)")
     parser.add_argument("--shots", required=True, help="folder for the screenshots")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
-    parser.add_argument("--repeat", type=int, default=0,
-                        help="this many more two-message chats, timed from Enter to the server (the stall check)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=0,
+        help="this many more two-message chats, timed from Enter to the server (the stall check)",
+    )
     sys.exit(0 if Run(parser.parse_args()).run() else 1)
 
 

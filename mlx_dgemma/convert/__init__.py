@@ -9,11 +9,19 @@ Linux first (fast_blas.py: it must precede ``mlx.core``), as the package's own A
 from .. import fast_blas
 
 _NAMES = {
-    "convert": "checkpoint", "converted_size": "checkpoint", "dequantize_checkpoint": "checkpoint",
-    "output_specs": "checkpoint", "plan_conversion": "checkpoint", "recipe_trials": "checkpoint",
-    "write_config": "checkpoint", "DTYPES": "checkpoint",
-    "MAX_SHARD_BYTES": "output", "split_into_shards": "output",
-    "BITS": "quantize", "RECIPES": "quantize", "Quantization": "quantize",
+    "convert": "checkpoint",
+    "converted_size": "checkpoint",
+    "dequantize_checkpoint": "checkpoint",
+    "output_specs": "checkpoint",
+    "plan_conversion": "checkpoint",
+    "recipe_trials": "checkpoint",
+    "write_config": "checkpoint",
+    "DTYPES": "checkpoint",
+    "MAX_SHARD_BYTES": "output",
+    "split_into_shards": "output",
+    "BITS": "quantize",
+    "RECIPES": "quantize",
+    "Quantization": "quantize",
     "ConversionError": "checkpoint",
 }
 

@@ -42,13 +42,24 @@ _ERRORS = (CheckpointError, ConversionError, OSError)
 _CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
-_hf_path = click.option("--hf-path", "--model", required=True, help="Hugging Face checkpoint: a local folder or a Hub id.")
-_q_group_size = click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default=None,
-                             help="Group size of the quantized modules (default: the mode's, 64 for affine).")
-_q_mode = click.option("--q-mode", type=click.Choice(list(MODE_DEFAULTS)), default=None,
-                       help="Quantization mode [default: affine].")
-_dtype = click.option("--dtype", type=click.Choice(DTYPES), default=None,
-                      help="Type of the unquantized tensors and the scales (default: the config's dtype).")
+_hf_path = click.option(
+    "--hf-path", "--model", required=True, help="Hugging Face checkpoint: a local folder or a Hub id."
+)
+_q_group_size = click.option(
+    "--q-group-size",
+    type=click.Choice(["32", "64", "128"]),
+    default=None,
+    help="Group size of the quantized modules (default: the mode's, 64 for affine).",
+)
+_q_mode = click.option(
+    "--q-mode", type=click.Choice(list(MODE_DEFAULTS)), default=None, help="Quantization mode [default: affine]."
+)
+_dtype = click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default=None,
+    help="Type of the unquantized tensors and the scales (default: the config's dtype).",
+)
 
 
 def _int(value: str | None) -> int | None:
@@ -59,37 +70,81 @@ def _int(value: str | None) -> int | None:
 @_hf_path
 @click.option("--mlx-path", default="mlx_model", show_default=True, help="Where to write the MLX checkpoint.")
 @click.option("-q", "--quantize", is_flag=True, help="Quantize the model.")
-@click.option("--q-bits", type=click.Choice([str(b) for b in BITS]), default=None,
-              help="Bits of the quantized modules (under 'mixed': the experts and the self-conditioning MLP) "
-                   "[default: the mode's, 4 for affine].")
+@click.option(
+    "--q-bits",
+    type=click.Choice([str(b) for b in BITS]),
+    default=None,
+    help="Bits of the quantized modules (under 'mixed': the experts and the self-conditioning MLP) "
+    "[default: the mode's, 4 for affine].",
+)
 @_q_group_size
 @_q_mode
-@click.option("--quant-predicate", type=click.Choice(list(RECIPES)), default=None,
-              help="Recipe [default: mixed]: " + "; ".join(f"'{r.name}': {r.summary}" for r in RECIPES.values()) + ".")
+@click.option(
+    "--quant-predicate",
+    type=click.Choice(list(RECIPES)),
+    default=None,
+    help="Recipe [default: mixed]: " + "; ".join(f"'{r.name}': {r.summary}" for r in RECIPES.values()) + ".",
+)
 @_dtype
-@click.option("-d", "--dequantize", is_flag=True,
-              help="Write a quantized MLX checkpoint (--hf-path) unquantized.")
+@click.option("-d", "--dequantize", is_flag=True, help="Write a quantized MLX checkpoint (--hf-path) unquantized.")
 @click.option("--force", is_flag=True, help="Replace --mlx-path if it holds an earlier conversion (and nothing else).")
 @click.option("--report", is_flag=True, help="Afterwards, measure the logit error against the source.")
-@click.option("--upload-repo", default=None, help="Afterwards, upload --mlx-path to this Hugging Face model repository.")
-@click.option("--trust-remote-code", is_flag=True,
-              help="Accepted as mlx-lm takes it; no code from the checkpoint is run here.")
+@click.option(
+    "--upload-repo", default=None, help="Afterwards, upload --mlx-path to this Hugging Face model repository."
+)
+@click.option(
+    "--trust-remote-code", is_flag=True, help="Accepted as mlx-lm takes it; no code from the checkpoint is run here."
+)
 @command_line
-def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, quant_predicate, dtype, dequantize,
-                    force, report, upload_repo, trust_remote_code):
+def convert_command(
+    hf_path,
+    mlx_path,
+    quantize,
+    q_bits,
+    q_group_size,
+    q_mode,
+    quant_predicate,
+    dtype,
+    dequantize,
+    force,
+    report,
+    upload_repo,
+    trust_remote_code,
+):
     """Convert a Hugging Face DiffusionGemma checkpoint to MLX."""
     try:
         if dequantize:
-            given = [flag for flag, value in (("-q", quantize or None), ("--q-bits", q_bits),
-                                              ("--q-group-size", q_group_size), ("--q-mode", q_mode),
-                                              ("--quant-predicate", quant_predicate), ("--dtype", dtype),
-                                              ("--report", report or None)) if value is not None]
+            given = [
+                flag
+                for flag, value in (
+                    ("-q", quantize or None),
+                    ("--q-bits", q_bits),
+                    ("--q-group-size", q_group_size),
+                    ("--q-mode", q_mode),
+                    ("--quant-predicate", quant_predicate),
+                    ("--dtype", dtype),
+                    ("--report", report or None),
+                )
+                if value is not None
+            ]
             if given:
-                raise ConversionError(f"-d/--dequantize writes the checkpoint's own weights unquantized; drop {given[0]}")
+                raise ConversionError(
+                    f"-d/--dequantize writes the checkpoint's own weights unquantized; drop {given[0]}"
+                )
             dst = dequantize_checkpoint(hf_path, mlx_path, force=force)
         else:
-            dst = convert(hf_path, mlx_path, quantize=quantize, q_group_size=_int(q_group_size), q_bits=_int(q_bits),
-                          q_mode=q_mode, quant_predicate=quant_predicate, dtype=dtype, force=force, report=report)
+            dst = convert(
+                hf_path,
+                mlx_path,
+                quantize=quantize,
+                q_group_size=_int(q_group_size),
+                q_bits=_int(q_bits),
+                q_mode=q_mode,
+                quant_predicate=quant_predicate,
+                dtype=dtype,
+                force=force,
+                report=report,
+            )
         if upload_repo is not None:
             upload(dst, upload_repo)
     except _ERRORS as e:
@@ -102,25 +157,54 @@ def convert_command(hf_path, mlx_path, quantize, q_bits, q_group_size, q_mode, q
 
 @click.command(context_settings=_CONTEXT)
 @_hf_path
-@click.option("--q-bits", "bits", type=click.Choice([str(b) for b in BITS]), multiple=True,
-              help="Bit widths of the recipes that take --q-bits (repeatable; default: all).")
+@click.option(
+    "--q-bits",
+    "bits",
+    type=click.Choice([str(b) for b in BITS]),
+    multiple=True,
+    help="Bit widths of the recipes that take --q-bits (repeatable; default: all).",
+)
 @_q_group_size
 @_q_mode
-@click.option("--quant-predicate", "recipes", type=click.Choice(list(RECIPES)), multiple=True,
-              help="Recipes to measure (repeatable; default: all).")
+@click.option(
+    "--quant-predicate",
+    "recipes",
+    type=click.Choice(list(RECIPES)),
+    multiple=True,
+    help="Recipes to measure (repeatable; default: all).",
+)
 @_dtype
-@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
-              help="Where the trial conversions go (default: the system's temporary folder).")
-@click.option("-n", "--instances", default=20, show_default=True, type=click.IntRange(min=0),
-              help="Fresh demo-task instances per task for the accuracy and steps columns (0: logit error only).")
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where the trial conversions go (default: the system's temporary folder).",
+)
+@click.option(
+    "-n",
+    "--instances",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Fresh demo-task instances per task for the accuracy and steps columns (0: logit error only).",
+)
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed of the task instances.")
 @command_line
 def report_command(hf_path, bits, q_group_size, q_mode, recipes, dtype, work_dir, instances, seed):
     """Convert with each recipe and bit width; print logit error, size and load time against the source,
     and the demo tasks' accuracy under diffusion and AR with the denoising steps per canvas."""
     try:
-        table, failures = sweep(hf_path, list(recipes or RECIPES), [int(b) for b in bits or BITS],
-                                _int(q_group_size), q_mode or "affine", dtype, work_dir, instances, seed)
+        table, failures = sweep(
+            hf_path,
+            list(recipes or RECIPES),
+            [int(b) for b in bits or BITS],
+            _int(q_group_size),
+            q_mode or "affine",
+            dtype,
+            work_dir,
+            instances,
+            seed,
+        )
     except _ERRORS as e:
         raise click.ClickException(str(e)) from None
     click.echo(table)
@@ -139,8 +223,10 @@ def sizes_command(hf_path, q_group_size):
         raw, config = read_source_config(src)
         tensors = source_tensors(src)
         rows = [("unquantized", converted_size(plan_tensors(src, raw, config, tensors, None, None)))]
-        rows += [(q.describe(), n) for q, n in
-                 recipe_sizes(src, raw, config, tensors, list(RECIPES), list(BITS), _int(q_group_size))]
+        rows += [
+            (q.describe(), n)
+            for q, n in recipe_sizes(src, raw, config, tensors, list(RECIPES), list(BITS), _int(q_group_size))
+        ]
     except _ERRORS as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{'recipe':<32} {'size':>10} {'bytes':>15}")

@@ -200,8 +200,14 @@ def plan_conversion(src: Path, quantization: Quantization | None, dtype: str | N
     return plan_tensors(src, raw, config, source_tensors(src), quantization, dtype)
 
 
-def plan_tensors(src: Path, raw: dict, config: ModelConfig, tensors: dict[str, TensorInfo],
-                 quantization: Quantization | None, dtype: str | None) -> ConversionPlan:
+def plan_tensors(
+    src: Path,
+    raw: dict,
+    config: ModelConfig,
+    tensors: dict[str, TensorInfo],
+    quantization: Quantization | None,
+    dtype: str | None,
+) -> ConversionPlan:
     """The plan for a source holding ``tensors`` (only their names, shapes and dtypes are read)."""
     targets = _targets(tensors, config.num_experts)
     text_targets = [t for t in targets if not VISION_KEY.match(t.name)]
@@ -231,8 +237,10 @@ def text_tensors(raw_config: dict, dtype: mx.Dtype = mx.bfloat16) -> dict[str, T
     """The text model's tensors of an unquantized ``dtype`` checkpoint of ``raw_config``, as shapes
     only (no file): what planning needs to size a conversion that has no source at hand."""
     model = DiffusionGemma(ModelConfig.from_dict(raw_config))  # lazy: nothing is allocated
-    return {name: TensorInfo(Path(), dtype, tuple(v.shape), 0, math.prod(v.shape) * dtype.size)
-            for name, v in tree_flatten(model.parameters())}
+    return {
+        name: TensorInfo(Path(), dtype, tuple(v.shape), 0, math.prod(v.shape) * dtype.size)
+        for name, v in tree_flatten(model.parameters())
+    }
 
 
 def recipe_trials(recipes: list[str], bits: list[int]) -> list[tuple[str, int]]:
@@ -240,8 +248,15 @@ def recipe_trials(recipes: list[str], bits: list[int]) -> list[tuple[str, int]]:
     return [(r, b) for r in recipes for b in ([RECIPES[r].bits] if RECIPES[r].bits else bits)]
 
 
-def recipe_sizes(src: Path, raw: dict, config: ModelConfig, tensors: dict[str, TensorInfo], recipes: list[str],
-                 bits: list[int], group_size: int | None = None) -> list[tuple[Quantization, int]]:
+def recipe_sizes(
+    src: Path,
+    raw: dict,
+    config: ModelConfig,
+    tensors: dict[str, TensorInfo],
+    recipes: list[str],
+    bits: list[int],
+    group_size: int | None = None,
+) -> list[tuple[Quantization, int]]:
     """Each recipe's converted size for a source of ``tensors``, planned without reading a weight."""
     sizes = []
     for recipe, b in recipe_trials(recipes, bits):
@@ -250,7 +265,9 @@ def recipe_sizes(src: Path, raw: dict, config: ModelConfig, tensors: dict[str, T
     return sizes
 
 
-def write_weights(plan: ConversionPlan, folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = True) -> None:
+def write_weights(
+    plan: ConversionPlan, folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = True
+) -> None:
     from tqdm import tqdm
 
     groups = output_specs(plan)
@@ -312,11 +329,20 @@ def convert(
     ``mlx_path``, as after ConversionStopped (SIGTERM, SIGHUP) or KeyboardInterrupt.
     """
     dst = Path(mlx_path).expanduser()
-    given = [flag for flag, value in (("--q-bits", q_bits), ("--q-group-size", q_group_size), ("--q-mode", q_mode),
-                                      ("--quant-predicate", quant_predicate)) if value is not None]
+    given = [
+        flag
+        for flag, value in (
+            ("--q-bits", q_bits),
+            ("--q-group-size", q_group_size),
+            ("--q-mode", q_mode),
+            ("--quant-predicate", quant_predicate),
+        )
+        if value is not None
+    ]
     if given and not quantize:
-        raise ConversionError(f"{given[0]} needs -q/--quantize (without it the model is written unquantized); "
-                              "add -q or drop it")
+        raise ConversionError(
+            f"{given[0]} needs -q/--quantize (without it the model is written unquantized); add -q or drop it"
+        )
     if Path(hf_path).expanduser().is_dir():  # a local source: the most telling refusal first
         check_apart(Path(hf_path).expanduser(), dst)
     check_destination(dst, force)
@@ -331,7 +357,6 @@ def convert(
         write_config(plan, folder)
         copy_side_files(src, folder)
     if report:
-
         label = quantization.describe() if quantization else "unquantized"
         print(measure_against(src, {label: dst}))
     return dst
@@ -345,8 +370,10 @@ def dequantize_checkpoint(hf_path: str, mlx_path: str = "mlx_model", force: bool
     check_destination(dst, force)
     raw, _ = read_source_config(src)
     if "quantization" not in raw:
-        raise ConversionError(f"--dequantize takes a quantized MLX checkpoint, and {src}'s config.json has no "
-                              "quantization; convert it without -d")
+        raise ConversionError(
+            f"--dequantize takes a quantized MLX checkpoint, and {src}'s config.json has no "
+            "quantization; convert it without -d"
+        )
     model, _ = load(src)
     return save_model(dequantize_model(model), src, dst, dequantized=True, force=force)
 
@@ -360,13 +387,22 @@ def upload(folder: Path, repo: str) -> None:
         api.create_repo(repo, exist_ok=True)
         api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model")
     except Exception as e:  # (offline, no token, no such namespace: the hub's own words say which)
-        raise ConversionError(f"wrote {folder}, but could not upload it to {repo}: "
-                              f"{' '.join(str(e).split())[:300]}") from None
+        raise ConversionError(
+            f"wrote {folder}, but could not upload it to {repo}: {' '.join(str(e).split())[:300]}"
+        ) from None
 
 
-def sweep(hf_path: str, recipes: list[str], bits: list[int], group_size: int | None, mode: str,
-          dtype: str | None, work_dir: str | None = None, instances: int = 0, seed: int = 0
-          ) -> tuple[str, list[str]]:
+def sweep(
+    hf_path: str,
+    recipes: list[str],
+    bits: list[int],
+    group_size: int | None,
+    mode: str,
+    dtype: str | None,
+    work_dir: str | None = None,
+    instances: int = 0,
+    seed: int = 0,
+) -> tuple[str, list[str]]:
     """Convert with every recipe × bit width (a recipe that fixes its bits: once; plus once unquantized)
     and tabulate the cost of each; ``instances`` > 0 adds the demo tasks' accuracy and steps. Returns
     the table and a line per trial that failed."""

@@ -69,8 +69,10 @@ def check_destination(dst: Path, force: bool, flag: str = "--mlx-path") -> None:
         return
     if foreign := foreign_files(dst):
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise ConversionError(f"{dst} holds files a conversion did not write ({foreign[0]}{more}); "
-                              f"choose another {flag} (--force replaces only an earlier conversion)")
+        raise ConversionError(
+            f"{dst} holds files a conversion did not write ({foreign[0]}{more}); "
+            f"choose another {flag} (--force replaces only an earlier conversion)"
+        )
     if not force:
         raise ConversionError(f"{dst} already exists; pass --force to replace it")
 
@@ -120,7 +122,7 @@ def sweep_stale_staging(dst: Path) -> list[Path]:
         name = path.name
         if not (name.startswith(prefix) and name.endswith(".converting") and path.is_dir()):
             continue
-        pid = name[len(prefix):].split(".", 1)[0]
+        pid = name[len(prefix) :].split(".", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -146,8 +148,9 @@ def staging_folder(dst: Path, force: bool, flag: str = "--mlx-path") -> Iterator
     tmp = None
     with _stop_signals_raise():
         try:
-            tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}.", suffix=".converting",
-                                        dir=dst.parent))
+            tmp = Path(
+                tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}.", suffix=".converting", dir=dst.parent)
+            )
             umask = os.umask(0)
             os.umask(umask)
             tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the result should not be
@@ -228,8 +231,9 @@ def dequantize_model(model):
     return model
 
 
-def save_model(model, base_folder: Path, save_path: Path, dequantized: bool = False, force: bool = False,
-               flag: str = "--mlx-path") -> Path:
+def save_model(
+    model, base_folder: Path, save_path: Path, dequantized: bool = False, force: bool = False, flag: str = "--mlx-path"
+) -> Path:
     """The model's weights in ≤ 5 GB shards, the base's config (without its quantization entries when
     ``dequantized``) and side files; written in a temporary folder renamed at the end (``flag``: the
     command-line flag that names ``save_path``, for errors)."""

@@ -44,16 +44,24 @@ class Recipe:
     summary: str
 
 
-RECIPES = {r.name: r for r in (
-    Recipe("mixed", SENSITIVE_PARAMS, None, "embeddings, attention, router and dense MLP at 8 bits, group 64; "
-                                            "the experts and the self-conditioning MLP at --q-bits"),
-    Recipe("uniform", None, None, "every module at --q-bits"),
-    # Named for the Mac whose GPU working set (about three quarters of its memory) holds the released
-    # model's weights, a 256-position canvas and a few thousand tokens of context: docs/quantization.md.
-    Recipe("mixed-16gb", SENSITIVE_PARAMS, 2, "mixed with the experts at 2 bits"),
-    Recipe("mixed-24gb", SENSITIVE_PARAMS, 4, "mixed with the experts at 4 bits"),
-    Recipe("mixed-32gb", SENSITIVE_PARAMS, 6, "mixed with the experts at 6 bits"),
-)}
+RECIPES = {
+    r.name: r
+    for r in (
+        Recipe(
+            "mixed",
+            SENSITIVE_PARAMS,
+            None,
+            "embeddings, attention, router and dense MLP at 8 bits, group 64; "
+            "the experts and the self-conditioning MLP at --q-bits",
+        ),
+        Recipe("uniform", None, None, "every module at --q-bits"),
+        # Named for the Mac whose GPU working set (about three quarters of its memory) holds the released
+        # model's weights, a 256-position canvas and a few thousand tokens of context: docs/quantization.md.
+        Recipe("mixed-16gb", SENSITIVE_PARAMS, 2, "mixed with the experts at 2 bits"),
+        Recipe("mixed-24gb", SENSITIVE_PARAMS, 4, "mixed with the experts at 4 bits"),
+        Recipe("mixed-32gb", SENSITIVE_PARAMS, 6, "mixed with the experts at 6 bits"),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -66,8 +74,9 @@ class Quantization:
     recipe: str = "mixed"
 
     @classmethod
-    def from_flags(cls, bits: int | None = None, group_size: int | None = None, mode: str | None = None,
-                   recipe: str | None = None) -> "Quantization":
+    def from_flags(
+        cls, bits: int | None = None, group_size: int | None = None, mode: str | None = None, recipe: str | None = None
+    ) -> "Quantization":
         mode = mode or "affine"
         if mode not in MODE_DEFAULTS:
             raise ConversionError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODE_DEFAULTS)}")
@@ -76,16 +85,20 @@ class Quantization:
             raise ConversionError(f"unknown quantization recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
         fixed = RECIPES[recipe].bits
         if fixed is not None and bits not in (None, fixed):
-            raise ConversionError(f"--quant-predicate {recipe} quantizes the experts at {fixed} bits; drop --q-bits "
-                                  f"{bits} or use --quant-predicate mixed")
+            raise ConversionError(
+                f"--quant-predicate {recipe} quantizes the experts at {fixed} bits; drop --q-bits "
+                f"{bits} or use --quant-predicate mixed"
+            )
         if fixed is not None and mode != "affine":
             raise ConversionError(f"--quant-predicate {recipe} is affine; drop --q-mode {mode}")
         if bits is not None and bits not in BITS:
-            raise ConversionError(f"--q-bits {bits} is not a width MLX quantizes to; choose one of "
-                                  f"{', '.join(map(str, BITS))}")
+            raise ConversionError(
+                f"--q-bits {bits} is not a width MLX quantizes to; choose one of {', '.join(map(str, BITS))}"
+            )
         if group_size is not None and group_size not in GROUP_SIZES:
-            raise ConversionError(f"--q-group-size {group_size} is not supported; choose one of "
-                                  f"{', '.join(map(str, GROUP_SIZES))}")
+            raise ConversionError(
+                f"--q-group-size {group_size} is not supported; choose one of {', '.join(map(str, GROUP_SIZES))}"
+            )
         mode_group, mode_bits = MODE_DEFAULTS[mode]
         params = QuantParams(group_size or mode_group, bits or fixed or mode_bits, mode)
         if mode != "affine" and (params.group_size, params.bits) != (mode_group, mode_bits):

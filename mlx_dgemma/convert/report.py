@@ -97,15 +97,22 @@ def weights_size(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
-def measure_recipe(folder: Path, label: str, reference: tuple[np.ndarray, np.ndarray], probe: Probe,
-                   instances: int = 0, seed: int = 0) -> QualityRow:
+def measure_recipe(
+    folder: Path, label: str, reference: tuple[np.ndarray, np.ndarray], probe: Probe, instances: int = 0, seed: int = 0
+) -> QualityRow:
     start = time.perf_counter()
     model, tokenizer = load(folder)
     load_seconds = time.perf_counter() - start
     step, self_conditioned = probe_logits(model, probe)
     tasks = TaskRow.measure(model, tokenizer, instances, seed) if instances else None
-    return QualityRow(label, weights_size(folder), load_seconds, LogitError.between(step, reference[0]),
-                      LogitError.between(self_conditioned, reference[1]), tasks)
+    return QualityRow(
+        label,
+        weights_size(folder),
+        load_seconds,
+        LogitError.between(step, reference[0]),
+        LogitError.between(self_conditioned, reference[1]),
+        tasks,
+    )
 
 
 def reference_logits(src: Path) -> tuple[tuple[np.ndarray, np.ndarray], Probe]:
@@ -117,15 +124,19 @@ def reference_logits(src: Path) -> tuple[tuple[np.ndarray, np.ndarray], Probe]:
 def format_table(rows: list[QualityRow]) -> str:
     """One line per recipe; the task columns (diffusion accuracy, steps per canvas, AR accuracy) where measured."""
     tasks = any(r.tasks for r in rows)
-    header = (f"{'recipe':<32} {'size':>10} {'load s':>7} {'rel RMS':>9} {'max|Δ|':>8} {'top-1':>6}"
-              f" {'SC rel RMS':>10} {'SC max|Δ|':>9} {'SC top-1':>8}")
+    header = (
+        f"{'recipe':<32} {'size':>10} {'load s':>7} {'rel RMS':>9} {'max|Δ|':>8} {'top-1':>6}"
+        f" {'SC rel RMS':>10} {'SC max|Δ|':>9} {'SC top-1':>8}"
+    )
     if tasks:
         header += f" {'diff acc':>8} {'steps':>6} {'AR acc':>6}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        line = (f"{r.label:<32} {format_size(r.size_bytes):>10} {r.load_seconds:>7.2f} {r.step.rel_rms:>9.2e}"
-                f" {r.step.max_abs:>8.3f} {r.step.top1:>6.1%} {r.self_conditioned.rel_rms:>10.2e}"
-                f" {r.self_conditioned.max_abs:>9.3f} {r.self_conditioned.top1:>8.1%}")
+        line = (
+            f"{r.label:<32} {format_size(r.size_bytes):>10} {r.load_seconds:>7.2f} {r.step.rel_rms:>9.2e}"
+            f" {r.step.max_abs:>8.3f} {r.step.top1:>6.1%} {r.self_conditioned.rel_rms:>10.2e}"
+            f" {r.self_conditioned.max_abs:>9.3f} {r.self_conditioned.top1:>8.1%}"
+        )
         if r.tasks:
             line += f" {r.tasks.diffusion_accuracy:>8.1%} {r.tasks.steps_per_canvas:>6.2f} {r.tasks.ar_accuracy:>6.1%}"
         lines.append(line)

@@ -31,19 +31,42 @@ from .tasks import TASKS, UNSEEN_TASKS
 
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--model", "model_path", help="Checkpoint folder [default: the bundled demo model].")
-@click.option("-n", "--instances", "n", default=50, show_default=True, callback=option(at_least(1)),
-              help="Fresh instances per task.")
-@click.option("--policy", "policies", multiple=True, default=["reference"], show_default=True,
-              type=click.Choice(["reference", "fast", "ar", "verified", "auto"]))
+@click.option(
+    "-n",
+    "--instances",
+    "n",
+    default=50,
+    show_default=True,
+    callback=option(at_least(1)),
+    help="Fresh instances per task.",
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    default=["reference"],
+    show_default=True,
+    type=click.Choice(["reference", "fast", "ar", "verified", "auto"]),
+)
 @click.option("--seed", default=0, show_default=True, callback=option(check_seed))
-@click.option("--task", "tasks", multiple=True, type=click.Choice(TASKS + UNSEEN_TASKS),
-              help="Only these tasks (upper: one the demo model never saw, for fine-tuning).")
+@click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    type=click.Choice(TASKS + UNSEEN_TASKS),
+    help="Only these tasks (upper: one the demo model never saw, for fine-tuning).",
+)
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @click.option("--templates", is_flag=True, help="Free generation against canvas templates (infill, JSON schema).")
 @click.option("--draft-length", type=int, help="verified: draft length [default: the policy's].")
 @click.option("--draft-steps", type=int, help="verified: draft steps [default: the policy's].")
-@click.option("--history", default=0, show_default=True, callback=option(at_least(0)),
-              help="Earlier turns before each prompt, until the conversation is this many tokens.")
+@click.option(
+    "--history",
+    default=0,
+    show_default=True,
+    callback=option(at_least(0)),
+    help="Earlier turns before each prompt, until the conversation is this many tokens.",
+)
 @command_line
 def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_length, draft_steps, history):
     from ..loader import load
@@ -54,10 +77,12 @@ def main(model_path, n, policies, seed, tasks, adapter_path, templates, draft_le
     model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
     if templates:
         for policy in policies:
-            click.echo(f"policy {policy}, {n} instances per task\n  {'task':<8} {'setting':<11} {'accuracy':>9} "
-                       f"{'valid':>7}")
-            for task, name, accuracy, valid in evaluate_templates(model, tokenizer, n, seed, policy,
-                                                                       tasks=tasks or TASKS):
+            click.echo(
+                f"policy {policy}, {n} instances per task\n  {'task':<8} {'setting':<11} {'accuracy':>9} {'valid':>7}"
+            )
+            for task, name, accuracy, valid in evaluate_templates(
+                model, tokenizer, n, seed, policy, tasks=tasks or TASKS
+            ):
                 click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
         return
     drafts = {"verified": {"draft_length": draft_length, "draft_steps": draft_steps}}

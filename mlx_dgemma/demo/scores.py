@@ -34,8 +34,9 @@ def instances(task: str, n: int, seed: int) -> list[tuple[str, str]]:
     return [make_instance(task, rng, split="eval") for _ in range(n)]
 
 
-def evaluate(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "reference", tasks=TASKS,
-             **generate_kwargs) -> dict[str, TaskScore]:
+def evaluate(
+    model, tokenizer, n: int = 50, seed: int = 0, policy: str = "reference", tasks=TASKS, **generate_kwargs
+) -> dict[str, TaskScore]:
     return evaluate_policies(model, tokenizer, n, seed, [policy], tasks, {policy: generate_kwargs})[policy]
 
 
@@ -49,8 +50,16 @@ def with_history(tokenizer, prompt: str, tokens: int, rng: random.Random) -> lis
     return tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}], tokenize=True)
 
 
-def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], tasks=TASKS,
-                      generate_kwargs: dict[str, dict] | None = None, history: int = 0) -> dict[str, dict[str, TaskScore]]:
+def evaluate_policies(
+    model,
+    tokenizer,
+    n: int,
+    seed: int,
+    policies: list[str],
+    tasks=TASKS,
+    generate_kwargs: dict[str, dict] | None = None,
+    history: int = 0,
+) -> dict[str, dict[str, TaskScore]]:
     """Scores per policy and task. The policies take turns on each instance, in an order that rotates
     from one instance to the next, so that they share whatever else the machine is doing (on a shared
     host the speed of one run moves by a quarter; side by side, the ratios hold)."""
@@ -63,11 +72,19 @@ def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], 
         rng = random.Random(f"history-{task}-{seed}")
         for i, (prompt, _) in enumerate(instances(task, n, seed)):
             asked = with_history(tokenizer, prompt, history, rng) if history else prompt
-            for policy in policies[i % len(policies):] + policies[: i % len(policies)]:
+            for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
                 score = scores[policy][task]
                 start = time.perf_counter()
-                responses = list(stream_generate(model, tokenizer, asked, seed=seed * 100003 + i, policy=policy,
-                                                 **(generate_kwargs or {}).get(policy, {})))
+                responses = list(
+                    stream_generate(
+                        model,
+                        tokenizer,
+                        asked,
+                        seed=seed * 100003 + i,
+                        policy=policy,
+                        **(generate_kwargs or {}).get(policy, {}),
+                    )
+                )
                 score.seconds += time.perf_counter() - start
                 text = "".join(r.text for r in responses)
                 score.correct += check(task, prompt, text)
@@ -76,8 +93,13 @@ def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], 
                 score.tokens += responses[-1].generation_tokens
                 score.forwards += sum(r.steps for r in responses)
                 for r in responses:
-                    name = r.plan.mode if r.plan.mode != "diffusion" else "fast" if r.plan.settings.freeze_after \
+                    name = (
+                        r.plan.mode
+                        if r.plan.mode != "diffusion"
+                        else "fast"
+                        if r.plan.settings.freeze_after
                         else "reference"
+                    )
                     score.plans[name] = score.plans.get(name, 0) + 1
                 verified = [r for r in responses if r.plan.mode == "verified"]
                 score.rounds += len(verified)
@@ -85,8 +107,9 @@ def evaluate_policies(model, tokenizer, n: int, seed: int, policies: list[str], 
     return scores
 
 
-def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str = "reference",
-                       slacks=(0, 3), tasks=TASKS) -> list[tuple[str, str, float, float]]:
+def evaluate_templates(
+    model, tokenizer, n: int = 50, seed: int = 0, policy: str = "reference", slacks=(0, 3), tasks=TASKS
+) -> list[tuple[str, str, float, float]]:
     """(task, setting, accuracy, valid) rows: free generation, answer templates with each hole slack,
     and (json) schema templates; ``valid`` is the share of outputs that parse and validate (json) or
     keep the given text (the others)."""
@@ -102,11 +125,17 @@ def evaluate_templates(model, tokenizer, n: int = 50, seed: int = 0, policy: str
         settings = [("free", lambda p, s: None)]
         if task == "json":
             settings.append(("schema", lambda p, s: json_template(tokenizer, json_schema(p))))
-            settings.append(("schema+draft", lambda p, s: drafted_json_template(
-                model, tokenizer, p, json_schema(p), seed=s, policy=policy)))
+            settings.append(
+                (
+                    "schema+draft",
+                    lambda p, s: drafted_json_template(model, tokenizer, p, json_schema(p), seed=s, policy=policy),
+                )
+            )
         else:
-            settings += [(f"hole +{k}" if k else "exact hole", lambda p, s, k=k, t=task: answer_template(t, p, k))
-                         for k in slacks]
+            settings += [
+                (f"hole +{k}" if k else "exact hole", lambda p, s, k=k, t=task: answer_template(t, p, k))
+                for k in slacks
+            ]
         for name, build in settings:
             correct = valid = 0
             for i, (prompt, answer) in enumerate(cases):
@@ -148,13 +177,17 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
     """One table per policy: accuracy, median forwards per canvas (per round for verified drafting:
     draft steps + the verifying pass), tokens per forward, tokens per round (verified) and tok/s;
     for auto, the share of canvases/rounds each mode ran."""
-    lines = [f"policy {policy}",
-             f"  {'task':<8} {'accuracy':>9} {'median forwards/canvas':>22} {'tokens/forward':>15} "
-             f"{'tokens/round':>13} {'tok/s':>8}"]
+    lines = [
+        f"policy {policy}",
+        f"  {'task':<8} {'accuracy':>9} {'median forwards/canvas':>22} {'tokens/forward':>15} "
+        f"{'tokens/round':>13} {'tok/s':>8}",
+    ]
     for task, s in scores.items():
         rounds = f"{s.round_tokens / s.rounds:13.2f}" if s.rounds else f"{'':13}"
-        line = (f"  {task:<8} {s.accuracy:8.1%} {statistics.median(s.steps):22.1f} "
-                f"{s.tokens / max(s.forwards, 1):15.2f} {rounds} {s.tokens / s.seconds:8.1f}")
+        line = (
+            f"  {task:<8} {s.accuracy:8.1%} {statistics.median(s.steps):22.1f} "
+            f"{s.tokens / max(s.forwards, 1):15.2f} {rounds} {s.tokens / s.seconds:8.1f}"
+        )
         if policy == "auto":
             total = sum(s.plans.values())
             line += "  " + ", ".join(f"{mode} {n / total:.0%}" for mode, n in sorted(s.plans.items()))
@@ -167,8 +200,10 @@ def format_side_by_side(scores: dict[str, dict[str, TaskScore]]) -> str:
     the fastest on that task."""
     policies = list(scores)
     tasks = list(scores[policies[0]])
-    lines = ["tok/s side by side (x: against the fastest on the task)",
-             f"  {'task':<8} " + " ".join(f"{p:>16}" for p in policies)]
+    lines = [
+        "tok/s side by side (x: against the fastest on the task)",
+        f"  {'task':<8} " + " ".join(f"{p:>16}" for p in policies),
+    ]
     for task in tasks:
         rates = {p: scores[p][task].tokens / scores[p][task].seconds for p in policies}
         best = max(rates.values())

@@ -182,9 +182,16 @@ def write_dataset(folder, mix: dict[str, int], held_out: int, seed: int = 0) -> 
 
     rng = random.Random(f"data-{seed}")
     os.makedirs(folder, exist_ok=True)
-    for split, counts in (("train", mix), ("valid", dict.fromkeys(mix, held_out)), ("test", dict.fromkeys(mix, held_out))):
-        rows = [make_instance(task, rng, "train" if split == "train" else "eval")
-                for task, n in counts.items() for _ in range(n)]
+    for split, counts in (
+        ("train", mix),
+        ("valid", dict.fromkeys(mix, held_out)),
+        ("test", dict.fromkeys(mix, held_out)),
+    ):
+        rows = [
+            make_instance(task, rng, "train" if split == "train" else "eval")
+            for task, n in counts.items()
+            for _ in range(n)
+        ]
         rng.shuffle(rows)
         with open(os.path.join(folder, f"{split}.jsonl"), "w") as f:
             for prompt, answer in rows:

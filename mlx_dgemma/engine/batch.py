@@ -41,8 +41,9 @@ from .rows.verified import VerifiedRows
 from .sampler import Draft
 
 
-def prefill(model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False,
-            **vision_inputs) -> mx.array | None:
+def prefill(
+    model, ids: mx.array, cache, step_size: int = PREFILL_STEP_SIZE, logits: bool = False, **vision_inputs
+) -> mx.array | None:
     """Encode prompt rows ``ids`` [B, T] into ``cache`` ``step_size`` tokens at a time, evaluating
     after each chunk so that peak memory is one chunk's activations, not the whole prompt's. With
     ``logits``, the next-token logits [B, V] after the prompt (autoregressive decoding starts there).
@@ -93,16 +94,23 @@ class BatchGenerator:
     def __len__(self) -> int:
         return len(self._pending) + sum(len(kind) for kind in self._kinds.values())
 
-    def insert(self, job: PreparedRequest, cache=None, on_prefilled: Callable[[object], None] | None = None,
-               on_step: Callable[[Draft], None] | None = None) -> int:
+    def insert(
+        self,
+        job: PreparedRequest,
+        cache=None,
+        on_prefilled: Callable[[object], None] | None = None,
+        on_step: Callable[[Draft], None] | None = None,
+    ) -> int:
         """Queue a request ``prepare`` made ready. ``cache``: one row (``model.make_cache()``) already
         holding ``job.ids[:cache.offset]`` (a prefix a server's prompt cache kept, whole images
         included): only the rest of the prompt is encoded. ``on_prefilled`` is called with the row's
         cache once the prompt is in it (generation goes on appending to it); ``on_step`` with each
         denoising step's draft."""
         if cache is not None and cache.offset >= len(job.ids):
-            raise ValueError(f"the prompt cache holds {cache.offset} ids of a {len(job.ids)}-id prompt; "
-                             "at least its last id must be left to encode")
+            raise ValueError(
+                f"the prompt cache holds {cache.offset} ids of a {len(job.ids)}-id prompt; "
+                "at least its last id must be left to encode"
+            )
         row = Row(next(self._uids), job, job.plan, job.max_tokens, on_step=on_step)
         self._pending.append((row, cache, on_prefilled))
         return row.uid
@@ -140,8 +148,14 @@ class BatchGenerator:
             row, cache, _ = entry
             cache = cache if cache is not None else self.model.make_cache(None, self.kv_quantization)
             images = images_after(row.job.ids, row.job.vision_inputs, cache.offset, self.model.config.image_token_id)
-            logits = prefill(self.model, mx.array(row.job.ids[cache.offset:]), cache, self.prefill_step_size,
-                             logits=_wants_logits(row), **images)
+            logits = prefill(
+                self.model,
+                mx.array(row.job.ids[cache.offset :]),
+                cache,
+                self.prefill_step_size,
+                logits=_wants_logits(row),
+                **images,
+            )
             self._join([entry], cache, logits)
 
     def _join(self, entries: list[tuple], cache, logits: mx.array | None) -> None:
@@ -174,8 +188,9 @@ class BatchGenerator:
         """An auto row that goes on: its next plan, from what the planner knows by now."""
         row.plan = row.planner.choose(row.remaining, row.job.overrides, row.emitted, row.job.ids)
 
-    def emit(self, row: Row, tokens: list[int], forwards: int, stopped: bool, last: bool,
-             ends_block: bool = True) -> bool:
+    def emit(
+        self, row: Row, tokens: list[int], forwards: int, stopped: bool, last: bool, ends_block: bool = True
+    ) -> bool:
         """Hand out ``tokens`` the row committed (stopped: they end with a stop id or the template's
         end; last: nothing follows them), within ``max_tokens``, with their text; returns whether
         the row is done (the kind takes it out of its rows)."""
@@ -193,10 +208,19 @@ class BatchGenerator:
             if finish is not None:
                 self._answer(row)
             return finish is not None
-        self._out.append(BatchResponse(row.uid, tokens, job.text.add(tokens, final=finish is not None), finish,
-                                       max(forwards, 1), row.plan, ends_block or finish is not None, non_pad))
+        self._out.append(
+            BatchResponse(
+                row.uid,
+                tokens,
+                job.text.add(tokens, final=finish is not None),
+                finish,
+                max(forwards, 1),
+                row.plan,
+                ends_block or finish is not None,
+                non_pad,
+            )
+        )
         return finish is not None
-
 
     def _answer(self, row: Row) -> None:
         """A drafting row's draft is in: its answer, planned on the template the draft sizes, runs as
@@ -222,8 +246,15 @@ def _wants_logits(row: Row) -> bool:
     return row.plan.mode != "diffusion" or row.planner is not None
 
 
-def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens: int | None = None, *,
-                   seeds: list[int | None] | None = None, **kwargs) -> list[str]:
+def batch_generate(
+    model,
+    tokenizer,
+    prompts: list[str | list[int]],
+    max_tokens: int | None = None,
+    *,
+    seeds: list[int | None] | None = None,
+    **kwargs,
+) -> list[str]:
     """The answers to ``prompts`` generated together; the i-th equals
     ``generate(model, tokenizer, prompts[i], max_tokens, seed=seeds[i], **kwargs)`` (``kwargs``: those
     of ``stream_generate``)."""
@@ -231,8 +262,12 @@ def batch_generate(model, tokenizer, prompts: list[str | list[int]], max_tokens:
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
     args = [GenerationArgs.of(max_tokens=max_tokens, seed=seed, **kwargs) for seed in seeds]
-    generator = BatchGenerator(model, tokenizer, args[0].prefill_step_size if args else PREFILL_STEP_SIZE,
-                               args[0].kv_quantization if args else None)
+    generator = BatchGenerator(
+        model,
+        tokenizer,
+        args[0].prefill_step_size if args else PREFILL_STEP_SIZE,
+        args[0].kv_quantization if args else None,
+    )
     uids = [generator.insert(prepare(model, tokenizer, p, a)) for p, a in zip(prompts, args)]
     texts = {uid: "" for uid in uids}
     with generation_device(model):

@@ -15,20 +15,26 @@ from ..structured.template import Clamp
 from .sampler import CanvasResult, CanvasRun, CompactedRun, Draft, Random, RunBatch, SamplerSettings
 
 
-def new_run(model, settings: SamplerSettings, rng: Random, length: int | None = None, clamp: Clamp | None = None,
-            on_step: Callable[[Draft], None] | None = None) -> CanvasRun:
+def new_run(
+    model,
+    settings: SamplerSettings,
+    rng: Random,
+    length: int | None = None,
+    clamp: Clamp | None = None,
+    on_step: Callable[[Draft], None] | None = None,
+) -> CanvasRun:
     """A canvas run of ``length`` (default: the model's canvas) after whatever prefix it is denoised on."""
     kind = CompactedRun if settings.freeze_after else CanvasRun
-    return kind(settings, rng, length or model.config.canvas_length, model.config.vocab_size, model.kernels,
-                clamp, on_step)
+    return kind(
+        settings, rng, length or model.config.canvas_length, model.config.vocab_size, model.kernels, clamp, on_step
+    )
 
 
 def step_batch(model, view: CanvasView, batch: RunBatch) -> CanvasView | None:
     """One denoising step of every run in ``batch`` (the rows of ``view``, in order); returns the
     view of the rows that go on (None when none does)."""
     canvas, self_conditioning, self_conditioning_probs, conditioned = batch.inputs()
-    logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs,
-                           self_conditioned_rows=conditioned)
+    logits = model.denoise(canvas, view, self_conditioning, self_conditioning_probs, self_conditioned_rows=conditioned)
     mx.eval(batch.advance(logits))
     before = len(batch.runs)
     kept = batch.settle()
@@ -37,16 +43,18 @@ def step_batch(model, view: CanvasView, batch: RunBatch) -> CanvasView | None:
     return view.select(kept) if len(kept) < before else view
 
 
-def step_compacted(model, view: CanvasView, runs: list[CompactedRun]
-                   ) -> tuple[CanvasView | None, list[int], dict[int, Exception]]:
+def step_compacted(
+    model, view: CanvasView, runs: list[CompactedRun]
+) -> tuple[CanvasView | None, list[int], dict[int, Exception]]:
     """One denoising step of runs under active-set compaction (the rows of ``view``, in order; a run
     may be at its first step while the others are not); returns the view of the rows that go on
     (None when none does), their indexes, and the runs whose own step raised (index -> the error;
     they go on no more, the others as they would alone)."""
     inputs = [run.inputs() for run in runs]
     tokens, self_conditioning, self_conditioning_probs, active, conditioned = _stack(inputs, runs[0].length)
-    logits = model.denoise(tokens, view, self_conditioning, self_conditioning_probs, active,
-                           self_conditioned_rows=conditioned)
+    logits = model.denoise(
+        tokens, view, self_conditioning, self_conditioning_probs, active, self_conditioned_rows=conditioned
+    )
     pending, failed = [], {}
     for i, run in enumerate(runs):
         try:
@@ -80,11 +88,18 @@ def _stack(inputs, length: int):
         conditioned = mx.array([s is not None for s in sc])
         like = next(s for s in sc if s is not None)
         sc = [s if s is not None else mx.zeros((1, t.shape[1], like.shape[-1]), like.dtype) for s, t in zip(sc, tokens)]
-        sc_probs = [p if p is not None else mx.zeros((1, t.shape[1], like.shape[-1]), like.dtype)
-                    for p, t in zip(sc_probs, tokens)]
+        sc_probs = [
+            p if p is not None else mx.zeros((1, t.shape[1], like.shape[-1]), like.dtype)
+            for p, t in zip(sc_probs, tokens)
+        ]
     if all(a is None for a in active):
-        return (mx.concatenate(tokens), None if sc[0] is None else mx.concatenate(sc),
-                None if any(p is None for p in sc_probs) else mx.concatenate(sc_probs), None, conditioned)
+        return (
+            mx.concatenate(tokens),
+            None if sc[0] is None else mx.concatenate(sc),
+            None if any(p is None for p in sc_probs) else mx.concatenate(sc_probs),
+            None,
+            conditioned,
+        )
     active = [mx.arange(length, dtype=mx.int32) if a is None else a for a in active]
     width = max(a.shape[0] for a in active)
 
@@ -95,10 +110,13 @@ def _stack(inputs, length: int):
         last = mx.take(x, mx.array([x.shape[axis] - 1]), axis=axis)
         return mx.concatenate([x, mx.repeat(last, extra, axis=axis)], axis=axis)
 
-    return (mx.concatenate([pad(t, 1) for t in tokens]),
-            None if sc[0] is None else mx.concatenate([pad(s, 1) for s in sc]),
-            None if any(p is None for p in sc_probs) else mx.concatenate([pad(p, 1) for p in sc_probs]),
-            mx.stack([pad(a, 0) for a in active]), conditioned)
+    return (
+        mx.concatenate([pad(t, 1) for t in tokens]),
+        None if sc[0] is None else mx.concatenate([pad(s, 1) for s in sc]),
+        None if any(p is None for p in sc_probs) else mx.concatenate([pad(p, 1) for p in sc_probs]),
+        mx.stack([pad(a, 0) for a in active]),
+        conditioned,
+    )
 
 
 def denoise_canvas(
@@ -127,4 +145,3 @@ def denoise_canvas(
             if failed:
                 raise failed[0]
     return run.result
-

@@ -45,8 +45,10 @@ class DraftSettings:
 
     def check(self, canvas_length: int) -> None:
         if not isinstance(self.length, int) or not 1 <= self.length <= canvas_length:
-            raise ValueError(f"draft length must be an integer from 1 to the model's canvas length {canvas_length}, "
-                             f"got {self.length!r}")
+            raise ValueError(
+                f"draft length must be an integer from 1 to the model's canvas length {canvas_length}, "
+                f"got {self.length!r}"
+            )
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"draft steps must be a positive integer, got {self.steps!r}")
         if not self.temperature >= 0:
@@ -92,12 +94,12 @@ def draft_rows(model, view, rows: list[DraftRow], settings: DraftSettings) -> tu
     canvases = []
     for i, row in enumerate(rows):
         known = row.fixed(length)
-        fixed[i, :len(known)] = True
-        tokens[i, :len(known)] = known
+        fixed[i, : len(known)] = True
+        tokens[i, : len(known)] = known
         canvas = row.rng.canvas((1, length), vocab)
-        seeded = list(row.leftover if settings.reuse else ())[:length - len(known)]
+        seeded = list(row.leftover if settings.reuse else ())[: length - len(known)]
         if seeded:
-            canvas[0, len(known):len(known) + len(seeded)] = mx.array(seeded, dtype=canvas.dtype)
+            canvas[0, len(known) : len(known) + len(seeded)] = mx.array(seeded, dtype=canvas.dtype)
         canvases.append(canvas)
     clamp = Clamp(mx.array(fixed), mx.array(tokens))
     canvas = clamp.apply(canvases[0] if len(canvases) == 1 else mx.concatenate(canvases))
@@ -113,8 +115,11 @@ def draft_rows(model, view, rows: list[DraftRow], settings: DraftSettings) -> tu
             else:
                 canvas = clamp.apply(logits.argmax(-1).astype(mx.int32))
             break
-        temperature = (schedules[0].temperature(step - 1) if len(rows) == 1
-                       else mx.stack([s.temperature(step - 1) for s in schedules])[:, None, None])
+        temperature = (
+            schedules[0].temperature(step - 1)
+            if len(rows) == 1
+            else mx.stack([s.temperature(step - 1) for s in schedules])[:, None, None]
+        )
         self_conditioning, self_conditioning_probs, _, argmax = tempered_distribution(logits, temperature)
         canvas = clamp.apply(argmax)
     return canvas, qs
@@ -166,5 +171,5 @@ def verify_rounds(model, rows: list[DraftRow], settings: DraftSettings) -> list[
             rounds.append(e)
             continue
         row.cache.trim(length - 1 - kept)
-        rounds.append(Round(row.rule.output[before:], next_known, length, kept, forwards, tokens[kept + 2:]))
+        rounds.append(Round(row.rule.output[before:], next_known, length, kept, forwards, tokens[kept + 2 :]))
     return rounds

@@ -31,8 +31,9 @@ def forwards(lengths: list[int], step_size: int) -> list[list[int]]:
     return groups
 
 
-def embedding_steps(model, rows: list[list[int]], bos_token_id: int | None,
-                    step_size: int = PREFILL_STEP_SIZE) -> Generator[None, None, np.ndarray]:
+def embedding_steps(
+    model, rows: list[list[int]], bos_token_id: int | None, step_size: int = PREFILL_STEP_SIZE
+) -> Generator[None, None, np.ndarray]:
     """Embed ``rows`` (token ids, none empty), yielding after each evaluated chunk; returns their
     vectors, float32 [len(rows), hidden_size], in the order given."""
     vectors = np.zeros((len(rows), model.config.hidden_size), np.float32)

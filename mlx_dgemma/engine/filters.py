@@ -26,8 +26,9 @@ def filtering(top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> bool:
     return top_p < 1 or top_k > 0 or min_p > 0
 
 
-def sampling_probs(logits: mx.array, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                   min_p: float = 0.0) -> mx.array:
+def sampling_probs(
+    logits: mx.array, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
+) -> mx.array:
     """The distribution [..., V] (float32) to draw from after ``logits`` [..., V] (or log-probabilities):
     softmax(logits / temperature) with the filtered-out tokens at 0, renormalised. Temperature 0 puts
     all the mass on the argmax (greedy), whatever the filters; so does ``top_k`` 1 at any temperature."""
@@ -48,8 +49,9 @@ def sampling_probs(logits: mx.array, temperature: float, top_p: float = 1.0, top
     return mx.softmax(log_probs, axis=-1, precise=True)
 
 
-def penalized(logits: mx.array, history: list[int], repetition: float = 1.0, presence: float = 0.0,
-              frequency: float = 0.0) -> mx.array:
+def penalized(
+    logits: mx.array, history: list[int], repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0
+) -> mx.array:
     """``logits`` [1, V] with mlx-lm's penalties (``make_logits_processors``) for the tokens among the
     last ``PENALTY_CONTEXT`` of ``history``: a repeated token's logit divided by ``repetition`` (multiplied
     when negative), ``presence`` subtracted once, ``frequency`` once per occurrence."""

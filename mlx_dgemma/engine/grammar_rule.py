@@ -47,8 +47,9 @@ class GrammarRule:
     ``operations_limit`` matcher operations (a bounded cost per token). Otherwise the held path's
     next token is taken instead. So an answer that fits its budget at the start always ends valid."""
 
-    def __init__(self, grammar: Grammar, vocab: int, max_tokens: int, temperature: float = 0.0, rng=None,
-                 filters: tuple = ()):
+    def __init__(
+        self, grammar: Grammar, vocab: int, max_tokens: int, temperature: float = 0.0, rng=None, filters: tuple = ()
+    ):
         self.matcher = grammar.matcher()
         if self.matcher.is_error():
             raise TemplateError(f"the schema cannot be enforced: {single_line(self.matcher.get_error())}")
@@ -96,13 +97,16 @@ class GrammarRule:
         after = self.matcher.deep_copy()
         if not after.consume_token(token):
             reason = single_line(after.get_error().partition("\n")[0])  # (the rest is llguidance's state dump)
-            raise TemplateError(f"llguidance gave up on the schema mid-answer ({reason}); "
-                                "simplify the schema's patterns")
+            raise TemplateError(
+                f"llguidance gave up on the schema mid-answer ({reason}); simplify the schema's patterns"
+            )
         mask = None if after.is_stopped() or after.is_error() else allowed_tokens(after, self.vocab)
         if self._gave_up(after, mask, token):
             if not (path := self._walk(self.matcher, cap=self.room)):
-                raise TemplateError("llguidance gave up on the schema mid-answer (its lexer's limit on a pattern), "
-                                   "so no valid answer can be written; simplify the schema's patterns")
+                raise TemplateError(
+                    "llguidance gave up on the schema mid-answer (its lexer's limit on a pattern), "
+                    "so no valid answer can be written; simplify the schema's patterns"
+                )
             token, self.path, mask = path[0], path[1:], None
             after = self.matcher.deep_copy()
             after.consume_token(token)
@@ -157,12 +161,24 @@ class GrammarRule:
                 return list(self.path)
         return self._walk(after, token, room, operations)
 
-    def _walk(self, matcher: llguidance.LLMatcher, token: int | None = None, cap: int = CLOSING_CAP,
-              operations: Operations | None = None) -> list[int] | None:
+    def _walk(
+        self,
+        matcher: llguidance.LLMatcher,
+        token: int | None = None,
+        cap: int = CLOSING_CAP,
+        operations: Operations | None = None,
+    ) -> list[int] | None:
         written = self.table.tokenizer.decode_bytes(self.output + ([] if token is None else [token]))
         try:
-            path = closing_path(matcher, self.table, self.eos, cap, self.examples, written,
-                                operations or Operations(self.operations_limit))
+            path = closing_path(
+                matcher,
+                self.table,
+                self.eos,
+                cap,
+                self.examples,
+                written,
+                operations or Operations(self.operations_limit),
+            )
         except TemplateError:  # llguidance gave up on the way out from here
             return None
         return path if path is None or len(path) <= cap else None
@@ -191,8 +207,9 @@ class GrammarRule:
             if self.done:
                 return j, None
             proposal = proposed[j] if j < len(proposed) else None
-            token = self._emit(self._guarded(self._decide(rows[j], proposal,
-                                                          None if qs is None or proposal is None else qs[j])))
+            token = self._emit(
+                self._guarded(self._decide(rows[j], proposal, None if qs is None or proposal is None else qs[j]))
+            )
             if self.done:
                 return j + (token == proposal), None
             if token != proposal:

@@ -112,8 +112,14 @@ class PreparedRequest:
         """The template's (length, Clamp) per canvas, or None without a template."""
         if self.template is None:
             return None
-        return canvas_clamps(self.template, tokenizer, config.vocab_size, config.canvas_length, self.end_of_turn,
-                             self.plan.last_canvas_length)
+        return canvas_clamps(
+            self.template,
+            tokenizer,
+            config.vocab_size,
+            config.canvas_length,
+            self.end_of_turn,
+            self.plan.last_canvas_length,
+        )
 
 
 def prepare(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs) -> PreparedRequest:
@@ -127,17 +133,27 @@ def plan(model, tokenizer: Tokenizer, resolved: ResolvedRequest) -> PreparedRequ
     args, config = resolved.args, model.config
     template, grammar = resolved.template, resolved.layout.grammar
     temperature = args.sampling.temperature or 0.0
-    planner, acceptance, chosen = _policy_plan(model, resolved.defaults, args, template or grammar,
-                                               resolved.max_tokens, resolved.overrides, resolved.ids)
+    planner, acceptance, chosen = _policy_plan(
+        model, resolved.defaults, args, template or grammar, resolved.max_tokens, resolved.overrides, resolved.ids
+    )
     if chosen.settings.penalizing and args.policy != "ar":
         name = _given(args, _PENALTIES) or "a penalty"
-        raise OptionError(f"{name} applies to autoregressive decoding only (policy ar): a denoising step draws "
-                          "tokens in no order, and verified drafting's exact sampling does not take it; take policy "
-                          "ar or leave it out", name)
-    if template is not None and chosen.mode != "diffusion" and (
-            temperature or filtering(*chosen.settings.filters) or chosen.settings.penalizing):
-        raise OptionError(f"templates decode greedily under {chosen.policy}; drop the temperature, the filters and "
-                          "the penalties, or take a diffusion policy", _given(args, ("temperature", *_FILTERS, *_PENALTIES)))
+        raise OptionError(
+            f"{name} applies to autoregressive decoding only (policy ar): a denoising step draws "
+            "tokens in no order, and verified drafting's exact sampling does not take it; take policy "
+            "ar or leave it out",
+            name,
+        )
+    if (
+        template is not None
+        and chosen.mode != "diffusion"
+        and (temperature or filtering(*chosen.settings.filters) or chosen.settings.penalizing)
+    ):
+        raise OptionError(
+            f"templates decode greedily under {chosen.policy}; drop the temperature, the filters and "
+            "the penalties, or take a diffusion policy",
+            _given(args, ("temperature", *_FILTERS, *_PENALTIES)),
+        )
     if chosen.mode == "verified":
         DraftSettings(chosen.draft_length, chosen.draft_steps, temperature).check(config.canvas_length)
     rng = MxRandom(args.seed) if args.rng is None else args.rng
@@ -154,8 +170,9 @@ def _given(args: GenerationArgs, names: tuple[str, ...]) -> str | None:
     return next((name for name in names if getattr(args.sampling, name) is not None), None)
 
 
-def _policy_plan(model, defaults: GenerationConfig, args: GenerationArgs, layout, max_tokens: int, overrides: dict,
-          ids: list[int]) -> tuple[AutoPlanner | None, object, Plan]:
+def _policy_plan(
+    model, defaults: GenerationConfig, args: GenerationArgs, layout, max_tokens: int, overrides: dict, ids: list[int]
+) -> tuple[AutoPlanner | None, object, Plan]:
     """The request's auto planner (auto without a template or grammar: it re-plans at every canvas,
     block or round), verified drafting's running acceptance estimate, and its first plan. Under a
     grammar a diffusion policy drafts and verifies (verified drafting): the grammar decides each
@@ -166,13 +183,29 @@ def _policy_plan(model, defaults: GenerationConfig, args: GenerationArgs, layout
     if profile is None and (policy == "auto" or policy == "verified" and None in (args.draft_length, args.draft_steps)):
         profile = cached_profile(model)
     if policy == "auto" and layout is None:
-        planner = (AutoPlanner(defaults, model.config.canvas_length, profile, args.expected_steps)
-                   if args.expected_steps else auto_planner(model, defaults, profile))
+        planner = (
+            AutoPlanner(defaults, model.config.canvas_length, profile, args.expected_steps)
+            if args.expected_steps
+            else auto_planner(model, defaults, profile)
+        )
         return planner, None, planner.choose(max_tokens, overrides, prompt=ids)  # from answers to prompts like it
     acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
-    plan = make_plan(policy, defaults, model.config.canvas_length, max_tokens, profile, args.expected_steps,
-                     DraftRequest(args.draft_length, args.draft_steps, acceptance))
+    plan = make_plan(
+        policy,
+        defaults,
+        model.config.canvas_length,
+        max_tokens,
+        profile,
+        args.expected_steps,
+        DraftRequest(args.draft_length, args.draft_steps, acceptance),
+    )
     if policy != args.policy:
-        plan = replace(plan, policy=args.policy, reasons=[f"{args.policy} with a schema the canvas template does not "
-                                                          "take: verified drafting under its grammar"] + plan.reasons)
+        plan = replace(
+            plan,
+            policy=args.policy,
+            reasons=[
+                f"{args.policy} with a schema the canvas template does not take: verified drafting under its grammar"
+            ]
+            + plan.reasons,
+        )
     return None, acceptance, plan.overridden(overrides)

@@ -58,20 +58,39 @@ class ResolvedRequest:
         return replace(self, layout=layout, max_tokens=len(template) + template.ends_turn, end_of_turn=end)
 
 
-def resolve(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs,
-            default_max_tokens: int | None = None, reads_call: bool = False,
-            budget_name: str = "max_tokens") -> ResolvedRequest:
+def resolve(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    args: GenerationArgs,
+    default_max_tokens: int | None = None,
+    reads_call: bool = False,
+    budget_name: str = "max_tokens",
+) -> ResolvedRequest:
     """Check a request and settle everything about it that needs no device (see ``api.stream_generate``).
     ``default_max_tokens`` is the budget of a request that gives none (None: the checkpoint's
     ``max_new_tokens``), cut to what the context leaves; ``reads_call``: a drafted schema's draft may be
     a tool call (a forced call's); ``budget_name`` is the caller's name for ``max_tokens`` in messages."""
     config = model.config
     defaults = generation_config(model, tokenizer)
-    prompt = check_request(prompt, defaults.max_new_tokens if args.max_tokens is None else args.max_tokens,
-                           args.seed, args.system_prompt, args.chat_template)
-    layout = answer_layout(tokenizer, config.vocab_size, grammar_stop_ids(tokenizer, defaults),
-                           template=args.template, schema=args.schema, policy=args.policy,
-                           limit=config.max_position_embeddings, max_tokens=args.max_tokens, reads_call=reads_call)
+    prompt = check_request(
+        prompt,
+        defaults.max_new_tokens if args.max_tokens is None else args.max_tokens,
+        args.seed,
+        args.system_prompt,
+        args.chat_template,
+    )
+    layout = answer_layout(
+        tokenizer,
+        config.vocab_size,
+        grammar_stop_ids(tokenizer, defaults),
+        template=args.template,
+        schema=args.schema,
+        policy=args.policy,
+        limit=config.max_position_embeddings,
+        max_tokens=args.max_tokens,
+        reads_call=reads_call,
+    )
     template = layout.template if layout.kind == "template" else None
     end = end_of_turn(tokenizer, defaults) if template is None or template.ends_turn else None
     overrides = args.sampling.overrides(defaults)  # they replace the plan's, and none is dropped
@@ -80,8 +99,9 @@ def resolve(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
     if args.kv_quantization is not None:
         args.kv_quantization.check([config.layer_head_dim(i) for i in range(config.num_hidden_layers)])
     if args.think and layout.json:
-        raise ValueError("a JSON answer is laid out from its first token and leaves no room for a "
-                         "thought; drop think or the schema")
+        raise ValueError(
+            "a JSON answer is laid out from its first token and leaves no room for a thought; drop think or the schema"
+        )
     ids, vision_inputs = _prompt_and_images(model, tokenizer, prompt, args)
     grammar = layout.grammar
     if template is not None:
@@ -90,25 +110,37 @@ def resolve(model, tokenizer: Tokenizer, prompt: str | list[int], args: Generati
         max_tokens = args.max_tokens
     else:
         shortest = closing_length(grammar, config.vocab_size) if grammar is not None else 0
-        max_tokens = min(max(default_max_tokens or defaults.max_new_tokens, SCHEMA_ROOM * shortest),
-                         answer_room(ids, config))
+        max_tokens = min(
+            max(default_max_tokens or defaults.max_new_tokens, SCHEMA_ROOM * shortest), answer_room(ids, config)
+        )
     check_prompt_fits(ids, config, max_tokens if template is None else 1, budget_name)
     if grammar is not None:
         check_closing_room(grammar, config.vocab_size, answer_room(ids, config))
         check_closing_fits(grammar, config.vocab_size, max_tokens)
     if layout.template is not None:  # a template, or the largest a draft may size
         check_template_fits(layout.template, len(ids), config)
-    return ResolvedRequest(ids, args, max_tokens, defaults, overrides, layout, frozenset(defaults.eos_token_id), end,
-                           vision_inputs)
+    return ResolvedRequest(
+        ids, args, max_tokens, defaults, overrides, layout, frozenset(defaults.eos_token_id), end, vision_inputs
+    )
 
 
 def generation_config(model, tokenizer: Tokenizer) -> GenerationConfig:
     """The checkpoint's generation_config.json (defaults for everything the caller leaves unset)."""
-    return (getattr(model, "generation_config", None) or getattr(tokenizer, "generation_config", None)
-            or GenerationConfig.from_dict({}, model.config))
+    return (
+        getattr(model, "generation_config", None)
+        or getattr(tokenizer, "generation_config", None)
+        or GenerationConfig.from_dict({}, model.config)
+    )
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str | None = None,
-               chat_template: bool = True, images: int = 0, think: bool = False) -> list[int]:
+
+def prompt_ids(
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    system_prompt: str | None = None,
+    chat_template: bool = True,
+    images: int = 0,
+    think: bool = False,
+) -> list[int]:
     """Token ids as given, or text through the chat template (or plain, with ``<bos>``); with
     ``images``, the user message starts with that many image placeholders; ``think`` is the
     template's thinking switch (``enable_thinking``)."""
@@ -117,12 +149,15 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int], system_prompt: str
     if not chat_template:
         return tokenizer.encode(prompt)
     if think and not tokenizer.renders_thinking:
-        raise PromptError("this checkpoint's chat template has no thinking switch (enable_thinking); "
-                          "drop think, or pass a prompt that opens the thought as token ids")
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        raise PromptError(
+            "this checkpoint's chat template has no thinking switch (enable_thinking); "
+            "drop think, or pass a prompt that opens the thought as token ids"
+        )
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
     messages.append({"role": "user", "content": content})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=think)
+
 
 def check_prompt_fits(ids: list[int], config, max_tokens: int = 1, name: str = "max_tokens") -> None:
     """Ids in the vocabulary, and room in the context for them and every canvas ``max_tokens`` (the
@@ -133,17 +168,26 @@ def check_prompt_fits(ids: list[int], config, max_tokens: int = 1, name: str = "
         raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
     context, canvas = config.max_position_embeddings, config.canvas_length
     if len(ids) + canvas > context:
-        raise PromptError(f"the prompt is {len(ids)} tokens: with a {canvas}-token canvas after it, "
-                          f"it does not fit the model's context of {context} tokens", context=True)
+        raise PromptError(
+            f"the prompt is {len(ids)} tokens: with a {canvas}-token canvas after it, "
+            f"it does not fit the model's context of {context} tokens",
+            context=True,
+        )
     canvases = -(-max_tokens // canvas)
     if len(ids) + canvases * canvas > context:
-        raise PromptError(f"{name} of {max_tokens} takes {canvases} canvases of {canvas} after the {len(ids)}-token "
-                          f"prompt, past the model's context of {context} tokens; ask for at most "
-                          f"{answer_room(ids, config)}", option="max_tokens", context=True)
+        raise PromptError(
+            f"{name} of {max_tokens} takes {canvases} canvases of {canvas} after the {len(ids)}-token "
+            f"prompt, past the model's context of {context} tokens; ask for at most "
+            f"{answer_room(ids, config)}",
+            option="max_tokens",
+            context=True,
+        )
+
 
 def answer_room(ids: list[int], config) -> int:
     """The most tokens an answer may take after ``ids``: the whole canvases the context leaves."""
     return (config.max_position_embeddings - len(ids)) // config.canvas_length * config.canvas_length
+
 
 def check_step_counts(steps, draft_steps, names=("steps", "draft_steps")) -> None:
     """The caller's denoising and draft steps (None: the plan's) within ``validate.MAX_STEPS``."""
@@ -151,16 +195,19 @@ def check_step_counts(steps, draft_steps, names=("steps", "draft_steps")) -> Non
         if value is not None:
             check_steps(value, name)
 
+
 def grammar_stop_ids(tokenizer, defaults: GenerationConfig) -> list[int]:
     """The ids that end a grammar's answer: the end of turn first (what the model writes after an
     answer), then the checkpoint's other stop ids."""
     end = end_of_turn(tokenizer, defaults)
     return ([end] if end is not None else []) + [i for i in defaults.eos_token_id if i != end]
 
+
 def end_of_turn(tokenizer, defaults: GenerationConfig) -> int | None:
     """The id that ends a turn: ``<turn|>``, or the checkpoint's first stop id."""
     turn_end = tokenizer.token_id("<turn|>")
     return turn_end if turn_end is not None else (defaults.eos_token_id[0] if defaults.eos_token_id else None)
+
 
 def check_template_fits(template: CanvasTemplate, prompt_length: int, config) -> None:
     """A ``TemplateError`` naming the culprit when the template's canvases run past the context."""
@@ -172,18 +219,26 @@ def check_template_fits(template: CanvasTemplate, prompt_length: int, config) ->
     room = context - prompt_length
     culprit = next((h for start, h in template.holes if start + h.size > room), None)
     where = f"the hole at {culprit.where} crosses it" if culprit else "its text alone is too long"
-    raise TemplateError(f"the template takes {needed} canvas positions after the {prompt_length}-token prompt, "
-                        f"more than the {room} the model's context of {context} leaves ({where}); "
-                        f"make the holes smaller", context=True)
+    raise TemplateError(
+        f"the template takes {needed} canvas positions after the {prompt_length}-token prompt, "
+        f"more than the {room} the model's context of {context} leaves ({where}); "
+        f"make the holes smaller",
+        context=True,
+    )
 
-def _prompt_and_images(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs
-                       ) -> tuple[list[int], dict]:
+
+def _prompt_and_images(
+    model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs
+) -> tuple[list[int], dict]:
     """The prompt's ids with its images' placeholders expanded, and the images as ``model.encode`` takes them."""
     if isinstance(args.images, ImageInputs):  # preprocessed, the ids already expanded
-        return (prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, think=args.think),
-                args.images.vision_inputs)
+        return (
+            prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, think=args.think),
+            args.images.vision_inputs,
+        )
     ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []), args.think)
     return image_inputs(model, ids, args.images) if args.images else (ids, {})
+
 
 class _TemplateText:
     """The answer of a template, handed out whole once its last canvas is in."""

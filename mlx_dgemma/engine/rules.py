@@ -105,7 +105,7 @@ class SampledRule(GreedyRule):
             # A Bernoulli draw is a categorical over (reject, accept): every draw goes through ``rng``.
             accept = self.rng.categorical(mx.stack([1 - keep, keep], axis=-1))
             resampled = self.rng.categorical(self.residual(p[:n], q))
-        bonus = self.rng.categorical(p[n:n + 1])
+        bonus = self.rng.categorical(p[n : n + 1])
         mx.eval(accept, resampled, bonus)
         for j in range(n):
             if accept[j].item():

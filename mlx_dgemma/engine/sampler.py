@@ -254,9 +254,16 @@ class CanvasRun:
     Plain runs (the reference loop) advance together in a ``RunBatch``; ``CompactedRun`` advances
     alone."""
 
-    def __init__(self, settings: SamplerSettings, rng: Random, length: int, vocab: int,
-                 kernels: device_kernels.Kernels, clamp: Clamp | None = None,
-                 on_step: Callable[[Draft], None] | None = None):
+    def __init__(
+        self,
+        settings: SamplerSettings,
+        rng: Random,
+        length: int,
+        vocab: int,
+        kernels: device_kernels.Kernels,
+        clamp: Clamp | None = None,
+        on_step: Callable[[Draft], None] | None = None,
+    ):
         self.settings, self.rng, self.vocab, self.kernels = settings, rng, vocab, kernels
         self.clamp, self.on_step = clamp, on_step
         self.shape = (1, length)
@@ -292,7 +299,8 @@ class RunBatch:
         tokens = [run.clamp.tokens if run.clamp else mx.zeros((1, C), dtype=mx.int32) for run in runs]
         state = dict(
             canvas=mx.concatenate([run.canvas for run in runs]),
-            fixed=mx.concatenate(fixed), tokens=mx.concatenate(tokens),
+            fixed=mx.concatenate(fixed),
+            tokens=mx.concatenate(tokens),
             bound=mx.array([[run.settings.entropy_bound] for run in runs]),
         )
         if not self.runs:
@@ -326,14 +334,19 @@ class RunBatch:
         runs = self.runs
         kernels, vocab, shape = runs[0].kernels, runs[0].vocab, (1, runs[0].length)
         if any(run.clamp is not None and run.clamp.bias is not None for run in runs):
-            logits = mx.concatenate([logits[i : i + 1] if run.clamp is None else run.clamp.restrict(logits[i : i + 1])
-                                     for i, run in enumerate(runs)])
+            logits = mx.concatenate(
+                [
+                    logits[i : i + 1] if run.clamp is None else run.clamp.restrict(logits[i : i + 1])
+                    for i, run in enumerate(runs)
+                ]
+            )
         temperature = mx.stack([run.settings.temperature(run.step) for run in runs])[:, None, None]
         for run in runs:
             run.step += 1
         scaled, probs, entropy, argmax = tempered_distribution(logits, temperature, kernels)
-        denoised = mx.concatenate([run.rng.categorical(run.settings.draws(scaled[i : i + 1], probs[i : i + 1]))
-                                   for i, run in enumerate(runs)])
+        denoised = mx.concatenate(
+            [run.rng.categorical(run.settings.draws(scaled[i : i + 1], probs[i : i + 1])) for i, run in enumerate(runs)]
+        )
         renoise = mx.concatenate([run.rng.renoise(shape, vocab) for run in runs])
         if self.clamped:
             entropy = mx.where(self.fixed, 0.0, entropy)  # fixed positions: accepted first, costing nothing
@@ -415,8 +428,12 @@ class CompactedRun(CanvasRun):
 
     def inputs(self):
         index = self._index()
-        return self.tokens[index][None], self.self_conditioning, self.self_conditioning_probs, \
-            index if len(self.active) < self.length else None
+        return (
+            self.tokens[index][None],
+            self.self_conditioning,
+            self.self_conditioning_probs,
+            index if len(self.active) < self.length else None,
+        )
 
     def advance(self, logits: mx.array) -> list[mx.array]:
         settings, clamp = self.settings, self.clamp
@@ -474,16 +491,21 @@ class CompactedRun(CanvasRun):
         self._freeze()
         accepted, mean_entropy = self._draft
         if self.on_step is not None:
-            self.on_step(Draft(self.step, self.argmax_all.tolist(), accepted.tolist(), mean_entropy.item(),
-                               (self.fixed | self.frozen).tolist()))
+            self.on_step(
+                Draft(
+                    self.step,
+                    self.argmax_all.tolist(),
+                    accepted.tolist(),
+                    mean_entropy.item(),
+                    (self.fixed | self.frozen).tolist(),
+                )
+            )
         converged = bool(self.stop.item()) or not self.active
         if converged or self.step == self.settings.steps:
             result = CanvasResult(self.argmax_all[None], self.step, converged)
             if self.probs_all is not None:
                 result.probs = self.probs_all[None]
             self.result = _commit(result, self.clamp)
-
-
 
 
 def _commit(result: CanvasResult, clamp: Clamp | None) -> CanvasResult:

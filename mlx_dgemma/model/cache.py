@@ -83,7 +83,9 @@ class LayerCache:
         if self.keys is None or prev + S > _first(self.keys).shape[2]:
             B, H = _first(keys).shape[:2]
             grow = -(-S // self.step) * self.step
-            room_k, room_v = (tree_map(lambda a: mx.zeros((B, H, grow, a.shape[3]), a.dtype), x) for x in (keys, values))
+            room_k, room_v = (
+                tree_map(lambda a: mx.zeros((B, H, grow, a.shape[3]), a.dtype), x) for x in (keys, values)
+            )
             if self.keys is None:
                 self.keys, self.values = room_k, room_v
             else:
@@ -171,8 +173,9 @@ class KVCache:
     ``lengths``: each row's real tokens, i.e. the RoPE position of its next token. The last layer
     is always a full-attention one (the config forces it), so its cache speaks for the rows."""
 
-    def __init__(self, windows: list[int | None], left_padding: list[int], slack: int,
-                 quantization: KVQuantization | None = None):
+    def __init__(
+        self, windows: list[int | None], left_padding: list[int], slack: int, quantization: KVQuantization | None = None
+    ):
         self.windows = windows
         self.layers = [LayerCache(left_padding, None if w is None else w - 1 + slack, quantization) for w in windows]
         self.padded = any(p > 0 for p in left_padding)  # known on the host: masks need no sync
@@ -217,8 +220,10 @@ class KVCache:
             raise ValueError(f"cannot trim {n} positions from a cache of {self.offset}")
         for c, window in zip(self.layers, self.windows):
             if window is not None and c._idx - n < min(window - 1, self.offset - n):
-                raise ValueError(f"cannot trim {n} positions: a sliding layer keeps only {c._idx - (window - 1)} "
-                                 "beyond its window (a canvas, at least)")
+                raise ValueError(
+                    f"cannot trim {n} positions: a sliding layer keeps only {c._idx - (window - 1)} "
+                    "beyond its window (a canvas, at least)"
+                )
         for c in self.layers:
             c.trim(n)
         return n
@@ -307,8 +312,10 @@ class CanvasLayerView:
         if isinstance(keys, tuple):
             self.quantized_prefix = (keys, values)
             # room in the dequantized width and dtype (the scales')
-            self.keys, self.values = (mx.zeros((B, H, length, packed.shape[3] * 32 // quantization.bits), scales.dtype)
-                                      for packed, scales, _ in (keys, values))
+            self.keys, self.values = (
+                mx.zeros((B, H, length, packed.shape[3] * 32 // quantization.bits), scales.dtype)
+                for packed, scales, _ in (keys, values)
+            )
             return
         room = mx.zeros((B, H, length, keys.shape[3]), keys.dtype)
         self.keys = mx.concatenate([keys, room], axis=2)
@@ -368,12 +375,14 @@ class CanvasLayerView:
         if stacked.quantized_prefix is None:
             stacked.keys, stacked.values = (
                 mx.concatenate([_pad_positions(getattr(layer, name), prefix - layer.prefix) for layer in layers])
-                for name in ("keys", "values"))
+                for name in ("keys", "values")
+            )
             return stacked
         stacked.keys = mx.concatenate([layer.keys for layer in layers])
         stacked.values = mx.concatenate([layer.values for layer in layers])
-        stacked.quantized_prefix = _concatenate([_pad_positions(layer.quantized_prefix, prefix - layer.prefix)
-                                                 for layer in layers])
+        stacked.quantized_prefix = _concatenate(
+            [_pad_positions(layer.quantized_prefix, prefix - layer.prefix) for layer in layers]
+        )
         return stacked
 
 
@@ -458,8 +467,11 @@ class CanvasView:
             masks = []
             for v, layer in zip(views, layers):
                 pad = prefix - layer.prefix
-                own = v.masks[i] if v.masks[i] is not None else mx.ones((layer.keys.shape[0], 1, 1, layer.prefix + length),
-                                                                         dtype=mx.bool_)
+                own = (
+                    v.masks[i]
+                    if v.masks[i] is not None
+                    else mx.ones((layer.keys.shape[0], 1, 1, layer.prefix + length), dtype=mx.bool_)
+                )
                 masks.append(mx.pad(own, [(0, 0), (0, 0), (0, 0), (pad, 0)], constant_values=False))
             view.layers.append(CanvasLayerView.stack(layers, prefix))
             padded = any(layer.prefix < prefix for layer in layers) or any(v.masks[i] is not None for v in views)

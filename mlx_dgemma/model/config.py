@@ -41,8 +41,9 @@ class VisionConfig:
         rope = raw.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise ConfigError(f"vision_config rope_type {rope['rope_type']!r} is not supported (only 'axial')")
-        return cls(**{k: v for k, v in raw.items() if k in names},
-                   rope_theta=float(rope.get("rope_theta", cls.rope_theta)))
+        return cls(
+            **{k: v for k, v in raw.items() if k in names}, rope_theta=float(rope.get("rope_theta", cls.rope_theta))
+        )
 
 
 @dataclass
@@ -127,7 +128,8 @@ class ModelConfig:
             sliding_window=_whole(text, "sliding_window", 512),
             rms_norm_eps=_positive(text, "rms_norm_eps", 1e-6),
             final_logit_softcapping=_positive(text, "final_logit_softcapping", 30.0)
-            if text.get("final_logit_softcapping") != 0 else 30.0,
+            if text.get("final_logit_softcapping") != 0
+            else 30.0,
             rope_parameters=rope,
             max_position_embeddings=_whole(text, "max_position_embeddings", 131072),
             canvas_length=_whole(raw, "canvas_length", 256),
@@ -147,11 +149,15 @@ class ModelConfig:
             )
         if cfg.top_k_experts > cfg.num_experts:
             raise ConfigError(f"top_k_experts {cfg.top_k_experts} exceeds num_experts {cfg.num_experts}")
-        for heads, kv in ((cfg.num_attention_heads, cfg.num_key_value_heads),
-                          (cfg.num_attention_heads, cfg.num_global_key_value_heads)):
+        for heads, kv in (
+            (cfg.num_attention_heads, cfg.num_key_value_heads),
+            (cfg.num_attention_heads, cfg.num_global_key_value_heads),
+        ):
             if heads % kv:
-                raise ConfigError(f"config.json: num_attention_heads {heads} is not a multiple of the {kv} key/value "
-                                  "heads; fix the config")
+                raise ConfigError(
+                    f"config.json: num_attention_heads {heads} is not a multiple of the {kv} key/value "
+                    "heads; fix the config"
+                )
         # A stop id past the vocabulary is allowed: it can never be produced (benchmarks use one so that
         # random weights never stop early); padding and <bos> are written into prompts, so they must exist.
         if bad := [i for i in (cfg.pad_token_id, cfg.bos_token_id) if i >= cfg.vocab_size]:
@@ -176,8 +182,10 @@ def _full_attention_sizes(text: dict, head_dim: int, kv_heads: int) -> tuple[int
             raise ConfigError(f"config.json per_layer_config entries must be JSON objects, got {_json_kind(override)}")
         return _whole(override, "head_dim", head_dim), _whole(override, "num_key_value_heads", kv_heads)
     # The reference's defaults when neither spelling is present: 512-wide heads, the sliding KV heads.
-    return (_whole(text, "global_head_dim", 512, none_is_default=True),
-            _whole(text, "num_global_key_value_heads", kv_heads, none_is_default=True))
+    return (
+        _whole(text, "global_head_dim", 512, none_is_default=True),
+        _whole(text, "num_global_key_value_heads", kv_heads, none_is_default=True),
+    )
 
 
 _REQUIRED = object()
@@ -185,19 +193,30 @@ _REQUIRED = object()
 
 def _json_kind(value) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
+        type(value), "a number"
+    )
 
 
-def _whole(section: dict, key: str, default=_REQUIRED, minimum: int = 1, none_is_default: bool = False,
-           file: str = "config.json") -> int:
+def _whole(
+    section: dict,
+    key: str,
+    default=_REQUIRED,
+    minimum: int = 1,
+    none_is_default: bool = False,
+    file: str = "config.json",
+) -> int:
     """``section[key]`` as an integer of at least ``minimum``; one line naming the key otherwise."""
     value = section.get(key, default)
     if value is None and none_is_default:
         value = default
     if value is _REQUIRED:
         raise ConfigError(f"{file} lacks {key!r}; re-export the checkpoint with save_pretrained")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (isinstance(value, float) and not value.is_integer()) or value < minimum:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not value.is_integer())
+        or value < minimum
+    ):
         raise ConfigError(f"{file}: {key} must be an integer of at least {minimum}, got {json.dumps(value)}")
     return int(value)
 
@@ -239,8 +258,9 @@ class GenerationConfig:
     pad_token_id: int = 0
 
     @classmethod
-    def from_dict(cls, raw: dict, model: ModelConfig | None = None,
-                  file: str = "generation_config.json") -> "GenerationConfig":
+    def from_dict(
+        cls, raw: dict, model: ModelConfig | None = None, file: str = "generation_config.json"
+    ) -> "GenerationConfig":
         if not isinstance(raw, dict):
             raise ConfigError(f"{file} must be a JSON object, got {_json_kind(raw)}")
         sampler = _section(raw, "sampler_config", file)
@@ -249,8 +269,9 @@ class GenerationConfig:
         t_min = _positive(raw, "t_min", d.t_min, file) if raw.get("t_min") != 0 else 0.0
         config = cls(
             max_new_tokens=_whole(raw, "max_new_tokens", d.max_new_tokens, none_is_default=True, file=file),
-            max_denoising_steps=_whole(raw, "max_denoising_steps", d.max_denoising_steps, none_is_default=True,
-                                       file=file),
+            max_denoising_steps=_whole(
+                raw, "max_denoising_steps", d.max_denoising_steps, none_is_default=True, file=file
+            ),
             entropy_bound=_positive(sampler, "entropy_bound", d.entropy_bound, file),
             t_min=t_min,
             t_max=_positive(raw, "t_max", d.t_max, file),
@@ -279,5 +300,6 @@ def _read_json(path: Path) -> dict:
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not UTF-8 text; re-export it") from None
     except OSError as e:  # a folder, or a file that cannot be opened
-        raise ConfigError(f"{path} cannot be read ({e.strerror}); a checkpoint folder needs a config.json file") \
-            from None
+        raise ConfigError(
+            f"{path} cannot be read ({e.strerror}); a checkpoint folder needs a config.json file"
+        ) from None

@@ -79,14 +79,16 @@ class QuantizedLinear(nn.QuantizedLinear):
         self.kernels = device_kernels.for_device()
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self.kernels.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), True,
-                                          self.group_size, self.bits, self.mode)
+        y = self.kernels.quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"), True, self.group_size, self.bits, self.mode
+        )
         return y + self["bias"] if "bias" in self else y
 
 
 class Linear(nn.Linear):
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
-                     **_) -> QuantizedLinear:
+    def to_quantized(
+        self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_
+    ) -> QuantizedLinear:
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
@@ -120,8 +122,15 @@ class Attention(nn.Module):
         # the rotation is the very same arithmetic.
         B, H, T, D = x.shape
         runs = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)
-        runs = mx.fast.rope(runs, self.head_dim, traditional=False, base=None, scale=1.0,
-                            offset=positions.reshape(-1), freqs=self._periods)
+        runs = mx.fast.rope(
+            runs,
+            self.head_dim,
+            traditional=False,
+            base=None,
+            scale=1.0,
+            offset=positions.reshape(-1),
+            freqs=self._periods,
+        )
         return runs.reshape(B, T, H, D).transpose(0, 2, 1, 3)
 
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -142,9 +151,15 @@ class Attention(nn.Module):
             out = self.kernels.attention(q, k, v, mask)  # scale 1: the Q/K norms stand in for 1/sqrt(d)
         else:
             per_query = mask is not None and mask.shape[2] == T
-            out = mx.concatenate([self.kernels.attention(q[:, :, a : a + block], k, v,
-                                                         mask[:, :, a : a + block] if per_query else mask)
-                                  for a in range(0, T, block)], axis=2)
+            out = mx.concatenate(
+                [
+                    self.kernels.attention(
+                        q[:, :, a : a + block], k, v, mask[:, :, a : a + block] if per_query else mask
+                    )
+                    for a in range(0, T, block)
+                ],
+                axis=2,
+            )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -203,8 +218,15 @@ class Layer(nn.Module):
             setattr(self, name, RMSNorm(dims, eps))
         self.layer_scalar = mx.ones((1,))  # the denoiser's; the encoder's live in EncoderScalars
 
-    def __call__(self, h: mx.array, positions: mx.array, mask: mx.array | None, cache, scalar: mx.array,
-                 attention_only: bool = False) -> mx.array:
+    def __call__(
+        self,
+        h: mx.array,
+        positions: mx.array,
+        mask: mx.array | None,
+        cache,
+        scalar: mx.array,
+        attention_only: bool = False,
+    ) -> mx.array:
         """One layer over h [B, T, H] at ``positions``: ``cache`` appends the new K/V and returns all
         the keys they attend to (the encoder's cache, or a canvas view for the denoiser)."""
         attn = self.self_attn
@@ -285,8 +307,9 @@ def _embedding_dtype(embed: nn.Module, activations: mx.Dtype) -> mx.Dtype:
 def embedding_product(kernels: device_kernels.Kernels, embed: nn.Module, x: mx.array, transpose: bool) -> mx.array:
     """``x @ E.T`` (the tied head) or, without ``transpose``, ``x @ E``; a quantized ``E`` through the seam."""
     if isinstance(embed, nn.QuantizedEmbedding):
-        return kernels.quantized_matmul(x, embed.weight, embed.scales, embed.get("biases"), transpose,
-                                        embed.group_size, embed.bits, embed.mode)
+        return kernels.quantized_matmul(
+            x, embed.weight, embed.scales, embed.get("biases"), transpose, embed.group_size, embed.bits, embed.mode
+        )
     return x @ (embed.weight.T if transpose else embed.weight)
 
 
@@ -338,8 +361,15 @@ class DiffusionGemma(nn.Module):
         scale = mx.array(math.sqrt(self.config.hidden_size), dtype=_embedding_dtype(embed, h.dtype))
         return h * scale.astype(h.dtype)
 
-    def encode(self, ids: mx.array, cache: KVCache | CanvasView, return_hidden: bool = False, pixel_values=None,
-               image_position_ids=None, mm_token_type_ids=None) -> mx.array | None:
+    def encode(
+        self,
+        ids: mx.array,
+        cache: KVCache | CanvasView,
+        return_hidden: bool = False,
+        pixel_values=None,
+        image_position_ids=None,
+        mm_token_type_ids=None,
+    ) -> mx.array | None:
         """Run the causal encoder over ``ids`` [B, T] (rows left-padded as the cache says) and append
         their K/V to ``cache``; nothing is evaluated here.
 
@@ -377,7 +407,9 @@ class DiffusionGemma(nn.Module):
             masks = vision.with_image_blocks(masks, vision.image_blocks(mm_token_type_ids))
         last = len(self.layers) - 1
         for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
-            h = layer(h, positions, masks[i], c, scalars[i].layer_scalar, attention_only=i == last and not return_hidden)
+            h = layer(
+                h, positions, masks[i], c, scalars[i].layer_scalar, attention_only=i == last and not return_hidden
+            )
         return self.model.decoder.norm(h) if return_hidden else None
 
     def next_token_logits(self, ids: mx.array, cache: KVCache, **vision_inputs) -> mx.array:
@@ -388,9 +420,15 @@ class DiffusionGemma(nn.Module):
         """
         return self.head(self.encode(ids, cache, return_hidden=True, **vision_inputs)[:, -1])
 
-    def denoise(self, canvas: mx.array, cache: KVCache | CanvasView, self_conditioning: mx.array | None = None,
-                self_conditioning_probs: mx.array | None = None, active: mx.array | None = None,
-                self_conditioned_rows: mx.array | None = None) -> mx.array:
+    def denoise(
+        self,
+        canvas: mx.array,
+        cache: KVCache | CanvasView,
+        self_conditioning: mx.array | None = None,
+        self_conditioning_probs: mx.array | None = None,
+        active: mx.array | None = None,
+        self_conditioned_rows: mx.array | None = None,
+    ) -> mx.array:
         """Logits [B, C, V] (float32, soft-capped) for a canvas [B, C]; the cache is only read.
 
         ``cache`` is the encoder's cache, or a ``CanvasView`` of it that the sampler lays out once

@@ -38,8 +38,9 @@ class ExpertLinear(nn.Module):
         return _per_segment(x, counts, lambda rows, e: rows @ w[e].T)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_) -> "QuantizedExpertLinear":
-        return QuantizedExpertLinear(*mx.quantize(self.weight, group_size, bits, mode=mode), group_size=group_size,
-                                     bits=bits, mode=mode)
+        return QuantizedExpertLinear(
+            *mx.quantize(self.weight, group_size, bits, mode=mode), group_size=group_size, bits=bits, mode=mode
+        )
 
 
 class QuantizedExpertLinear(nn.Module):
@@ -53,18 +54,34 @@ class QuantizedExpertLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
-        y = mx.gather_qmm(gather_operand(x), self.weight, self.scales, self.get("biases"), rhs_indices=idx,
-                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                          sorted_indices=True)
+        y = mx.gather_qmm(
+            gather_operand(x),
+            self.weight,
+            self.scales,
+            self.get("biases"),
+            rhs_indices=idx,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=True,
+        )
         return y.reshape(x.shape[0], -1)
 
     def segments(self, x: mx.array, counts: list[int]) -> mx.array:
         biases = self.get("biases")
 
         def product(rows, e):
-            return self.kernels.quantized_matmul(rows, self.weight[e], self.scales[e],
-                                                 None if biases is None else biases[e], True, self.group_size,
-                                                 self.bits, self.mode)
+            return self.kernels.quantized_matmul(
+                rows,
+                self.weight[e],
+                self.scales[e],
+                None if biases is None else biases[e],
+                True,
+                self.group_size,
+                self.bits,
+                self.mode,
+            )
 
         return _per_segment(x, counts, product)
 
@@ -125,16 +142,16 @@ class Experts(nn.Module):
 
     def _ffn_segments(self, xs: mx.array, counts: list[int], row_copies: int) -> mx.array:
         gate_up = self.gate_up_proj.segments(xs, counts)
-        return self.down_proj.segments(self._gelu(gate_up[..., : self.inner], row_copies)
-                                       * gate_up[..., self.inner :], counts)
+        return self.down_proj.segments(
+            self._gelu(gate_up[..., : self.inner], row_copies) * gate_up[..., self.inner :], counts
+        )
 
     def _ffn_gather(self, xs: mx.array, sorted_idx: mx.array, row_copies: int) -> mx.array:
         gate_up = self.gate_up_proj(xs, sorted_idx)
         h = self._gelu(gate_up[..., : self.inner], row_copies) * gate_up[..., self.inner :]
         return self.down_proj(h, sorted_idx)
 
-    def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None,
-                       row_copies: int) -> mx.array:
+    def _local_outputs(self, xs: mx.array, sorted_idx: mx.array, counts: list[int] | None, row_copies: int) -> mx.array:
         """The outputs [N, H] of the copies routed to this rank's experts, zero for the others."""
         start, stop = self.shard.start, self.shard.stop
         n = stop - start

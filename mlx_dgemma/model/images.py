@@ -146,18 +146,24 @@ def preprocess(images, config: ImageProcessorConfig) -> dict:
         pad = config.max_patches - patches.shape[0]
         pixel_values.append(np.pad(patches, [(0, pad), (0, 0)]))
         positions.append(np.pad(where, [(0, pad), (0, 0)], constant_values=-1))
-    return {"pixel_values": np.stack(pixel_values), "image_position_ids": np.stack(positions).astype(np.int64),
-            "num_soft_tokens_per_image": soft_tokens}
+    return {
+        "pixel_values": np.stack(pixel_values),
+        "image_position_ids": np.stack(positions).astype(np.int64),
+        "num_soft_tokens_per_image": soft_tokens,
+    }
 
 
-def expand_image_tokens(ids: list[int], soft_tokens: list[int], image_token_id: int, boi_token_id: int,
-                        eoi_token_id: int) -> list[int]:
+def expand_image_tokens(
+    ids: list[int], soft_tokens: list[int], image_token_id: int, boi_token_id: int, eoi_token_id: int
+) -> list[int]:
     """Each image placeholder (the image token, as the chat template writes it) → ``<boi>``, the
     image's soft tokens, ``<eoi>``, as the reference's processor expands them."""
     placeholders = sum(1 for i in ids if i == image_token_id)
     if placeholders != len(soft_tokens):
-        raise ImageError(f"the prompt has {placeholders} image placeholders for {len(soft_tokens)} images; "
-                         "give one image per placeholder")
+        raise ImageError(
+            f"the prompt has {placeholders} image placeholders for {len(soft_tokens)} images; "
+            "give one image per placeholder"
+        )
     out: list[int] = []
     counts = iter(soft_tokens)
     for token in ids:
@@ -196,7 +202,9 @@ def open_image(source):
         raise ImageError(f"{name} is over the {MAX_IMAGE_PIXELS} pixels accepted; scale it down first") from None
     except OSError as e:
         raise ImageError(f"cannot read image {name}: {e.strerror or e}") from None
-    except Exception:  # damaged bytes: Pillow's plugins raise ValueError (a text chunk past its bound), struct.error, ...
+    except (
+        Exception
+    ):  # damaged bytes: Pillow's plugins raise ValueError (a text chunk past its bound), struct.error, ...
         raise ImageError(f"{name} is not an image Pillow can read (PNG, JPEG, GIF, WebP, …)") from None
     _check_size(image, name)
     return image
@@ -222,8 +230,10 @@ def _name(source) -> str:
 
 def _check_size(image, name: str) -> None:
     if image.width * image.height > MAX_IMAGE_PIXELS:
-        raise ImageError(f"{name} is {image.width}x{image.height} pixels, more than the "
-                         f"{MAX_IMAGE_PIXELS} pixels accepted; scale it down first")
+        raise ImageError(
+            f"{name} is {image.width}x{image.height} pixels, more than the "
+            f"{MAX_IMAGE_PIXELS} pixels accepted; scale it down first"
+        )
 
 
 def image_from_url(url: str, folder: str | Path | None = "/"):
@@ -286,10 +296,12 @@ def image_inputs(model, ids: list[int], images) -> tuple[list[int], dict]:
     check_takes_images(model)
     cfg = model.config
     processor = getattr(model, "image_processor", None) or ImageProcessorConfig.from_dict(
-        {"patch_size": cfg.vision_config.patch_size, "pooling_kernel_size": cfg.vision_config.pooling_kernel_size})
+        {"patch_size": cfg.vision_config.patch_size, "pooling_kernel_size": cfg.vision_config.pooling_kernel_size}
+    )
     inputs = preprocess(images, processor)
-    ids = expand_image_tokens(ids, inputs["num_soft_tokens_per_image"], cfg.image_token_id, cfg.boi_token_id,
-                              cfg.eoi_token_id)
+    ids = expand_image_tokens(
+        ids, inputs["num_soft_tokens_per_image"], cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id
+    )
     return ids, {"pixel_values": inputs["pixel_values"], "image_position_ids": inputs["image_position_ids"]}
 
 
@@ -298,8 +310,9 @@ def images_after(ids: list[int], vision_inputs: dict, start: int, image_token_id
     whole images: it ends before a prompt's last token, and images end with <eoi>)."""
     if not vision_inputs:
         return {}
-    done = sum(token == image_token_id and (i == 0 or ids[i - 1] != image_token_id)
-               for i, token in enumerate(ids[:start]))
+    done = sum(
+        token == image_token_id and (i == 0 or ids[i - 1] != image_token_id) for i, token in enumerate(ids[:start])
+    )
     if done == len(vision_inputs["pixel_values"]):
         return {}
     return {name: value[done:] for name, value in vision_inputs.items()}

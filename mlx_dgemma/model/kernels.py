@@ -97,8 +97,16 @@ def _mlx_quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mod
     return mx.quantized_matmul(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode)
 
 
-MLX = Kernels("mlx", _mlx_softcap, _mlx_softmax, _mlx_tempered_distribution, _gather_always, _mlx_attention,
-              _mlx_gelu, _mlx_quantized_matmul)
+MLX = Kernels(
+    "mlx",
+    _mlx_softcap,
+    _mlx_softmax,
+    _mlx_tempered_distribution,
+    _gather_always,
+    _mlx_attention,
+    _mlx_gelu,
+    _mlx_quantized_matmul,
+)
 
 
 # --- CPU -----------------------------------------------------------------------------------------
@@ -191,8 +199,9 @@ def _numpy_softmax_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.arr
     # The mask as an additive bias at its own size, broadcast in place over the heads.
     bias = None if mask is None else np.where(_host(mask), np.float32(0), np.float32(-np.inf))[:, :, None]
     per_query = bias is not None and bias.shape[-2] != 1  # (a mask of one row for every query is shared whole)
-    _in_parallel(lambda a, b: _softmax_in_place(view[..., a:b, :], bias[..., a:b, :] if per_query else bias),
-                 T, view.size)
+    _in_parallel(
+        lambda a, b: _softmax_in_place(view[..., a:b, :], bias[..., a:b, :] if per_query else bias), T, view.size
+    )
     out = scores.astype(v.dtype) @ v
     return out.reshape(B, H, T, v.shape[-1])
 
@@ -265,7 +274,9 @@ _GELU_C = np.float32(math.sqrt(2 / math.pi))
 
 
 def _cpu_gelu(x: mx.array, elements: int | None = None) -> mx.array:
-    return _numpy_gelu(x) if (x.size if elements is None else elements) >= NUMPY_GELU_MIN_ELEMENTS else nn.gelu_approx(x)
+    return (
+        _numpy_gelu(x) if (x.size if elements is None else elements) >= NUMPY_GELU_MIN_ELEMENTS else nn.gelu_approx(x)
+    )
 
 
 @mx.custom_function
@@ -300,8 +311,12 @@ DEQUANTIZED_TILE_ELEMENTS = 1 << 17
 
 # Affine 2- and 4-bit weights are unpacked a byte at a time through a table: byte value -> its values,
 # lowest bits first (MLX's packing); 8-bit bytes are the values themselves.
-_BYTE_VALUES = {bits: np.array([[(byte >> (bits * i)) & ((1 << bits) - 1) for i in range(8 // bits)]
-                                for byte in range(256)], dtype=np.float32) for bits in (2, 4)}
+_BYTE_VALUES = {
+    bits: np.array(
+        [[(byte >> (bits * i)) & ((1 << bits) - 1) for i in range(8 // bits)] for byte in range(256)], dtype=np.float32
+    )
+    for bits in (2, 4)
+}
 NUMPY_DEQUANTIZED_BITS = (2, 4, 8)
 
 
@@ -349,8 +364,14 @@ def _dequantized(w, scales, biases, group_size: int, bits: int, mode: str):
     if _scratch.buffer is None or _scratch.buffer.size < rows * width:
         _scratch.buffer, _scratch.view = _filled_by_numpy((max(rows * width, DEQUANTIZED_CHUNK_ELEMENTS),))
     out = _scratch.view[: rows * width].reshape(rows, width)
-    _dequantize_into(out, _host(w).view(np.uint8), _host(scales.astype(mx.float32)),
-                     _host(biases.astype(mx.float32)), group_size, bits)
+    _dequantize_into(
+        out,
+        _host(w).view(np.uint8),
+        _host(scales.astype(mx.float32)),
+        _host(biases.astype(mx.float32)),
+        group_size,
+        bits,
+    )
     _scratch.busy = True
     try:
         yield _scratch.buffer[: rows * width].reshape(rows, width)
@@ -358,8 +379,9 @@ def _dequantized(w, scales, biases, group_size: int, bits: int, mode: str):
         _scratch.busy = False
 
 
-def _dequantize_into(out: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray,
-                     group_size: int, bits: int) -> None:
+def _dequantize_into(
+    out: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int, bits: int
+) -> None:
     """``out`` [rows, in] = scales · values + biases per group, from ``packed`` bytes [rows, in · bits / 8],
     tile by tile, the rows split among the cores."""
     rows = out.shape[0]
@@ -380,16 +402,30 @@ def _dequantize_into(out: np.ndarray, packed: np.ndarray, scales: np.ndarray, bi
     _in_parallel(work, rows, out.size)
 
 
-CPU = Kernels("cpu", _cpu_softcap, _cpu_softmax, _cpu_tempered_distribution, _cpu_expert_counts, _cpu_attention,
-              _cpu_gelu, _cpu_quantized_matmul)
+CPU = Kernels(
+    "cpu",
+    _cpu_softcap,
+    _cpu_softmax,
+    _cpu_tempered_distribution,
+    _cpu_expert_counts,
+    _cpu_attention,
+    _cpu_gelu,
+    _cpu_quantized_matmul,
+)
 
 
 def differentiable(kernels: Kernels) -> Kernels:
     """``kernels`` for training: plain MLX wherever a numpy path has no gradient of its own (and for
     attention, whose numpy forward would be recomputed in MLX by its gradient anyway); the GELU keeps
     its numpy forward and MLX gradient, and the expert dispatch stays (its products are MLX's)."""
-    return replace(kernels, name=f"{kernels.name} (differentiable)", softcap=_mlx_softcap, softmax=_mlx_softmax,
-                   tempered_distribution=_mlx_tempered_distribution, attention=_mlx_attention)
+    return replace(
+        kernels,
+        name=f"{kernels.name} (differentiable)",
+        softcap=_mlx_softcap,
+        softmax=_mlx_softmax,
+        tempered_distribution=_mlx_tempered_distribution,
+        attention=_mlx_attention,
+    )
 
 
 def for_device(device: mx.Device | None = None) -> Kernels:

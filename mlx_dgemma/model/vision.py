@@ -26,8 +26,9 @@ from .config import VisionConfig
 
 def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     """RMSNorm in float32 (as the reference computes it), cast back to the input's dtype."""
-    return mx.fast.rms_norm(x.astype(mx.float32), weight if weight is None else weight.astype(mx.float32),
-                            eps).astype(x.dtype)
+    return mx.fast.rms_norm(x.astype(mx.float32), weight if weight is None else weight.astype(mx.float32), eps).astype(
+        x.dtype
+    )
 
 
 class Float32RMSNorm(nn.Module):
@@ -68,12 +69,12 @@ def axial_rope(x: mx.array, positions: mx.array, theta: float) -> mx.array:
     inv_freq = 1.0 / (theta ** (mx.arange(0, d // 2, 2, dtype=mx.float32) / (d // 2)))
     halves = []
     for axis in range(2):
-        part = x[..., axis * 2 * quarter:(axis + 1) * 2 * quarter]
+        part = x[..., axis * 2 * quarter : (axis + 1) * 2 * quarter]
         angles = positions[:, axis].astype(mx.float32)[:, None] * inv_freq[None, :]  # [T, d/4]
         cos, sin = mx.cos(angles)[:, None, :].astype(x.dtype), mx.sin(angles)[:, None, :].astype(x.dtype)
         x1, x2 = part[..., :quarter], part[..., quarter:]
         halves += [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-    return mx.concatenate(halves + [x[..., 4 * quarter:]], axis=-1)
+    return mx.concatenate(halves + [x[..., 4 * quarter :]], axis=-1)
 
 
 class VisionAttention(nn.Module):
@@ -118,8 +119,12 @@ class VisionLayer(nn.Module):
         super().__init__()
         self.self_attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             setattr(self, name, Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
@@ -251,8 +256,10 @@ def place_image_features(model, ids: mx.array, embeds: mx.array, pixel_values, i
     features = image_features(model, pixel_values, image_position_ids).astype(embeds.dtype)
     slots = np.flatnonzero(np.array(ids).reshape(-1) == model.config.image_token_id)
     if len(slots) != features.shape[0]:
-        raise ValueError(f"the prompt has {len(slots)} image tokens but the images give {features.shape[0]} "
-                         "soft tokens; expand each image placeholder with images.expand_image_tokens")
+        raise ValueError(
+            f"the prompt has {len(slots)} image tokens but the images give {features.shape[0]} "
+            "soft tokens; expand each image placeholder with images.expand_image_tokens"
+        )
     index = np.full(embeds.shape[1], -1)
     index[slots] = np.arange(len(slots))
     rows = features[mx.array(np.maximum(index, 0))][None]
@@ -279,6 +286,6 @@ def with_image_blocks(masks: list, blocks: np.ndarray) -> list:
     for mask in masks:
         if mask is not None:
             K = mask.shape[-1]
-            mask = mx.concatenate([mask[..., : K - T], mask[..., K - T:] | same], axis=-1)
+            mask = mx.concatenate([mask[..., : K - T], mask[..., K - T :] | same], axis=-1)
         out.append(mask)
     return out

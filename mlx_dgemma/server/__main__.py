@@ -32,7 +32,7 @@ def _chat_template_args(context, parameter, value: str) -> dict:
     except json.JSONDecodeError as e:
         raise click.BadParameter(f"not JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(args, dict):
-        raise click.BadParameter(f'must be a JSON object such as \'{{"enable_thinking": true}}\', not {value[:40]}')
+        raise click.BadParameter(f"must be a JSON object such as '{{\"enable_thinking\": true}}', not {value[:40]}")
     if own := [name for name in OWN_TEMPLATE_ARGS if name in args]:
         raise click.BadParameter(f"{own[0]} is set by each request; leave it out")
     if not isinstance(args.get("enable_thinking", False), bool):
@@ -44,47 +44,127 @@ def _chat_template_args(context, parameter, value: str) -> dict:
 @click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
-@click.option("--allowed-origins", default=",".join(ALLOWED_ORIGINS), show_default=True,
-              callback=lambda c, p, v: [origin.strip() for origin in v.split(",") if origin.strip()],
-              help="Comma-separated origins whose browser pages may call the server (CORS); * allows any.")
+@click.option(
+    "--allowed-origins",
+    default=",".join(ALLOWED_ORIGINS),
+    show_default=True,
+    callback=lambda c, p, v: [origin.strip() for origin in v.split(",") if origin.strip()],
+    help="Comma-separated origins whose browser pages may call the server (CORS); * allows any.",
+)
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @sampling_options
-@click.option("--chat-template", default=None,
-              help="A chat template (Jinja, as in a Hugging Face tokenizer_config.json) in place of the checkpoint's.")
-@click.option("--chat-template-args", default="{}", show_default=True, callback=_chat_template_args,
-              help='JSON object of arguments for the chat template, e.g. \'{"enable_thinking": true}\' (thinking '
-                   "on unless a request turns it off).")
-@click.option("--max-tokens", type=POSITIVE,
-              help="Default max_tokens of a request [default: the checkpoint's max_new_tokens].")
-@click.option("--max-steps", default=MAX_STEPS, show_default=True, type=click.IntRange(1, MAX_STEPS),
-              help="Most denoising steps a request may ask for (each is a forward of the decoder).")
-@click.option("--prompt-cache-size", default=10, show_default=True, type=click.IntRange(min=0),
-              help="Prompt KV caches kept for reuse (least recently used dropped first).")
-@click.option("--prefill-step-size", default=PREFILL_STEP_SIZE, show_default=True,
-              type=click.IntRange(1, MAX_PREFILL_STEP_SIZE),
-              help="Prompt tokens encoded per forward.")
+@click.option(
+    "--chat-template",
+    default=None,
+    help="A chat template (Jinja, as in a Hugging Face tokenizer_config.json) in place of the checkpoint's.",
+)
+@click.option(
+    "--chat-template-args",
+    default="{}",
+    show_default=True,
+    callback=_chat_template_args,
+    help="JSON object of arguments for the chat template, e.g. '{\"enable_thinking\": true}' (thinking "
+    "on unless a request turns it off).",
+)
+@click.option(
+    "--max-tokens", type=POSITIVE, help="Default max_tokens of a request [default: the checkpoint's max_new_tokens]."
+)
+@click.option(
+    "--max-steps",
+    default=MAX_STEPS,
+    show_default=True,
+    type=click.IntRange(1, MAX_STEPS),
+    help="Most denoising steps a request may ask for (each is a forward of the decoder).",
+)
+@click.option(
+    "--prompt-cache-size",
+    default=10,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Prompt KV caches kept for reuse (least recently used dropped first).",
+)
+@click.option(
+    "--prefill-step-size",
+    default=PREFILL_STEP_SIZE,
+    show_default=True,
+    type=click.IntRange(1, MAX_PREFILL_STEP_SIZE),
+    help="Prompt tokens encoded per forward.",
+)
 @kv_cache_options
-@click.option("--max-request-bytes", default=MAX_REQUEST_BYTES, show_default=True, type=POSITIVE,
-              help="Largest request body accepted (bigger ones get 413).")
-@click.option("--max-images", default=MAX_IMAGES, show_default=True, type=click.IntRange(min=0),
-              help="Image parts accepted in one request.")
-@click.option("--max-image-pixels", default=MAX_REQUEST_PIXELS, show_default=True, type=POSITIVE,
-              help="Pixels of a request's images together (read from their headers before decoding).")
-@click.option("--allowed-image-dir", type=click.Path(exists=True, file_okay=False, resolve_path=True),
-              help="Folder whose image files an image_url may name by path or file:// URL [default: none; "
-                   "only data URLs].")
-@click.option("--shutdown-grace", default=SHUTDOWN_GRACE, show_default=True, type=click.FloatRange(min=0),
-              help="Seconds requests in flight get to finish after SIGTERM before they end with a 503.")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False),
-              help="Log level: info logs each request uvicorn answers and each refusal with its reason and the "
-                   "field behind it, debug each request's body in outline as it arrives.")
-@click.option("--ignore-memory-check", is_flag=True, help="Load the model even where the weights, a canvas and one "
-                                                          "answer's KV cache need more memory than the device can give.")
-def main(model, host, port, allowed_origins, adapter_path, temperature, top_p, min_p, top_k, chat_template,
-         chat_template_args, max_tokens, max_steps, prompt_cache_size, prefill_step_size, kv_bits, kv_group_size,
-         quantized_kv_start, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, shutdown_grace, log_level,
-         ignore_memory_check):
+@click.option(
+    "--max-request-bytes",
+    default=MAX_REQUEST_BYTES,
+    show_default=True,
+    type=POSITIVE,
+    help="Largest request body accepted (bigger ones get 413).",
+)
+@click.option(
+    "--max-images",
+    default=MAX_IMAGES,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Image parts accepted in one request.",
+)
+@click.option(
+    "--max-image-pixels",
+    default=MAX_REQUEST_PIXELS,
+    show_default=True,
+    type=POSITIVE,
+    help="Pixels of a request's images together (read from their headers before decoding).",
+)
+@click.option(
+    "--allowed-image-dir",
+    type=click.Path(exists=True, file_okay=False, resolve_path=True),
+    help="Folder whose image files an image_url may name by path or file:// URL [default: none; only data URLs].",
+)
+@click.option(
+    "--shutdown-grace",
+    default=SHUTDOWN_GRACE,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds requests in flight get to finish after SIGTERM before they end with a 503.",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False),
+    help="Log level: info logs each request uvicorn answers and each refusal with its reason and the "
+    "field behind it, debug each request's body in outline as it arrives.",
+)
+@click.option(
+    "--ignore-memory-check",
+    is_flag=True,
+    help="Load the model even where the weights, a canvas and one "
+    "answer's KV cache need more memory than the device can give.",
+)
+def main(
+    model,
+    host,
+    port,
+    allowed_origins,
+    adapter_path,
+    temperature,
+    top_p,
+    min_p,
+    top_k,
+    chat_template,
+    chat_template_args,
+    max_tokens,
+    max_steps,
+    prompt_cache_size,
+    prefill_step_size,
+    kv_bits,
+    kv_group_size,
+    quantized_kv_start,
+    max_request_bytes,
+    max_images,
+    max_image_pixels,
+    allowed_image_dir,
+    shutdown_grace,
+    log_level,
+    ignore_memory_check,
+):
     """Serve a DiffusionGemma model over OpenAI's (chat, completions, Responses), Anthropic's and Ollama's APIs."""
     import uvicorn
 
@@ -105,20 +185,28 @@ def main(model, host, port, allowed_origins, adapter_path, temperature, top_p, m
             try:
                 render_chat_template(chat_template, [{"role": "user", "content": "x"}])
             except Exception as e:  # (jinja's syntax and render errors, whatever their class)
-                raise ValueError(f"--chat-template cannot render a conversation: {' '.join(str(e).split())[:200]}") from None
+                raise ValueError(
+                    f"--chat-template cannot render a conversation: {' '.join(str(e).split())[:200]}"
+                ) from None
             tokenizer.chat_template = chat_template
         if chat_template_args.get("enable_thinking") and not tokenizer.renders_thinking:
-            raise ValueError("--chat-template-args: this model's chat template has no thinking switch "
-                             "(enable_thinking); leave it out")
+            raise ValueError(
+                "--chat-template-args: this model's chat template has no thinking switch "
+                "(enable_thinking); leave it out"
+            )
         if kv is not None:
             kv.check([dgemma.config.layer_head_dim(i) for i in range(dgemma.config.num_hidden_layers)])
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    scheduler = Scheduler(dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size,
-                          kv_quantization=kv)
+    scheduler = Scheduler(
+        dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size, kv_quantization=kv
+    )
     limits = Limits(max_tokens, max_request_bytes, max_images, max_image_pixels, allowed_image_dir, max_steps)
-    options = {name: value for name, value in dict(temperature=temperature, top_p=top_p, min_p=min_p,
-                                                   top_k=top_k).items() if value is not None}
+    options = {
+        name: value
+        for name, value in dict(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k).items()
+        if value is not None
+    }
     try:
         server = Server(dgemma, tokenizer, model or "mlx-dgemma-demo", scheduler, limits, options, chat_template_args)
     except BadRequest as e:  # a default a request could not send either (--temp 3: over OpenAI's 2)

@@ -21,8 +21,15 @@ from .scheduler import RequestFailed, Usage
 from .settings import SETTINGS
 
 PASSED = ("model", "max_tokens", "template", *SETTINGS)  # top_p and top_k among the settings
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 
@@ -49,16 +56,24 @@ class Anthropic(Api):
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise BadRequest("tools must be a list", param="tools")
-        return given({**{k: body[k] for k in PASSED if k in body}, "messages": messages,
-                      "stop": body.get("stop_sequences"), "stream": body.get("stream"),
-                      "tools": [_tool(t) for t in tools or []] or None,
-                      "tool_choice": _tool_choice(body.get("tool_choice")),
-                      "reasoning_effort": _effort(body.get("thinking"), body.get("max_tokens"))}), True
+        return given(
+            {
+                **{k: body[k] for k in PASSED if k in body},
+                "messages": messages,
+                "stop": body.get("stop_sequences"),
+                "stream": body.get("stream"),
+                "tools": [_tool(t) for t in tools or []] or None,
+                "tool_choice": _tool_choice(body.get("tool_choice")),
+                "reasoning_effort": _effort(body.get("thinking"), body.get("max_tokens")),
+            }
+        ), True
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
-        blocks = ([_thinking(answer.reasoning)] if answer.reasoning else []) + \
-            ([{"type": "text", "text": answer.content}] if answer.content or not answer.calls else []) + \
-            [_tool_use(name, arguments) for name, arguments in answer.calls]
+        blocks = (
+            ([_thinking(answer.reasoning)] if answer.reasoning else [])
+            + ([{"type": "text", "text": answer.content}] if answer.content or not answer.calls else [])
+            + [_tool_use(name, arguments) for name, arguments in answer.calls]
+        )
         return {**self._message(blocks, answer), "usage": _usage(answer.usage)}
 
     async def stream(self, events, reply: Reply):
@@ -73,17 +88,26 @@ class Anthropic(Api):
             if isinstance(piece, RequestFailed):
                 yield _sse("error", error={"type": _error_type(piece.status), "message": str(piece)})
                 return
-            wanted = "thinking" if isinstance(piece, Thought) else (
-                "text" if isinstance(piece, str) or not piece.calls or kind == "text" else None)
+            wanted = (
+                "thinking"
+                if isinstance(piece, Thought)
+                else ("text" if isinstance(piece, str) or not piece.calls or kind == "text" else None)
+            )
             if kind is not None and kind != wanted:
                 if kind == "thinking":
-                    yield _sse("content_block_delta", index=index, delta={"type": "signature_delta",
-                                                                          "signature": _signature(thought)})
+                    yield _sse(
+                        "content_block_delta",
+                        index=index,
+                        delta={"type": "signature_delta", "signature": _signature(thought)},
+                    )
                 yield _sse("content_block_stop", index=index)
                 kind, index = None, index + 1
             if kind is None and wanted is not None:
-                yield _sse("content_block_start", index=index, content_block=_thinking("", "") if
-                           wanted == "thinking" else {"type": "text", "text": ""})
+                yield _sse(
+                    "content_block_start",
+                    index=index,
+                    content_block=_thinking("", "") if wanted == "thinking" else {"type": "text", "text": ""},
+                )
                 kind, thought = wanted, ""
             if isinstance(piece, Thought):
                 thought += piece
@@ -98,22 +122,32 @@ class Anthropic(Api):
             for name, arguments in piece.calls:
                 block = _tool_use(name, arguments)
                 yield _sse("content_block_start", index=index, content_block={**block, "input": {}})
-                yield _sse("content_block_delta", index=index, delta={"type": "input_json_delta",
-                                                                      "partial_json": arguments})
+                yield _sse(
+                    "content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": arguments}
+                )
                 yield _sse("content_block_stop", index=index)
                 index += 1
             final = self._message([], piece)
-            yield _sse("message_delta", delta={"stop_reason": final["stop_reason"],
-                                               "stop_sequence": final["stop_sequence"]}, usage=_usage(piece.usage))
+            yield _sse(
+                "message_delta",
+                delta={"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]},
+                usage=_usage(piece.usage),
+            )
             yield _sse("message_stop")
 
     def _message(self, content: list[dict], answer: Answer | None) -> dict:
         stop_reason = None
         if answer is not None:
             stop_reason = STOP_REASONS.get(answer.finish, "stop_sequence" if answer.stop_sequence else "end_turn")
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.server.model_id,
-                "content": content, "stop_reason": stop_reason,
-                "stop_sequence": answer.stop_sequence if answer is not None else None}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.server.model_id,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": answer.stop_sequence if answer is not None else None,
+        }
 
     def error_reply(self, e: BadRequest) -> Response:
         return anthropic_error(str(e), e.status)
@@ -137,8 +171,12 @@ async def _after(first, events):
 
 
 def _usage(usage: Usage) -> dict:
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _effort(thinking, max_tokens) -> str | None:
@@ -152,21 +190,29 @@ def _effort(thinking, max_tokens) -> str | None:
     if kind == "adaptive":
         return "medium"
     if kind != "enabled":
-        raise BadRequest('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
-                         '{"type": "disabled"}', param="reasoning_effort")
+        raise BadRequest(
+            'thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or {"type": "disabled"}',
+            param="reasoning_effort",
+        )
     budget = thinking.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
-        raise BadRequest(f"thinking.budget_tokens must be an integer of at least 1024, got "
-                         f"{shown_json(budget)}", param="reasoning_effort")
+        raise BadRequest(
+            f"thinking.budget_tokens must be an integer of at least 1024, got {shown_json(budget)}",
+            param="reasoning_effort",
+        )
     if isinstance(max_tokens, int) and budget >= max_tokens:
-        raise BadRequest(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
-                         param="reasoning_effort")
+        raise BadRequest(
+            f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})", param="reasoning_effort"
+        )
     return "high"
 
 
 def _thinking(thought: str, signature: str | None = None) -> dict:
-    return {"type": "thinking", "thinking": thought,
-            "signature": _signature(thought) if signature is None else signature}
+    return {
+        "type": "thinking",
+        "thinking": thought,
+        "signature": _signature(thought) if signature is None else signature,
+    }
 
 
 def _signature(thought: str) -> str:
@@ -197,11 +243,21 @@ def _messages(message, index: int) -> list:
     for block in message["content"]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_result":
-            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": _text(block.get("content") or "", f"messages[{index}]: a tool_result's content")})
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.get("tool_use_id"),
+                    "content": _text(block.get("content") or "", f"messages[{index}]: a tool_result's content"),
+                }
+            )
         elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))},
+                }
+            )
         elif kind == "image":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), index)}})
         elif kind in ("thinking", "redacted_thinking"):
@@ -219,17 +275,24 @@ def _image_url(source, index: int) -> str:
         return f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
     if isinstance(source, dict) and source.get("type") == "url":
         return str(source.get("url"))
-    raise BadRequest(f'messages[{index}]: an image block needs a source {{"type": "base64", "media_type": '
-                     '"image/png", "data": ...}', param="messages")
+    raise BadRequest(
+        f'messages[{index}]: an image block needs a source {{"type": "base64", "media_type": '
+        '"image/png", "data": ...}',
+        param="messages",
+    )
 
 
 def _tool(tool) -> dict:
     if not (isinstance(tool, dict) and isinstance(tool.get("name"), str) and tool.get("type") in (None, "custom")):
-        raise BadRequest('each tool must be {"name": ..., "input_schema": {a JSON schema}} (the server runs no '
-                         'server tools)', param="tools")
+        raise BadRequest(
+            'each tool must be {"name": ..., "input_schema": {a JSON schema}} (the server runs no server tools)',
+            param="tools",
+        )
     function = {"name": tool["name"], "parameters": tool.get("input_schema")}
-    return {"type": "function", "function": {**function, **({"description": tool["description"]}
-                                                          if "description" in tool else {})}}
+    return {
+        "type": "function",
+        "function": {**function, **({"description": tool["description"]} if "description" in tool else {})},
+    }
 
 
 def _tool_choice(choice):
@@ -240,8 +303,9 @@ def _tool_choice(choice):
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
     if kind not in ("auto", "any", "none"):
-        raise BadRequest(f'tool_choice type must be "auto", "any", "tool" or "none", got {shown_json(kind)}',
-                         param="tool_choice")
+        raise BadRequest(
+            f'tool_choice type must be "auto", "any", "tool" or "none", got {shown_json(kind)}', param="tool_choice"
+        )
     return {"any": "required"}.get(kind, kind)
 
 
@@ -256,5 +320,7 @@ def routes(server: Server) -> list[Route]:
     async def count_tokens(request):
         return await server.count_tokens(request, Anthropic(server))
 
-    return [Route("/v1/messages", messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
+    return [
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]

@@ -41,6 +41,8 @@ MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64:
 MAX_IMAGES = 8  # image parts in one request
 MAX_REQUEST_PIXELS = 1 << 24  # a request's images together, by their headers (four 2048x2048 photos)
 PREPARE_THREADS = 2  # requests rendered, tokenized and decoded at once (bounds their memory too)
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the server accepts of a request."""
@@ -56,8 +58,16 @@ class Limits:
 class Server:
     """The endpoints, for requests within ``limits``."""
 
-    def __init__(self, model, tokenizer, model_id: str, scheduler: Scheduler, limits: Limits = Limits(),
-                 options: dict | None = None, chat_template_args: dict | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_id: str,
+        scheduler: Scheduler,
+        limits: Limits = Limits(),
+        options: dict | None = None,
+        chat_template_args: dict | None = None,
+    ):
         """``options``: the generation options a request that does not set them gets (by body field name,
         the server's --temp, --top-p...: checked as a request's are, a ``BadRequest`` naming the field);
         ``chat_template_args``: the chat template's arguments for every request (``enable_thinking``:
@@ -81,8 +91,12 @@ class Server:
         return JSONResponse({"status": "ok", **self.scheduler.status()})
 
     async def models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dgemma"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dgemma"}],
+            }
+        )
 
     async def respond(self, request: Request, api: Api) -> Response:
         """Read, translate and check ``request``'s body, run it, and answer in ``api``'s shape."""
@@ -95,8 +109,11 @@ class Server:
             jobs, reply = prepared
             queues = [self.scheduler.submit(job) for job in jobs]
             if reply.stream:
-                return StreamingResponse(self._streamed(api, jobs, queues, reply, request), media_type=api.stream_type,
-                                         headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    self._streamed(api, jobs, queues, reply, request),
+                    media_type=api.stream_type,
+                    headers={"Cache-Control": "no-cache"},
+                )
             answers = await self._wholes(jobs, queues, reply, request)
             return await self.off_loop(lambda: json_reply(api.replies(answers, reply)))
         except BadRequest as e:
@@ -161,16 +178,20 @@ class Server:
         jobs, echoes = [], []
         for i, prompt in enumerate(prompts):
             try:
-                read = self.reader.read(body if chat else {**body, "prompt": prompt}, chat, api.max_stop,
-                                        api.caps_max_tokens)
+                read = self.reader.read(
+                    body if chat else {**body, "prompt": prompt}, chat, api.max_stop, api.caps_max_tokens
+                )
                 choices, reply = self.reader.jobs(read)
             except BadRequest as e:
                 if len(prompts) == 1 or e.param != "prompt":
                     raise
                 raise BadRequest(f"prompt[{i}]: {e}", "prompt", e.code, e.status) from None
             if len(jobs) + len(choices) > MAX_PROMPTS:
-                raise BadRequest(f"{len(prompts)} prompts of n {reply.n} choices each are more than the {MAX_PROMPTS} "
-                                 "choices one request takes; send fewer prompts or a smaller n", param="n")
+                raise BadRequest(
+                    f"{len(prompts)} prompts of n {reply.n} choices each are more than the {MAX_PROMPTS} "
+                    "choices one request takes; send fewer prompts or a smaller n",
+                    param="n",
+                )
             jobs += choices
             echoes += reply.echoes or []
         reply.echoes, reply.prompts = echoes or None, len(prompts)
@@ -186,8 +207,12 @@ class Server:
         """``request``'s body as a JSON object, read on the event loop up to the size limit and parsed
         off it (``number``: the request's in the log, where it is outlined once parsed)."""
         limit = self.limits.max_request_bytes
-        too_big = BadRequest(f"the request body is over the server's limit of {limit} bytes; send less, or "
-                             "start the server with a larger --max-request-bytes", code="request_too_large", status=413)
+        too_big = BadRequest(
+            f"the request body is over the server's limit of {limit} bytes; send less, or "
+            "start the server with a larger --max-request-bytes",
+            code="request_too_large",
+            status=413,
+        )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
@@ -222,8 +247,9 @@ class Server:
                 pass
         return Answer(content, reasoning, calls, "tool_calls" if calls else finish, event.usage, event.stop_sequence)
 
-    async def _wholes(self, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply,
-                      request: Request) -> list[Answer]:
+    async def _wholes(
+        self, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply, request: Request
+    ) -> list[Answer]:
         """Each choice's whole answer; one that fails ends the others."""
         tasks = [asyncio.ensure_future(self._whole(job, events, reply, request)) for job, events in zip(jobs, queues)]
         try:
@@ -252,8 +278,7 @@ class Server:
         job.cancel()
         raise BadRequest("the client went away", status=499)
 
-    async def _streamed(self, api: Api, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply,
-                        request: Request):
+    async def _streamed(self, api: Api, jobs: list[Job], queues: list[asyncio.Queue], reply: Reply, request: Request):
         events = job_events(queues[0], request) if len(queues) == 1 else choice_events(queues, request)
         try:
             async for chunk in api.stream(events, reply):

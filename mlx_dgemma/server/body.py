@@ -54,6 +54,7 @@ def _stepwise() -> json.JSONDecoder:
             if next(containers) > MAX_CONTAINERS:
                 raise TooManyContainers(f"the request body holds more than {MAX_CONTAINERS} arrays and objects")
             return parse(*args)
+
         return parse_counted
 
     decoder.parse_array = counted(json.decoder.JSONArray)
@@ -97,8 +98,11 @@ def _not_json(data: dict) -> tuple[str, str]:
             return field, value
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
         for key, item in reversed(list(items)):
-            name = f"[{key}]" if isinstance(value, list) else (
-                f"{'.' if field else ''}{key if len(key) <= 40 else key[:37] + '...'}")
+            name = (
+                f"[{key}]"
+                if isinstance(value, list)
+                else (f"{'.' if field else ''}{key if len(key) <= 40 else key[:37] + '...'}")
+            )
             stack.append((item, field + name))
     raise AssertionError("no NaN or Infinity in data")
 
@@ -111,8 +115,11 @@ def check_unicode(body: dict) -> None:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 name = key if key.isascii() else None
-                raise BadRequest(f"{name or 'a key'} holds text that is not valid Unicode (a lone surrogate such "
-                                 "as \\ud800); send UTF-8 text", param=name) from None
+                raise BadRequest(
+                    f"{name or 'a key'} holds text that is not valid Unicode (a lone surrogate such "
+                    "as \\ud800); send UTF-8 text",
+                    param=name,
+                ) from None
 
 
 def json_reply(content, status: int = 200) -> Response:

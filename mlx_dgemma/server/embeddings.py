@@ -60,13 +60,19 @@ class Embeddings:
         server.reader.check_model(model_name(server, body.get("model")))
         width = server.model.config.hidden_size
         if (dimensions := body.get("dimensions")) is not None and dimensions != width:
-            raise BadRequest(f"dimensions must be {width} (the model's width) or left out, got {shown(dimensions)}: "
-                             "its pooled states are not trained to be cut", param="dimensions")
+            raise BadRequest(
+                f"dimensions must be {width} (the model's width) or left out, got {shown(dimensions)}: "
+                "its pooled states are not trained to be cut",
+                param="dimensions",
+            )
         inputs = self.inputs(body)
         field = inputs[0][0].partition("[")[0] if inputs else None
         if len(inputs) > MAX_INPUTS:
-            raise BadRequest(f"{field} has {len(inputs)} texts, more than the {MAX_INPUTS} one request may embed; "
-                             "send them in several requests", param=field)
+            raise BadRequest(
+                f"{field} has {len(inputs)} texts, more than the {MAX_INPUTS} one request may embed; "
+                "send them in several requests",
+                param=field,
+            )
         truncate, context, vocab = self.truncates(body), server.context, server.model.config.vocab_size
         rows, total = [], 0
         for name, text in inputs:
@@ -81,19 +87,26 @@ class Embeddings:
             else:
                 ids = text
                 if bad := [i for i in ids if not 0 <= i < vocab]:
-                    raise BadRequest(f"{name} holds token id {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})",
-                                     param=field)
+                    raise BadRequest(
+                        f"{name} holds token id {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})", param=field
+                    )
             if len(ids) > context:
                 if not truncate:
-                    raise BadRequest(f"{name} is {len(ids)} tokens, more than the model's context of {context}; "
-                                     f"{self.too_long}", param=field, code="context_length_exceeded")
+                    raise BadRequest(
+                        f"{name} is {len(ids)} tokens, more than the model's context of {context}; {self.too_long}",
+                        param=field,
+                        code="context_length_exceeded",
+                    )
                 ids = ids[:context]
             if not ids:
                 raise BadRequest(f"{name} has no tokens to embed; send some text", param=field)
             total += len(ids)
             if total > MAX_REQUEST_TOKENS:
-                raise BadRequest(f"{field}'s texts are more than {MAX_REQUEST_TOKENS} tokens together (by {name}), "
-                                 "more than one request may embed; send them in several requests", param=field)
+                raise BadRequest(
+                    f"{field}'s texts are more than {MAX_REQUEST_TOKENS} tokens together (by {name}), "
+                    "more than one request may embed; send them in several requests",
+                    param=field,
+                )
             rows.append(ids)
         return rows
 
@@ -115,12 +128,16 @@ class OpenAIEmbeddings(Embeddings):
         if isinstance(value, str) and value or _token_ids(value):
             return [("input", value)]
         if not (isinstance(value, list) and value):
-            raise BadRequest(f"input must be a non-empty string, a list of them, token ids or a list of those, "
-                             f"got {shown(value)}", param="input")
+            raise BadRequest(
+                f"input must be a non-empty string, a list of them, token ids or a list of those, got {shown(value)}",
+                param="input",
+            )
         for i, text in enumerate(value):
             if not (isinstance(text, str) and text or _token_ids(text)):
-                raise BadRequest(f"input[{i}] must be a non-empty string or a non-empty list of token ids, "
-                                 f"got {shown(text)}", param="input")
+                raise BadRequest(
+                    f"input[{i}] must be a non-empty string or a non-empty list of token ids, got {shown(text)}",
+                    param="input",
+                )
         return [(f"input[{i}]", text) for i, text in enumerate(value)]
 
     def reply(self, vectors, rows: list[list[int]]) -> dict:
@@ -128,9 +145,12 @@ class OpenAIEmbeddings(Embeddings):
             return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode() if self.base64 else vector.tolist()
 
         tokens = sum(map(len, rows))
-        return {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": encoded(v)}
-                                           for i, v in enumerate(vectors)],
-                "model": self.server.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return {
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "model": self.server.model_id,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
 
 
 class OllamaEmbed(Embeddings):
@@ -158,9 +178,13 @@ class OllamaEmbed(Embeddings):
         return truncate is not False
 
     def reply(self, vectors, rows: list[list[int]]) -> dict:
-        return {"model": self.name, "embeddings": [v.tolist() for v in vectors],
-                "total_duration": time.monotonic_ns() - self.started, "load_duration": 0,
-                "prompt_eval_count": sum(map(len, rows))}
+        return {
+            "model": self.name,
+            "embeddings": [v.tolist() for v in vectors],
+            "total_duration": time.monotonic_ns() - self.started,
+            "load_duration": 0,
+            "prompt_eval_count": sum(map(len, rows)),
+        }
 
     def error_reply(self, e: BadRequest) -> Response:
         return ollama_error(str(e), e.status)
@@ -197,6 +221,8 @@ def routes(server: Server) -> list[Route]:
 
         return embed
 
-    return [Route("/v1/embeddings", endpoint(OpenAIEmbeddings), methods=["POST"]),
-            Route("/api/embed", endpoint(OllamaEmbed), methods=["POST"]),
-            Route("/api/embeddings", endpoint(OllamaEmbeddings), methods=["POST"])]
+    return [
+        Route("/v1/embeddings", endpoint(OpenAIEmbeddings), methods=["POST"]),
+        Route("/api/embed", endpoint(OllamaEmbed), methods=["POST"]),
+        Route("/api/embeddings", endpoint(OllamaEmbeddings), methods=["POST"]),
+    ]

@@ -29,6 +29,7 @@ async def job_events(events: asyncio.Queue, request: Request) -> AsyncIterator[E
         if event.error is not None or event.finish_reason is not None:
             return
 
+
 async def choice_events(queues: list[asyncio.Queue], request: Request) -> AsyncIterator[Event]:
     """The events of a request's choices as they come, each marked with its choice (``Event.choice``),
     until every choice has finished, one has failed, or the client has gone away."""

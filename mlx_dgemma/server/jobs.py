@@ -35,10 +35,17 @@ MAX_PROMPTS = 64  # a completions request's prompts, times n: its choices (each 
 # OpenAI parameters this server does not honour, each with the value that leaves it off: clients
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
-UNSUPPORTED = {"best_of": 1, "logit_bias": {},
-               "suffix": "", "functions": [],
-               "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
-               "web_search_options": None}
+UNSUPPORTED = {
+    "best_of": 1,
+    "logit_bias": {},
+    "suffix": "",
+    "functions": [],
+    "function_call": "none",
+    "modalities": ["text"],
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class AskedLayout:
     @property
     def given(self) -> bool:
         return self.template is not None or self.schema is not None
+
 
 @dataclass(frozen=True)
 class RequestBody:
@@ -82,8 +90,15 @@ class Reader:
     """Reads requests for ``model`` (the server's ``options`` are the defaults a request may override;
     ``chat_template_args`` go to the chat template with every request)."""
 
-    def __init__(self, model, tokenizer, model_id: str, limits, options: dict | None = None,
-                 chat_template_args: dict | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_id: str,
+        limits,
+        options: dict | None = None,
+        chat_template_args: dict | None = None,
+    ):
         self.model, self.tokenizer, self.model_id, self.limits = model, tokenizer, model_id, limits
         self.defaults = generation_config(model, tokenizer)
         self.options = request_options(options or {}, self.defaults, model.config.canvas_length, limits.max_steps)
@@ -93,18 +108,21 @@ class Reader:
         # No token is longer than the vocabulary's longest: text longer than that many per position
         # cannot fit the context, and is refused before it is rendered or tokenized.
         self.max_text_chars = self.context * max(
-            [len(tokenizer.piece(i)) for i in range(model.config.vocab_size)] if tokenizer.has_vocabulary else [1])
+            [len(tokenizer.piece(i)) for i in range(model.config.vocab_size)] if tokenizer.has_vocabulary else [1]
+        )
 
-    def read(self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS, cap_max_tokens: bool = False
-             ) -> RequestBody:
+    def read(
+        self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS, cap_max_tokens: bool = False
+    ) -> RequestBody:
         """``body``'s fields, each of its type and within its bounds (a 400 naming the first that is not)."""
         check_supported(body, chat)
         self.check_model(body.get("model"))
         stream = typed(body, "stream", bool, False)
         n = typed(body, "n", int, 1)
         if not 1 <= n <= MAX_CHOICES:
-            raise BadRequest(f"n must be from 1 to {MAX_CHOICES}, the choices this server runs for one request, "
-                             f"got {n}", param="n")
+            raise BadRequest(
+                f"n must be from 1 to {MAX_CHOICES}, the choices this server runs for one request, got {n}", param="n"
+            )
         stream_options = typed(body, "stream_options", dict, None) or {}
         max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = typed(body, max_key, int, None)
@@ -116,37 +134,81 @@ class Reader:
         stop = [stop] if isinstance(stop, str) else stop
         if len(stop) > max_stop or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(f"stop must be a non-empty string or a list of at most {max_stop}", param="stop")
-        options = {**self.options, **request_options(body, self.defaults, self.model.config.canvas_length,
-                                                     self.limits.max_steps)}
+        options = {
+            **self.options,
+            **request_options(body, self.defaults, self.model.config.canvas_length, self.limits.max_steps),
+        }
         tools, forced = self._tools(body) if chat else ([], None)
         suffix = None if chat else typed(body, "suffix", str, None) or None
         layout = self._layout(body, forced)
         if suffix is not None and layout.given:
             raise BadRequest("give one of suffix, template and response_format", param="suffix")
         # A JSON answer (a schema, json_object, a forced call) starts at once: no thought before it.
-        think = reasoning.thinks(body, chat, self.tokenizer.renders_thinking,
-                                 self.chat_template_args.get("enable_thinking", False)) and layout.schema is None
-        return RequestBody(body, chat, stream, n, bool(stream_options.get("include_usage")), max_key, max_tokens, top,
-                           echo, stop, options, tools, forced, suffix, layout, think, cap_max_tokens)
+        think = (
+            reasoning.thinks(
+                body, chat, self.tokenizer.renders_thinking, self.chat_template_args.get("enable_thinking", False)
+            )
+            and layout.schema is None
+        )
+        return RequestBody(
+            body,
+            chat,
+            stream,
+            n,
+            bool(stream_options.get("include_usage")),
+            max_key,
+            max_tokens,
+            top,
+            echo,
+            stop,
+            options,
+            tools,
+            forced,
+            suffix,
+            layout,
+            think,
+            cap_max_tokens,
+        )
 
     def jobs(self, request: RequestBody) -> tuple[list[Job], Reply]:
         """The request's jobs, one per choice (``n``), resolved, and how to shape their answers."""
         body, chat, forced, layout = request.body, request.chat, request.forced, request.layout
         tools = request.tools if request.tools and not forced else None
-        ids, vision_inputs = (self._chat_prompt(body, tools, request.think) if chat
-                              else (self._text_prompt(body, empty=request.suffix is not None), {}))
-        job = Job(ids, GenerationArgs(), stop=[] if layout.given else request.stop,  # (stops never cut a layout)
-                  hold=[CALL_OPEN] if tools else [], whole=forced is not None,
-                  prompt_param="messages" if chat else "prompt", template_param=layout.param if layout.given else None,
-                  max_tokens_param=request.max_key, think=request.think, logprobs=request.logprobs, echo=request.echo,
-                  stream=request.stream)
-        reply = Reply(chat, request.stream, request.include_usage, bool(tools),
-                      tuple(t["function"]["name"] for t in forced or ()),
-                      id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", prompt_tokens=len(ids),
-                      n=request.n, logprobs=request.logprobs is not None,
-                      echoes=[self._echo(body, ids)] * request.n if request.echo else None)
+        ids, vision_inputs = (
+            self._chat_prompt(body, tools, request.think)
+            if chat
+            else (self._text_prompt(body, empty=request.suffix is not None), {})
+        )
+        job = Job(
+            ids,
+            GenerationArgs(),
+            stop=[] if layout.given else request.stop,  # (stops never cut a layout)
+            hold=[CALL_OPEN] if tools else [],
+            whole=forced is not None,
+            prompt_param="messages" if chat else "prompt",
+            template_param=layout.param if layout.given else None,
+            max_tokens_param=request.max_key,
+            think=request.think,
+            logprobs=request.logprobs,
+            echo=request.echo,
+            stream=request.stream,
+        )
+        reply = Reply(
+            chat,
+            request.stream,
+            request.include_usage,
+            bool(tools),
+            tuple(t["function"]["name"] for t in forced or ()),
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            prompt_tokens=len(ids),
+            n=request.n,
+            logprobs=request.logprobs is not None,
+            echoes=[self._echo(body, ids)] * request.n if request.echo else None,
+        )
         max_tokens, template = request.max_tokens, layout.template
-        if max_tokens == 0:  # the prompt scored, nothing generated (a stop, a suffix or a layout has no answer to shape)
+        if (
+            max_tokens == 0
+        ):  # the prompt scored, nothing generated (a stop, a suffix or a layout has no answer to shape)
             self.check_ids(ids, job.prompt_param)
             job.args = GenerationArgs.of(**request.options, max_tokens=0)
             return choices(job, request.n), reply
@@ -154,15 +216,24 @@ class Reader:
             template, max_tokens = self._infill(job, request.suffix, max_tokens)
         elif request.cap_max_tokens and max_tokens is not None:
             max_tokens = min(max_tokens, answer_room(ids, self.model.config))
-        job.args = GenerationArgs.of(**request.options, max_tokens=max_tokens, template=template, schema=layout.schema,
-                                     images=ImageInputs(vision_inputs) if vision_inputs else None)
+        job.args = GenerationArgs.of(
+            **request.options,
+            max_tokens=max_tokens,
+            template=template,
+            schema=layout.schema,
+            images=ImageInputs(vision_inputs) if vision_inputs else None,
+        )
         try:  # everything about the request that needs no device, checked once: the worker plans it
-            job.resolved = resolve(self.model, self.tokenizer, ids, job.args, self.max_tokens, layout.reads_call,
-                                   request.max_key)
+            job.resolved = resolve(
+                self.model, self.tokenizer, ids, job.args, self.max_tokens, layout.reads_call, request.max_key
+            )
         except ValueError as e:
             refused = failure(job, e, bad_input=ValueError)
-            raise BadRequest(str(refused), param=refused.param,
-                             code="context_length_exceeded" if getattr(e, "context", False) else None) from None
+            raise BadRequest(
+                str(refused),
+                param=refused.param,
+                code="context_length_exceeded" if getattr(e, "context", False) else None,
+            ) from None
         return choices(job, request.n), reply
 
     def count(self, body: dict) -> int:
@@ -174,15 +245,22 @@ class Reader:
     def check_model(self, model) -> None:
         """A request for this server's model (or for none, or "default_model")."""
         if model not in (None, self.model_id, "default_model"):
-            raise BadRequest(f"the model {validate.shown_json(model, 80)} does not exist; this server serves "
-                             f"'{self.model_id}'", param="model", code="model_not_found", status=404)
+            raise BadRequest(
+                f"the model {validate.shown_json(model, 80)} does not exist; this server serves '{self.model_id}'",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
 
     def check_length(self, chars: int, what: str, param: str) -> None:
         """Refuse text that cannot fit the context before it is rendered or tokenized."""
         if chars > self.max_text_chars:
-            raise BadRequest(f"{what} is {chars} characters: more than the model's context of {self.context} "
-                             f"tokens can hold (at most {self.max_text_chars})", param=param,
-                             code="context_length_exceeded")
+            raise BadRequest(
+                f"{what} is {chars} characters: more than the model's context of {self.context} "
+                f"tokens can hold (at most {self.max_text_chars})",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         """A prompt of ids the model can take and answer within its context, for a request that is not
@@ -202,8 +280,10 @@ class Reader:
         if sum(x is not None for x in (text, forced, None if kind == "text" else kind)) > 1:
             raise BadRequest("give one of template, response_format and a forced tool call", param="response_format")
         if kind not in ("text", "json_object", "json_schema"):
-            raise BadRequest(f"response_format type must be text, json_object or json_schema, got {shown(kind)}",
-                             param="response_format")
+            raise BadRequest(
+                f"response_format type must be text, json_object or json_schema, got {shown(kind)}",
+                param="response_format",
+            )
         if text is not None:
             self.check_length(len(text), "the template", "template")
             return AskedLayout(template=text, param="template")
@@ -213,16 +293,21 @@ class Reader:
                     check_tool(tool)
             except TemplateError as e:
                 raise BadRequest(str(e), param="tools") from None
-            schema = (forced[0]["function"].get("parameters") or {"type": "object", "properties": {}}
-                      if len(forced) == 1 else call_choice_schema(forced))
+            schema = (
+                forced[0]["function"].get("parameters") or {"type": "object", "properties": {}}
+                if len(forced) == 1
+                else call_choice_schema(forced)
+            )
             self.check_length(sum(map(len, strings(schema))), "the tool's parameters", "tools")
             return AskedLayout(schema=schema, param="tools", reads_call=True)
         if kind == "json_schema":
             spec = response_format.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, (dict, bool)):
-                raise BadRequest("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
-                                 "\"schema\": {...}}}", param="response_format")
+                raise BadRequest(
+                    'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                    param="response_format",
+                )
             self.check_length(sum(map(len, strings(schema))), "the schema's text", "response_format")
             return AskedLayout(schema=schema)
         if kind == "json_object":
@@ -235,11 +320,16 @@ class Reader:
         tools = typed(body, "tools", list, None) or []
         for tool in tools:
             function = tool.get("function") if isinstance(tool, dict) else None
-            if not (isinstance(function, dict) and tool.get("type") == "function"
-                    and isinstance(function.get("name"), str)
-                    and isinstance(function.get("parameters", {}), (dict, type(None)))):
-                raise BadRequest('each tool must be {"type": "function", "function": {"name": ..., "parameters": '
-                                 '{a JSON schema}}}', param="tools")
+            if not (
+                isinstance(function, dict)
+                and tool.get("type") == "function"
+                and isinstance(function.get("name"), str)
+                and isinstance(function.get("parameters", {}), (dict, type(None)))
+            ):
+                raise BadRequest(
+                    'each tool must be {"type": "function", "function": {"name": ..., "parameters": {a JSON schema}}}',
+                    param="tools",
+                )
             try:
                 check_parameters(function)
             except TemplateError as e:
@@ -257,8 +347,11 @@ class Reader:
         name = function.get("name") if isinstance(function, dict) else None
         named = [t for t in tools if t["function"]["name"] == name]
         if not named:
-            raise BadRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, "
-                             f"got {validate.shown(choice)}", param="tool_choice")
+            raise BadRequest(
+                f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, "
+                f"got {validate.shown(choice)}",
+                param="tool_choice",
+            )
         return tools, named[:1]
 
     def _chat_prompt(self, body: dict, tools: list[dict] | None, think: bool = False) -> tuple[list[int], dict]:
@@ -278,15 +371,22 @@ class Reader:
         # text for the template), and so are tools where the template writes none (the demo's; clients
         # such as Open WebUI send dozens with every chat).
         tools = tools if tools and self.tokenizer.renders_tools else None
-        self.check_length(sum(map(len, strings([plain, tools]))),
-                           "the text of the messages and tools" if tools else "the text of the messages", "messages")
+        self.check_length(
+            sum(map(len, strings([plain, tools]))),
+            "the text of the messages and tools" if tools else "the text of the messages",
+            "messages",
+        )
         if (pixels := sum(image.width * image.height for image in images)) > self.limits.max_image_pixels:
-            raise BadRequest(f"the request's images are {pixels} pixels together, more than the "
-                             f"{self.limits.max_image_pixels} accepted; scale them down", param="messages")
+            raise BadRequest(
+                f"the request's images are {pixels} pixels together, more than the "
+                f"{self.limits.max_image_pixels} accepted; scale them down",
+                param="messages",
+            )
         extra = {"tools": tools} if tools else {}
         try:  # (enable_thinking given either way: a template whose default is on is off unless asked)
-            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, **{
-                **self.chat_template_args, "enable_thinking": think}, **extra)
+            text = self.tokenizer.apply_chat_template(
+                plain, add_generation_prompt=True, **{**self.chat_template_args, "enable_thinking": think}, **extra
+            )
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         self.check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
@@ -294,9 +394,11 @@ class Reader:
         vision_inputs = {}
         if images:
             if (placed := ids.count(self.model.config.image_token_id)) != len(images):
-                raise BadRequest(f"the chat template wrote {placed} image placeholders for {len(images)} images (a "
-                                 "template that takes no image parts, or drops them from some messages)",
-                                 param="messages")
+                raise BadRequest(
+                    f"the chat template wrote {placed} image placeholders for {len(images)} images (a "
+                    "template that takes no image parts, or drops them from some messages)",
+                    param="messages",
+                )
             try:  # each placeholder the template wrote becomes its image's soft tokens
                 ids, vision_inputs = image_inputs(self.model, ids, [decode_image(image) for image in images])
             except ImageError as e:
@@ -311,20 +413,28 @@ class Reader:
         if isinstance(content, str):
             return content, []
         if not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
-            raise BadRequest(f"messages[{index}].content must be a string or a list of text and image_url parts",
-                             param="messages")
-        if kinds := {t[:40] if isinstance(t := p.get("type"), str) else validate.shown_json(t)
-                     for p in content} - {"text", "image_url"}:
-            raise BadRequest(f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; "
-                             f"send text or image_url", param="messages")
+            raise BadRequest(
+                f"messages[{index}].content must be a string or a list of text and image_url parts", param="messages"
+            )
+        if kinds := {t[:40] if isinstance(t := p.get("type"), str) else validate.shown_json(t) for p in content} - {
+            "text",
+            "image_url",
+        }:
+            raise BadRequest(
+                f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; send text or image_url",
+                param="messages",
+            )
         if all(p.get("type") == "text" for p in content):
             return "".join(str(p.get("text", "")) for p in content), []
         if not has_vision(self.model):
-            raise BadRequest(f"messages[{index}] has an image, but this model takes text only (no vision tower)",
-                             param="messages")
+            raise BadRequest(
+                f"messages[{index}] has an image, but this model takes text only (no vision tower)", param="messages"
+            )
         if (count := earlier_images + sum(p.get("type") == "image_url" for p in content)) > self.limits.max_images:
-            raise BadRequest(f"the request has {count} or more images, more than the {self.limits.max_images} accepted",
-                             param="messages")
+            raise BadRequest(
+                f"the request has {count} or more images, more than the {self.limits.max_images} accepted",
+                param="messages",
+            )
         parts, images = [], []
         for part in content:
             if part.get("type") == "text":
@@ -333,8 +443,11 @@ class Reader:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str):
-                raise BadRequest(f'messages[{index}]: an image_url part must be {{"type": "image_url", '
-                                 f'"image_url": {{"url": "data:image/png;base64,..."}}}}', param="messages")
+                raise BadRequest(
+                    f'messages[{index}]: an image_url part must be {{"type": "image_url", '
+                    f'"image_url": {{"url": "data:image/png;base64,..."}}}}',
+                    param="messages",
+                )
             try:
                 images.append(open_image_url(url, self.limits.image_dir))
             except ImageError as e:
@@ -371,21 +484,29 @@ class Reader:
         left = (self.context - len(ids)) // canvas * canvas  # whole canvases after the prompt
         tail = len(self.tokenizer.encode(suffix, add_special_tokens=False))
         if tail >= left:
-            raise BadRequest(f"the suffix is {tail} tokens: with a fill before it, it does not fit the {left} "
-                             f"positions the model's context of {self.context} leaves after the {len(ids)}-token "
-                             "prompt", param="suffix", code="context_length_exceeded")
+            raise BadRequest(
+                f"the suffix is {tail} tokens: with a fill before it, it does not fit the {left} "
+                f"positions the model's context of {self.context} leaves after the {len(ids)}-token "
+                "prompt",
+                param="suffix",
+                code="context_length_exceeded",
+            )
         room = left - tail
         if max_tokens is None:
             max_tokens = min(self.max_tokens, room)
         elif max_tokens > room:  # refused before the hole is built: it would take max_tokens positions
-            raise BadRequest(f"max_tokens is {max_tokens}, but the model's context of {self.context} leaves room "
-                             f"for at most {room} before the {tail}-token suffix after the {len(ids)}-token "
-                             "prompt", param="max_tokens", code="context_length_exceeded")
+            raise BadRequest(
+                f"max_tokens is {max_tokens}, but the model's context of {self.context} leaves room "
+                f"for at most {room} before the {tail}-token suffix after the {len(ids)}-token "
+                "prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         try:
             template = infill_template(self.tokenizer, suffix, max_tokens, canvas, left)
         except TemplateError as e:
             raise BadRequest(str(e), param="suffix") from None
-        job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size:])
+        job.tail = self.tokenizer.decode(template.tokens[template.holes[0][1].size :])
         return template, len(template)
 
 
@@ -410,8 +531,11 @@ def prompts(body: dict) -> list:
     if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
         return [prompt]
     if len(prompt) > MAX_PROMPTS:
-        raise BadRequest(f"prompt holds {len(prompt)} prompts, more than the {MAX_PROMPTS} one request takes; "
-                         "send them in several requests", param="prompt")
+        raise BadRequest(
+            f"prompt holds {len(prompt)} prompts, more than the {MAX_PROMPTS} one request takes; "
+            "send them in several requests",
+            param="prompt",
+        )
     return prompt
 
 
@@ -429,14 +553,19 @@ def logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
             raise BadRequest("top_logprobs needs logprobs true", param="top_logprobs")
         return (top or 0) if on else None, False
     if body.get("top_logprobs") not in (None, 0):
-        raise BadRequest("top_logprobs is for chat completions; on completions, logprobs is the number of most "
-                         "likely tokens", param="top_logprobs")
+        raise BadRequest(
+            "top_logprobs is for chat completions; on completions, logprobs is the number of most likely tokens",
+            param="top_logprobs",
+        )
     top = body.get("logprobs")
     if top is False:
         top = None
     if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_TOP_LOGPROBS):
-        raise BadRequest(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens given "
-                         f"per position), got {shown(top)}", param="logprobs")
+        raise BadRequest(
+            f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens given "
+            f"per position), got {shown(top)}",
+            param="logprobs",
+        )
     return top, typed(body, "echo", bool, False)
 
 

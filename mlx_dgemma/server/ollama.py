@@ -36,9 +36,13 @@ class Ollama(Api):
     caps_max_tokens = True  # num_predict: at most that many tokens, as many as the context holds
     # Ollama's options carry the sampler settings (temperature, top_p, top_k, min_p, seed), and here the
     # server's own (policy, steps, template, ...).
-    names = {"max_tokens": "options.num_predict", "response_format": "format", "reasoning_effort": "think",
-             **{key: f"options.{key}" for key in ("stop", "template", *SETTINGS)},
-             "repetition_penalty": "options.repeat_penalty"}
+    names = {
+        "max_tokens": "options.num_predict",
+        "response_format": "format",
+        "reasoning_effort": "think",
+        **{key: f"options.{key}" for key in ("stop", "template", *SETTINGS)},
+        "repetition_penalty": "options.repeat_penalty",
+    }
 
     def __init__(self, server: Server, chat: bool):
         super().__init__(server)
@@ -49,18 +53,20 @@ class Ollama(Api):
     def translate(self, body: dict) -> tuple[dict, bool] | None:
         options = body.get("options") or {}
         if not isinstance(options, dict):
-            raise BadRequest("options must be an object such as {\"temperature\": 0.7, \"seed\": 1}", param="options")
+            raise BadRequest('options must be an object such as {"temperature": 0.7, "seed": 1}', param="options")
         predict = options.get("num_predict")
         self.name = body.get("model") if model_name(self.server, body.get("model")) == self.server.model_id else None
-        shared = {"model": model_name(self.server, body.get("model")),
-                  "stream": True if body.get("stream") is None else body["stream"],
-                  "stop": options.get("stop"),
-                  # (-1: no limit, -2: fill the context; both the server's default)
-                  "max_tokens": None if isinstance(predict, int) and predict < 0 else predict,
-                  "response_format": _response_format(body.get("format")),
-                  "reasoning_effort": _effort(body.get("think")),
-                  **{key: options.get(key) for key in ("template", *SETTINGS)},
-                  "repetition_penalty": options.get("repeat_penalty")}
+        shared = {
+            "model": model_name(self.server, body.get("model")),
+            "stream": True if body.get("stream") is None else body["stream"],
+            "stop": options.get("stop"),
+            # (-1: no limit, -2: fill the context; both the server's default)
+            "max_tokens": None if isinstance(predict, int) and predict < 0 else predict,
+            "response_format": _response_format(body.get("format")),
+            "reasoning_effort": _effort(body.get("think")),
+            **{key: options.get(key) for key in ("template", *SETTINGS)},
+            "repetition_penalty": options.get("repeat_penalty"),
+        }
         if self.chat:
             messages = body.get("messages")
             if not messages:  # Ollama's way of loading a model
@@ -102,8 +108,10 @@ class Ollama(Api):
         if not isinstance(content, str):
             raise BadRequest(f"messages[{index}].content must be a string", param="messages")
         parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + i}} for i in images]
-        return {**{k: v for k, v in message.items() if k != "images"},
-                "content": parts + [{"type": "text", "text": content}]}
+        return {
+            **{k: v for k, v in message.items() if k != "images"},
+            "content": parts + [{"type": "text", "text": content}],
+        }
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
         return self._line(answer, done=True)
@@ -131,9 +139,13 @@ class Ollama(Api):
             if answer.reasoning:
                 message["thinking"] = answer.reasoning
             if answer.calls:
-                message["tool_calls"] = [{"id": f"call_{secrets.token_hex(12)}", "function": {
-                    "index": index, "name": name, "arguments": json.loads(arguments)}}
-                    for index, (name, arguments) in enumerate(answer.calls)]
+                message["tool_calls"] = [
+                    {
+                        "id": f"call_{secrets.token_hex(12)}",
+                        "function": {"index": index, "name": name, "arguments": json.loads(arguments)},
+                    }
+                    for index, (name, arguments) in enumerate(answer.calls)
+                ]
             out["message"] = message
         else:
             out["response"] = answer.content
@@ -142,9 +154,13 @@ class Ollama(Api):
         out["done"] = done
         if done:
             usage = answer.usage
-            out.update(done_reason="length" if answer.finish == "length" else "stop",
-                       total_duration=time.monotonic_ns() - self.started, load_duration=0,
-                       prompt_eval_count=usage.prompt_tokens, eval_count=usage.completion_tokens)
+            out.update(
+                done_reason="length" if answer.finish == "length" else "stop",
+                total_duration=time.monotonic_ns() - self.started,
+                load_duration=0,
+                prompt_eval_count=usage.prompt_tokens,
+                eval_count=usage.completion_tokens,
+            )
         return out
 
     def error_reply(self, e: BadRequest) -> Response:
@@ -153,8 +169,15 @@ class Ollama(Api):
     def empty(self) -> Response:
         """What Ollama answers a request with nothing to generate: the model is loaded."""
         text = {"message": {"role": "assistant", "content": ""}} if self.chat else {"response": ""}
-        return JSONResponse({"model": self.name or tagged(self.server.model_id), "created_at": _now(), **text,
-                             "done": True, "done_reason": "load"})
+        return JSONResponse(
+            {
+                "model": self.name or tagged(self.server.model_id),
+                "created_at": _now(),
+                **text,
+                "done": True,
+                "done_reason": "load",
+            }
+        )
 
 
 def ollama_error(message: str, status: int) -> Response:
@@ -199,8 +222,9 @@ def _effort(think) -> str | None:
         return think
     if isinstance(think, bool):
         return "medium" if think else "none"
-    raise BadRequest(f'think must be true, false, "low", "medium" or "high", got {shown_json(think)}',
-                     param="reasoning_effort")
+    raise BadRequest(
+        f'think must be true, false, "low", "medium" or "high", got {shown_json(think)}', param="reasoning_effort"
+    )
 
 
 def _response_format(value) -> dict | None:
@@ -234,30 +258,62 @@ class Models:
         self.size = sum(w.nbytes for w in weights)
         parameters = sum(w.size for w in weights)
         quantization = getattr(config, "quantization", None)
-        self.details = {"parent_model": "", "format": "safetensors", "family": "gemma4", "families": ["gemma4"],
-                        "parameter_size": _count(parameters),
-                        "quantization_level": f"Q{quantization['bits']}" if quantization and "bits" in quantization
-                        else str(weights[0].dtype).removeprefix("mlx.core.").upper()}
-        self.info = {"general.architecture": "gemma4", "general.parameter_count": parameters,
-                     "gemma4.context_length": server.context}
+        self.details = {
+            "parent_model": "",
+            "format": "safetensors",
+            "family": "gemma4",
+            "families": ["gemma4"],
+            "parameter_size": _count(parameters),
+            "quantization_level": f"Q{quantization['bits']}"
+            if quantization and "bits" in quantization
+            else str(weights[0].dtype).removeprefix("mlx.core.").upper(),
+        }
+        self.info = {
+            "general.architecture": "gemma4",
+            "general.parameter_count": parameters,
+            "gemma4.context_length": server.context,
+        }
         tokenizer = server.tokenizer
-        self.capabilities = (["completion", "insert"] + ["tools"] * tokenizer.renders_tools  # as the template does
-                             + ["thinking"] * tokenizer.renders_thinking)
+        self.capabilities = (
+            ["completion", "insert"]
+            + ["tools"] * tokenizer.renders_tools  # as the template does
+            + ["thinking"] * tokenizer.renders_thinking
+        )
         if has_vision(server.model) and tokenizer.has_vocabulary:
             with_image = tokenizer.apply_chat_template(
-                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], tokenize=True)
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], tokenize=True
+            )
             if config.image_token_id in with_image:  # the chat template takes images
                 self.capabilities.append("vision")
         self.modified = datetime.fromtimestamp(server.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         self.name, self.digest = tagged(server.model_id), digest(server.model)
         on_gpu = mx.default_device() == mx.gpu
-        self.loaded = {"name": self.name, "model": self.name, "size": self.size, "digest": self.digest,
-                       "details": self.details, "expires_at": NEVER, "size_vram": self.size if on_gpu else 0,
-                       "context_length": server.context}
+        self.loaded = {
+            "name": self.name,
+            "model": self.name,
+            "size": self.size,
+            "digest": self.digest,
+            "details": self.details,
+            "expires_at": NEVER,
+            "size_vram": self.size if on_gpu else 0,
+            "context_length": server.context,
+        }
 
     async def tags(self, request: Request):
-        return JSONResponse({"models": [{"name": self.name, "model": self.name, "modified_at": self.modified,
-                                         "size": self.size, "digest": self.digest, "details": self.details}]})
+        return JSONResponse(
+            {
+                "models": [
+                    {
+                        "name": self.name,
+                        "model": self.name,
+                        "modified_at": self.modified,
+                        "size": self.size,
+                        "digest": self.digest,
+                        "details": self.details,
+                    }
+                ]
+            }
+        )
 
     async def ps(self, request: Request):
         """The models in memory: the server's, loaded for as long as it runs."""
@@ -271,9 +327,17 @@ class Models:
         name = body.get("model", body.get("name"))
         if model_name(self.server, name) != self.server.model_id:
             return ollama_error(f"model {shown_json(name, 80)} not found; this server serves '{self.name}'", 404)
-        return JSONResponse({"modelfile": "", "parameters": "", "template": "", "details": self.details,
-                             "model_info": self.info, "capabilities": self.capabilities,
-                             "modified_at": self.modified})
+        return JSONResponse(
+            {
+                "modelfile": "",
+                "parameters": "",
+                "template": "",
+                "details": self.details,
+                "model_info": self.info,
+                "capabilities": self.capabilities,
+                "modified_at": self.modified,
+            }
+        )
 
     async def version(self, request: Request):
         return JSONResponse({"version": OLLAMA_VERSION})
@@ -295,7 +359,11 @@ def routes(server: Server) -> list[Route]:
     async def generate(request: Request):
         return await server.respond(request, Ollama(server, chat=False))
 
-    return [Route("/api/chat", chat, methods=["POST"]), Route("/api/generate", generate, methods=["POST"]),
-            Route("/api/tags", models.tags, methods=["GET"]), Route("/api/ps", models.ps, methods=["GET"]),
-            Route("/api/show", models.show, methods=["POST"]),
-            Route("/api/version", models.version, methods=["GET"])]
+    return [
+        Route("/api/chat", chat, methods=["POST"]),
+        Route("/api/generate", generate, methods=["POST"]),
+        Route("/api/tags", models.tags, methods=["GET"]),
+        Route("/api/ps", models.ps, methods=["GET"]),
+        Route("/api/show", models.show, methods=["POST"]),
+        Route("/api/version", models.version, methods=["GET"]),
+    ]

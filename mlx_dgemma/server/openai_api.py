@@ -38,28 +38,48 @@ class OpenAI(Api):
         choices = []
         for index, answer in enumerate(answers):
             if reply.chat:
-                choices.append({"index": index, "message": {"role": "assistant", **self._message(answer)},
-                                "logprobs": self._chat_logprobs(answer) if reply.logprobs else None,
-                                "finish_reason": answer.finish})
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", **self._message(answer)},
+                        "logprobs": self._chat_logprobs(answer) if reply.logprobs else None,
+                        "finish_reason": answer.finish,
+                    }
+                )
                 continue
             echo = reply.echoes[index] if reply.echoes else ""
             logprobs = None
             if reply.logprobs:
                 kept = _kept(self.tokenizer, answer.logprobs, answer.content if answer.stop_sequence else None)
-                logprobs = self._legacy_logprobs((answer.prompt_logprobs or []) + kept, answer.sampled_from,
-                                                 len(echo), len(answer.prompt_logprobs or []))
-            choices.append({"index": index, "text": echo + answer.content, "logprobs": logprobs,
-                            "finish_reason": answer.finish})
-        return {**self._head(reply, chunk=False), "choices": choices,
-                "usage": _usage([answer.usage for answer in answers], reply.n)}
+                logprobs = self._legacy_logprobs(
+                    (answer.prompt_logprobs or []) + kept,
+                    answer.sampled_from,
+                    len(echo),
+                    len(answer.prompt_logprobs or []),
+                )
+            choices.append(
+                {"index": index, "text": echo + answer.content, "logprobs": logprobs, "finish_reason": answer.finish}
+            )
+        return {
+            **self._head(reply, chunk=False),
+            "choices": choices,
+            "usage": _usage([answer.usage for answer in answers], reply.n),
+        }
 
     async def stream(self, events: AsyncIterator[Event], reply: Reply) -> AsyncIterator[str]:
         """Chunks of each choice's deltas as they come (``Event.choice`` its index); the usage of all
         once the last has finished."""
         head = self._head(reply, chunk=True)
         if reply.chat:
-            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None} for i in range(reply.n)]})
+            yield _sse(
+                {
+                    **head,
+                    "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        for i in range(reply.n)
+                    ],
+                }
+            )
         choices = reply.n * reply.prompts
         echoes = list(reply.echoes) if reply.echoes else [""] * choices
         offsets = [0] * choices  # (completions' text_offset: where each choice's next text starts)
@@ -87,19 +107,30 @@ class OpenAI(Api):
 
     def _chat_logprobs(self, answer: Answer) -> dict:
         kept = _kept(self.tokenizer, answer.logprobs, answer.content if answer.stop_sequence else None)
-        return {"content": [self._chat_entry(entry) for entry in kept], "refusal": None,
-                "sampled_from": answer.sampled_from}
+        return {
+            "content": [self._chat_entry(entry) for entry in kept],
+            "refusal": None,
+            "sampled_from": answer.sampled_from,
+        }
 
     def _chat_entry(self, entry: TokenLogprob) -> dict:
         def described(token: int, logprob: float) -> dict:
             text = _shown(self.tokenizer, token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return {**described(entry.token, entry.logprob),
-                "top_logprobs": [described(token, logprob) for token, logprob in entry.top]}
+        return {
+            **described(entry.token, entry.logprob),
+            "top_logprobs": [described(token, logprob) for token, logprob in entry.top],
+        }
 
-    def _legacy_logprobs(self, entries: list[TokenLogprob], sampled_from: str | None, answer_offset: int,
-                         prompt_entries: int, offset: int = 0) -> dict:
+    def _legacy_logprobs(
+        self,
+        entries: list[TokenLogprob],
+        sampled_from: str | None,
+        answer_offset: int,
+        prompt_entries: int,
+        offset: int = 0,
+    ) -> dict:
         """Completions' shape; the text offsets count each token's text from ``offset`` (the answer's
         first token, the ``prompt_entries``-th entry, at ``answer_offset``: after the echoed text)."""
         tokens, offsets = [], []
@@ -108,11 +139,17 @@ class OpenAI(Api):
             tokens.append(_shown(self.tokenizer, entry.token))
             offsets.append(offset)
             offset += len(self.tokenizer.decode([entry.token]))
-        logprobs = {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries],
-                    "top_logprobs": [None if entry.logprob is None else
-                                     {_shown(self.tokenizer, token): logprob for token, logprob in entry.top}
-                                     for entry in entries],
-                    "text_offset": offsets}
+        logprobs = {
+            "tokens": tokens,
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [
+                None
+                if entry.logprob is None
+                else {_shown(self.tokenizer, token): logprob for token, logprob in entry.top}
+                for entry in entries
+            ],
+            "text_offset": offsets,
+        }
         if sampled_from is not None:
             logprobs["sampled_from"] = sampled_from
         return logprobs
@@ -122,10 +159,15 @@ class OpenAI(Api):
         logprobs = None
         if reply.logprobs:
             prompt = event.prompt_logprobs or []
-            logprobs = self._legacy_logprobs(prompt + (event.logprobs or []), event.sampled_from,
-                                             offset + len(echo), len(prompt), offset)
-        return {"index": event.choice, "text": echo + event.content, "logprobs": logprobs,
-                "finish_reason": event.finish_reason}
+            logprobs = self._legacy_logprobs(
+                prompt + (event.logprobs or []), event.sampled_from, offset + len(echo), len(prompt), offset
+            )
+        return {
+            "index": event.choice,
+            "text": echo + event.content,
+            "logprobs": logprobs,
+            "finish_reason": event.finish_reason,
+        }
 
     @staticmethod
     def _message(answer: Answer) -> dict:
@@ -133,9 +175,14 @@ class OpenAI(Api):
         if answer.reasoning:
             message["reasoning_content"] = answer.reasoning
         if answer.calls:
-            message["tool_calls"] = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                                      "function": {"name": name, "arguments": arguments}}
-                                     for name, arguments in answer.calls]
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{secrets.token_hex(12)}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+                for name, arguments in answer.calls
+            ]
         return message
 
     def _delta(self, event: Event, reply: Reply) -> dict:
@@ -159,8 +206,13 @@ class OpenAI(Api):
 
     def _head(self, reply: Reply, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if reply.chat else "text_completion"
-        return {"id": reply.id, "object": kind, "created": int(time.time()), "model": self.server.model_id,
-                "system_fingerprint": None}
+        return {
+            "id": reply.id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.server.model_id,
+            "system_fingerprint": None,
+        }
 
 
 def routes(server: Server) -> list[Route]:
@@ -170,8 +222,10 @@ def routes(server: Server) -> list[Route]:
     async def completions(request):
         return await server.respond(request, OpenAI(server, chat=False))
 
-    return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"])]
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
 
 
 def _shown(tokenizer, token: int) -> str:
@@ -198,9 +252,13 @@ def _usage(usages: list[Usage], n: int = 1) -> dict:
     once (OpenAI's), the completions summed."""
     prompts = usages[::n]
     prompt, completion = sum(u.prompt_tokens for u in prompts), sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in prompts)},
-            "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in usages)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in prompts)},
+        "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in usages)},
+    }
 
 
 def _sse(data: dict) -> str:

@@ -20,8 +20,9 @@ def effort(body: dict) -> str | None:
     elif value is None and body.get("reasoning") is not None:
         raise BadRequest('reasoning must be an object such as {"effort": "low"}', param="reasoning")
     if value is not None and value not in EFFORTS:
-        raise BadRequest(f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {shown_json(value)}",
-                         param="reasoning_effort")
+        raise BadRequest(
+            f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {shown_json(value)}", param="reasoning_effort"
+        )
     return value
 
 
@@ -34,9 +35,13 @@ def thinks(body: dict, chat: bool, renders_thinking: bool, default: bool = False
     if value in OFF:
         return False
     if not chat:
-        raise BadRequest("reasoning needs the chat template: send messages to the chat endpoint, or leave "
-                         "reasoning_effort out", param="reasoning_effort")
+        raise BadRequest(
+            "reasoning needs the chat template: send messages to the chat endpoint, or leave reasoning_effort out",
+            param="reasoning_effort",
+        )
     if not renders_thinking:
-        raise BadRequest("this model's chat template has no thinking switch (enable_thinking); leave "
-                         "reasoning_effort out", param="reasoning_effort")
+        raise BadRequest(
+            "this model's chat template has no thinking switch (enable_thinking); leave reasoning_effort out",
+            param="reasoning_effort",
+        )
     return True

@@ -22,8 +22,12 @@ PASSED = ("model", "parallel_tool_calls", "template", *SETTINGS)  # read as the 
 
 
 class Responses(Api):
-    names = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
-             "reasoning_effort": "reasoning"}
+    names = {
+        "max_tokens": "max_output_tokens",
+        "response_format": "text.format",
+        "messages": "input",
+        "reasoning_effort": "reasoning",
+    }
 
     def __init__(self, server: Server):
         super().__init__(server)
@@ -36,13 +40,19 @@ class Responses(Api):
         self.body = body
         for key in ("previous_response_id", "conversation", "prompt"):
             if body.get(key) is not None:
-                raise BadRequest(f"{key} is not supported by this server (it stores no responses); send the whole "
-                                 "conversation in input", param=key)
+                raise BadRequest(
+                    f"{key} is not supported by this server (it stores no responses); send the whole "
+                    "conversation in input",
+                    param=key,
+                )
         if body.get("background"):
             raise BadRequest("background is not supported by this server; leave it out", param="background")
         if body.get("top_logprobs") not in (None, 0):  # (chat completions give them)
-            raise BadRequest("top_logprobs is not supported on the Responses API by this server; leave it out or send "
-                             "0, or ask chat completions for logprobs", param="top_logprobs")
+            raise BadRequest(
+                "top_logprobs is not supported on the Responses API by this server; leave it out or send "
+                "0, or ask chat completions for logprobs",
+                param="top_logprobs",
+            )
         messages, self.origins = [], []
         if (instructions := body.get("instructions")) is not None:
             if not isinstance(instructions, str):
@@ -64,16 +74,25 @@ class Responses(Api):
         if not isinstance(text, dict):
             raise BadRequest('text must be an object such as {"format": {"type": "text"}}', param="text")
         reasoning = body.get("reasoning") or {}
-        return given({**{k: body[k] for k in PASSED if k in body}, "messages": messages, "stream": body.get("stream"),
-                      "max_tokens": body.get("max_output_tokens"), "response_format": _format(text.get("format")),
-                      "tools": [_tool(t) for t in _list(body.get("tools"), "tools")] or None,
-                      "tool_choice": _tool_choice(body.get("tool_choice")),
-                      "reasoning_effort": reasoning.get("effort") if isinstance(reasoning, dict) else reasoning}), True
+        return given(
+            {
+                **{k: body[k] for k in PASSED if k in body},
+                "messages": messages,
+                "stream": body.get("stream"),
+                "max_tokens": body.get("max_output_tokens"),
+                "response_format": _format(text.get("format")),
+                "tools": [_tool(t) for t in _list(body.get("tools"), "tools")] or None,
+                "tool_choice": _tool_choice(body.get("tool_choice")),
+                "reasoning_effort": reasoning.get("effort") if isinstance(reasoning, dict) else reasoning,
+            }
+        ), True
 
     def reply(self, answer: Answer, reply: Reply) -> dict:
-        items = ([self._reasoning_item(answer.reasoning)] if answer.reasoning else []) + \
-            ([self._text_item(answer.content)] if answer.content or not answer.calls else []) + \
-            [_call_item(name, arguments) for name, arguments in answer.calls]
+        items = (
+            ([self._reasoning_item(answer.reasoning)] if answer.reasoning else [])
+            + ([self._text_item(answer.content)] if answer.content or not answer.calls else [])
+            + [_call_item(name, arguments) for name, arguments in answer.calls]
+        )
         return self._response(answer, items)
 
     async def stream(self, events, reply: Reply):
@@ -88,11 +107,15 @@ class Responses(Api):
         kind, text, where = None, "", {}  # the item being streamed ("reasoning" or "message") and its text
         async for piece in self.server.text_pieces(events, reply):
             if isinstance(piece, RequestFailed):
-                yield sse("error", **{k: v for k, v in error_body(str(piece), piece.status)["error"].items()
-                                      if k != "type"})
+                yield sse(
+                    "error", **{k: v for k, v in error_body(str(piece), piece.status)["error"].items() if k != "type"}
+                )
                 return
-            wanted = "reasoning" if isinstance(piece, Thought) else (
-                "message" if isinstance(piece, str) or not piece.calls or kind == "message" else None)
+            wanted = (
+                "reasoning"
+                if isinstance(piece, Thought)
+                else ("message" if isinstance(piece, str) or not piece.calls or kind == "message" else None)
+            )
             if kind is not None and kind != wanted:
                 items.append(self._item(kind, text))
                 for event, data in _closing(kind, text, where, items[-1]):
@@ -101,8 +124,11 @@ class Responses(Api):
             if kind is None and wanted is not None:
                 kind, text = wanted, ""
                 where = {"item_id": self._item(kind, "")["id"], "output_index": len(items), "content_index": 0}
-                yield sse("response.output_item.added", output_index=len(items),
-                          item={**self._item(kind, ""), "status": "in_progress", "content": []})
+                yield sse(
+                    "response.output_item.added",
+                    output_index=len(items),
+                    item={**self._item(kind, ""), "status": "in_progress", "content": []},
+                )
                 yield sse("response.content_part.added", **where, part=_part_of(kind, ""))
             if isinstance(piece, str):
                 text += piece
@@ -114,8 +140,11 @@ class Responses(Api):
                     yield sse(event, **data)
             for name, arguments in piece.calls:
                 item, index = _call_item(name, arguments), len(items)
-                yield sse("response.output_item.added", output_index=index,
-                          item={**item, "arguments": "", "status": "in_progress"})
+                yield sse(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "arguments": "", "status": "in_progress"},
+                )
                 call = {"item_id": item["id"], "output_index": index}
                 yield sse("response.function_call_arguments.delta", **call, delta=arguments)
                 yield sse("response.function_call_arguments.done", **call, name=name, arguments=arguments)
@@ -132,26 +161,52 @@ class Responses(Api):
         usage = None
         if answer is not None:
             u = answer.usage
-            usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                     "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
-                     "total_tokens": u.prompt_tokens + u.completion_tokens}
-        return {"id": self.id, "object": "response", "created_at": self.created,
-                "status": "in_progress" if answer is None else "incomplete" if cut else "completed",
-                "model": self.server.model_id, "output": output, "usage": usage, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-                "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-                "parallel_tool_calls": body.get("parallel_tool_calls", True), "temperature": body.get("temperature"),
-                "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice", "auto"),
-                "tools": body.get("tools") or [], "text": body.get("text") or {"format": {"type": "text"}},
-                "store": False, "metadata": body.get("metadata") or {}}
+            usage = {
+                "input_tokens": u.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                "output_tokens": u.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+            }
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": "in_progress" if answer is None else "incomplete" if cut else "completed",
+            "model": self.server.model_id,
+            "output": output,
+            "usage": usage,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "store": False,
+            "metadata": body.get("metadata") or {},
+        }
 
     def _text_item(self, text: str) -> dict:
-        return {"type": "message", "id": self.message_id, "status": "completed", "role": "assistant",
-                "content": [_output_text(text)]}
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": "completed",
+            "role": "assistant",
+            "content": [_output_text(text)],
+        }
 
     def _reasoning_item(self, text: str) -> dict:
-        return {"type": "reasoning", "id": self.reasoning_id, "status": "completed", "summary": [],
-                "content": [_reasoning_text(text)]}
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "status": "completed",
+            "summary": [],
+            "content": [_reasoning_text(text)],
+        }
 
     def _item(self, kind: str, text: str) -> dict:
         return self._reasoning_item(text) if kind == "reasoning" else self._text_item(text)
@@ -184,8 +239,14 @@ def _output_text(text: str) -> dict:
 
 
 def _call_item(name: str, arguments: str) -> dict:
-    return {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": f"call_{secrets.token_hex(12)}",
-            "name": name, "arguments": arguments, "status": "completed"}
+    return {
+        "type": "function_call",
+        "id": f"fc_{secrets.token_hex(12)}",
+        "call_id": f"call_{secrets.token_hex(12)}",
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
 
 
 def _list(value, name: str) -> list:
@@ -207,21 +268,35 @@ def _message(item, index: int) -> dict | None:
             content = [_part(part) for part in content]
         return {"role": "system" if role == "developer" else role, "content": content}
     if kind == "function_call":
-        return {"role": "assistant", "content": "", "tool_calls": [{
-            "id": item.get("call_id"), "type": "function",
-            "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]}
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": item.get("call_id"),
+                    "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+                }
+            ],
+        }
     if kind == "function_call_output":
         output = item.get("output")
         if isinstance(output, list):
             if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in output):
-                raise BadRequest(f"input[{index}].output must be a string or a list of parts "
-                                 '{"type": "input_text", "text": "..."}', param="input")
+                raise BadRequest(
+                    f"input[{index}].output must be a string or a list of parts "
+                    '{"type": "input_text", "text": "..."}',
+                    param="input",
+                )
             output = "".join(p.get("text", "") for p in output)
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
     if kind == "reasoning":
         return None
-    raise BadRequest(f"input[{index}]: items of type {shown_json(kind)} are not supported; send messages, "
-                     "function_call and function_call_output items", param="input")
+    raise BadRequest(
+        f"input[{index}]: items of type {shown_json(kind)} are not supported; send messages, "
+        "function_call and function_call_output items",
+        param="input",
+    )
 
 
 def _part(part):
@@ -246,8 +321,11 @@ def _format(value) -> dict | None:
 
 def _tool(tool) -> dict:
     if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str)):
-        raise BadRequest('each tool must be {"type": "function", "name": ..., "parameters": {a JSON schema}} '
-                         '(the server runs no built-in tools)', param="tools")
+        raise BadRequest(
+            'each tool must be {"type": "function", "name": ..., "parameters": {a JSON schema}} '
+            "(the server runs no built-in tools)",
+            param="tools",
+        )
     return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
 
 

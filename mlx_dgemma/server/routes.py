@@ -35,18 +35,29 @@ def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS) -> Starlette:
         """A path or method no route takes, in the error shape of the API the path belongs to."""
         path, status = request.url.path, exc.status_code
         allowed = (exc.headers or {}).get("Allow") if status == 405 else None
-        message = (f"{path} does not take {request.method}; send {allowed}" if allowed
-                   else f"no route {request.method} {path}")
+        message = (
+            f"{path} does not take {request.method}; send {allowed}" if allowed else f"no route {request.method} {path}"
+        )
         if path.startswith("/api/"):
             return ollama.ollama_error(message, status)
         if path.startswith("/v1/messages"):
             return anthropic.anthropic_error(message, status)
         return error_response(message, status)
 
-    return Starlette(routes=[
-        Route("/health", server.health, methods=["GET"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        *openai_api.routes(server), *responses.routes(server), *anthropic.routes(server), *ollama.routes(server),
-        *embeddings.routes(server), *tokenize.routes(server),
-    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found}, middleware=[
-        Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])])
+    return Starlette(
+        routes=[
+            Route("/health", server.health, methods=["GET"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            *openai_api.routes(server),
+            *responses.routes(server),
+            *anthropic.routes(server),
+            *ollama.routes(server),
+            *embeddings.routes(server),
+            *tokenize.routes(server),
+        ],
+        lifespan=lifespan,
+        exception_handlers={404: not_found, 405: not_found},
+        middleware=[
+            Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+        ],
+    )

@@ -137,12 +137,20 @@ class EmbeddingJob:
 
 
 class Scheduler:
-    def __init__(self, model, tokenizer, prompt_cache_size: int = 10, prefill_step_size: int = PREFILL_STEP_SIZE,
-                 engine: Callable = BatchGenerator, kv_quantization=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        prompt_cache_size: int = 10,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
+        engine: Callable = BatchGenerator,
+        kv_quantization=None,
+    ):
         self.model, self.tokenizer, self.prefill_step_size = model, tokenizer, prefill_step_size
         self.prompt_cache = PromptCache(prompt_cache_size)
-        self._make_engine = functools.partial(engine, prefill_step_size=prefill_step_size,
-                                              kv_quantization=kv_quantization)
+        self._make_engine = functools.partial(
+            engine, prefill_step_size=prefill_step_size, kv_quantization=kv_quantization
+        )
         self.engine = self._make_engine(model, tokenizer)
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[int, Job] = {}
@@ -184,9 +192,15 @@ class Scheduler:
         return job.events
 
     def status(self) -> dict:
-        return {"active": len(self._active), "embedding": len(self._embedding), "waiting": self._inbox.qsize(),
-                "rounds": self.rounds, "finished": self.finished, "cancelled": self.cancelled,
-                "prompt_cache": len(self.prompt_cache)}
+        return {
+            "active": len(self._active),
+            "embedding": len(self._embedding),
+            "waiting": self._inbox.qsize(),
+            "rounds": self.rounds,
+            "finished": self.finished,
+            "cancelled": self.cancelled,
+            "prompt_cache": len(self.prompt_cache),
+        }
 
     # -- the worker's side ---------------------------------------------------------------------------
 
@@ -260,20 +274,28 @@ class Scheduler:
             if job.args.max_tokens == 0:  # the prompt alone, scored
                 self._score_prompt(job, job.ids)
                 self.finished += 1
-                self._send(job, Event(finish_reason="length", usage=Usage(len(job.ids), 0, 0),
-                                      prompt_logprobs=job.prompt_logprobs))
+                self._send(
+                    job,
+                    Event(finish_reason="length", usage=Usage(len(job.ids), 0, 0), prompt_logprobs=job.prompt_logprobs),
+                )
                 return
             prepared = plan(self.model, self.tokenizer, job.resolved)
             key = _cache_key(prepared.ids, prepared.vision_inputs, self.model.config.image_token_id)
             cache, cached = self.prompt_cache.fetch(key)
             # The prompt cache keeps all but the last id (a later prompt needs a new position to start from).
             end = len(key) - 1
-            keep = functools.partial(self.prompt_cache.insert, key[:end]) if end > cached and \
-                self.prompt_cache.max_size else None
+            keep = (
+                functools.partial(self.prompt_cache.insert, key[:end])
+                if end > cached and self.prompt_cache.max_size
+                else None
+            )
             job.cached_tokens = cached
             # With thinking on, the thought channel of a free answer or a text template; a JSON one has none.
-            job.thought = (TextStream(self.tokenizer, prepared.stop_ids, thought=True)
-                           if job.think and not job.resolved.layout.json else None)
+            job.thought = (
+                TextStream(self.tokenizer, prepared.stop_ids, thought=True)
+                if job.think and not job.resolved.layout.json
+                else None
+            )
             job.stop_strings = StopStrings(job.stop, job.hold)
             self._score_prompt(job, prepared.ids, prepared.vision_inputs)
             uid = self.engine.insert(prepared, cache, keep)
@@ -340,7 +362,7 @@ class Scheduler:
                 self.engine.remove(response.uid)
         end = len(job.text) if finish else 0 if job.whole else job.stop_strings.sendable()
         usage = Usage(len(job.ids), job.completion_tokens, job.cached_tokens or 0)
-        event = Event(job.text[job.sent:end], reasoning, finish, usage, stop_sequence=stop_sequence)
+        event = Event(job.text[job.sent : end], reasoning, finish, usage, stop_sequence=stop_sequence)
         if job.scorer is not None and (job.stream or finish is not None):
             event.logprobs, job.unscored = job.scorer.add(job.unscored), []
             event.prompt_logprobs, job.prompt_logprobs = job.prompt_logprobs, None
@@ -359,16 +381,21 @@ class Scheduler:
             pass
 
 
-def failure(job: Job, e: Exception, bad_input: type | tuple[type, ...] = (TemplateError, PromptError, OptionError)
-            ) -> RequestFailed:
+def failure(
+    job: Job, e: Exception, bad_input: type | tuple[type, ...] = (TemplateError, PromptError, OptionError)
+) -> RequestFailed:
     """What the client of ``job`` is told of ``e``: a prompt, template (a schema's grammar included)
     or setting the model cannot take (``bad_input``) is a 400 naming the request's field (the option
     the error names, else the template's or the prompt's); anything else is a 500."""
     if isinstance(e, bad_input):
         option = getattr(e, "option", None)
         param = (job.max_tokens_param if option == "max_tokens" else option) or (
-            job.template_param if isinstance(e, TemplateError) else job.prompt_param if isinstance(e, PromptError)
-            else None)
+            job.template_param
+            if isinstance(e, TemplateError)
+            else job.prompt_param
+            if isinstance(e, PromptError)
+            else None
+        )
         return RequestFailed(one_line(e), param=param)
     return RequestFailed(f"generation failed: {one_line(e)}", status=500)
 
@@ -393,8 +420,12 @@ def _cache_key(ids: list[int], vision_inputs: dict, image_token_id: int | None) 
     if not vision_inputs:
         return ids
     pixels, positions = vision_inputs["pixel_values"], vision_inputs["image_position_ids"]
-    digests = iter([hashlib.sha256(np.asarray(p).tobytes() + np.asarray(q).tobytes()).hexdigest()
-                    for p, q in zip(pixels, positions)])
+    digests = iter(
+        [
+            hashlib.sha256(np.asarray(p).tobytes() + np.asarray(q).tobytes()).hexdigest()
+            for p, q in zip(pixels, positions)
+        ]
+    )
     key, digest = [], None
     for i, token in enumerate(ids):
         if token == image_token_id and (i == 0 or ids[i - 1] != image_token_id):

@@ -32,9 +32,26 @@ from .api import BadRequest
 
 MAX_TEMPERATURE = 2  # OpenAI's
 # The body fields read as the options of the same name (every API passes them on as they come).
-SETTINGS = ("seed", "policy", "temperature", "top_p", "top_k", "min_p", "steps", "entropy_bound", "temp_min",
-            "temp_max", "schedule_scale", "freeze_after", "draft_length", "draft_steps", "expected_steps",
-            "repetition_penalty", "presence_penalty", "frequency_penalty")
+SETTINGS = (
+    "seed",
+    "policy",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "steps",
+    "entropy_bound",
+    "temp_min",
+    "temp_max",
+    "schedule_scale",
+    "freeze_after",
+    "draft_length",
+    "draft_steps",
+    "expected_steps",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 PENALTIES = {"repetition_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0}  # each with its value that is off
 
 SET_OTHERWISE = {
@@ -66,8 +83,9 @@ def _checks(defaults, canvas: int, max_steps: int) -> dict:
 
     def temperature(value, name):  # (validate.check_temperature's bounds, OpenAI's top)
         if not (is_number(value) and (value == 0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE)):
-            raise ValueError(f"{name} must be 0 or a finite number from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE}, "
-                             f"got {shown(value)}")
+            raise ValueError(
+                f"{name} must be 0 or a finite number from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE}, got {shown(value)}"
+            )
 
     def policy(value, name):
         if not isinstance(value, str) or value not in POLICIES:
@@ -76,17 +94,30 @@ def _checks(defaults, canvas: int, max_steps: int) -> dict:
     def draft_length(value, name):
         at_least(1)(value, name)
         if value > canvas:
-            raise ValueError(f"{name} must be an integer from 1 to the model's canvas length {canvas}, "
-                             f"got {shown(value)}")
+            raise ValueError(
+                f"{name} must be an integer from 1 to the model's canvas length {canvas}, got {shown(value)}"
+            )
 
-    return {"seed": check_seed, "policy": policy, "temperature": temperature, "top_p": check_top_p,
-            "top_k": check_top_k, "min_p": check_min_p, "steps": lambda value, name: check_steps(value, name, max_steps),
-            "entropy_bound": check_entropy_bound, "temp_min": check_temperature, "temp_max": check_temperature,
-            "schedule_scale": check_schedule_scale, "freeze_after": lambda value, name: integer_in(0, max_steps)(value, name), "draft_length": draft_length,
-            "draft_steps": lambda value, name: check_steps(value, name, max_steps),
-            "expected_steps": finite_number(1, max(steps, max_steps), high_open=False),
-            "repetition_penalty": check_repetition_penalty, "presence_penalty": check_penalty,
-            "frequency_penalty": check_penalty}
+    return {
+        "seed": check_seed,
+        "policy": policy,
+        "temperature": temperature,
+        "top_p": check_top_p,
+        "top_k": check_top_k,
+        "min_p": check_min_p,
+        "steps": lambda value, name: check_steps(value, name, max_steps),
+        "entropy_bound": check_entropy_bound,
+        "temp_min": check_temperature,
+        "temp_max": check_temperature,
+        "schedule_scale": check_schedule_scale,
+        "freeze_after": lambda value, name: integer_in(0, max_steps)(value, name),
+        "draft_length": draft_length,
+        "draft_steps": lambda value, name: check_steps(value, name, max_steps),
+        "expected_steps": finite_number(1, max(steps, max_steps), high_open=False),
+        "repetition_penalty": check_repetition_penalty,
+        "presence_penalty": check_penalty,
+        "frequency_penalty": check_penalty,
+    }
 
 
 def request_options(body: dict, defaults, canvas: int, max_steps: int) -> dict:
@@ -105,8 +136,11 @@ def request_options(body: dict, defaults, canvas: int, max_steps: int) -> dict:
         options[name] = value
     for name, off in PENALTIES.items():
         if options.get(name, off) != off and options.get("policy") != "ar":
-            raise BadRequest(f"{name} applies to autoregressive decoding only: send policy \"ar\" with it, or "
-                             f"leave it out or send {off}", param=name)
+            raise BadRequest(
+                f'{name} applies to autoregressive decoding only: send policy "ar" with it, or '
+                f"leave it out or send {off}",
+                param=name,
+            )
     schedule = [name for name in ("temp_min", "temp_max", "schedule_scale") if name in options]
     if schedule:  # the schedule they make together (temp_min below temp_max)
         sampling = SamplingArgs(**{name: options[name] for name in schedule})
@@ -114,6 +148,7 @@ def request_options(body: dict, defaults, canvas: int, max_steps: int) -> dict:
             SamplerSettings.from_generation_config(defaults, **sampling.overrides(defaults))
         except ValueError as e:  # (its message names the CLI's flags and the scaled temperatures)
             given = ", ".join(f"{name} {shown(options[name])}" for name in schedule)
-            raise BadRequest(f"{given}: the temperature schedule they make cannot be used ({e})",
-                             param=schedule[0]) from None
+            raise BadRequest(
+                f"{given}: the temperature schedule they make cannot be used ({e})", param=schedule[0]
+            ) from None
     return options

@@ -47,7 +47,7 @@ class Needle:
     def ending(self, text: str, end: int) -> int:
         """The longest proper prefix of the string that ``text[:end]`` ends with (read afresh)."""
         needle = Needle(self.string)
-        for char in text[max(0, end - len(self.string) + 1):end]:
+        for char in text[max(0, end - len(self.string) + 1) : end]:
             needle.step(char)
         self.compared += needle.compared
         return needle.state
@@ -78,7 +78,8 @@ class StopStrings:
                     found = min(found or (start, index), (start, index))
             for needle in self.hold:
                 if needle.step(char) and (start := end + 1 - len(needle.string)) < (
-                        len(text) if self.held_at is None else self.held_at):
+                    len(text) if self.held_at is None else self.held_at
+                ):
                     self.held_at = start
                     self.held_keep = start - max(n.ending(text, start) for n in self.stop + self.hold)
         self.read_to = max(self.read_to, len(text))

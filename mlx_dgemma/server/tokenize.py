@@ -34,17 +34,24 @@ def routes(server: Server) -> list[Route]:
     def detokenize(body: dict) -> dict:
         check_model(body)
         ids = typed(body, "tokens", list, None)
-        if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size
-                                  for i in ids):
+        if ids is None or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size for i in ids
+        ):
             raise BadRequest(f"tokens must be a list of token ids from 0 to {config.vocab_size - 1}", param="tokens")
         return {"prompt": tokenizer.decode(ids)}
 
     async def tokenizer_info(request):
         piece = tokenizer.piece
-        return JSONResponse({"tokenizer_class": type(tokenizer).__name__, "bos_token": piece(tokenizer.bos_token_id),
-                             "eos_token": piece(tokenizer.stop_ids[0]), "pad_token": piece(tokenizer.pad_token_id),
-                             "chat_template": tokenizer.chat_template,
-                             "model_max_length": config.max_position_embeddings})
+        return JSONResponse(
+            {
+                "tokenizer_class": type(tokenizer).__name__,
+                "bos_token": piece(tokenizer.bos_token_id),
+                "eos_token": piece(tokenizer.stop_ids[0]),
+                "pad_token": piece(tokenizer.pad_token_id),
+                "chat_template": tokenizer.chat_template,
+                "model_max_length": config.max_position_embeddings,
+            }
+        )
 
     async def tokenize_route(request):
         return await server.worked(request, Api(server), tokenize)
@@ -52,6 +59,8 @@ def routes(server: Server) -> list[Route]:
     async def detokenize_route(request):
         return await server.worked(request, Api(server), detokenize)
 
-    return [Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
-            Route("/tokenize", tokenize_route, methods=["POST"]),
-            Route("/detokenize", detokenize_route, methods=["POST"])]
+    return [
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+    ]

@@ -47,8 +47,15 @@ def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
     cached = _CLOSING_TABLES.get(id(grammar.tokenizer))
     if cached is not None and cached[0] is grammar.tokenizer and len(cached[1].scores) == vocab:
         return cached[1]
-    weights = {ord("}"): 3.0, ord("]"): 3.0, ord('"'): 2.0, ord("0"): 1.0, ord("{"): -3.0, ord("["): -3.0,
-               ord(","): -1.0}
+    weights = {
+        ord("}"): 3.0,
+        ord("]"): 3.0,
+        ord('"'): 2.0,
+        ord("0"): 1.0,
+        ord("{"): -3.0,
+        ord("["): -3.0,
+        ord(","): -1.0,
+    }
     scores, marks, same, closes, first = np.full(vocab, -10.0), [], np.arange(vocab), np.zeros(vocab), {}
     digits = np.zeros(vocab, dtype=np.int64)
     for i in range(vocab):
@@ -91,9 +98,15 @@ class Operations:
             raise _Spent
 
 
-def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, cap: int = CLOSING_CAP,
-                 examples: tuple[tuple[int, ...], ...] = (), written: bytes = b"",
-                 operations: Operations | None = None) -> list[int] | None:
+def closing_path(
+    matcher: llguidance.LLMatcher,
+    table: ClosingTable,
+    eos: int,
+    cap: int = CLOSING_CAP,
+    examples: tuple[tuple[int, ...], ...] = (),
+    written: bytes = b"",
+    operations: Operations | None = None,
+) -> list[int] | None:
     """The tokens that take ``matcher`` (unchanged: a copy walks) to the grammar's end: forced ones,
     the end as soon as it is allowed, the first of ``examples`` (Grammar.examples) the grammar takes
     where a string cannot end yet, else ``_narrowest``'s pick. A token picked lately scores less
@@ -109,8 +122,9 @@ def closing_path(matcher: llguidance.LLMatcher, table: ClosingTable, eos: int, c
         return None
 
 
-def _walk_out(matcher, table: ClosingTable, eos: int, cap: int, examples, written: bytes,
-              operations: Operations) -> list[int] | None:
+def _walk_out(
+    matcher, table: ClosingTable, eos: int, cap: int, examples, written: bytes, operations: Operations
+) -> list[int] | None:
     walker, path, recent, seen = matcher.deep_copy(), [], np.zeros(len(table.scores)), {}
     quotes = table.scores == 2  # a lone quote: a string's end
     while not walker.is_stopped():
@@ -120,15 +134,20 @@ def _walk_out(matcher, table: ClosingTable, eos: int, cap: int, examples, writte
             allowed = allowed_tokens(walker, len(table.scores))
             if allowed[eos]:
                 if not whole_json(written + table.tokenizer.decode_bytes(path)):
-                    raise TemplateError("the schema cannot be enforced: llguidance gave up on it (it allows the "
-                                        "answer to end inside a string); simplify its patterns")
+                    raise TemplateError(
+                        "the schema cannot be enforced: llguidance gave up on it (it allows the "
+                        "answer to end inside a string); simplify its patterns"
+                    )
                 forced = [eos]
             elif examples and not (allowed & quotes).any():
                 operations.spend(len(examples))
                 forced = next((list(e) for e in examples if walker.validate_tokens(list(e)) == len(e)), [])
             if not forced:
-                forced = [_narrowest(walker, np.where(allowed, table.scores - recent[table.same], -np.inf), table, seen,
-                                     operations)]
+                forced = [
+                    _narrowest(
+                        walker, np.where(allowed, table.scores - recent[table.same], -np.inf), table, seen, operations
+                    )
+                ]
                 recent[table.same[forced[0]]] += REPEAT_PENALTY
         if len(path) + len(forced) > cap:
             return None
@@ -145,8 +164,14 @@ REPEAT_FADE = 0.8  # ...fading by this factor a token: one picked at every token
 FORCED_WEIGHT = 1.0  # score a choice loses per bracket the tokens it forces open
 
 
-def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: ClosingTable, seen: dict,
-               operations: Operations, candidates: int = 6) -> int:
+def _narrowest(
+    matcher: llguidance.LLMatcher,
+    scores: np.ndarray,
+    table: ClosingTable,
+    seen: dict,
+    operations: Operations,
+    candidates: int = 6,
+) -> int:
     """Of the ``candidates`` best-scored tokens and as many of the allowed punctuation marks (a comma that ends
     a number, the @ of an email), the one whose score is highest, less ``FORCED_WEIGHT`` for each
     bracket the tokens it forces open (a key that opens an array scores less than one that opens a
@@ -159,7 +184,8 @@ def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: Closing
     marks = table.marks[scores[table.marks] > -np.inf]
     now = np.isfinite(scores).tobytes()
     for token in _distinct(np.argsort(-scores, kind="stable"), table.same, candidates) + _distinct(
-            marks[np.argsort(-scores[marks], kind="stable")], table.same, candidates):
+        marks[np.argsort(-scores[marks], kind="stable")], table.same, candidates
+    ):
         if scores[token] == -np.inf:
             continue
         if (now, token) not in seen:
@@ -172,8 +198,11 @@ def _narrowest(matcher: llguidance.LLMatcher, scores: np.ndarray, table: Closing
             else:
                 allowed = allowed_tokens(after, len(scores))
                 in_string = (allowed & quotes).any() and (allowed & ~quotes).any()  # (a lone quote opens a key)
-                seen[now, token] = (np.log2(allowed.sum() + 1) - 2 * in_string  # the string can end next
-                                    - FORCED_WEIGHT * table.closes[after.compute_ff_tokens()].sum())
+                seen[now, token] = (
+                    np.log2(allowed.sum() + 1)
+                    - 2 * in_string  # the string can end next
+                    - FORCED_WEIGHT * table.closes[after.compute_ff_tokens()].sum()
+                )
         width = seen[now, token]
         if width is None:
             return int(token)
@@ -204,10 +233,18 @@ def first_closing_path(grammar: Grammar, vocab: int) -> list[int] | None:
         matcher = grammar.matcher()
         path = closing_path(matcher, table, eos, examples=grammar.examples)
         if grammar.shortest is not None:
-            shortest = closing_path(llguidance.LLMatcher(grammar.tokenizer, grammar.shortest, log_level=0), table, eos,
-                                    examples=grammar.examples)
-            if shortest is not None and (path is None or len(shortest) < len(path)) and all(
-                    matcher.consume_token(t) for t in shortest) and matcher.is_stopped():
+            shortest = closing_path(
+                llguidance.LLMatcher(grammar.tokenizer, grammar.shortest, log_level=0),
+                table,
+                eos,
+                examples=grammar.examples,
+            )
+            if (
+                shortest is not None
+                and (path is None or len(shortest) < len(path))
+                and all(matcher.consume_token(t) for t in shortest)
+                and matcher.is_stopped()
+            ):
                 path = shortest
         cached = _FIRST_PATHS[grammar] = (path,)
     return None if cached[0] is None else list(cached[0])
@@ -232,9 +269,11 @@ def check_closing_room(grammar: Grammar, vocab: int, room: int) -> None:
     ``max_tokens`` would keep the answer valid at its end."""
     shortest = _found_closing_length(grammar, vocab)
     if shortest > room:
-        raise TemplateError(f"the schema's shortest answer takes {shortest} tokens, more than the {room} the model's "
-                            f"context leaves after the prompt, so no max_tokens fits it; {_SHORTER}, or shorten the "
-                            "prompt")
+        raise TemplateError(
+            f"the schema's shortest answer takes {shortest} tokens, more than the {room} the model's "
+            f"context leaves after the prompt, so no max_tokens fits it; {_SHORTER}, or shorten the "
+            "prompt"
+        )
 
 
 def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
@@ -242,13 +281,18 @@ def check_closing_fits(grammar: Grammar, vocab: int, max_tokens: int) -> None:
     within ``CLOSING_CAP`` tokens): then nothing would keep the answer valid at its end."""
     shortest = _found_closing_length(grammar, vocab)
     if shortest > max_tokens:
-        raise TemplateError(f"the schema's shortest answer takes {shortest} tokens, more than max_tokens {max_tokens}; "
-                            "raise max_tokens", option="max_tokens")
+        raise TemplateError(
+            f"the schema's shortest answer takes {shortest} tokens, more than max_tokens {max_tokens}; "
+            "raise max_tokens",
+            option="max_tokens",
+        )
 
 
 def _found_closing_length(grammar: Grammar, vocab: int) -> int:
     shortest = closing_length(grammar, vocab)
     if shortest is None:
-        raise TemplateError(f"the schema's shortest answer takes more than {CLOSING_CAP} tokens, the most an answer "
-                            f"is closed within, so no max_tokens fits it; {_SHORTER}")
+        raise TemplateError(
+            f"the schema's shortest answer takes more than {CLOSING_CAP} tokens, the most an answer "
+            f"is closed within, so no max_tokens fits it; {_SHORTER}"
+        )
     return shortest

@@ -61,13 +61,16 @@ def grammar_tokenizer(tokenizer, vocab: int, stop_ids: list[int]) -> llguidance.
         return cached[1]
     backend = getattr(tokenizer, "_backend", None)
     if backend is None:
-        raise TemplateError("this checkpoint has no tokenizer files, so a schema cannot be enforced; "
-                            "add tokenizer.json or tokenizer.model")
+        raise TemplateError(
+            "this checkpoint has no tokenizer files, so a schema cannot be enforced; "
+            "add tokenizer.json or tokenizer.model"
+        )
     if hasattr(backend, "_tok"):  # tokenizer.json: llguidance reads the tokenizers library's own format
         built = llguidance.LLTokenizer(backend._tok.to_str(), n_vocab=vocab, eos_token=list(stop_ids))
     else:
-        built = llguidance.LLTokenizer(_SentencePieceVocabulary(backend._sp, vocab, stop_ids[0]), n_vocab=vocab,
-                                       eos_token=list(stop_ids))
+        built = llguidance.LLTokenizer(
+            _SentencePieceVocabulary(backend._sp, vocab, stop_ids[0]), n_vocab=vocab, eos_token=list(stop_ids)
+        )
     tokenizer._grammar_tokenizer = (key, built)
     return built
 
@@ -86,8 +89,11 @@ class _SentencePieceVocabulary:
             piece = sp.id_to_piece(i) if i < sp.get_piece_size() else ""
             if i < sp.get_piece_size() and sp.is_byte(i):
                 self.tokens.append(bytes([int(piece[3:5], 16)]))
-            elif i < sp.get_piece_size() and (sp.is_control(i) or sp.is_unknown(i)
-                                               or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2)):
+            elif i < sp.get_piece_size() and (
+                sp.is_control(i)
+                or sp.is_unknown(i)
+                or (piece.startswith("<") and piece.endswith(">") and len(piece) > 2)
+            ):
                 self.tokens.append(b"\xff" + piece.encode())
                 self.special_token_ids.append(i)
             else:
@@ -124,8 +130,9 @@ def schema_grammar(tokenizer, schema, vocab: int, stop_ids: list[int], where: st
 
 def _shortest_grammar(schema, llt: llguidance.LLTokenizer) -> str | None:
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(rewrite(required_only(schema))),
-                                                               overrides=JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(rewrite(required_only(schema))), overrides=JSON_OPTIONS
+        )
     except (ValueError, TypeError, RecursionError):
         return None
     failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llt)
@@ -145,16 +152,23 @@ def _check_shape(schema) -> None:
         if isinstance(node, dict):
             values = node.get("enum")
             if isinstance(values, list) and len(values) > MAX_CHOICES:
-                raise TemplateError(f"enum at {path} has {len(values)} values, more than the {MAX_CHOICES} a schema "
-                                    "takes; use a pattern or fewer values")
+                raise TemplateError(
+                    f"enum at {path} has {len(values)} values, more than the {MAX_CHOICES} a schema "
+                    "takes; use a pattern or fewer values"
+                )
             if not value:
                 _check_distinct_keys(node, path)
                 if isinstance(node.get("$ref"), str):
                     refs.append((path, node["$ref"]))
-            stack.extend((v, f"{path}.{k}", depth + 1, value or k in _VALUES) for k, v in node.items()
-                         if isinstance(v, (dict, list)))
+            stack.extend(
+                (v, f"{path}.{k}", depth + 1, value or k in _VALUES)
+                for k, v in node.items()
+                if isinstance(v, (dict, list))
+            )
         elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1, value) for i, v in enumerate(node) if isinstance(v, (dict, list)))
+            stack.extend(
+                (v, f"{path}[{i}]", depth + 1, value) for i, v in enumerate(node) if isinstance(v, (dict, list))
+            )
     _check_ref_loops(schema, refs)
 
 
@@ -174,13 +188,25 @@ def _check_distinct_keys(schema: dict, path: str) -> None:
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     distinct = len({k for k in required if isinstance(k, str) and k in properties})
     if least > distinct + 1:
-        raise TemplateError(f"minProperties at {path} is {least}, but keys past its required properties may repeat "
-                            f"(llguidance does not keep them distinct) and parse to fewer; make {least - 1} of its keys "
-                            f"required properties, or lower minProperties to {distinct + 1}")
+        raise TemplateError(
+            f"minProperties at {path} is {least}, but keys past its required properties may repeat "
+            f"(llguidance does not keep them distinct) and parse to fewer; make {least - 1} of its keys "
+            f"required properties, or lower minProperties to {distinct + 1}"
+        )
 
 
-_ONLY_A_REF = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
-               "examples"}  # a schema with no other keyword says nothing but its $ref
+_ONLY_A_REF = {
+    "$ref",
+    "$defs",
+    "definitions",
+    "$schema",
+    "$id",
+    "$comment",
+    "title",
+    "description",
+    "default",
+    "examples",
+}  # a schema with no other keyword says nothing but its $ref
 
 
 def _check_ref_loops(schema, refs: list[tuple[str, str]]) -> None:
@@ -192,9 +218,11 @@ def _check_ref_loops(schema, refs: list[tuple[str, str]]) -> None:
         chain: list[str] = []
         while ref.startswith("#") and ref not in settled:
             if ref in chain:
-                loop = " → ".join(chain[chain.index(ref):] + [ref])
-                raise TemplateError(f"$ref at {path} leads back to itself ({loop[:120]}) and never describes a value; "
-                                    "replace one of those references with the schema it stands for")
+                loop = " → ".join(chain[chain.index(ref) :] + [ref])
+                raise TemplateError(
+                    f"$ref at {path} leads back to itself ({loop[:120]}) and never describes a value; "
+                    "replace one of those references with the schema it stands for"
+                )
             chain.append(ref)
             target = _pointed(schema, ref)
             if not isinstance(target, dict) or not isinstance(target.get("$ref"), str) or set(target) - _ONLY_A_REF:

@@ -64,15 +64,20 @@ class _Builder:
     def room(self, size: int, path: str, fix: str = _TOO_LONG) -> None:
         """Refuse, before building it, what would take the template past the model's context."""
         if len(self.tokens) + size > self.limit:
-            raise TemplateError(f"schema at {path} takes the template past the model's context of {self.limit} "
-                                f"positions; {fix}")
+            raise TemplateError(
+                f"schema at {path} takes the template past the model's context of {self.limit} positions; {fix}"
+            )
 
 
 def _count(schema: dict, key: str, path: str, default: int) -> int:
     """A schema's item or length bound: a non-negative integer."""
     value = schema.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-            or (isinstance(value, float) and not value.is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value < 0
+        or (isinstance(value, float) and not value.is_integer())
+    ):
         raise TemplateError(f"{key} at {path} must be a non-negative integer, got {json.dumps(value)}")
     return int(value)
 
@@ -85,15 +90,18 @@ def _bound(schema: dict, key: str, path: str) -> int | float | None:
     if not _is_number(value):
         raise TemplateError(f"{key} at {path} must be a finite number, got {json.dumps(value)}")
     if abs(value) > sys.float_info.max:  # (Python compares an int with a float exactly)
-        raise TemplateError(f"{key} at {path} is an integer of more than 308 digits; a bound must fit a float "
-                            f"(at most {sys.float_info.max:.1e})")
+        raise TemplateError(
+            f"{key} at {path} is an integer of more than 308 digits; a bound must fit a float "
+            f"(at most {sys.float_info.max:.1e})"
+        )
     return value
 
 
 def _is_number(value: Any) -> bool:
     """A JSON number: an int or a finite float, not a bool."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float)
-                                                                         and math.isfinite(value))
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and math.isfinite(value)
+    )
 
 
 def _is_type(value: Any, kind: str) -> bool:
@@ -111,8 +119,10 @@ def check_required(schema: dict, path: str = "$") -> None:
         raise TemplateError(f"required at {path} must be a list of property names, got {shown_json(required, 60)}")
     for key in required:
         if key not in properties:
-            raise TemplateError(f"required key {json.dumps(key)} at {path} is not in its properties; add it to "
-                                "properties or drop it from required")
+            raise TemplateError(
+                f"required key {json.dumps(key)} at {path} is not in its properties; add it to "
+                "properties or drop it from required"
+            )
 
 
 _NO_DRAFT = object()
@@ -157,8 +167,10 @@ def _layout(b: _Builder, schema: dict, path: str, draft: Any) -> Callable[[list[
     if kind is None and set(schema) - _ANNOTATIONS:
         raise TemplateError(f"schema feature '{min(set(schema) - _ANNOTATIONS)}' at {path} is not supported")
     if not isinstance(kind, str) or kind not in _SUPPORTED:
-        raise TemplateError(f"schema at {path}: type {json.dumps(kind)} is not supported; use one of "
-                            f"{', '.join(_SUPPORTED)}, 'enum' or 'const'")
+        raise TemplateError(
+            f"schema at {path}: type {json.dumps(kind)} is not supported; use one of "
+            f"{', '.join(_SUPPORTED)}, 'enum' or 'const'"
+        )
     extra = set(schema) - _SUPPORTED[kind] - _ANNOTATIONS
     if extra:
         raise TemplateError(f"schema feature '{min(extra)}' at {path} is not supported")
@@ -190,10 +202,13 @@ def _listed_values(schema: dict, path: str) -> tuple[list, list[str]]:
         raise TemplateError(f"enum at {path} has {len(values)} values, more than the {MAX_CHOICES} a template takes")
     kind = schema.get("type")
     kinds = [kind] if isinstance(kind, str) else kind
-    if kind is not None and not (isinstance(kinds, list) and kinds
-                                 and all(isinstance(k, str) and k in _SUPPORTED for k in kinds)):
-        raise TemplateError(f"schema at {path}: type {shown_json(kind, 60)} is not a JSON type; use one of "
-                            f"{', '.join(_SUPPORTED)} or a list of them")
+    if kind is not None and not (
+        isinstance(kinds, list) and kinds and all(isinstance(k, str) and k in _SUPPORTED for k in kinds)
+    ):
+        raise TemplateError(
+            f"schema at {path}: type {shown_json(kind, 60)} is not a JSON type; use one of "
+            f"{', '.join(_SUPPORTED)} or a list of them"
+        )
     texts = []
     for value in values:
         try:
@@ -201,8 +216,9 @@ def _listed_values(schema: dict, path: str) -> tuple[list, list[str]]:
         except (TypeError, ValueError, RecursionError) as e:
             raise TemplateError(f"{word} at {path} holds a value that is not JSON ({e})") from None
         if kind is not None and not any(_is_type(value, k) for k in kinds):
-            raise TemplateError(f"{word} value {text[:40]} at {path} is not of type {json.dumps(kind)}; "
-                                "fix the value or the type")
+            raise TemplateError(
+                f"{word} value {text[:40]} at {path} is not of type {json.dumps(kind)}; fix the value or the type"
+            )
         texts.append(text)
     return values, texts
 
@@ -218,8 +234,9 @@ def _object(b: _Builder, schema: dict, path: str, draft: Any):
     b.text("{", path)
     for i, (key, sub) in enumerate(properties.items()):
         b.text((", " if i else "") + json.dumps(key) + ": ", path)
-        readers[key] = _node(b, sub, f"{path}.{key}", draft.get(key, _NO_DRAFT) if isinstance(draft, dict)
-                             else _NO_DRAFT)
+        readers[key] = _node(
+            b, sub, f"{path}.{key}", draft.get(key, _NO_DRAFT) if isinstance(draft, dict) else _NO_DRAFT
+        )
     b.text("}", path)
     return lambda values: {k: read(values) for k, read in readers.items()}
 
@@ -280,13 +297,16 @@ def _number(b: _Builder, schema: dict, path: str, draft: Any, integer: bool):
     if integer:
         low, high = (None if low is None else math.ceil(low)), (None if high is None else math.floor(high))
         if low is not None and high is not None and low > high:
-            raise TemplateError(f"integer at {path}: no integer lies between minimum {schema['minimum']} "
-                                f"and maximum {schema['maximum']}")
-    widest = max(len(str(int(v))) for v in (low, high) if v is not None) if (low, high) != (None, None) \
-        else DEFAULT_DIGITS
+            raise TemplateError(
+                f"integer at {path}: no integer lies between minimum {schema['minimum']} "
+                f"and maximum {schema['maximum']}"
+            )
+    widest = (
+        max(len(str(int(v))) for v in (low, high) if v is not None) if (low, high) != (None, None) else DEFAULT_DIGITS
+    )
     signed = low is None or low < 0
     size = widest + signed + (0 if integer else 1 + DECIMALS)
-    if _is_number(draft) and abs(draft) < 10 ** size:  # (a longer draft leaves the hole as it is)
+    if _is_number(draft) and abs(draft) < 10**size:  # (a longer draft leaves the hole as it is)
         size = min(size, max(1, len(str(int(draft) if integer else draft))))
     kind = "number" if not integer else "signed" if signed else "digits"
     index = b.hole(Hole(size, kind, required=1, where=path))

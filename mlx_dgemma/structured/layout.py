@@ -56,10 +56,18 @@ class Layout:
         return Layout(template=template)
 
 
-
-def answer_layout(tokenizer, vocab: int, stop_ids: list[int], *, template=None, schema=None,
-                  policy: str = "reference", limit: int | None = None, max_tokens: int | None = None,
-                  reads_call: bool = False) -> Layout:
+def answer_layout(
+    tokenizer,
+    vocab: int,
+    stop_ids: list[int],
+    *,
+    template=None,
+    schema=None,
+    policy: str = "reference",
+    limit: int | None = None,
+    max_tokens: int | None = None,
+    reads_call: bool = False,
+) -> Layout:
     """The layout of an answer to ``template`` or ``schema`` (a JSON schema, or a ``Grammar`` compiled
     already) under ``policy``; ``stop_ids`` end a grammar's answer, the end of turn first; ``limit``
     is the model's context and ``max_tokens`` the caller's (None: not given)."""
@@ -82,8 +90,9 @@ def drafted_layout(tokenizer, schema, limit: int | None = None, reads_call: bool
     return Layout(template=largest, schema=schema, reads_call=reads_call, tokenizer=tokenizer, limit=limit)
 
 
-def _schema_template(tokenizer, schema, policy: str, limit: int | None, max_tokens: int | None
-                     ) -> CanvasTemplate | None:
+def _schema_template(
+    tokenizer, schema, policy: str, limit: int | None, max_tokens: int | None
+) -> CanvasTemplate | None:
     """The canvas template of ``schema`` where ``policy`` drafts one: the template expresses the
     schema and fits ``max_tokens`` (with the end of turn after it); None where the grammar follows it."""
     if policy not in DIFFUSION_POLICIES or not isinstance(schema, dict):

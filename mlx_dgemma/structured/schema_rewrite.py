@@ -40,8 +40,19 @@ KNOWN = {"email", "hostname", "ipv4", "ipv6", "uuid", "uri", "duration"}  # llgu
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMAS = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
-            "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMAS = (
+    "additionalProperties",
+    "items",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "additionalItems",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 
 
 def _subschemas(schema: dict, transform, depth: int) -> dict:

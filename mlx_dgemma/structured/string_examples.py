@@ -17,8 +17,14 @@ from re import _constants as sre
 from re import _parser as sre_parse
 
 # Characters a class is matched with, in the order tried: none needs escaping in JSON.
-CHARACTERS = "a0A" + string.ascii_lowercase[1:] + string.digits[1:] + string.ascii_uppercase[1:] + "-_.:/ " + "".join(
-    c for c in string.punctuation if c not in '"\\-_.:/')
+CHARACTERS = (
+    "a0A"
+    + string.ascii_lowercase[1:]
+    + string.digits[1:]
+    + string.ascii_uppercase[1:]
+    + "-_.:/ "
+    + "".join(c for c in string.punctuation if c not in '"\\-_.:/')
+)
 FORMATS = {  # shortest first; the grammar keeps the ones llguidance's own format accepts
     "email": ["a@a.aa", "a@example.com"],
     "hostname": ["a", "example.com"],
@@ -89,8 +95,9 @@ def string_examples(schema) -> list[str]:
             continue
         if not isinstance(node, dict):
             continue
-        given = [node.get("pattern")] + list(node.get("patternProperties", {}) if isinstance(
-            node.get("patternProperties"), dict) else [])
+        given = [node.get("pattern")] + list(
+            node.get("patternProperties", {}) if isinstance(node.get("patternProperties"), dict) else []
+        )
         for pattern in given:
             if isinstance(pattern, str):
                 patterns += 1

@@ -91,7 +91,7 @@ class CanvasTemplate:
         """The literal tokens right after hole ``index`` (the end of turn after the last one)."""
         start, hole = self.holes[index]
         out = []
-        for t in self.tokens[start + hole.size:]:
+        for t in self.tokens[start + hole.size :]:
             if t == FREE:
                 return out
             out.append(t)
@@ -104,13 +104,13 @@ class CanvasTemplate:
         in a 6-token string hole), so the value ends where that text begins."""
         values = []
         for index, (start, hole) in enumerate(self.holes):
-            ids = [t for t in tokens[start:start + hole.size] if t != pad]
+            ids = [t for t in tokens[start : start + hole.size] if t != pad]
             after = self.following(index, end_of_turn)
             if after and hole.kind != "choice":
                 for p in range(len(ids)):
-                    seen = ids[p:p + len(after)]
+                    seen = ids[p : p + len(after)]
                     # Kind-limited holes can only write the next text's first token as a terminator.
-                    if seen == after[:len(seen)] or (hole.kind != "text" and ids[p] == after[0]):
+                    if seen == after[: len(seen)] or (hole.kind != "text" and ids[p] == after[0]):
                         ids = ids[:p]
                         break
             if end_of_turn in ids:  # the model ended its answer inside the hole
@@ -171,15 +171,17 @@ def parse_template(tokenizer, text: str, limit: int | None = None) -> CanvasTemp
             raise TemplateError(f"hole at {where}: the size must be a positive integer, got {size!r}")
         tokens += literal_tokens(tokenizer, text[position:start])
         if len(tokens) + n > limit:
-            raise TemplateError(f"the hole at {where} ({n} tokens) runs past the model's context of {limit} "
-                                "positions; make it smaller")
+            raise TemplateError(
+                f"the hole at {where} ({n} tokens) runs past the model's context of {limit} positions; make it smaller"
+            )
         holes.append((len(tokens), Hole(n, where=where)))
         tokens += [FREE] * n
         position = hole.end()
     tokens += literal_tokens(tokenizer, text[position:])
     if len(tokens) > limit:
-        raise TemplateError(f"the template's text takes {len(tokens)} tokens, past the model's context of {limit} "
-                            "positions; shorten it")
+        raise TemplateError(
+            f"the template's text takes {len(tokens)} tokens, past the model's context of {limit} positions; shorten it"
+        )
     if not holes and not tokens:
         raise TemplateError("the template is empty")
     return CanvasTemplate(tokens, holes)
@@ -191,8 +193,9 @@ def as_template(tokenizer, template, limit: int | None = None) -> CanvasTemplate
         return template
     if isinstance(template, str):
         return parse_template(tokenizer, template, limit)
-    raise TemplateError(f"template must be text with {{{{fill:N}}}} holes or a CanvasTemplate, "
-                        f"got {type(template).__name__}")
+    raise TemplateError(
+        f"template must be text with {{{{fill:N}}}} holes or a CanvasTemplate, got {type(template).__name__}"
+    )
 
 
 def literal_tokens(tokenizer, text: str) -> list[int]:
@@ -205,12 +208,15 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _check_unicode(text: str, what: str) -> None:
     """Refuse a lone surrogate (JSON's "\\ud800" makes one): UTF-8 cannot encode it, no tokenizer reads it."""
     if bad := _SURROGATE.search(text):
-        raise TemplateError(f"{what} holds a lone surrogate ({ascii(bad.group())[1:-1]}) at {_place(text, bad.start())}, "
-                            "which is not text; send UTF-8")
+        raise TemplateError(
+            f"{what} holds a lone surrogate ({ascii(bad.group())[1:-1]}) at {_place(text, bad.start())}, "
+            "which is not text; send UTF-8"
+        )
 
 
-def infill_template(tokenizer, suffix: str, max_fill: int, canvas_length: int,
-                    limit: int | None = None) -> CanvasTemplate:
+def infill_template(
+    tokenizer, suffix: str, max_fill: int, canvas_length: int, limit: int | None = None
+) -> CanvasTemplate:
     """A hole of ``max_fill`` tokens or more, then ``suffix`` ending exactly at a canvas end, within
     ``limit`` positions (the model's context; refused before the hole is built)."""
     if max_fill < 1:
@@ -220,9 +226,11 @@ def infill_template(tokenizer, suffix: str, max_fill: int, canvas_length: int,
     canvases = -(-(max_fill + len(tail)) // canvas_length)
     limit = TEMPLATE_LIMIT if limit is None else limit
     if canvases * canvas_length > limit:
-        raise TemplateError(f"a fill of {max_fill} tokens before the {len(tail)}-token suffix takes {canvases} "
-                            f"canvases of {canvas_length}, past the model's context of {limit} positions; "
-                            f"ask for at most {limit // canvas_length * canvas_length - len(tail)}")
+        raise TemplateError(
+            f"a fill of {max_fill} tokens before the {len(tail)}-token suffix takes {canvases} "
+            f"canvases of {canvas_length}, past the model's context of {limit} positions; "
+            f"ask for at most {limit // canvas_length * canvas_length - len(tail)}"
+        )
     size = canvases * canvas_length - len(tail)
     return CanvasTemplate([FREE] * size + tail, [(0, Hole(size, where="the fill"))], ends_turn=False)
 
@@ -252,8 +260,13 @@ def token_classes(tokenizer, vocab: int) -> dict[str, np.ndarray]:
         digits[i] = s.isascii() and s.isdigit()
         minus[i] = s == "-"
         point[i] = s == "."
-    classes = {"text": text, "string": string, "digits": digits, "signed": digits | minus,
-               "number": digits | minus | point}
+    classes = {
+        "text": text,
+        "string": string,
+        "digits": digits,
+        "signed": digits | minus,
+        "number": digits | minus | point,
+    }
     tokenizer._template_classes = classes
     return classes
 
@@ -275,8 +288,14 @@ class _BuiltOnRead(Sequence):
         return self.build(index % self.n)
 
 
-def canvas_clamps(template: CanvasTemplate, tokenizer, vocab: int, canvas_length: int, end_of_turn: int | None,
-                  last_length: Callable[[int, int], int] | None = None) -> Sequence[tuple[int, Clamp]]:
+def canvas_clamps(
+    template: CanvasTemplate,
+    tokenizer,
+    vocab: int,
+    canvas_length: int,
+    end_of_turn: int | None,
+    last_length: Callable[[int, int], int] | None = None,
+) -> Sequence[tuple[int, Clamp]]:
     """(length, Clamp) per canvas of the template. After the template, its last canvas holds
     ``end_of_turn`` then padding (with None, padding alone). ``last_length(used, canvas_length)``
     may shorten the last canvas to a length that still holds its ``used`` template positions.
@@ -314,8 +333,13 @@ def canvas_clamps(template: CanvasTemplate, tokenizer, vocab: int, canvas_length
         position_class = np.array([rows.setdefault(a, len(rows)) for a in allowed[window]], dtype=np.int32)
         bias = np.stack([_bias_row(a, classes, vocab, pad) for a in rows])
         finish = _snap_choices([(s - k, h) for s, h in choice_holes if k <= s < k + length], pad)
-        return length, Clamp(fixed=mx.array(fixed[None, window]), tokens=mx.array(values[None, window]),
-                             classes=mx.array(position_class[None]), bias=mx.array(bias), finish=finish)
+        return length, Clamp(
+            fixed=mx.array(fixed[None, window]),
+            tokens=mx.array(values[None, window]),
+            classes=mx.array(position_class[None]),
+            bias=mx.array(bias),
+            finish=finish,
+        )
 
     return _BuiltOnRead(len(windows), clamp)
 
@@ -361,7 +385,7 @@ def _snap_choices(holes: list[tuple[int, Hole]], pad: int):
                 score = sum(log_probs[start + j, t] for j, t in enumerate(seq) if start + j < len(log_probs))
                 if score > best_score:
                     best, best_score = seq, score
-            out[0, start:start + hole.size] = best[: out.shape[1] - start]
+            out[0, start : start + hole.size] = best[: out.shape[1] - start]
         return mx.array(out)
 
     return finish

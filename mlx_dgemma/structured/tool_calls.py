@@ -60,9 +60,9 @@ class _Arguments:
         if text.startswith(STRING_DELIMITER, i):
             end = text.find(STRING_DELIMITER, i + len(STRING_DELIMITER))
             if end < 0:
-                self.fail("the closing <|\"|>")
+                self.fail('the closing <|"|>')
             self.i = end + len(STRING_DELIMITER)
-            return text[i + len(STRING_DELIMITER):end]
+            return text[i + len(STRING_DELIMITER) : end]
         if text.startswith('"', i):
             try:
                 value, self.i = json.JSONDecoder().raw_decode(text, i)
@@ -171,9 +171,11 @@ def check_parameters(function: dict) -> None:
     call's arguments are an object; OpenAI and Anthropic refuse other tools alike)."""
     parameters = function.get("parameters")
     if parameters and parameters.get("type") != "object":
-        raise TemplateError(f"tool {str(function.get('name'))[:40]!r}: parameters must be a JSON schema of type "
-                            f"\"object\" (a call's arguments are an object), got type "
-                            f"{shown_json(parameters.get('type'))}")
+        raise TemplateError(
+            f"tool {str(function.get('name'))[:40]!r}: parameters must be a JSON schema of type "
+            f'"object" (a call\'s arguments are an object), got type '
+            f"{shown_json(parameters.get('type'))}"
+        )
 
 
 def forced_call_template(tokenizer, tool: dict, limit: int | None = None, draft: Any = None) -> CanvasTemplate:
@@ -206,15 +208,25 @@ def call_choice_schema(tools: list[dict]) -> dict:
     for i, tool in enumerate(tools):
         function = tool["function"]
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        choices.append({"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
-                        "properties": {"name": {"const": function["name"]},
-                                       "arguments": rebased(parameters, f"/anyOf/{i}/properties/arguments")}})
+        choices.append(
+            {
+                "type": "object",
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"const": function["name"]},
+                    "arguments": rebased(parameters, f"/anyOf/{i}/properties/arguments"),
+                },
+            }
+        )
     return {"anyOf": choices}
 
 
 def chosen_call(text: str) -> ToolCall:
     """The call in an answer of ``call_choice_schema`` (a ``ValueError`` where the text is not one)."""
     value = json.loads(text)
-    if not (isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)):
-        raise ValueError(f"expected {{\"name\": ..., \"arguments\": {{...}}}}, got {text[:40]!r}")
+    if not (
+        isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict)
+    ):
+        raise ValueError(f'expected {{"name": ..., "arguments": {{...}}}}, got {text[:40]!r}')
     return ToolCall(value["name"], value["arguments"])

@@ -19,8 +19,9 @@ ADAPTERS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def apply_fine_tune(model, fine_tune_type: str, num_layers: int, lora_parameters: dict,
-                    train_embeddings: bool = False) -> None:
+def apply_fine_tune(
+    model, fine_tune_type: str, num_layers: int, lora_parameters: dict, train_embeddings: bool = False
+) -> None:
     """Freeze the model, then make the last ``num_layers`` layers trainable: their linear layers
     become mlx-lm's LoRA layers (on quantized ones: QLoRA), or (full) the layers themselves.
     Encoder and decoder share these layers, so both passes use the adapters. ``train_embeddings``
@@ -33,8 +34,14 @@ def apply_fine_tune(model, fine_tune_type: str, num_layers: int, lora_parameters
         raise FineTuneError("--train-embeddings needs unquantized embeddings (the quantized model keeps them fixed)")
     if fine_tune_type == "full":
         layers = model.layers[-num_layers:]
-        if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for layer in layers for _, m in
-               layer.named_modules()) or model.config.quantization:
+        if (
+            any(
+                isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                for layer in layers
+                for _, m in layer.named_modules()
+            )
+            or model.config.quantization
+        ):
             raise FineTuneError("full fine-tuning needs an unquantized model; use --fine-tune-type lora (QLoRA)")
         for layer in layers:
             layer.unfreeze()
@@ -102,8 +109,13 @@ def load_adapters(model, adapter_path: str | Path):
             raise FineTuneError(f"no {name} in {folder}; pass the --adapter-path a training run wrote")
     config = read_adapter_config(folder / ADAPTER_CONFIG)
     try:
-        apply_fine_tune(model, config.get("fine_tune_type", "lora"), config["num_layers"],
-                        config.get("lora_parameters"), config.get("train_embeddings", False))
+        apply_fine_tune(
+            model,
+            config.get("fine_tune_type", "lora"),
+            config["num_layers"],
+            config.get("lora_parameters"),
+            config.get("train_embeddings", False),
+        )
     except (ValueError, KeyError, TypeError) as e:
         raise FineTuneError(f"{folder / ADAPTER_CONFIG} cannot be applied to this model: {e}") from None
     load_trainable(model, folder / ADAPTERS, "the run that wrote it")
@@ -117,8 +129,9 @@ def read_adapter_config(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise FineTuneError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     except json.JSONDecodeError as e:
-        raise FineTuneError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); pass the --adapter-path "
-                            "a training run wrote") from None
+        raise FineTuneError(
+            f"{path} is not valid JSON ({e.msg} at line {e.lineno}); pass the --adapter-path a training run wrote"
+        ) from None
     if not isinstance(config, dict):
         raise FineTuneError(f"{path} must be a JSON object of the run's options, got a {type(config).__name__}")
     if "num_layers" not in config:
@@ -135,9 +148,13 @@ def load_trainable(model, path: str | Path, origin: str = "the run that wrote it
     trainable = dict(tree_flatten(model.trainable_parameters()))
     for name, value in weights.items():
         if name not in trainable:
-            raise FineTuneError(f"{path}: {name} is not a trainable parameter here (same --fine-tune-type, "
-                                f"--num-layers and --train-embeddings as {origin}?)")
+            raise FineTuneError(
+                f"{path}: {name} is not a trainable parameter here (same --fine-tune-type, "
+                f"--num-layers and --train-embeddings as {origin}?)"
+            )
         if trainable[name].shape != value.shape:
-            raise FineTuneError(f"{path}: {name} has shape {tuple(value.shape)}, here "
-                                f"{tuple(trainable[name].shape)} (same model and LoRA rank as {origin}?)")
+            raise FineTuneError(
+                f"{path}: {name} has shape {tuple(value.shape)}, here "
+                f"{tuple(trainable[name].shape)} (same model and LoRA rank as {origin}?)"
+            )
     model.load_weights(list(weights.items()), strict=False)

@@ -32,16 +32,22 @@ END_OF_TURN = "<turn|>"
 def _messages(record: dict, where: str) -> list[dict]:
     if "messages" in record:
         messages = record["messages"]
-        if (not isinstance(messages, list) or len(messages) < 2
-                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)):
+        if (
+            not isinstance(messages, list)
+            or len(messages) < 2
+            or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+        ):
             raise DataError(f"{where}: 'messages' must be a list of at least two {{role, content}} messages")
         if messages[-1].get("role") != "assistant":
-            raise DataError(f"{where}: the last message must be the assistant's answer "
-                            f"(role 'assistant', not {messages[-1].get('role')!r})")
+            raise DataError(
+                f"{where}: the last message must be the assistant's answer "
+                f"(role 'assistant', not {messages[-1].get('role')!r})"
+            )
         return messages
     if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
-        raise DataError(f"{where}: expected 'messages', 'prompt' and 'completion', or 'text' "
-                        f"(found keys {sorted(record)})")
+        raise DataError(
+            f"{where}: expected 'messages', 'prompt' and 'completion', or 'text' (found keys {sorted(record)})"
+        )
     return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
 
 
@@ -62,8 +68,9 @@ def make_example(record, tokenizer: Tokenizer, where: str, mask_prompt: bool = F
     return Example(prefix, answer + [tokenizer.stop_ids[0] if end is None else end], mask_prompt)
 
 
-def load_split(path: Path, tokenizer: Tokenizer, canvas_length: int, max_length: int,
-               mask_prompt: bool = False) -> list[Example]:
+def load_split(
+    path: Path, tokenizer: Tokenizer, canvas_length: int, max_length: int, mask_prompt: bool = False
+) -> list[Example]:
     """Every line of one ``.jsonl`` file as an example; the first bad line is a ``DataError``."""
     examples = []
     try:
@@ -80,17 +87,25 @@ def load_split(path: Path, tokenizer: Tokenizer, canvas_length: int, max_length:
             raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         example = make_example(record, tokenizer, where, mask_prompt)
         if (n := example.length(canvas_length)) > max_length:
-            raise DataError(f"{where}: the sample takes {n} positions (prompt {len(example.prefix)} + "
-                            f"{example.canvases(canvas_length)} canvases of {canvas_length}), more than the "
-                            f"context of {max_length} (--max-seq-length)")
+            raise DataError(
+                f"{where}: the sample takes {n} positions (prompt {len(example.prefix)} + "
+                f"{example.canvases(canvas_length)} canvases of {canvas_length}), more than the "
+                f"context of {max_length} (--max-seq-length)"
+            )
         examples.append(example)
     if not examples:
         raise DataError(f"{path} has no samples; put one JSON object per line")
     return examples
 
 
-def load_dataset(folder: str | Path, tokenizer: Tokenizer, canvas_length: int, max_length: int,
-                 splits=SPLITS, mask_prompt: bool = False) -> dict[str, list[Example]]:
+def load_dataset(
+    folder: str | Path,
+    tokenizer: Tokenizer,
+    canvas_length: int,
+    max_length: int,
+    splits=SPLITS,
+    mask_prompt: bool = False,
+) -> dict[str, list[Example]]:
     """The named splits of a data folder; each must be there."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -104,8 +119,14 @@ def load_dataset(folder: str | Path, tokenizer: Tokenizer, canvas_length: int, m
     return out
 
 
-def iterate_batches(examples: list[Example], batch_size: int, canvas_length: int, pad_id: int,
-                    rng: np.random.Generator | None = None, loop: bool = False) -> Iterator[Batch]:
+def iterate_batches(
+    examples: list[Example],
+    batch_size: int,
+    canvas_length: int,
+    pad_id: int,
+    rng: np.random.Generator | None = None,
+    loop: bool = False,
+) -> Iterator[Batch]:
     """Batches of up to ``batch_size`` examples of one canvas count (no compute on unscored
     canvases), shuffled by ``rng`` each pass (in file order without one)."""
     buckets: dict[int, list[int]] = {}

@@ -102,16 +102,26 @@ class Noise:
     temperature: mx.array  # [B] the first pass's logits are divided by this
 
 
-def draw_noise(rng: np.random.Generator, batch: Batch, canvas_length: int, vocab_size: int,
-               objective: ObjectiveConfig = ObjectiveConfig()) -> Noise:
+def draw_noise(
+    rng: np.random.Generator,
+    batch: Batch,
+    canvas_length: int,
+    vocab_size: int,
+    objective: ObjectiveConfig = ObjectiveConfig(),
+) -> Noise:
     B, K, C = batch.size, batch.canvases, canvas_length
     t = rng.random((B, K), dtype=np.float32) * (1 - objective.min_noise) + objective.min_noise
     replace = rng.random((B, K, C), dtype=np.float32) < t[:, :, None]
     tokens = rng.integers(0, vocab_size, (B, K * C))
     sc = rng.random(B) < objective.self_conditioning_prob
     temperature = rng.random(B, dtype=np.float32) * (objective.t_max - objective.t_min) + objective.t_min
-    return Noise(mx.array(t), mx.array(replace.reshape(B, K * C)), mx.array(tokens, dtype=mx.int32),
-                 mx.array(sc), mx.array(temperature))
+    return Noise(
+        mx.array(t),
+        mx.array(replace.reshape(B, K * C)),
+        mx.array(tokens, dtype=mx.int32),
+        mx.array(sc),
+        mx.array(temperature),
+    )
 
 
 def attention_masks(batch: Batch, canvas_length: int, window: int):
@@ -193,13 +203,21 @@ class Forward:
         h = model.embed(ids)
         kv = []
         for layer, scalar in zip(model.layers, scalars):
-            h, k, v = self.layer(_encoder_layer, layer, h, positions, masks[layer.self_attn.sliding],
-                                 scalar.layer_scalar)
+            h, k, v = self.layer(
+                _encoder_layer, layer, h, positions, masks[layer.self_attn.sliding], scalar.layer_scalar
+            )
             kv.append((k, v))
         return model.model.decoder.norm(h), kv
 
-    def denoise(self, canvas: mx.array, positions: mx.array, kv, masks, tempered: mx.array | None = None,
-                on: mx.array | None = None) -> mx.array:
+    def denoise(
+        self,
+        canvas: mx.array,
+        positions: mx.array,
+        kv,
+        masks,
+        tempered: mx.array | None = None,
+        on: mx.array | None = None,
+    ) -> mx.array:
         """Soft-capped logits [B, K·C, V] of noisy canvases against the encoder's K/V, self-conditioned
         on the ``tempered`` logits of a first pass for the examples where ``on`` is True."""
         model = self.model
@@ -220,8 +238,13 @@ class Losses:
     tokens: int  # positions the step computed (encoder + decoder), for tokens/s
 
 
-def loss(model: DiffusionGemma, batch: Batch, noise: Noise, objective: ObjectiveConfig = ObjectiveConfig(),
-         grad_checkpoint: bool = False) -> Losses:
+def loss(
+    model: DiffusionGemma,
+    batch: Batch,
+    noise: Noise,
+    objective: ObjectiveConfig = ObjectiveConfig(),
+    grad_checkpoint: bool = False,
+) -> Losses:
     cfg = model.config
     C, P = cfg.canvas_length, batch.prefix_length
     forward = Forward(model, grad_checkpoint)

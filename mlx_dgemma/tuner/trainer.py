@@ -26,8 +26,9 @@ EMBEDDINGS = "model.decoder.embed_tokens.weight"
 STALLED = 0.01  # a validation loss that moves less than this fraction between two evaluations has stalled
 
 
-def evaluate_loss(model, examples, batch_size: int, num_batches: int, seed: int,
-             objective: train.ObjectiveConfig) -> tuple[float, float, float]:
+def evaluate_loss(
+    model, examples, batch_size: int, num_batches: int, seed: int, objective: train.ObjectiveConfig
+) -> tuple[float, float, float]:
     """Mean total, decoder and encoder loss over ``num_batches`` (-1: all), under noise drawn from
     ``seed`` each time, so that evaluations during a run are comparable."""
     cfg = model.config
@@ -50,8 +51,10 @@ def stalled_hint(previous: tuple[int, float], loss: float) -> str | None:
     since, before = previous
     if abs(before - loss) > STALLED * abs(before):
         return None
-    return (f"Hint: the validation loss has not moved since iteration {since} ({before:.3f}, now {loss:.3f}); "
-            "if the model should still be learning, try a higher --learning-rate (docs/fine-tuning.md)")
+    return (
+        f"Hint: the validation loss has not moved since iteration {since} ({before:.3f}, now {loss:.3f}); "
+        "if the model should still be learning, try a higher --learning-rate (docs/fine-tuning.md)"
+    )
 
 
 def report(message: str) -> None:
@@ -84,16 +87,24 @@ def save_run(model, args, adapter_path: Path, names: list[str]) -> None:
     """The trained parameters under each of ``names`` and the run's options, each file written whole
     or not at all; parameters that are not finite are never saved."""
     if not _all_finite(model.trainable_parameters()).item():
-        raise FineTuneError(f"the trained parameters are not finite; nothing saved to {adapter_path} "
-                            "(lower --learning-rate)")
+        raise FineTuneError(
+            f"the trained parameters are not finite; nothing saved to {adapter_path} (lower --learning-rate)"
+        )
     for name in names:
         save_adapters(model, adapter_path / name)
     options = {k: v for k, v in vars(args).items() if k != "config"}
     write_atomically(adapter_path / ADAPTER_CONFIG, lambda path: path.write_text(json.dumps(options, indent=4)))
 
 
-def run_training(model, args, train_set, valid_set, objective: train.ObjectiveConfig, log=report,
-                 embedding_rows: EmbeddingRows | None = None) -> None:
+def run_training(
+    model,
+    args,
+    train_set,
+    valid_set,
+    objective: train.ObjectiveConfig,
+    log=report,
+    embedding_rows: EmbeddingRows | None = None,
+) -> None:
     """Train for ``args.iters`` steps; a step whose loss or gradient is not finite stops the run before
     its update, with nothing saved from it."""
     cfg = model.config
@@ -115,8 +126,10 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
         if valid_set and (it == 1 or it % args.steps_per_eval == 0 or it == args.iters):
             start = time.perf_counter()
             val = evaluate_loss(model, valid_set, args.batch_size, args.val_batches, args.seed + 2, objective)
-            log(f"Iter {it}: Val loss {val[0]:.3f} (decoder {val[1]:.3f}, encoder {val[2]:.3f}), "
-                f"Val took {time.perf_counter() - start:.1f}s")
+            log(
+                f"Iter {it}: Val loss {val[0]:.3f} (decoder {val[1]:.3f}, encoder {val[2]:.3f}), "
+                f"Val took {time.perf_counter() - start:.1f}s"
+            )
             if evaluated and not hinted and (hint := stalled_hint(evaluated, val[0])):
                 log(hint)
                 hinted = True
@@ -131,8 +144,9 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
         mx.eval(total, finite)
         if not (math.isfinite(total.item()) and finite.item()):
             what = f"the loss is {total.item()}" if not math.isfinite(total.item()) else "a gradient is not finite"
-            raise FineTuneError(f"iteration {it}: {what}; training stopped and nothing more was saved "
-                                "(lower --learning-rate)")
+            raise FineTuneError(
+                f"iteration {it}: {what}; training stopped and nothing more was saved (lower --learning-rate)"
+            )
         optimizer.update(model, grads)
         if embedding_rows:
             embedding_rows.restore()
@@ -144,16 +158,20 @@ def run_training(model, args, train_set, valid_set, objective: train.ObjectiveCo
         if it % args.steps_per_report == 0 or it == args.iters:
             trained += tokens
             mean = sums / steps
-            log(f"Iter {it}: Train loss {mean[0]:.3f} (decoder {mean[1]:.3f}, encoder {mean[2]:.3f}), "
+            log(
+                f"Iter {it}: Train loss {mean[0]:.3f} (decoder {mean[1]:.3f}, encoder {mean[2]:.3f}), "
                 f"Learning Rate {layers_optimizer.learning_rate.item():.3e}, It/sec {steps / elapsed:.3f}, "
                 f"Tokens/sec {tokens / elapsed:.1f}, Trained Tokens {trained}, "
-                f"Peak mem {mx.get_peak_memory() / 1e9:.3f} GB")
+                f"Peak mem {mx.get_peak_memory() / 1e9:.3f} GB"
+            )
             sums, steps, tokens, elapsed = np.zeros(3), 0, 0, 0.0
         if it % args.save_every == 0:
             adapter_path.mkdir(parents=True, exist_ok=True)
             save_run(model, args, adapter_path, [ADAPTERS, f"{it:07d}_{ADAPTERS}"])
-            log(f"Iter {it}: Saved adapter weights to {adapter_path / ADAPTERS} and "
-                f"{adapter_path / f'{it:07d}_{ADAPTERS}'}.")
+            log(
+                f"Iter {it}: Saved adapter weights to {adapter_path / ADAPTERS} and "
+                f"{adapter_path / f'{it:07d}_{ADAPTERS}'}."
+            )
     adapter_path.mkdir(parents=True, exist_ok=True)
     save_run(model, args, adapter_path, [ADAPTERS])
     log(f"Saved final weights to {adapter_path / ADAPTERS}.")

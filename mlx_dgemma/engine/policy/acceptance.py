@@ -35,7 +35,7 @@ class Acceptance:
             target, low, high = factor * base.tokens_per_round(k, length), 0.0, 1.0 - 1e-9
             for _ in range(60):
                 mid = (low + high) / 2
-                low, high = (mid, high) if (1 - mid ** length) / (1 - mid) < target else (low, mid)
+                low, high = (mid, high) if (1 - mid**length) / (1 - mid) < target else (low, mid)
             prior[k] = low
         return cls(prior=prior)
 
@@ -47,7 +47,7 @@ class Acceptance:
 
     def tokens_per_round(self, steps: int, length: int) -> float:
         a = min(self.alpha(steps), 1 - 1e-9)
-        return (1 - a ** length) / (1 - a)
+        return (1 - a**length) / (1 - a)
 
     def observe(self, steps: int, length: int, kept: int, rejected: bool, memory: float = 200.0) -> None:
         """A round kept ``kept`` draft tokens, then rejected one or not (a stop id, the draft's end);
@@ -62,13 +62,16 @@ class Acceptance:
         return f"a draft token kept with probability {alphas}; {seen:.0f} draft tokens seen"
 
 
-def best_draft(profile: Profile, acceptance: Acceptance, canvas: int, length: int | None = None,
-               steps: int | None = None) -> tuple[int, int, float]:
+def best_draft(
+    profile: Profile, acceptance: Acceptance, canvas: int, length: int | None = None, steps: int | None = None
+) -> tuple[int, int, float]:
     """(draft length, draft steps, predicted tok/s) with the most predicted tokens per second among
     the candidate lengths up to the canvas and 1-2 steps (either may be fixed by the caller)."""
     lengths = [length] if length else [n for n in DRAFT_LENGTHS if n <= canvas] or [canvas]
-    options = [(profile.verified_tok_s(n, k, acceptance.tokens_per_round(k, n)), n, k)
-               for n in lengths for k in ([steps] if steps else DRAFT_STEPS)]
+    options = [
+        (profile.verified_tok_s(n, k, acceptance.tokens_per_round(k, n)), n, k)
+        for n in lengths
+        for k in ([steps] if steps else DRAFT_STEPS)
+    ]
     tok_s, n, k = max(options)
     return n, k, tok_s
-

@@ -69,8 +69,9 @@ class AutoPlanner:
         longer = [n - produced for n in self.answers(prompt) if n > produced]
         return sum(longer) / len(longer) if longer else float(self.canvas)
 
-    def predictions(self, remaining: int, produced: int = 0,
-                    prompt: list[int] | tuple[int, ...] = ()) -> dict[str, tuple[float, str]]:
+    def predictions(
+        self, remaining: int, produced: int = 0, prompt: list[int] | tuple[int, ...] = ()
+    ) -> dict[str, tuple[float, str]]:
         p, C = self.profile.at_prefix(len(prompt) + produced), self.canvas  # the context at hand
         expected = self.expected_tokens(produced, prompt)
         tokens = min(expected, remaining, C)
@@ -79,21 +80,29 @@ class AutoPlanner:
         for name in ("reference", "fast"):
             positions = C if name == "reference" else max(1, round(FAST_POSITION_SHARE * C))
             n = self.steps[name].value(prompt)
-            out[name] = (tokens / (n * p.step_s(positions)),
-                         f"{n:.1f} steps per canvas of {positions} computed positions, {tokens:.1f} tokens per canvas")
+            out[name] = (
+                tokens / (n * p.step_s(positions)),
+                f"{n:.1f} steps per canvas of {positions} computed positions, {tokens:.1f} tokens per canvas",
+            )
         out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
         modelled = self.acceptance.tokens_per_round(steps, length)
         per_round = min(modelled * self.round_yield.value(prompt), max(1.0, expected), remaining)
-        out["verified"] = (verified * per_round / modelled,
-                           f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round "
-                           f"({self.acceptance.describe()})")
+        out["verified"] = (
+            verified * per_round / modelled,
+            f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round ({self.acceptance.describe()})",
+        )
         paces = {name: self.pace[name].value(prompt) for name in out}
-        return {name: (tok_s * paces[name], why + (f", x{paces[name]:.2f} as observed"
-                                                   if self.pace[name].observed(prompt) else ""))
-                for name, (tok_s, why) in out.items()}
+        return {
+            name: (
+                tok_s * paces[name],
+                why + (f", x{paces[name]:.2f} as observed" if self.pace[name].observed(prompt) else ""),
+            )
+            for name, (tok_s, why) in out.items()
+        }
 
-    def choose(self, remaining: int, overrides: dict | None = None, produced: int = 0,
-               prompt: list[int] | tuple[int, ...] = ()) -> Plan:
+    def choose(
+        self, remaining: int, overrides: dict | None = None, produced: int = 0, prompt: list[int] | tuple[int, ...] = ()
+    ) -> Plan:
         """The next plan for an answer to ``prompt`` that has ``produced`` tokens and room for
         ``remaining`` more, with the caller's sampler ``overrides`` (``Plan.overridden``) applied. The
         plan carries what was chosen and its predicted tok/s (``Plan.predicted``): what it gives is
@@ -102,8 +111,11 @@ class AutoPlanner:
         best = max(predicted, key=lambda name: predicted[name][0])
         # Estimates of a plan that does not run do not move: one close enough to the best is run again
         # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan.
-        stale = [name for name in predicted if self.idle[name] >= EXPLORE_EVERY
-                 and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]]
+        stale = [
+            name
+            for name in predicted
+            if self.idle[name] >= EXPLORE_EVERY and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]
+        ]
         retry = max(stale, key=lambda name: predicted[name][0]) if stale else None
         for name in self.idle:
             self.idle[name] += 1
@@ -113,28 +125,45 @@ class AutoPlanner:
         if best == "verified":
             plan = verified_plan(plan, self.canvas, self.profile, DraftRequest(acceptance=self.acceptance))
         reasons = [f"{self.profile.device} ({self.profile.source}), predicted tok/s:"]
-        reasons += [f"{name}: {tok_s:.1f} ({why})" for name, (tok_s, why) in
-                    sorted(predicted.items(), key=lambda item: -item[1][0])]
-        reasons.append(f"→ {best}" + (f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
-                                      f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)" if retry else "")
-                       + "; re-chosen at every canvas or round as the estimates move")
+        reasons += [
+            f"{name}: {tok_s:.1f} ({why})"
+            for name, (tok_s, why) in sorted(predicted.items(), key=lambda item: -item[1][0])
+        ]
+        reasons.append(
+            f"→ {best}"
+            + (
+                f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
+                f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)"
+                if retry
+                else ""
+            )
+            + "; re-chosen at every canvas or round as the estimates move"
+        )
         chosen = (best, predicted[best][0] / self.pace[best].value(prompt))  # before its pace
         return replace(plan, policy="auto", reasons=reasons, predicted=chosen).overridden(overrides or {})
 
-    def observe_canvas(self, plan: Plan, steps: int, seconds: float | None = None, tokens: int | None = None,
-                       prompt: list[int] | tuple[int, ...] = ()) -> None:
+    def observe_canvas(
+        self,
+        plan: Plan,
+        steps: int,
+        seconds: float | None = None,
+        tokens: int | None = None,
+        prompt: list[int] | tuple[int, ...] = (),
+    ) -> None:
         """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``."""
         policy = "fast" if plan.settings.freeze_after else "reference"
         self.steps[policy].add(steps, prompt)
         self._pace(plan, policy, tokens, seconds, prompt)
 
-    def observe_ar(self, plan: Plan, tokens: int, seconds: float | None = None,
-                   prompt: list[int] | tuple[int, ...] = ()) -> None:
+    def observe_ar(
+        self, plan: Plan, tokens: int, seconds: float | None = None, prompt: list[int] | tuple[int, ...] = ()
+    ) -> None:
         """An autoregressive block under ``plan`` gave ``tokens`` in ``seconds``."""
         self._pace(plan, "ar", tokens, seconds, prompt)
 
-    def observe_round(self, plan: Plan, done, seconds: float | None = None,
-                      prompt: list[int] | tuple[int, ...] = ()) -> None:
+    def observe_round(
+        self, plan: Plan, done, seconds: float | None = None, prompt: list[int] | tuple[int, ...] = ()
+    ) -> None:
         """A verified round under ``plan`` (``done``: a ``drafting.Round``); one that ended the answer
         (no next token) says how long the answer was, not how well drafts are accepted."""
         modelled = self.acceptance.tokens_per_round(plan.draft_steps, done.length)

@@ -81,9 +81,15 @@ def fixed_plan(
 ) -> Plan:
     """The plan of a policy that does not re-plan as it goes (reference, fast, ar, verified), from the
     generation config and, for verified drafting, the device profile and ``draft``. Any policy's plan, auto's included, is ``auto.make_plan``'s."""
-    reference = Plan(policy, "diffusion", SamplerSettings.from_generation_config(gen), reasons=[
-        f"the checkpoint's generation config: {gen.max_denoising_steps} steps, bound {gen.entropy_bound:g}, "
-        f"t {gen.t_min:g}–{gen.t_max:g}, whole canvases"])
+    reference = Plan(
+        policy,
+        "diffusion",
+        SamplerSettings.from_generation_config(gen),
+        reasons=[
+            f"the checkpoint's generation config: {gen.max_denoising_steps} steps, bound {gen.entropy_bound:g}, "
+            f"t {gen.t_min:g}–{gen.t_max:g}, whole canvases"
+        ],
+    )
     if policy == "reference":
         return reference
     if policy == "ar":
@@ -92,13 +98,16 @@ def fixed_plan(
         return verified_plan(reference, canvas, profile, draft)
     if policy == "fast":
         return replace(
-            reference, settings=replace(reference.settings, freeze_after=FREEZE_AFTER, stability_threshold=0),
+            reference,
+            settings=replace(reference.settings, freeze_after=FREEZE_AFTER, stability_threshold=0),
             trim_last_canvas=True,
-            reasons=[f"positions accepted with the same token {FREEZE_AFTER} step(s) running are frozen (K/V kept) "
-                     "and no longer recomputed: a step costs the share of the canvas still moving",
-                     "a canvas may stop once confident (stability threshold 0): no extra step to confirm it",
-                     "the last canvas is cut to the tokens still wanted (a step costs ~ canvas length when compute-bound)",
-                     "measured on the demo tasks: benchmarks/demo_speed.py"],
+            reasons=[
+                f"positions accepted with the same token {FREEZE_AFTER} step(s) running are frozen (K/V kept) "
+                "and no longer recomputed: a step costs the share of the canvas still moving",
+                "a canvas may stop once confident (stability threshold 0): no extra step to confirm it",
+                "the last canvas is cut to the tokens still wanted (a step costs ~ canvas length when compute-bound)",
+                "measured on the demo tasks: benchmarks/demo_speed.py",
+            ],
         )
     raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
@@ -106,8 +115,10 @@ def fixed_plan(
 def verified_plan(reference: Plan, canvas: int, profile: Profile | None, draft: DraftRequest) -> Plan:
     """Verified drafting with the draft length and steps ``draft`` gives, the rest chosen for ``profile``."""
     length, steps = draft.length, draft.steps
-    reasons = ["verified drafting: the decoder drafts, the encoder verifies and encodes the draft in one "
-               "forward; the output is autoregressive decoding's"]
+    reasons = [
+        "verified drafting: the decoder drafts, the encoder verifies and encodes the draft in one "
+        "forward; the output is autoregressive decoding's"
+    ]
     if length is None or steps is None:
         if profile is None:
             best_length, best_steps = min(canvas, 32), 2
@@ -115,10 +126,11 @@ def verified_plan(reference: Plan, canvas: int, profile: Profile | None, draft: 
         else:
             acceptance = draft.acceptance or Acceptance()
             best_length, best_steps, tok_s = best_draft(profile, acceptance, canvas, length, steps)
-            reasons.append(f"{profile.device} ({profile.source}): {best_length} positions in {best_steps} step(s) "
-                           f"predicted fastest, {acceptance.tokens_per_round(best_steps, best_length):.1f} tokens "
-                           f"per round at {tok_s:.1f} tok/s ({acceptance.describe()})")
+            reasons.append(
+                f"{profile.device} ({profile.source}): {best_length} positions in {best_steps} step(s) "
+                f"predicted fastest, {acceptance.tokens_per_round(best_steps, best_length):.1f} tokens "
+                f"per round at {tok_s:.1f} tok/s ({acceptance.describe()})"
+            )
         length = best_length if length is None else length
         steps = best_steps if steps is None else steps
     return replace(reference, mode="verified", draft_length=length, draft_steps=steps, reasons=reasons)
-

@@ -56,9 +56,13 @@ class Profile:
         def grown(points: dict[int, float]) -> dict[int, float]:
             return {n: s + max(self.step_s_per_key * n / longest, self.ar_s_per_key) * extra for n, s in points.items()}
 
-        return replace(self, step_s_by_canvas=grown(self.step_s_by_canvas), prefix=prefix,
-                       verify_s_by_length=grown(self.verify_s_by_length),
-                       ar_token_s=self.ar_token_s + self.ar_s_per_key * extra)
+        return replace(
+            self,
+            step_s_by_canvas=grown(self.step_s_by_canvas),
+            prefix=prefix,
+            verify_s_by_length=grown(self.verify_s_by_length),
+            ar_token_s=self.ar_token_s + self.ar_s_per_key * extra,
+        )
 
     def step_s(self, canvas: int) -> float:
         """Step time at any canvas length, interpolated linearly between measured lengths."""
@@ -117,7 +121,6 @@ def _interpolate(points_by_length: dict[int, float], length: int) -> float:
     return s_last * length / c_last
 
 
-
 def device_name() -> str:
     device = mx.default_device()
     if device.type == mx.gpu and hasattr(mx, "metal") and mx.metal.is_available():
@@ -132,8 +135,9 @@ def model_fingerprint(model) -> str:
     dtype = str(model.model.decoder.norm.weight.dtype)
     # The kernels and PROFILE_VERSION: a profile measured with other kernels (or before verified
     # drafting's timings existed) is measured again.
-    raw = json.dumps([asdict(cfg), dtype, str(mx.default_device()), model.kernels.name, PROFILE_VERSION],
-                     sort_keys=True, default=str)
+    raw = json.dumps(
+        [asdict(cfg), dtype, str(mx.default_device()), model.kernels.name, PROFILE_VERSION], sort_keys=True, default=str
+    )
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -149,8 +153,15 @@ def time_canvas(model, cache, steps: int, canvas: int, seed: int = 0) -> float:
     return time.perf_counter() - start
 
 
-def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, ar_tokens: int = 8,
-            steps: int = 3, draft_lengths=DRAFT_LENGTHS) -> Profile:
+def measure(
+    model,
+    prefix: int = 64,
+    canvases=CANVAS_LENGTHS,
+    repeats: int = 2,
+    ar_tokens: int = 8,
+    steps: int = 3,
+    draft_lengths=DRAFT_LENGTHS,
+) -> Profile:
     """Time real sampler steps (forward, self-conditioning, sampling) per canvas length (and per draft
     length up to the model's canvas), verifying encoder passes per draft length, AR tokens and
     prefill on this device; each figure is the best of ``repeats`` after a warm-up."""
@@ -186,16 +197,18 @@ def measure(model, prefix: int = 64, canvases=CANVAS_LENGTHS, repeats: int = 2, 
     ar = min(ar_run() for _ in range(repeats))
     dtype = str(model.model.decoder.norm.weight.dtype).replace("mlx.core.", "")
     step_slope, ar_slope = _slopes(model, max(step_s), steps, repeats)
-    return Profile(device_name(), "measured", step_s, ar, prefix / prefill_s, dtype, verify_s, prefix, step_slope,
-                   ar_slope)
+    return Profile(
+        device_name(), "measured", step_s, ar, prefix / prefill_s, dtype, verify_s, prefix, step_slope, ar_slope
+    )
 
 
 def _slopes(model, canvas: int, steps: int, repeats: int) -> tuple[float, float]:
     """Seconds per prefix key of a step of ``canvas`` and of an AR token, between a prefix just past
     the sliding window and ``SLOPE_KEYS`` more."""
     cfg = model.config
-    ids = mx.random.randint(3, cfg.vocab_size, (1, cfg.sliding_window + cfg.canvas_length + SLOPE_KEYS),
-                           key=mx.random.key(1))
+    ids = mx.random.randint(
+        3, cfg.vocab_size, (1, cfg.sliding_window + cfg.canvas_length + SLOPE_KEYS), key=mx.random.key(1)
+    )
     near = cfg.sliding_window + cfg.canvas_length
     cache = model.make_cache()
     times = []
@@ -276,8 +289,10 @@ def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Pr
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        print(f"cannot cache the device profile in {path} ({e.strerror or e}); it will be measured again "
-              "next time", file=sys.stderr)
+        print(
+            f"cannot cache the device profile in {path} ({e.strerror or e}); it will be measured again next time",
+            file=sys.stderr,
+        )
     return profile
 
 
@@ -290,4 +305,3 @@ def _read_cached_profile(path: Path | None) -> Profile | None:
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0] or type(e).__name__
         print(f"ignoring the damaged device profile {path} ({reason}); measuring again", file=sys.stderr)
         return None
-

@@ -76,10 +76,20 @@ EFFICIENCY = {
 
 # The released google/diffusiongemma-26B-A4B-it (its config.json's text_config).
 RELEASED = ModelConfig(
-    vocab_size=262144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
-    num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-    global_head_dim=512, num_global_key_value_heads=2, num_experts=128, top_k_experts=8,
-    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5, sliding_window=1024,
+    vocab_size=262144,
+    hidden_size=2816,
+    intermediate_size=2112,
+    moe_intermediate_size=704,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=2,
+    num_experts=128,
+    top_k_experts=8,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    sliding_window=1024,
 )
 
 
@@ -89,8 +99,9 @@ class Cost:
     bytes: float
 
 
-def forward_cost(cfg: ModelConfig, tokens: int, prefix: int, bits: float, denoise: bool,
-                 logits: int | None = None) -> Cost:
+def forward_cost(
+    cfg: ModelConfig, tokens: int, prefix: int, bits: float, denoise: bool, logits: int | None = None
+) -> Cost:
     """FLOPs and bytes moved by one forward over ``tokens`` positions after ``prefix`` cached ones.
 
     The cost model, the same for a 256-position step, a 2-token draft and an AR token:
@@ -144,7 +155,6 @@ def predicted_seconds(device: Device, cost: Cost, layers: int) -> float:
     return max(compute, memory) + layers * eff.per_layer_s
 
 
-
 def default_bits(device: Device, cfg: ModelConfig = RELEASED) -> float:
     """What people run: 4-bit mixed (≈4.5 bits/weight) on a Mac, bf16 on an NVIDIA GPU it fits on."""
     if device.vendor == "apple":
@@ -173,17 +183,25 @@ def predict(device: Device | str, cfg: ModelConfig = RELEASED, bits: float | Non
     layers = cfg.num_hidden_layers
     lengths = sorted(set(CANVAS_LENGTHS) | set(DRAFT_LENGTHS))
     steps = {c: predicted_seconds(device, forward_cost(cfg, c, prefix, bits, denoise=True), layers) for c in lengths}
-    verify = {n: predicted_seconds(device, forward_cost(cfg, n, prefix, bits, denoise=False, logits=n), layers)
-              for n in DRAFT_LENGTHS}
+    verify = {
+        n: predicted_seconds(device, forward_cost(cfg, n, prefix, bits, denoise=False, logits=n), layers)
+        for n in DRAFT_LENGTHS
+    }
     ar = predicted_seconds(device, forward_cost(cfg, 1, prefix, bits, denoise=False), layers)
     prefill = predicted_seconds(device, forward_cost(cfg, prefix, 0, bits, denoise=False), layers)
     # growth past the prefix: between two prefixes past the sliding window, SLOPE_KEYS apart
     near = max(prefix, cfg.sliding_window)
-    step_slope, ar_slope = ((predicted_seconds(device, forward_cost(cfg, n, near + SLOPE_KEYS, bits, denoise=n > 1), layers)
-                             - predicted_seconds(device, forward_cost(cfg, n, near, bits, denoise=n > 1), layers))
-                            / SLOPE_KEYS for n in (max(lengths), 1))
-    return Profile(device.name, "predicted", steps, ar, prefix / prefill, f"{bits:g}-bit", verify, prefix,
-                   step_slope, ar_slope)
+    step_slope, ar_slope = (
+        (
+            predicted_seconds(device, forward_cost(cfg, n, near + SLOPE_KEYS, bits, denoise=n > 1), layers)
+            - predicted_seconds(device, forward_cost(cfg, n, near, bits, denoise=n > 1), layers)
+        )
+        / SLOPE_KEYS
+        for n in (max(lengths), 1)
+    )
+    return Profile(
+        device.name, "predicted", steps, ar, prefix / prefill, f"{bits:g}-bit", verify, prefix, step_slope, ar_slope
+    )
 
 
 def predicted_table(steps: float = 16, cfg: ModelConfig = RELEASED) -> dict[str, dict[str, float]]:
@@ -200,4 +218,3 @@ def predicted_table(steps: float = 16, cfg: ModelConfig = RELEASED) -> dict[str,
             row.update({f"{key}_tok_s": tok_s, f"{key}_length": length, f"{key}_steps": draft_steps})
         table[name] = row
     return table
-

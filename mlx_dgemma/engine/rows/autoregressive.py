@@ -83,8 +83,9 @@ class AutoregressiveRows:
         following, failed = [], {}
         for i, state in enumerate(self.rows):
             try:
-                following.append(self._pick(state, logits[i : i + 1])
-                                 if state.rule is None and not _ends(state) else None)
+                following.append(
+                    self._pick(state, logits[i : i + 1]) if state.rule is None and not _ends(state) else None
+                )
             except Exception as e:
                 following.append(None)
                 failed[i] = e
@@ -143,8 +144,9 @@ class AutoregressiveRows:
         stop = token in row.job.stop_ids
         last = stop or row.remaining <= 0
         if row.planner is not None and (last or state.block == 0):
-            row.planner.observe_ar(row.plan, state.block_size - state.block, time.perf_counter() - row.started,
-                                   row.job.ids)
+            row.planner.observe_ar(
+                row.plan, state.block_size - state.block, time.perf_counter() - row.started, row.job.ids
+            )
         if self.engine.emit(row, [token], 1, stop, last, state.block == 0):
             return "done"
         if state.block == 0:
@@ -160,7 +162,7 @@ class AutoregressiveRows:
         token = rule.step(logits)
         done = token is None or rule.done
         stop = done and stopped(row.job, rule, rule.output)
-        if self.engine.emit(row, rule.output[row.emitted:], 1, stop, done, False) or done:
+        if self.engine.emit(row, rule.output[row.emitted :], 1, stop, done, False) or done:
             return "done"
         state.token = mx.array([[token]], dtype=mx.int32)
         return "on"
@@ -173,8 +175,9 @@ class AutoregressiveRows:
             return next_token(logits, row.temperature, row.job.rng, settings.filters)
         if state.history is None:
             state.history = list(row.job.ids)
-        token = next_token(penalized(logits, state.history, *settings.penalties), row.temperature, row.job.rng,
-                           settings.filters)
+        token = next_token(
+            penalized(logits, state.history, *settings.penalties), row.temperature, row.job.rng, settings.filters
+        )
         state.history.append(token.item())
         return token
 

@@ -123,8 +123,9 @@ class DiffusionRows:
     def _start_canvas(self, state: _Canvases) -> None:
         row, model = state.row, self.engine.model
         plan, full = row.plan, model.config.canvas_length
-        length, clamp = (state.clamps[state.canvas] if state.clamps
-                         else (plan.last_canvas_length(row.remaining, full), None))
+        length, clamp = (
+            state.clamps[state.canvas] if state.clamps else (plan.last_canvas_length(row.remaining, full), None)
+        )
         state.run = new_run(model, plan.settings, row.job.rng, length, clamp, row.on_step)
         view = state.cache.canvas_view(length)
         key = lane_of(state.run)
@@ -138,8 +139,11 @@ class DiffusionRows:
         rows that go on encode them, together (their next canvases start at the next step; an auto
         row's next plan starts from the logits after it), finished ones leave."""
         model = self.engine.model
-        results = {i: state.run.result for i, state in enumerate(rows)
-                   if state.run is not None and state.run.result is not None}
+        results = {
+            i: state.run.result
+            for i, state in enumerate(rows)
+            if state.run is not None and state.run.result is not None
+        }
         going_on = []
         for i in results:
             try:
