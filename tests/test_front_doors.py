@@ -110,53 +110,30 @@ def counted(monkeypatch):
     return calls
 
 
-def test_each_check_runs_once_per_server_request(client, counted):
-    """A grammar's answer (ar), a template's and a drafted schema's (reference), each with two choices."""
-    prompt = held_out(1)[0]
-    schema = json_schema(prompt)
-    asked = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+SCHEMA_PROMPT = held_out(1)[0]
+ASKED = {"type": "json_schema", "json_schema": {"name": "answer", "schema": json_schema(SCHEMA_PROMPT)}}
+
+
+@pytest.mark.parametrize(
+    "prompt, options, once",
+    [
+        (
+            SCHEMA_PROMPT,
+            {"response_format": ASKED, "extra_body": {"policy": "ar"}},
+            {"check_prompt_fits", "check_closing_room", "check_closing_fits"},
+        ),
+        ("sort: 9 4 1", {"extra_body": {"template": "1 {{fill:3}} 9"}}, {"check_prompt_fits", "check_template_fits"}),
+        (
+            SCHEMA_PROMPT,
+            {"response_format": ASKED, "extra_body": {"policy": "reference"}},
+            {"check_prompt_fits", "check_template_fits"},
+        ),
+    ],
+    ids=["grammar", "template", "drafted"],
+)
+def test_each_check_runs_once_per_server_request(client, counted, prompt, options, once):
+    """Each check the request needs runs once, the others never, for a request of two choices."""
     client.chat.completions.create(
-        model=MODEL_ID,
-        messages=[{"role": "user", "content": prompt}],
-        n=2,
-        seed=0,
-        response_format=asked,
-        extra_body={"policy": "ar"},
+        model=MODEL_ID, messages=[{"role": "user", "content": prompt}], n=2, seed=0, **options
     )
-    assert counted == {
-        "check_prompt_fits": 1,
-        "check_closing_room": 1,
-        "check_closing_fits": 1,
-        "check_template_fits": 0,
-    }
-    for name in CHECKS:
-        counted[name] = 0
-    client.chat.completions.create(
-        model=MODEL_ID,
-        messages=[{"role": "user", "content": "sort: 9 4 1"}],
-        n=2,
-        seed=0,
-        extra_body={"template": "1 {{fill:3}} 9"},
-    )
-    assert counted == {
-        "check_prompt_fits": 1,
-        "check_closing_room": 0,
-        "check_closing_fits": 0,
-        "check_template_fits": 1,
-    }
-    for name in CHECKS:
-        counted[name] = 0
-    client.chat.completions.create(
-        model=MODEL_ID,
-        messages=[{"role": "user", "content": prompt}],
-        n=2,
-        seed=0,
-        response_format=asked,
-        extra_body={"policy": "reference"},
-    )
-    assert counted == {
-        "check_prompt_fits": 1,
-        "check_closing_room": 0,
-        "check_closing_fits": 0,
-        "check_template_fits": 1,
-    }
+    assert counted == {name: int(name in once) for name in CHECKS}

@@ -15,8 +15,8 @@ An ``auto`` row re-plans after every canvas, autoregressive block and verified r
 (policy.AutoPlanner) and moves to the kind it chose; at a switch everything it emitted is in its
 cache and it holds the next-token logits after it. A drafted schema's row (structured/layout.py)
 generates its free draft first, handing nothing out; the engine then plans the answer on the
-schema's template sized by the draft and runs it as the same request, from the prompt encoded once. Each row keeps its own draws and settings, so a
-row gives the text it gives alone. Every commit goes out through one ``emit`` that applies the stop
+schema's template sized by the draft and runs it as the same request, from the prompt encoded once.
+Each row keeps its own draws and settings, so a row gives the text it gives alone. Every commit goes out through one ``emit`` that applies the stop
 ids, ``max_tokens`` and the detokenisation.
 """
 

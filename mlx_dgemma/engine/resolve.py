@@ -103,19 +103,17 @@ def resolve(
             "a JSON answer is laid out from its first token and leaves no room for a thought; drop think or the schema"
         )
     ids, vision_inputs = _prompt_and_images(model, tokenizer, prompt, args)
-    grammar = layout.grammar
+    grammar, room = layout.grammar, answer_room(ids, config)
     if template is not None:
         max_tokens = len(template) + template.ends_turn
     elif args.max_tokens is not None:
         max_tokens = args.max_tokens
     else:
         shortest = closing_length(grammar, config.vocab_size) if grammar is not None else 0
-        max_tokens = min(
-            max(default_max_tokens or defaults.max_new_tokens, SCHEMA_ROOM * shortest), answer_room(ids, config)
-        )
+        max_tokens = min(max(default_max_tokens or defaults.max_new_tokens, SCHEMA_ROOM * shortest), room)
     check_prompt_fits(ids, config, max_tokens if template is None else 1, budget_name)
     if grammar is not None:
-        check_closing_room(grammar, config.vocab_size, answer_room(ids, config))
+        check_closing_room(grammar, config.vocab_size, room)
         check_closing_fits(grammar, config.vocab_size, max_tokens)
     if layout.template is not None:  # a template, or the largest a draft may size
         check_template_fits(layout.template, len(ids), config)
