@@ -6,22 +6,47 @@ rest below) loads the fast BLAS on Linux first (fast_blas.py: it must precede ``
 
 import sys
 import types
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from . import fast_blas
+from .errors import DGemmaError, MissingExtra, OptionError
+
+try:
+    __version__ = version("mlx-dgemma")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 _API = {
     "load": "loader",
-    "generate": "generate",
-    "stream_generate": "generate",
-    "infill": "generate",
-    "drafted_json_template": "generate",
-    "batch_generate": "engine.batch",
+    "generate": "api",
+    "stream_generate": "api",
+    "batch_generate": "api",
+    "infill": "api",
+    "drafted_json_template": "api",
+    "GenerationResponse": "api",
+    "BatchResponse": "api",
     "BatchGenerator": "engine.batch",
     "parse_template": "structured.template",
     "json_template": "structured.json_schema",
 }
 
-__all__ = list(_API)
+if TYPE_CHECKING:  # what type checkers see; at run time each name is imported on first use
+    from .api import (
+        BatchResponse as BatchResponse,
+        GenerationResponse as GenerationResponse,
+        batch_generate as batch_generate,
+        drafted_json_template as drafted_json_template,
+        generate as generate,
+        infill as infill,
+        stream_generate as stream_generate,
+    )
+    from .engine.batch import BatchGenerator as BatchGenerator
+    from .loader import load as load
+    from .structured.json_schema import json_template as json_template
+    from .structured.template import parse_template as parse_template
+
+__all__ = [*_API, "DGemmaError", "MissingExtra", "OptionError", "__version__"]
 
 
 __getattr__ = fast_blas.lazy_names(__name__, _API)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .errors import MissingExtra
+
 COMMANDS = {
     "generate": "generate",
     "convert": "convert.__main__",
@@ -28,10 +30,22 @@ def main(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         print(f"{USAGE}\nError: no command {command[:40]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         raise SystemExit(2)
-    prog = f"python -m mlx_dgemma {command}"
+    run_command(command, flags, f"python -m mlx_dgemma {command}", from_command_line)
+
+
+def server() -> None:
+    """The mlx-dgemma-server script."""
+    run_command("server", sys.argv[1:], "mlx-dgemma-server", True)
+
+
+def run_command(command: str, flags: list[str], prog: str, from_command_line: bool) -> None:
     if from_command_line:
         sys.argv[0] = prog  # (argparse's usage line reads it)
-    entry = importlib.import_module(f"mlx_dgemma.{COMMANDS[command]}").main
+    try:
+        entry = importlib.import_module(f"mlx_dgemma.{COMMANDS[command]}").main
+    except MissingExtra as e:
+        print(f"Error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     if hasattr(entry, "main"):  # a Click command
         entry.main(flags, prog_name=prog)
     else:  # argparse's, or convert's own (it picks its subcommand)

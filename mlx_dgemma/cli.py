@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from .errors import MissingExtra
+
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
@@ -74,7 +76,7 @@ def command_line(main):
         except OutputError as e:
             _silence_stdout()
             fail(f"cannot write the output to stdout ({e.strerror})")
-        except ValueError as e:  # the typed bad-input errors: the message says what is wrong
+        except (ValueError, MissingExtra) as e:  # the typed bad-input errors: the message says what is wrong
             fail(str(e))
         except OSError as e:  # a file of the command's own that cannot be read or written
             fail(f"{e.filename or 'a file'}: {e.strerror or e}")

@@ -37,6 +37,7 @@ from .tuner.adapters import (
     apply_fine_tune,
     load_adapters,
     load_trainable,
+    mlx_lm_tuner,
 )
 from .tuner.datasets import load_dataset
 from .tuner.trainer import evaluate_loss, report, run_training
@@ -312,6 +313,7 @@ def fine_tune(args, log=report) -> None:
     from .demo import DEMO_MODEL
     from .loader import load
 
+    mlx_lm_tuner()  # the train extra, before the model loads
     mx.random.seed(args.seed)
     model, tokenizer = load(args.model or DEMO_MODEL)
     cfg = model.config

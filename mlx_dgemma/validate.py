@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import PromptError
+from .errors import OptionError, PromptError
 
 MIN_TEMPERATURE = 1e-4  # below it, soft-capped logits / T overflow float32 and the canvas turns to NaN
 # Above it, soft-capped logits (within +-30) / T are uniform draws already; far above, T overflows float32
@@ -53,9 +53,9 @@ def is_int(value) -> bool:
 def at_least(minimum: int) -> Callable[[object, str], None]:
     def check(value, name: str) -> None:
         if not is_int(value):
-            raise ValueError(f"{name} must be an integer, got {shown(value)}")
+            raise OptionError(f"{name} must be an integer, got {shown(value)}")
         if value < minimum:
-            raise ValueError(f"{name} must be at least {minimum}, got {shown(value)}")
+            raise OptionError(f"{name} must be at least {minimum}, got {shown(value)}")
 
     return check
 
@@ -66,7 +66,7 @@ def integer_in(low: int, high: int) -> Callable[[object, str], None]:
 
     def check(value, name: str) -> None:
         if not is_int(value) or not low <= value <= high:
-            raise ValueError(f"{name} must be an integer from {low} to {high}, got {shown(value)}")
+            raise OptionError(f"{name} must be an integer from {low} to {high}, got {shown(value)}")
 
     return check
 
@@ -95,7 +95,7 @@ def finite_number(
             or (low_open and value == low)
             or (high is not None and (value > high or (high_open and value == high)))
         ):
-            raise ValueError(f"{name} must be a finite number{bounds}, got {shown(value)}")
+            raise OptionError(f"{name} must be a finite number{bounds}, got {shown(value)}")
 
     return check
 
@@ -114,12 +114,12 @@ def check_steps(value, name: str = "steps", limit: int = MAX_STEPS) -> None:
     """Denoising steps from 1 to ``limit``: each step is a forward of the decoder, so an unbounded count
     is an unbounded request. The checkpoint's ``max_denoising_steps`` is a default, not this bound."""
     if not is_int(value) or not 1 <= value <= limit:
-        raise ValueError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
+        raise OptionError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
 
 
 def check_seed(seed, name: str = "seed") -> None:
     if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"{name} must be an integer from 0 to 2**64 - 1, got {shown(seed)}")
+        raise OptionError(f"{name} must be an integer from 0 to 2**64 - 1, got {shown(seed)}")
 
 
 def check_temperature(value, name: str) -> None:
@@ -130,7 +130,7 @@ def check_temperature(value, name: str) -> None:
         or not math.isfinite(value)
         or not (value == 0 or MIN_TEMPERATURE <= value <= TEMPERATURE_LIMIT)
     ):
-        raise ValueError(
+        raise OptionError(
             f"{name} must be 0 or a finite number from {MIN_TEMPERATURE:g} to {TEMPERATURE_LIMIT:g}, got {shown(value)}"
         )
 
@@ -139,7 +139,7 @@ def check_temperatures(t_min, t_max) -> None:
     check_temperature(t_min, "temp-min")
     check_temperature(t_max, "temp-max")
     if not t_min < t_max:
-        raise ValueError(f"temperatures need temp-min < temp-max, got {t_min} and {t_max}")
+        raise OptionError(f"temperatures need temp-min < temp-max, got {t_min} and {t_max}")
 
 
 def check_entropy_bound(value, name: str = "entropy bound") -> None:
@@ -149,7 +149,7 @@ def check_entropy_bound(value, name: str = "entropy bound") -> None:
         or not math.isfinite(value)
         or not value > 0
     ):
-        raise ValueError(f"{name} must be > 0 and finite (nats), got {shown(value)}")
+        raise OptionError(f"{name} must be > 0 and finite (nats), got {shown(value)}")
 
 
 def check_text(text: str, what: str) -> str:
@@ -216,11 +216,11 @@ def writable_file(path: Path, name: str) -> None:
     """A file that can be created: its folder exists and takes new files (checked before long runs)."""
     folder = Path(path).expanduser().absolute().parent
     if not folder.is_dir():
-        raise ValueError(f"{name}: folder {folder} does not exist; create it first or choose another path")
+        raise OptionError(f"{name}: folder {folder} does not exist; create it first or choose another path")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{name}: folder {folder} is not writable; choose another path")
+        raise OptionError(f"{name}: folder {folder} is not writable; choose another path")
     if Path(path).is_dir():
-        raise ValueError(f"{name}: {path} is a folder; give a file name")
+        raise OptionError(f"{name}: {path} is a folder; give a file name")
 
 
 def option(check: Callable[[object, str], None]):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
+from ..errors import OptionError
 from ..model.cache import CanvasView
 from ..structured.template import Clamp
 from .filters import sampling_probs
@@ -45,14 +46,14 @@ class DraftSettings:
 
     def check(self, canvas_length: int) -> None:
         if not isinstance(self.length, int) or not 1 <= self.length <= canvas_length:
-            raise ValueError(
+            raise OptionError(
                 f"draft length must be an integer from 1 to the model's canvas length {canvas_length}, "
                 f"got {self.length!r}"
             )
         if not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"draft steps must be a positive integer, got {self.steps!r}")
+            raise OptionError(f"draft steps must be a positive integer, got {self.steps!r}")
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise OptionError(f"temperature must be >= 0, got {self.temperature}")
 
 
 @dataclass

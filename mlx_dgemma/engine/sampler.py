@@ -28,6 +28,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from ..errors import OptionError
 from ..model import kernels as device_kernels
 from ..model.config import GenerationConfig
 from ..structured.template import Clamp
@@ -115,13 +116,13 @@ class SamplerSettings:
 
     def __post_init__(self):
         if not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {self.steps!r}")
+            raise OptionError(f"steps must be a positive integer, got {self.steps!r}")
         check_entropy_bound(self.entropy_bound)
         check_temperatures(self.t_min, self.t_max)
         if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
-            raise ValueError(f"stability threshold must be an integer >= 0, got {self.stability_threshold!r}")
+            raise OptionError(f"stability threshold must be an integer >= 0, got {self.stability_threshold!r}")
         if not self.confidence_threshold > 0:
-            raise ValueError(f"confidence threshold must be > 0, got {self.confidence_threshold}")
+            raise OptionError(f"confidence threshold must be > 0, got {self.confidence_threshold}")
         _check_freeze_after(self.freeze_after, "freeze_after")
         check_temperature(self.draw_temperature, "temperature")
         check_top_p(self.top_p, "top_p")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..errors import OptionError
 from ..options import PREFILL_STEP_SIZE
 
 MAX_TOP_LOGPROBS = 20  # most likely tokens given per position, at most (OpenAI's bound on chat's top_logprobs)
@@ -43,7 +44,7 @@ class Scorer:
 
     def __init__(self, model, top: int = 0, step_size: int = PREFILL_STEP_SIZE):
         if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top must be from 0 to {MAX_TOP_LOGPROBS}, got {top}")
+            raise OptionError(f"top must be from 0 to {MAX_TOP_LOGPROBS}, got {top}")
         self.model, self.top, self.step_size = model, top, step_size
         self.cache = model.make_cache()
         self.last: mx.array | None = None  # the log-probabilities [1, V] of the token after those added

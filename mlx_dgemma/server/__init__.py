@@ -9,6 +9,13 @@ stop strings as it grows, prompt_cache.py the multi-turn prefix cache).
 The server is an entry point: importing it loads the fast BLAS before mlx.core (fast_blas.py)."""
 
 from .. import fast_blas
+from ..errors import MissingExtra
+
+try:
+    import starlette  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError as e:
+    raise MissingExtra(e.name, "the server", "server", __name__) from None
 
 fast_blas.load()
 

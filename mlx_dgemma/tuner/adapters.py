@@ -13,10 +13,19 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import FineTuneError
+from ..errors import FineTuneError, MissingExtra
 
 ADAPTERS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def mlx_lm_tuner():
+    """mlx-lm's tuner utilities (its LoRA layers, its learning-rate schedules): the ``train`` extra."""
+    try:
+        from mlx_lm.tuner import utils
+    except ImportError as e:
+        raise MissingExtra(e.name, "LoRA (training, --adapter-path)", "train") from None
+    return utils
 
 
 def apply_fine_tune(
@@ -26,8 +35,7 @@ def apply_fine_tune(
     become mlx-lm's LoRA layers (on quantized ones: QLoRA), or (full) the layers themselves.
     Encoder and decoder share these layers, so both passes use the adapters. ``train_embeddings``
     unfreezes the token embeddings too (input and tied head)."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
+    tuner = mlx_lm_tuner()
     model.freeze()
     embed = model.model.decoder.embed_tokens
     if train_embeddings and isinstance(embed, nn.QuantizedEmbedding):
@@ -46,7 +54,7 @@ def apply_fine_tune(
         for layer in layers:
             layer.unfreeze()
     elif fine_tune_type == "lora":
-        linear_to_lora_layers(model, num_layers, lora_parameters)
+        tuner.linear_to_lora_layers(model, num_layers, lora_parameters)
     else:
         raise FineTuneError(f"unknown fine-tune type {fine_tune_type!r}; choose lora or full")
     if train_embeddings:

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import FineTuneError
 from . import objective as train
-from .adapters import ADAPTER_CONFIG, ADAPTERS, EmbeddingRows, save_adapters, write_atomically
+from .adapters import ADAPTER_CONFIG, ADAPTERS, EmbeddingRows, mlx_lm_tuner, save_adapters, write_atomically
 from .datasets import iterate_batches
 
 EMBEDDINGS = "model.decoder.embed_tokens.weight"
@@ -64,10 +64,8 @@ def report(message: str) -> None:
 def make_optimizer(args) -> optim.Optimizer:
     """Adam(W) at ``learning_rate`` or under ``lr_schedule``; with ``embedding_learning_rate``, the
     embeddings get their own Adam(W) under the same schedule scaled to that peak."""
-    from mlx_lm.tuner.utils import build_schedule
-
     kind = optim.AdamW if args.optimizer == "adamw" else optim.Adam
-    schedule = build_schedule(args.lr_schedule) if args.lr_schedule else None
+    schedule = mlx_lm_tuner().build_schedule(args.lr_schedule) if args.lr_schedule else None
     layers = kind(learning_rate=schedule or args.learning_rate)
     if args.embedding_learning_rate is None or not args.train_embeddings:
         return layers

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from ...errors import OptionError
 from ...model.config import GenerationConfig
 from ..sampler import SamplerSettings
 from .acceptance import Acceptance, best_draft
@@ -109,7 +110,7 @@ def fixed_plan(
                 "measured on the demo tasks: benchmarks/demo_speed.py",
             ],
         )
-    raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    raise OptionError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
 def verified_plan(reference: Plan, canvas: int, profile: Profile | None, draft: DraftRequest) -> Plan:
