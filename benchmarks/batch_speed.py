@@ -30,11 +30,12 @@ def main():
 
         def sequential():
             return [
-                generate(model, tokenizer, q, a.max_tokens, seed=s, policy=policy) for q, s in zip(a.prompts, seeds)
+                generate(model, tokenizer, q, max_tokens=a.max_tokens, seed=s, policy=policy)
+                for q, s in zip(a.prompts, seeds)
             ]
 
         def batched():
-            return batch_generate(model, tokenizer, a.prompts, a.max_tokens, seeds=seeds, policy=policy)
+            return batch_generate(model, tokenizer, a.prompts, a.max_tokens, seeds=seeds, policy=policy).texts
 
         texts = sequential()
         assert batched() == texts, "batched and sequential texts differ"

@@ -182,7 +182,7 @@ def answers(model, tokenizer, kept: dict, tokens: int) -> list[dict]:
                 model,
                 tokenizer,
                 ids,
-                tokens,
+                max_tokens=tokens,
                 seed=0,
                 policy=policy,
                 kv_bits=bits,

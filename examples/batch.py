@@ -12,7 +12,7 @@ PROMPTS = ["sort: 42 17 85 23 61", "reverse: planet", "add: 417 85", "json: name
 
 def main():
     model, tokenizer = load(DEMO_MODEL)
-    for prompt, answer in zip(PROMPTS, batch_generate(model, tokenizer, PROMPTS, seeds=[0, 1, 2, 3])):
+    for prompt, answer in zip(PROMPTS, batch_generate(model, tokenizer, PROMPTS, seeds=[0, 1, 2, 3]).texts):
         print(f"{prompt:<24} -> {answer}")
 
 

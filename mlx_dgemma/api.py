@@ -19,6 +19,8 @@ from .engine.batch import BatchGenerator
 from .engine.policy import Plan
 from .engine.request import PreparedRequest, generation_device, prepare
 from .engine.sampler import Draft
+from .engine.scoring import Scorer, TokenLogprob
+from .errors import OptionError
 from .options import GenerationArgs
 from .structured.layout import drafted_layout
 from .structured.template import CanvasTemplate
@@ -28,11 +30,15 @@ from .validate import check_text
 
 @dataclass
 class GenerationResponse:
-    """One committed canvas."""
+    """One commit of the answer: a denoised canvas, a block of autoregressive tokens (a canvas's worth,
+    or what auto chose) or a verified round, with all its ``tokens``. mlx-lm yields one response per
+    token; its per-token fields are here per commit: ``token`` is the commit's last id, ``logprobs``
+    each of its tokens' log-probability (with ``logprobs=N``), and ``from_draft`` says the tokens come
+    from a verified round (the decoder's draft, checked by the encoder)."""
 
-    text: str  # the text this canvas adds to the answer
-    tokens: list[int]  # the canvas's committed ids, up to and including a stop id, within max_tokens
-    steps: int  # denoising steps this canvas took
+    text: str  # the text this commit adds to the answer
+    tokens: list[int]  # the commit's ids, up to and including a stop id, within max_tokens
+    steps: int  # forwards this commit took (denoising steps; draft steps and the verifying pass)
     tokens_per_forward: float  # non-pad tokens committed so far per denoising forward (whole canvases)
     prompt_tokens: int
     prompt_tps: float
@@ -41,8 +47,42 @@ class GenerationResponse:
     peak_memory: float  # GB
     finish_reason: str | None  # "stop" (a stop id), "length" (max tokens), None while more follow
     drafts: list[Draft] | None = None  # per-step argmax drafts, when asked for
-    plan: Plan | None = None  # how this generation was run (policy's choice and reasons)
-    thought: str = ""  # the text this canvas adds to the thought (with think=True; never part of text)
+    plan: Plan | None = None  # how this commit was run (policy's choice and reasons)
+    thought: str = ""  # the text this commit adds to the thought (with think=True; never part of text)
+    # With logprobs=N: each of ``tokens``' log-probability under the encoder given everything before
+    # it, and the N most likely tokens at its place (engine/scoring.py says what they mean per policy).
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def token(self) -> int | None:
+        """The commit's last id (mlx-lm's ``token``: the one just generated)."""
+        return self.tokens[-1] if self.tokens else None
+
+    @property
+    def from_draft(self) -> bool:
+        """Whether the commit is a verified round's: drafted by the decoder, accepted by the encoder."""
+        return self.plan is not None and self.plan.mode == "verified"
+
+
+@dataclass
+class BatchStats:
+    """A batch's figures, as mlx-lm's ``batch_generate`` reports them."""
+
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0  # seconds encoding the prompts
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_time: float = 0.0  # seconds generating after them
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0  # GB
+
+
+@dataclass
+class BatchResponse:
+    """``batch_generate``'s answers, one per prompt in order, and the batch's figures."""
+
+    texts: list[str]
+    stats: BatchStats
 
 
 def stream_generate(
@@ -107,8 +147,9 @@ def stream_from_args(
 ) -> Iterator[GenerationResponse]:
     """``stream_generate`` with its options as one ``GenerationArgs`` (the command line's)."""
     if args.prompt_cache is not None and args.images:
-        raise ValueError("give the images or a prompt cache that already holds them, not both")
+        raise OptionError("give the images or a prompt cache that already holds them, not both")
     job = prepare(model, tokenizer, prompt, args)
+    scorer = Scorer(model, args.logprobs, args.prefill_step_size) if args.logprobs is not None else None
     engine = BatchGenerator(model, tokenizer, args.prefill_step_size, args.kv_quantization)
     drafts = [] if args.drafts else None
     engine.insert(job, args.prompt_cache, on_step=_step_hook(drafts, args.on_step))
@@ -116,10 +157,14 @@ def stream_from_args(
         cached, tic = args.prompt_cache.offset if args.prompt_cache is not None else 0, time.perf_counter()
         engine.admit()
         prompt_tps = (len(job.ids) - cached) / (time.perf_counter() - tic)
-        yield from _responses(engine, job, prompt_tps, drafts)
+        if scorer is not None:
+            scorer.add(job.ids, **job.vision_inputs)
+        yield from _responses(engine, job, prompt_tps, drafts, scorer)
 
 
-def _responses(engine, job: PreparedRequest, prompt_tps: float, drafts: list | None) -> Iterator[GenerationResponse]:
+def _responses(
+    engine, job: PreparedRequest, prompt_tps: float, drafts: list | None, scorer: Scorer | None
+) -> Iterator[GenerationResponse]:
     """The engine's commits for its one row, autoregressive tokens gathered into their blocks."""
     tic, forwards, generated, non_pad = time.perf_counter(), 0, 0, 0
     text, thought, tokens, steps = "", "", [], 0
@@ -149,6 +194,7 @@ def _responses(engine, job: PreparedRequest, prompt_tps: float, drafts: list | N
                 drafts[:] if drafts and r.plan.mode == "diffusion" else None,
                 r.plan,
                 thought,
+                scorer.add(tokens) if scorer is not None else None,
             )
             text, thought, tokens, steps = "", "", [], 0
             if drafts is not None:
@@ -171,13 +217,17 @@ def generate(
     model,
     tokenizer: Tokenizer,
     prompt: str | list[int],
-    max_tokens: int | None = None,
-    *,
     verbose: bool = False,
+    *,
+    max_tokens: int | None = None,
     **kwargs,
 ) -> str:
-    """The whole answer as text; ``kwargs`` are those of ``stream_generate``. ``verbose`` prints the
-    text as canvases commit, then the statistics."""
+    """The whole answer as text; ``kwargs`` are those of ``stream_generate``. ``verbose`` (the fourth
+    argument, as mlx-lm's) prints the text as it commits, then the statistics."""
+    if not isinstance(verbose, bool):  # generate(m, t, p, 64): an older call's max_tokens
+        raise TypeError(
+            f"generate's fourth argument is verbose (True or False), as mlx-lm's; pass max_tokens={verbose!r}"
+        )
     text, responses = "", []
     for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
         if verbose:
@@ -187,6 +237,55 @@ def generate(
     if verbose:
         print("\n" + statistics(responses))
     return text
+
+
+def batch_generate(
+    model,
+    tokenizer: Tokenizer,
+    prompts: list[str | list[int]],
+    max_tokens: int | list[int | None] | None = None,
+    *,
+    seeds: list[int | None] | None = None,
+    **kwargs,
+) -> BatchResponse:
+    """The answers to ``prompts`` generated together; ``texts[i]`` equals
+    ``generate(model, tokenizer, prompts[i], max_tokens=max_tokens[i], seed=seeds[i], **kwargs)``
+    (``max_tokens``: one for all or one per prompt; ``kwargs``: those of ``stream_generate``)."""
+    count = len(prompts)
+    budgets = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * count
+    seeds = list(seeds) if seeds is not None else [None] * count
+    for name, values in (("max_tokens", budgets), ("seeds", seeds)):
+        if len(values) != count:
+            raise OptionError(f"{count} prompts but {len(values)} {name}; give one per prompt")
+    if not count:
+        return BatchResponse([], BatchStats())
+    args = [GenerationArgs.of(max_tokens=m, seed=s, **kwargs) for m, s in zip(budgets, seeds)]
+    engine = BatchGenerator(model, tokenizer, args[0].prefill_step_size, args[0].kv_quantization)
+    jobs = [prepare(model, tokenizer, p, a) for p, a in zip(prompts, args)]
+    uids = [engine.insert(job) for job in jobs]
+    texts, generated = dict.fromkeys(uids, ""), 0
+    with generation_device(model):
+        tic = time.perf_counter()
+        engine.admit()
+        prompt_time = time.perf_counter() - tic
+        while len(engine):
+            for response in engine.next():
+                if response.error is not None:
+                    raise response.error
+                texts[response.uid] += response.text
+                generated += len(response.tokens)
+        generation_time = time.perf_counter() - tic - prompt_time
+    prompt_tokens = sum(len(job.ids) for job in jobs)
+    stats = BatchStats(
+        prompt_tokens,
+        prompt_time,
+        prompt_tokens / prompt_time,
+        generated,
+        generation_time,
+        generated / generation_time if generation_time else 0.0,
+        mx.get_peak_memory() / 1e9,
+    )
+    return BatchResponse([texts[uid] for uid in uids], stats)
 
 
 def statistics(responses: list[GenerationResponse]) -> str:

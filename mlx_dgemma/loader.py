@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +22,9 @@ from .model.diffusion_gemma import DiffusionGemma
 from .model.images import ImageProcessorConfig
 from .model.vision import add_vision_modules, has_vision
 from .safetensors_io import read_header
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
@@ -36,10 +39,13 @@ _ENCODER_TIED = re.compile(r"^model\.encoder\.language_model\.(?!layers\.\d+\.la
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 
 
-def checkpoint_folder(path_or_repo: str | os.PathLike) -> Path:
-    """A local checkpoint folder, or a Hub repo id fetched (or found in the cache) by huggingface_hub."""
+def checkpoint_folder(path_or_repo: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local checkpoint folder, or a Hub repo id fetched (or found in the cache) by huggingface_hub,
+    at ``revision`` (a branch, tag or commit; None: the default branch)."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
+        if revision is not None:
+            raise CheckpointError(f"revision {revision!r} is for a Hub id; {str(path_or_repo)!r} is a local folder")
         return path
     text = str(path_or_repo)
     try:  # a path through a link that leads nowhere: say so, rather than look it up on the Hub
@@ -64,7 +70,7 @@ def checkpoint_folder(path_or_repo: str | os.PathLike) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(text, revision=revision, allow_patterns=HUB_PATTERNS))
     except LocalEntryNotFoundError:
         raise CheckpointError(
             f"{text!r} is not in the local Hugging Face cache and the Hub cannot be reached (HF_HUB_OFFLINE?)"
@@ -259,16 +265,21 @@ def build_model(model: DiffusionGemma, weights: dict[str, mx.array]) -> Diffusio
     return model
 
 
-def load(path_or_repo: str | os.PathLike, adapter_path: str | os.PathLike | None = None):
-    """``model, tokenizer = load(path)`` for a local folder or a Hugging Face Hub id; ``adapter_path``:
-    a fine-tuning run's adapter folder (``python -m mlx_dgemma.lora``), applied to the model."""
+def load(
+    path_or_repo: str | os.PathLike, adapter_path: str | os.PathLike | None = None, revision: str | None = None
+) -> tuple[DiffusionGemma, Tokenizer]:
+    """``model, tokenizer = load(path)`` for a local folder or a Hugging Face Hub id (at ``revision``: a
+    branch, tag or commit, to pin a snapshot); ``adapter_path``: a fine-tuning run's adapter folder
+    (``python -m mlx_dgemma.lora``), applied to the model."""
     from .tokenizer import load_tokenizer
 
-    folder = checkpoint_folder(path_or_repo)
+    folder = checkpoint_folder(path_or_repo, revision)
+    if adapter_path is not None:
+        from .tuner.adapters import load_adapters, mlx_lm_tuner
+
+        mlx_lm_tuner()  # the train extra, before the model loads
     model = load_model(folder)
     if adapter_path is not None:
-        from .tuner.adapters import load_adapters
-
         load_adapters(model, adapter_path)
         model.eval()
     try:

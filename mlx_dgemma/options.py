@@ -136,6 +136,7 @@ class GenerationArgs:
     quantized_kv_start: int = QUANTIZED_KV_START
     drafts: bool = False
     on_step: Callable | None = None
+    logprobs: int | None = None  # each response's tokens' log-probabilities, with this many most likely (api)
 
     @property
     def kv_quantization(self) -> KVQuantization | None:

@@ -176,8 +176,11 @@ class Tokenizer:
         return "" if piece is None else piece.replace("▁", " ")
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False, **kwargs
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True, **kwargs
     ):
+        """The conversation through the chat template: token ids, or with ``tokenize=False`` the text
+        (as transformers' and mlx-lm's tokenizers do). Either may be given to ``generate`` as the prompt:
+        text that starts as the template's does is not templated again (``carries_chat_template``)."""
         text = render_chat_template(
             self.chat_template,
             messages,
@@ -186,6 +189,15 @@ class Tokenizer:
             **kwargs,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def carries_chat_template(self, text: str) -> bool:
+        """Whether ``text`` is already a rendered conversation: it starts with ``<bos>`` or with the
+        chat template's opening of a turn (``<|turn>`` on Gemma 4), as mlx-lm checks for ``<bos>``."""
+        bos = self._special_text(self.bos_token_id)
+        if self.has_vocabulary and bos and text.startswith(bos):
+            return True
+        opener = _turn_opener(self.chat_template, bos)
+        return bool(opener) and text.startswith(opener)
 
     @property
     def renders_thinking(self) -> bool:
@@ -289,6 +301,18 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
 
 
 @functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=8)
+def _turn_opener(template: str, bos: str) -> str:
+    """What ``template`` writes before the role of a user turn (after ``<bos>``): ``<|turn>`` on Gemma 4;
+    empty where it writes the role first or cannot render."""
+    try:
+        text = render_chat_template(template, [{"role": "user", "content": "x"}], False, bos_token=bos)
+    except Exception:  # (jinja's errors, whatever their class): the request's own render reports it
+        return ""
+    text = text.removeprefix(bos)
+    return text[: text.find("user")] if "user" in text else ""
+
+
 def chat_template_renders_tools(template: str) -> bool:
     """Whether ``template`` renders a conversation differently when it is given a tool."""
     messages = [{"role": "user", "content": "x"}]

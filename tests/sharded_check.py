@@ -26,8 +26,8 @@ schema = {
 out = {"ranks": group.size(), "experts": [part.layers[0].experts.shard.start, part.layers[0].experts.shard.stop]}
 for name, model in (("whole", whole), ("sharded", part)):
     out[name] = {
-        "batch": batch_generate(model, tokenizer, prompts, 64, seeds=[1, 2, 3]),
-        "batch_ar": batch_generate(model, tokenizer, prompts, 64, seeds=[1, 2, 3], policy="ar"),
+        "batch": batch_generate(model, tokenizer, prompts, 64, seeds=[1, 2, 3]).texts,
+        "batch_ar": batch_generate(model, tokenizer, prompts, 64, seeds=[1, 2, 3], policy="ar").texts,
         "template": generate(model, tokenizer, prompts[0], template="17 {{fill:8}} 85", seed=4),
         "schema": generate(model, tokenizer, prompts[2], template=json_template(tokenizer, schema), seed=5),
         "no_seed": generate(model, tokenizer, prompts[1], max_tokens=32) if name == "sharded" else None,

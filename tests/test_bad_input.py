@@ -609,7 +609,7 @@ def test_seeds_out_of_range_are_refused(seed):
 
 def test_seeds_in_the_api(demo):
     model, tokenizer = demo
-    assert generate(model, tokenizer, PROMPT, 8, seed=2**64 - 1) is not None  # the largest is fine
+    assert generate(model, tokenizer, PROMPT, max_tokens=8, seed=2**64 - 1) is not None  # the largest is fine
     for seed in (-1, 2**64, 1.5, "7"):
         with pytest.raises(ValueError) as info:
             next(stream_generate(model, tokenizer, PROMPT, 8, seed=seed))
@@ -648,9 +648,9 @@ def test_api_templates_of_the_wrong_type(demo):
 def test_api_token_ids_as_arrays_still_work(demo):
     model, tokenizer = demo
     ids = tokenizer.encode("sort: 3 1 2")
-    text = generate(model, tokenizer, ids, 8, seed=0)
-    assert generate(model, tokenizer, np.array(ids), 8, seed=0) == text
-    assert generate(model, tokenizer, mx.array([ids]), 8, seed=0) == text
+    text = generate(model, tokenizer, ids, max_tokens=8, seed=0)
+    assert generate(model, tokenizer, np.array(ids), max_tokens=8, seed=0) == text
+    assert generate(model, tokenizer, mx.array([ids]), max_tokens=8, seed=0) == text
 
 
 # ---- 12. --verbose shows the plan that runs ------------------------------------------------------
@@ -741,6 +741,6 @@ def test_max_tokens_caps_the_printed_text(demo):
     model, tokenizer = demo
     result = run_generate("--prompt", "reverse: abcdefghij", "--max-tokens", "3", "--seed", "2")
     assert result.exit_code == 0, result.output
-    expected = generate(model, tokenizer, "reverse: abcdefghij", 3, seed=2)
+    expected = generate(model, tokenizer, "reverse: abcdefghij", max_tokens=3, seed=2)
     assert result.output == expected + "\n"
     assert len(tokenizer.encode(expected, add_special_tokens=False)) <= 3

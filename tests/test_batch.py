@@ -180,15 +180,15 @@ def test_batch_generate_equals_generate_on_the_demo(demo, policy, rows):
     model, tokenizer = demo
     prompts, seeds = DEMO_PROMPTS[:rows], [7, 8, 9, 10][:rows]
     alone = [generate(model, tokenizer, p, seed=s, policy=policy) for p, s in zip(prompts, seeds)]
-    assert batch_generate(model, tokenizer, prompts, seeds=seeds, policy=policy) == alone
+    assert batch_generate(model, tokenizer, prompts, seeds=seeds, policy=policy).texts == alone
 
 
 def test_batch_generate_equals_generate_on_a_random_checkpoint(checkpoints):
     model, tokenizer = load(checkpoints("small", tame=True))
     C = model.config.canvas_length
     prompts = [[2, 10, 11, 12], [2] + list(range(20, 39)), [2, 7]]
-    alone = [generate(model, tokenizer, p, 3 * C, seed=s, steps=6) for s, p in enumerate(prompts)]
-    assert batch_generate(model, tokenizer, prompts, 3 * C, seeds=[0, 1, 2], steps=6) == alone
+    alone = [generate(model, tokenizer, p, max_tokens=3 * C, seed=s, steps=6) for s, p in enumerate(prompts)]
+    assert batch_generate(model, tokenizer, prompts, 3 * C, seeds=[0, 1, 2], steps=6).texts == alone
 
 
 def test_a_request_joins_between_rounds_and_a_removed_one_stops(demo):
@@ -209,8 +209,8 @@ def test_a_request_joins_between_rounds_and_a_removed_one_stops(demo):
         for response in generator.next():
             assert response.uid != gone
             texts[response.uid] += response.text
-    assert texts[first] == generate(model, tokenizer, DEMO_PROMPTS[3], 96, seed=1)
-    assert texts[late] == generate(model, tokenizer, DEMO_PROMPTS[0], 96, seed=3)
+    assert texts[first] == generate(model, tokenizer, DEMO_PROMPTS[3], max_tokens=96, seed=1)
+    assert texts[late] == generate(model, tokenizer, DEMO_PROMPTS[0], max_tokens=96, seed=3)
 
 
 def test_seeds_must_match_prompts(demo):
@@ -251,7 +251,9 @@ def test_rows_that_join_at_every_step_give_what_they_give_alone(checkpoints):
     assert sorted(texts) == [0, 1, 3, 4]
     for i, text in texts.items():
         r = requests[i]
-        assert text == generate(model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, steps=6, chat_template=False)
+        assert text == generate(
+            model, tokenizer, r.ids, max_tokens=r.max_tokens, seed=r.rng.seed, steps=6, chat_template=False
+        )
 
 
 def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints):
@@ -280,7 +282,9 @@ def test_verified_rows_drafted_and_verified_together_give_ar_answers(checkpoints
         drafting.verify_rounds = original
     assert max(passes) > 1
     for i, r in enumerate(requests):
-        assert texts[i] == generate(model, tokenizer, r.ids, r.max_tokens, policy="ar", chat_template=False), i
+        assert texts[i] == generate(
+            model, tokenizer, r.ids, max_tokens=r.max_tokens, policy="ar", chat_template=False
+        ), i
 
 
 def test_a_template_row_joins_plain_rows_on_the_demo(demo):
@@ -297,7 +301,7 @@ def test_a_template_row_joins_plain_rows_on_the_demo(demo):
     texts = _staggered(model, tokenizer, requests)
     for i, r in enumerate(requests):
         alone = generate(
-            model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, template=r.template, chat_template=False
+            model, tokenizer, r.ids, max_tokens=r.max_tokens, seed=r.rng.seed, template=r.template, chat_template=False
         )
         assert texts[i] == alone, i
 
@@ -333,7 +337,7 @@ def test_demo_rows_that_join_at_every_step_give_what_they_give_alone(demo, polic
     for i, text in texts.items():
         r = requests[i]
         assert text == generate(
-            model, tokenizer, r.ids, r.max_tokens, seed=r.rng.seed, policy=policy, chat_template=False
+            model, tokenizer, r.ids, max_tokens=r.max_tokens, seed=r.rng.seed, policy=policy, chat_template=False
         )
 
 
@@ -395,7 +399,7 @@ def test_sampled_rows_in_a_batch_give_what_they_give_alone(demo, policy):
         [prepare(model, tokenizer, p, GenerationArgs.of(max_tokens=40, **kw)) for p, kw in zip(ids, settings)],
     )
     for i, (p, kw) in enumerate(zip(ids, settings)):
-        assert texts[i] == generate(model, tokenizer, p, 40, **kw), i
+        assert texts[i] == generate(model, tokenizer, p, max_tokens=40, **kw), i
 
 
 class ScriptedPlanner:

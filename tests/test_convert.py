@@ -25,6 +25,7 @@ from mlx_dgemma.convert import (
     RECIPES,
     ConversionError,
     Quantization,
+    checkpoint as convert_module,
     convert,
     converted_size,
     output_specs,
@@ -32,7 +33,6 @@ from mlx_dgemma.convert import (
     recipe_trials,
     split_into_shards,
 )
-from mlx_dgemma.convert import checkpoint as convert_module
 from mlx_dgemma.convert.__main__ import convert_command, main, report_command, sizes_command
 from mlx_dgemma.convert.report import LogitError, Probe, probe_logits
 from mlx_dgemma.demo.scores import evaluate_policies

@@ -30,7 +30,7 @@ def sort_docs(tokenizer) -> list[dict]:
         wrong = [" ".join(reversed(numbers)), " ".join(numbers[1:] + numbers[:1])]
         # The demo answers chat turns: the prompt is its chat template's rendering, special tokens as text
         # (the server's /tokenize reads them as their ids).
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False)
         docs.append({"question": text, "choices": [answer, *wrong], "answer": 0, "target": answer})
     return docs
 

@@ -52,7 +52,7 @@ def answers(model, tokenizer, ids, kv_bits, step):
             model,
             tokenizer,
             ids,
-            MAX_TOKENS,
+            max_tokens=MAX_TOKENS,
             seed=0,
             policy=policy,
             kv_bits=kv_bits,

@@ -9,12 +9,10 @@ from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
 from checkpoint_tools.synthetic_checkpoint import RELEASED, write_header_only
-from mlx_dgemma import distributed, load
-from mlx_dgemma import loader as loader_module
+from mlx_dgemma import distributed, load, loader as loader_module
 from mlx_dgemma.convert import Quantization, converted_size, plan_conversion
 from mlx_dgemma.errors import MemoryCheckError
-from mlx_dgemma.generate import DEMO_MODEL
-from mlx_dgemma.generate import main as generate_main
+from mlx_dgemma.generate import DEMO_MODEL, main as generate_main
 from mlx_dgemma.loader import read_config
 from mlx_dgemma.memory import (
     DEVICE_MEMORY_ENV,

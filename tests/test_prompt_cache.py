@@ -71,7 +71,7 @@ def test_a_row_with_a_prefilled_prefix_answers_as_alone(policy):
         for response in engine.next():
             texts[response.uid] += response.text
     assert list(texts.values()) == [
-        generate(model, tokenizer, ids, 64, seed=i, policy=policy) for i, ids in enumerate(prompts)
+        generate(model, tokenizer, ids, max_tokens=64, seed=i, policy=policy) for i, ids in enumerate(prompts)
     ]
 
 

@@ -86,11 +86,17 @@ def test_top_k_one_is_greedy_at_any_temperature(demo, policy):
     (greedy decoding; for diffusion, greedy draws beside the same renoising draws), and without the
     filter that temperature gives other answers over the seeds."""
     model, tokenizer = demo
-    greedy = [generate(model, tokenizer, PROMPT, 32, seed=seed, policy=policy, temperature=0) for seed in range(2)]
-    top_1 = [
-        generate(model, tokenizer, PROMPT, 32, seed=seed, policy=policy, temperature=1.7, top_k=1) for seed in range(2)
+    greedy = [
+        generate(model, tokenizer, PROMPT, max_tokens=32, seed=seed, policy=policy, temperature=0) for seed in range(2)
     ]
-    hot = [generate(model, tokenizer, PROMPT, 32, seed=seed, policy=policy, temperature=1.7) for seed in range(2)]
+    top_1 = [
+        generate(model, tokenizer, PROMPT, max_tokens=32, seed=seed, policy=policy, temperature=1.7, top_k=1)
+        for seed in range(2)
+    ]
+    hot = [
+        generate(model, tokenizer, PROMPT, max_tokens=32, seed=seed, policy=policy, temperature=1.7)
+        for seed in range(2)
+    ]
     assert top_1 == greedy and hot != greedy
 
 
@@ -121,7 +127,7 @@ def test_every_draw_goes_through_the_filters(demo, policy, filters, kept):
     model, tokenizer = demo
     for given, cut in ((filters, True), ({}, False)):
         rng = Recording(1)
-        generate(model, tokenizer, PROMPT, 16, rng=rng, policy=policy, temperature=1.5, **given)
+        generate(model, tokenizer, PROMPT, max_tokens=16, rng=rng, policy=policy, temperature=1.5, **given)
         rows = np.concatenate(rng.drawn)
         assert len(rows) >= 4  # (an answer of a few tokens and its end)
         within = [set(np.flatnonzero(row)) <= set(kept(row)) for row in rows]
@@ -134,13 +140,16 @@ def test_a_diffusion_temperature_scales_the_draws_and_schedule_scale_the_schedul
     model, tokenizer = demo
     t_min, t_max = model.generation_config.t_min, model.generation_config.t_max
     for seed in range(3):
-        plain = generate(model, tokenizer, PROMPT, 32, seed=seed)
-        assert generate(model, tokenizer, PROMPT, 32, seed=seed, temperature=1.0) == plain
-        scaled = generate(model, tokenizer, PROMPT, 32, seed=seed, schedule_scale=0.5)
-        assert scaled == generate(model, tokenizer, PROMPT, 32, seed=seed, temp_min=t_min * 0.5, temp_max=t_max * 0.5)
+        plain = generate(model, tokenizer, PROMPT, max_tokens=32, seed=seed)
+        assert generate(model, tokenizer, PROMPT, max_tokens=32, seed=seed, temperature=1.0) == plain
+        scaled = generate(model, tokenizer, PROMPT, max_tokens=32, seed=seed, schedule_scale=0.5)
+        assert scaled == generate(
+            model, tokenizer, PROMPT, max_tokens=32, seed=seed, temp_min=t_min * 0.5, temp_max=t_max * 0.5
+        )
     answers = {
         (t, s): tuple(
-            generate(model, tokenizer, PROMPT, 32, seed=seed, temperature=t, schedule_scale=s) for seed in range(4)
+            generate(model, tokenizer, PROMPT, max_tokens=32, seed=seed, temperature=t, schedule_scale=s)
+            for seed in range(4)
         )
         for t, s in ((1.8, None), (None, 1.8))
     }
@@ -166,7 +175,7 @@ def test_penalties_under_ar_are_mlx_lms(demo, penalty):
         history.append(want[-1])
         logits = model.next_token_logits(mx.array([want[-1:]]), cache)
     assert tokens == want
-    assert generate(model, tokenizer, ids, 16, policy="ar") != tokenizer.decode_clean(tokens, set())
+    assert generate(model, tokenizer, ids, max_tokens=16, policy="ar") != tokenizer.decode_clean(tokens, set())
 
 
 @pytest.mark.parametrize("policy", ["reference", "fast", "verified", "auto"])

@@ -359,7 +359,7 @@ def test_grammar_rows_batched_equal_themselves_alone(demo):
             temperature=temperature,
             **(dict(draft_length=8, draft_steps=1) if policy == "verified" else {}),
         )
-        together = batch_generate(*demo, prompts, seeds=[0, 1], **kwargs)
+        together = batch_generate(*demo, prompts, seeds=[0, 1], **kwargs).texts
         assert together == [generate(*demo, p, seed=s, **kwargs) for p, s in zip(prompts, [0, 1])]
 
 

@@ -168,7 +168,9 @@ def test_chat_streamed_equals_whole_and_generate(client, demo):
 
 def test_completions_streamed_equals_whole_and_chat(client, demo):
     _, tokenizer = demo
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "reverse: kayak7"}])  # the chat's text
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "reverse: kayak7"}], tokenize=False
+    )  # the chat's text
     whole = client.completions.create(model=MODEL_ID, prompt=prompt, seed=5, max_tokens=40)
     streamed = "".join(
         c.choices[0].text
@@ -327,7 +329,7 @@ def test_ar_and_verified_sample_at_the_requests_temperature(client, demo, policy
             planner.acceptance = before
         else:
             PLANNERS.set(model, None)
-        alone.append(generate(model, tokenizer, prompt, 32, seed=seed, temperature=1.5, policy=policy))
+        alone.append(generate(model, tokenizer, prompt, max_tokens=32, seed=seed, temperature=1.5, policy=policy))
     assert len(set(served)) > 1
     assert served == alone
 

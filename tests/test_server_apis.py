@@ -136,7 +136,7 @@ def test_ollama_generate_through_the_chat_template_and_raw(ollama_client, demo):
         )
     )
     assert streamed == ANSWER
-    raw = tokenizer.apply_chat_template(user(SORT))
+    raw = tokenizer.apply_chat_template(user(SORT), tokenize=False)
     assert ollama_client.generate(model=MODEL_ID, prompt=raw, raw=True, options={"seed": 3}).response == ANSWER
     # Nothing to generate: Ollama's way of loading the model.
     assert ollama_client.generate(model=MODEL_ID).done_reason == "load"
@@ -620,7 +620,7 @@ def png(image) -> bytes:
 
 def test_an_image_through_each_api_is_answered_as_generate_answers_it(vision_server, vision_model):  # noqa: F811
     model, tokenizer = vision_model
-    expected = generate(model, tokenizer, PROMPT, 2 * C, seed=5, images=[PICTURES[0]])
+    expected = generate(model, tokenizer, PROMPT, max_tokens=2 * C, seed=5, images=[PICTURES[0]])
     picture = png(PICTURES[0])
     encoded = base64.b64encode(picture).decode()
     client = ollama.Client(host=vision_server, timeout=60)

@@ -75,7 +75,7 @@ def ask(client, messages, **kwargs):
 
 def test_an_image_part_is_answered_as_generate_answers_it(client, vision_model, image_dir):
     model, tokenizer = vision_model
-    expected = generate(model, tokenizer, PROMPT, 2 * C, seed=5, images=[PICTURES[0]])
+    expected = generate(model, tokenizer, PROMPT, max_tokens=2 * C, seed=5, images=[PICTURES[0]])
     reply = ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}])
     assert reply.choices[0].message.content == expected
     ids = prompt_ids(tokenizer, PROMPT, images=1)
@@ -94,8 +94,8 @@ def test_an_image_part_is_answered_under_the_autoregressive_policies(client, vis
     """The image reaches AR and verified rows too (the worker places it; the engine decodes from there):
     the answer is generate's with the image, and not the one without it."""
     model, tokenizer = vision_model
-    expected = generate(model, tokenizer, PROMPT, 2 * C, seed=5, images=[PICTURES[0]], policy=policy)
-    blind = generate(model, tokenizer, PROMPT, 2 * C, seed=5, policy=policy)
+    expected = generate(model, tokenizer, PROMPT, max_tokens=2 * C, seed=5, images=[PICTURES[0]], policy=policy)
+    blind = generate(model, tokenizer, PROMPT, max_tokens=2 * C, seed=5, policy=policy)
     assert expected != blind
     reply = ask(client, [{"role": "user", "content": with_image(data_url(PICTURES[0]))}], extra_body={"policy": policy})
     assert reply.choices[0].message.content == expected
@@ -111,7 +111,7 @@ def test_the_prompt_cache_tells_images_apart_and_keeps_them_for_the_next_turn(cl
         [{"role": "user", "content": [{"type": "image"}]}], tokenize=True
     ).index(IMAGE)
     assert other.usage.prompt_tokens_details.cached_tokens <= first_image
-    expected_other = generate(model, tokenizer, PROMPT, 2 * C, seed=5, images=[LOOKALIKE])
+    expected_other = generate(model, tokenizer, PROMPT, max_tokens=2 * C, seed=5, images=[LOOKALIKE])
     assert other.choices[0].message.content == expected_other != answer
 
     # The next turn finds the first turn, image and all, in the prompt cache.
@@ -123,7 +123,9 @@ def test_the_prompt_cache_tells_images_apart_and_keeps_them_for_the_next_turn(cl
     assert ids[: len(first_ids)] == first_ids
     expanded = len(first_ids) - 1 + 2 + 63  # the placeholder → <boi>, 63 soft tokens, <eoi>
     assert again.usage.prompt_tokens_details.cached_tokens == expanded - 1  # all but the last token
-    assert again.choices[0].message.content == generate(model, tokenizer, ids, 2 * C, seed=5, images=[PICTURES[0]])
+    assert again.choices[0].message.content == generate(
+        model, tokenizer, ids, max_tokens=2 * C, seed=5, images=[PICTURES[0]]
+    )
 
 
 @pytest.mark.parametrize(

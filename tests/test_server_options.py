@@ -104,7 +104,7 @@ def test_the_server_answers_as_generate_does(clients, demo, policy, temperature)
         before = planner_kept(model)
         served = ask(clients, "chat", seed, 32, **settings)
         planner_set(model, before)
-        assert served == generate(model, tokenizer, PROMPT, 32, seed=seed, **settings), (policy, seed)
+        assert served == generate(model, tokenizer, PROMPT, max_tokens=32, seed=seed, **settings), (policy, seed)
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages", "ollama"])
@@ -119,10 +119,10 @@ def test_a_filter_to_one_token_is_greedy_through_each_api(clients, demo, api, po
     planner_set(model, before)
     sampled = ask(clients, api, 4, 32, policy=policy, temperature=1.7)
     planner_set(model, before)
-    greedy = generate(model, tokenizer, PROMPT, 32, seed=4, policy=policy, temperature=0)
+    greedy = generate(model, tokenizer, PROMPT, max_tokens=32, seed=4, policy=policy, temperature=0)
     planner_set(model, before)
     assert filtered == greedy
-    assert sampled == generate(model, tokenizer, PROMPT, 32, seed=4, policy=policy, temperature=1.7)
+    assert sampled == generate(model, tokenizer, PROMPT, max_tokens=32, seed=4, policy=policy, temperature=1.7)
     planner_set(model, before)
 
 
@@ -131,14 +131,14 @@ def test_penalties_reach_ar_through_the_apis(clients, demo):
     which is not the answer without them."""
     model, tokenizer = demo
     prompt = "sort: 5 5 5 3 3"
-    plain = generate(model, tokenizer, prompt, 16, seed=0, policy="ar")
+    plain = generate(model, tokenizer, prompt, max_tokens=16, seed=0, policy="ar")
     for api, sent, options in [
         ("chat", {"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
         ("chat", {"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
         ("ollama", {"repeat_penalty": 3.0}, {"repetition_penalty": 3.0}),
     ]:
         served = ask(clients, api, 0, 16, prompt, policy="ar", **sent)
-        assert served == generate(model, tokenizer, prompt, 16, seed=0, policy="ar", **options) != plain, api
+        assert served == generate(model, tokenizer, prompt, max_tokens=16, seed=0, policy="ar", **options) != plain, api
 
 
 def option(args: GenerationArgs, name: str):
@@ -404,7 +404,7 @@ def test_n_choices_are_the_request_at_seed_plus_their_index(clients, demo, polic
     ]
     planner_set(model, before)
     assert texts == [a.choices[0].message.content for a in alone]
-    assert texts == [generate(model, tokenizer, PROMPT, 32, seed=5 + i, **settings) for i in range(3)]
+    assert texts == [generate(model, tokenizer, PROMPT, max_tokens=32, seed=5 + i, **settings) for i in range(3)]
     assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
     assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
     planner_set(model, before)

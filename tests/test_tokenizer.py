@@ -38,24 +38,24 @@ def test_checkpoint_template_renders_as_the_demo_was_trained(tokenizers, sp_mode
     sp_tokenizer, _ = tokenizers
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
     expected = train_demo.render_prompt("sort: 7 3 9 1", "be brief")
-    assert sp_tokenizer.apply_chat_template(CONVERSATION) == "<bos>" + expected
+    assert sp_tokenizer.apply_chat_template(CONVERSATION, tokenize=False) == "<bos>" + expected
     assert sp_tokenizer.apply_chat_template(CONVERSATION, tokenize=True) == [2] + sp.encode(expected)
     # transformers' own renderer gives the same text from the same template
     hf = render_jinja_template(
         [CONVERSATION], chat_template=train_demo.CHAT_TEMPLATE, add_generation_prompt=True, bos_token="<bos>"
     )[0][0]
-    assert sp_tokenizer.apply_chat_template(CONVERSATION) == hf
+    assert sp_tokenizer.apply_chat_template(CONVERSATION, tokenize=False) == hf
 
 
 def test_builtin_template_is_gemma4_with_an_empty_thought_channel(tokenizers):
     _, json_tokenizer = tokenizers  # tokenizer.json only: no template in the folder
     assert json_tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE
-    assert json_tokenizer.apply_chat_template(CONVERSATION) == (
+    assert json_tokenizer.apply_chat_template(CONVERSATION, tokenize=False) == (
         "<bos><|turn>system\nbe brief<turn|>\n<|turn>user\nsort: 7 3 9 1<turn|>\n"
         "<|turn>model\n<|channel>thought\n<channel|>"
     )
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " hello "}]
-    assert json_tokenizer.apply_chat_template(history, add_generation_prompt=False) == (
+    assert json_tokenizer.apply_chat_template(history, add_generation_prompt=False, tokenize=False) == (
         "<bos><|turn>user\nhi<turn|>\n<|turn>model\nhello<turn|>\n"
     )
 

@@ -123,7 +123,8 @@ def test_placeholders_expand_as_the_reference_processor_expands_them(chat_checkp
     model, tokenizer = load(chat_checkpoint)
     inputs = preprocess(PICTURES, model.image_processor)
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "sort: 7 3"}]}]
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "sort: 7 3"}]}],
+        tokenize=False,
     )
     assert text.count("<|image|>") == 2
     # The reference processor's own replacement, on the text (Gemma4Processor.replace_image_token).
@@ -288,12 +289,21 @@ def test_next_token_logits_with_an_image_match_the_reference(vision_checkpoint):
 def test_policies_and_templates_take_images(chat_checkpoint, policy):
     model, tokenizer = load(chat_checkpoint)
     answers = [
-        generate(model, tokenizer, "sort: 7 3", C, seed=2, policy=policy, images=pictures, template="7 {{fill:4}} 3")
+        generate(
+            model,
+            tokenizer,
+            "sort: 7 3",
+            max_tokens=C,
+            seed=2,
+            policy=policy,
+            images=pictures,
+            template="7 {{fill:4}} 3",
+        )
         for pictures in (PICTURES[:1], PICTURES[1:])
     ]
     assert all(a.startswith("7 ") and a.endswith(" 3") for a in answers)
     free = [
-        generate(model, tokenizer, "sort: 7 3", C, seed=2, policy=policy, images=pictures)
+        generate(model, tokenizer, "sort: 7 3", max_tokens=C, seed=2, policy=policy, images=pictures)
         for pictures in (PICTURES[:1], PICTURES[1:])
     ]
     assert free[0] != free[1]  # the image is seen
@@ -314,12 +324,14 @@ def test_image_prompt_through_the_cli(chat_checkpoint, tmp_path):
     repeated = CliRunner().invoke(main, args + ["--image", str(files[0]), "--image", str(files[1])])
     assert result.stdout.startswith(repeated.stdout.rstrip("\n") + "\n")
     model, tokenizer = load(chat_checkpoint)
-    expected = generate(model, tokenizer, "sort: 7 3", 2 * C, seed=5, images=[str(f) for f in files])
+    expected = generate(model, tokenizer, "sort: 7 3", max_tokens=2 * C, seed=5, images=[str(f) for f in files])
     assert expected and result.stdout.startswith(expected + "\n")
     prompt = len(prompt_ids(tokenizer, "sort: 7 3", images=2)) - 2 + 2 * 2 + 63 + 65  # placeholders expanded
     assert f"Prompt: {prompt} tokens" in result.output
     # The images are seen: another picture gives another answer.
-    assert generate(model, tokenizer, "sort: 7 3", 2 * C, seed=5, images=[PICTURES[1], PICTURES[0]]) != expected
+    assert (
+        generate(model, tokenizer, "sort: 7 3", max_tokens=2 * C, seed=5, images=[PICTURES[1], PICTURES[0]]) != expected
+    )
 
 
 def test_a_text_prompt_gets_its_placeholders_from_a_tokenizer_without_image_tokens(
@@ -338,7 +350,7 @@ def test_a_text_prompt_gets_its_placeholders_from_a_tokenizer_without_image_toke
     args = ["--model", str(model), "--prompt", "sort: 7 3", "--max-tokens", str(C), "--seed", "5"]
     result = CliRunner().invoke(main, args + ["--image", str(tmp_path / "picture.png")])
     assert result.exit_code == 0, result.output
-    assert result.stdout == generate(dgemma, tokenizer, "sort: 7 3", C, seed=5, images=PICTURES[:1]) + "\n"
+    assert result.stdout == generate(dgemma, tokenizer, "sort: 7 3", max_tokens=C, seed=5, images=PICTURES[:1]) + "\n"
 
 
 @pytest.mark.parametrize(

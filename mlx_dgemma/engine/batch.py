@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..model.images import images_after
-from ..options import PREFILL_STEP_SIZE, GenerationArgs
+from ..options import PREFILL_STEP_SIZE
 from .policy import Plan
-from .request import PreparedRequest, generation_device, plan, prepare
+from .request import PreparedRequest, plan
 from .rows import Row
 from .rows.autoregressive import AutoregressiveRows
 from .rows.diffusion import DiffusionRows
@@ -65,7 +65,7 @@ def prefill(
 
 
 @dataclass
-class BatchResponse:
+class StepResponse:
     """What one step committed for a request."""
 
     uid: int
@@ -89,7 +89,7 @@ class BatchGenerator:
         self._uids = itertools.count()
         self._pending: list[tuple[Row, object, Callable[[object], None] | None]] = []  # row, prefix cache, on_prefilled
         self._kinds = {"diffusion": DiffusionRows(self), "ar": AutoregressiveRows(self), "verified": VerifiedRows(self)}
-        self._out: list[BatchResponse] = []
+        self._out: list[StepResponse] = []
 
     def __len__(self) -> int:
         return len(self._pending) + sum(len(kind) for kind in self._kinds.values())
@@ -120,7 +120,7 @@ class BatchGenerator:
         for kind in self._kinds.values():
             kind.remove(uid)
 
-    def next(self) -> list[BatchResponse]:
+    def next(self) -> list[StepResponse]:
         """One step: the queued requests' prompts encoded, then a denoising step of every diffusion
         row, a token of every autoregressive row and a round of every verified row; what each row
         committed."""
@@ -182,7 +182,7 @@ class BatchGenerator:
 
     def fail(self, row: Row, error: Exception) -> None:
         """End ``row`` with ``error`` (the kind has let it go): the others go on."""
-        self._out.append(BatchResponse(row.uid, [], "", None, 0, row.plan, error=error))
+        self._out.append(StepResponse(row.uid, [], "", None, 0, row.plan, error=error))
 
     def replan(self, row: Row) -> None:
         """An auto row that goes on: its next plan, from what the planner knows by now."""
@@ -209,7 +209,7 @@ class BatchGenerator:
                 self._answer(row)
             return finish is not None
         self._out.append(
-            BatchResponse(
+            StepResponse(
                 row.uid,
                 tokens,
                 job.text.add(tokens, final=finish is not None),
@@ -244,36 +244,3 @@ def warm_up(model, tokenizer) -> None:
 def _wants_logits(row: Row) -> bool:
     """Whether a row starts from the prompt's next-token logits (autoregressive, verified or auto)."""
     return row.plan.mode != "diffusion" or row.planner is not None
-
-
-def batch_generate(
-    model,
-    tokenizer,
-    prompts: list[str | list[int]],
-    max_tokens: int | None = None,
-    *,
-    seeds: list[int | None] | None = None,
-    **kwargs,
-) -> list[str]:
-    """The answers to ``prompts`` generated together; the i-th equals
-    ``generate(model, tokenizer, prompts[i], max_tokens, seed=seeds[i], **kwargs)`` (``kwargs``: those
-    of ``stream_generate``)."""
-    seeds = list(seeds) if seeds is not None else [None] * len(prompts)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
-    args = [GenerationArgs.of(max_tokens=max_tokens, seed=seed, **kwargs) for seed in seeds]
-    generator = BatchGenerator(
-        model,
-        tokenizer,
-        args[0].prefill_step_size if args else PREFILL_STEP_SIZE,
-        args[0].kv_quantization if args else None,
-    )
-    uids = [generator.insert(prepare(model, tokenizer, p, a)) for p, a in zip(prompts, args)]
-    texts = {uid: "" for uid in uids}
-    with generation_device(model):
-        while len(generator):
-            for response in generator.next():
-                if response.error is not None:
-                    raise response.error
-                texts[response.uid] += response.text
-    return [texts[uid] for uid in uids]

@@ -146,6 +146,13 @@ def prompt_ids(
         return [int(i) for i in prompt]
     if not chat_template:
         return tokenizer.encode(prompt)
+    if tokenizer.carries_chat_template(prompt):  # apply_chat_template's text: taken as given, as ids are
+        if system_prompt is not None:
+            raise PromptError(
+                "the prompt already carries the chat template; write the system turn into it, "
+                "or pass the untemplated text with the system prompt"
+            )
+        return tokenizer.encode(prompt)
     if think and not tokenizer.renders_thinking:
         raise PromptError(
             "this checkpoint's chat template has no thinking switch (enable_thinking); "

@@ -19,8 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..options import KVQuantization
-from . import kernels as device_kernels
-from . import vision
+from . import kernels as device_kernels, vision
 from .cache import CanvasView, KVCache
 from .config import ModelConfig
 from .experts import Experts

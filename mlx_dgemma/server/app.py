@@ -33,8 +33,7 @@ from . import request_log
 from .api import Answer, Api, BadRequest, Reply
 from .body import check_unicode, json_reply, parsed
 from .events import choice_events, job_events, next_event
-from .jobs import MAX_PROMPTS, Reader
-from .jobs import prompts as prompts_of
+from .jobs import MAX_PROMPTS, Reader, prompts as prompts_of
 from .scheduler import EmbeddingJob, Event, Job, Scheduler
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)

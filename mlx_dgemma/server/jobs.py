@@ -385,7 +385,11 @@ class Reader:
         extra = {"tools": tools} if tools else {}
         try:  # (enable_thinking given either way: a template whose default is on is off unless asked)
             text = self.tokenizer.apply_chat_template(
-                plain, add_generation_prompt=True, **{**self.chat_template_args, "enable_thinking": think}, **extra
+                plain,
+                add_generation_prompt=True,
+                tokenize=False,
+                **{**self.chat_template_args, "enable_thinking": think},
+                **extra,
             )
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None

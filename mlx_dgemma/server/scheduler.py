@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ..engine.batch import BatchGenerator, BatchResponse, warm_up
+from ..engine.batch import BatchGenerator, StepResponse, warm_up
 from ..engine.embeddings import embedding_steps
 from ..engine.request import generation_device, plan
 from ..engine.resolve import ResolvedRequest
@@ -333,7 +333,7 @@ class Scheduler:
         scored = job.scorer.add(ids, **(vision_inputs or {}))
         job.prompt_logprobs = scored if job.echo else None
 
-    def _route(self, response: BatchResponse) -> None:
+    def _route(self, response: StepResponse) -> None:
         job = self._active.get(response.uid)
         if job is None:
             return

@@ -13,8 +13,7 @@ import re
 import string
 import warnings
 from dataclasses import dataclass
-from re import _constants as sre
-from re import _parser as sre_parse
+from re import _constants as sre, _parser as sre_parse
 
 # Characters a class is matched with, in the order tried: none needs escaping in JSON.
 CHARACTERS = (
