@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .. import validate
 from ..structured.tool_calls import chosen_call, parse_tool_calls
 from . import request_log
-from .api import Answer, Api, BadRequest, Reply
+from .api import Answer, Api, BadRequest, Reply, error_response
 from .body import check_unicode, json_reply, parsed
 from .events import choice_events, job_events, next_event
 from .jobs import MAX_PROMPTS, Reader, prompts as prompts_of
@@ -90,12 +90,22 @@ class Server:
         return JSONResponse({"status": "ok", **self.scheduler.status()})
 
     async def models(self, request: Request):
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dgemma"}],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+
+    async def retrieve_model(self, request: Request):
+        """OpenAI's retrieve: the model served, by its id (ids may hold a slash: org/name)."""
+        name = request.path_params["model"]
+        if name != self.model_id:
+            return error_response(
+                f"the model {name[:200]!r} is not served here; this server serves {self.model_id!r}",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_entry())
+
+    def _model_entry(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dgemma"}
 
     async def respond(self, request: Request, api: Api) -> Response:
         """Read, translate and check ``request``'s body, run it, and answer in ``api``'s shape."""

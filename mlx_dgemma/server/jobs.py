@@ -32,6 +32,8 @@ from .settings import request_options
 
 MAX_CHOICES = 8  # n: the choices of one request, each a row of the worker's batch
 MAX_PROMPTS = 64  # a completions request's prompts, times n: its choices (each a row of the engine's batch)
+# A message's role as the chat template takes it: OpenAI's developer messages are system ones.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # OpenAI parameters this server does not honour, each with the value that leaves it off: clients
 # send those defaults, so they are accepted; anything else is refused by name. (user, metadata,
 # store, service_tier and parallel_tool_calls change nothing here and are accepted as they come.)
@@ -364,8 +366,13 @@ class Reader:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise BadRequest(f"messages[{i}] must be an object with a role", param="messages")
+            if (role := ROLES.get(message["role"])) is None:
+                raise BadRequest(
+                    f"messages[{i}].role {shown(message['role'])} is not a role; use one of {', '.join(ROLES)}",
+                    param="messages",
+                )
             content, pictures = self._content(message.get("content"), i, len(images))
-            plain.append({**message, "content": content})
+            plain.append({**message, "role": role, "content": content})
             images += pictures
         # Only text the template renders counts: the images are out of it by now (their data URLs are no
         # text for the template), and so are tools where the template writes none (the demo's; clients

@@ -171,7 +171,7 @@ class OpenAI(Api):
 
     @staticmethod
     def _message(answer: Answer) -> dict:
-        message = {"content": answer.content or (None if answer.calls else "")}
+        message = {"content": answer.content or (None if answer.calls else ""), "refusal": None}
         if answer.reasoning:
             message["reasoning_content"] = answer.reasoning
         if answer.calls:
@@ -211,7 +211,6 @@ class OpenAI(Api):
             "object": kind,
             "created": int(time.time()),
             "model": self.server.model_id,
-            "system_fingerprint": None,
         }
 
 

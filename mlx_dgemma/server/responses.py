@@ -163,7 +163,9 @@ class Responses(Api):
             u = answer.usage
             usage = {
                 "input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                # the prompt cache is kept without asking (nothing is written on request), as Anthropic's
+                # usage says with cache_creation_input_tokens 0
+                "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": u.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -175,7 +177,7 @@ class Responses(Api):
             "status": "in_progress" if answer is None else "incomplete" if cut else "completed",
             "model": self.server.model_id,
             "output": output,
-            "usage": usage,
+            **({"usage": usage} if usage is not None else {}),  # (the document's usage is an object or absent)
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "instructions": body.get("instructions"),
@@ -184,7 +186,8 @@ class Responses(Api):
             "temperature": body.get("temperature"),
             "top_p": body.get("top_p"),
             "tool_choice": body.get("tool_choice", "auto"),
-            "tools": body.get("tools") or [],
+            # (as given; the document requires strict and parameters in each, null where not given)
+            "tools": [{"strict": None, "parameters": None, **tool} for tool in body.get("tools") or []],
             "text": body.get("text") or {"format": {"type": "text"}},
             "store": False,
             "metadata": body.get("metadata") or {},

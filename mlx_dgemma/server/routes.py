@@ -48,6 +48,7 @@ def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS) -> Starlette:
         routes=[
             Route("/health", server.health, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", server.retrieve_model, methods=["GET"]),
             *openai_api.routes(server),
             *responses.routes(server),
             *anthropic.routes(server),

@@ -60,6 +60,7 @@ SET_OTHERWISE = {
     "images": "the messages' image parts",
     "schema": "response_format (Ollama's format, Responses' text.format) or a forced tool call",
     "think": "reasoning_effort or reasoning (Anthropic's thinking, Ollama's think)",
+    "logprobs": "logprobs and top_logprobs, scored by the worker beside the answer (scheduler.py)",
 }
 NOT_SETTABLE = {
     "rng": "a Python object; seed sets the draws",
