@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -26,6 +27,9 @@ from .structured.layout import drafted_layout
 from .structured.template import CanvasTemplate
 from .tokenizer import Tokenizer
 from .validate import check_text
+
+if TYPE_CHECKING:
+    from .model.diffusion_gemma import DiffusionGemma
 
 
 @dataclass
@@ -86,7 +90,7 @@ class BatchResponse:
 
 
 def stream_generate(
-    model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, **kwargs
+    model: DiffusionGemma, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int | None = None, **kwargs: Any
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per committed canvas, block of autoregressive tokens (a
     canvas's worth, or what auto chose) or verified round.
@@ -214,13 +218,13 @@ def _step_hook(collected: list[Draft] | None, on_step: Callable[[Draft], None] |
 
 
 def generate(
-    model,
+    model: DiffusionGemma,
     tokenizer: Tokenizer,
     prompt: str | list[int],
     verbose: bool = False,
     *,
     max_tokens: int | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> str:
     """The whole answer as text; ``kwargs`` are those of ``stream_generate``. ``verbose`` (the fourth
     argument, as mlx-lm's) prints the text as it commits, then the statistics."""
@@ -240,13 +244,13 @@ def generate(
 
 
 def batch_generate(
-    model,
+    model: DiffusionGemma,
     tokenizer: Tokenizer,
     prompts: list[str | list[int]],
     max_tokens: int | list[int | None] | None = None,
     *,
     seeds: list[int | None] | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> BatchResponse:
     """The answers to ``prompts`` generated together; ``texts[i]`` equals
     ``generate(model, tokenizer, prompts[i], max_tokens=max_tokens[i], seed=seeds[i], **kwargs)``
@@ -311,7 +315,9 @@ def statistics(responses: list[GenerationResponse]) -> str:
     )
 
 
-def infill(model, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs) -> str:
+def infill(
+    model: DiffusionGemma, tokenizer: Tokenizer, prefix: str | list[int], suffix: str, max_fill: int = 64, **kwargs: Any
+) -> str:
     """The text between ``prefix`` and ``suffix``. The prefix (text as it is, no chat template, or
     ids) goes to the encoder cache; the suffix is clamped at the end of the canvas, after a hole of at
     least ``max_fill`` tokens that may take several canvases. ``kwargs`` are those of ``stream_generate``."""

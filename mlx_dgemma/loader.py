@@ -266,7 +266,9 @@ def build_model(model: DiffusionGemma, weights: dict[str, mx.array]) -> Diffusio
 
 
 def load(
-    path_or_repo: str | os.PathLike, adapter_path: str | os.PathLike | None = None, revision: str | None = None
+    path_or_repo: str | os.PathLike[str],
+    adapter_path: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
 ) -> tuple[DiffusionGemma, Tokenizer]:
     """``model, tokenizer = load(path)`` for a local folder or a Hugging Face Hub id (at ``revision``: a
     branch, tag or commit, to pin a snapshot); ``adapter_path``: a fine-tuning run's adapter folder

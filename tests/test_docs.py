@@ -14,14 +14,18 @@ commands in order), and passes if it exits 0 or is still running after its time 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -378,8 +382,8 @@ def run(cmd: Command, root: Path, quick: bool, timeout: float) -> str | None:
         argv[0] = SCRIPTS["mlx.launch"][0]
     elif ep.launcher is None:
         argv = ep.program + ep.args
-    if quick and ep.name in QUICK and "--help" not in ep.args:
-        argv += ["--max-tokens", QUICK_MAX_TOKENS]
+    if quick and ep.name in QUICK and "--help" not in ep.args and not {"--schema", "--template"} & set(ep.args):
+        argv += ["--max-tokens", QUICK_MAX_TOKENS]  # (a template sets its own length, a schema needs its room)
     temp = root.parent / "tmp"  # the programs' temporary files stay with the test's
     temp.mkdir(exist_ok=True)
     stdin = open(cwd / cmd.stdin, "rb") if cmd.stdin else subprocess.DEVNULL
@@ -461,6 +465,44 @@ def test_quick_commands_run(page, tmp_path):
     assert not failures, "\n".join(failures)
     if page.name == "README.md":
         assert ran >= 2, "the README's generations on the bundled demo are among what runs"
+
+
+def test_the_readmes_server_answers_its_curl_commands():
+    """The README's server block as written: its server (on a free port for its 8080) answers each of
+    its curl commands with a reply, not an error."""
+    [block] = [
+        b for b in commands(ROOT / "README.md") if any(c.argv[:3] == ["python", "-m", "mlx_dgemma.server"] for c in b)
+    ]
+    [start] = [c for c in block if c.argv[:3] == ["python", "-m", "mlx_dgemma.server"]]
+    curls = [c for c in block if c.argv[0] == "curl"]
+    assert curls and "--model" not in start.argv, "the block serves the bundled demo and asks it with curl"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    local = lambda argv: [str(port) if a == "8080" else a.replace("localhost:8080", f"localhost:{port}") for a in argv]  # noqa: E731
+    server = subprocess.Popen(
+        [sys.executable, *local(start.argv[1:])],
+        cwd=ROOT,
+        env=env_for(start.env),
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the README's server did not start"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        for curl in curls:
+            done = subprocess.run(local(curl.argv), capture_output=True, text=True, timeout=120)
+            reply = json.loads(done.stdout) if done.returncode == 0 else {}
+            assert reply.get("choices") or reply.get("response"), f"{curl}: {done.stdout[:300]} {done.stderr[:300]}"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.communicate(timeout=30)
 
 
 @pytest.mark.slow
