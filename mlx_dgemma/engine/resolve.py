@@ -18,7 +18,8 @@ from ..structured.closing import check_closing_fits, check_closing_room, closing
 from ..structured.layout import Layout, answer_layout
 from ..structured.template import CanvasTemplate
 from ..tokenizer import TextStream, Tokenizer
-from ..validate import check_request, check_steps
+from ..validate import check_request, check_steps, integer_in
+from .scoring import MAX_TOP_LOGPROBS
 
 SCHEMA_ROOM = 4  # a schema's answer by default has room for this many times its shortest one
 
@@ -96,6 +97,8 @@ def resolve(
     overrides = args.sampling.overrides(defaults)  # they replace the plan's, and none is dropped
     check_step_counts(overrides.get("steps"), args.draft_steps)
     check_prefill_step_size(args.prefill_step_size, "prefill_step_size")
+    if args.logprobs is not None:
+        integer_in(0, MAX_TOP_LOGPROBS)(args.logprobs, "logprobs")
     if args.kv_quantization is not None:
         args.kv_quantization.check([config.layer_head_dim(i) for i in range(config.num_hidden_layers)])
     if args.think and layout.json:
