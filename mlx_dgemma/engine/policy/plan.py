@@ -27,6 +27,8 @@ class Plan:
     draft_length: int = 0  # verified drafting (drafting.py): canvas positions per draft, the known token included
     draft_steps: int = 0  # verified drafting: denoising steps per draft
     predicted: tuple[str, float] | None = None  # auto's choice and its tok/s predicted (before its pace)
+    context: int = 0  # auto: the prompt and answer tokens before the canvas, block or round it was chosen for
+    unit_s: float = 0.0  # auto: the forward time the prediction rests on (a step, an AR token, a round)
 
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"
