@@ -215,9 +215,9 @@ class AutoPlanner:
         """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``."""
         policy = "fast" if plan.settings.freeze_after else "reference"
         self.steps[policy].add(steps, prompt)
-        # a fast canvas computes a changing share of its positions: its steps say nothing of one point
-        if self.live is not None and seconds and steps and policy == "reference" and plan.predicted:
-            self.live.observe_canvas(self.canvas, steps, plan.context, seconds)
+        # a fast canvas's steps compute about FAST_POSITION_SHARE of its positions (its commit all of them)
+        if self.live is not None and seconds and steps and plan.predicted:
+            self.live.observe_canvas(_positions(policy, self.canvas), steps, plan.context, seconds, self.canvas)
         self._pace(plan, policy, tokens, seconds, prompt)
 
     def observe_ar(

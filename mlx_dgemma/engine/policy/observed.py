@@ -13,8 +13,8 @@ from dataclasses import replace
 from .profile import Profile
 
 # Observations kept per point (their median counts); after CONFIRM of them a point that differs from
-# the profile by DISAGREE or more (or a kind of forward not yet observed) makes the live profile the
-# one on disk.
+# the profile by DISAGREE or more makes the live profile the one on disk. A kind of forward observed
+# within DISAGREE of the profile is marked observed in it.
 KEPT = 5
 CONFIRM = 3
 DISAGREE = 2.0
@@ -39,11 +39,12 @@ class LiveProfile:
     def observed_kinds(self) -> set[str]:
         return set(self.base.observed) | {kind for kind, _ in self.ratios}
 
-    def observe_canvas(self, positions: int, steps: int, prefix: int, seconds: float) -> None:
-        """A canvas of ``positions`` took ``steps`` denoising steps and its commit encode (a pass
-        like a verifying one) in ``seconds``, after ``prefix`` tokens."""
+    def observe_canvas(self, positions: int, steps: int, prefix: int, seconds: float, canvas: int = 0) -> None:
+        """A canvas took ``steps`` denoising steps of ``positions`` computed positions and its commit
+        encode (a pass like a verifying one over its ``canvas`` positions, all of them by default) in
+        ``seconds``, after ``prefix`` tokens."""
         p = self.base.at_prefix(prefix)
-        self._add("step", positions, seconds / (steps * p.step_s(positions) + p.verify_s(positions)))
+        self._add("step", positions, seconds / (steps * p.step_s(positions) + p.verify_s(canvas or positions)))
 
     def observe_ar(self, tokens: int, prefix: int, seconds: float) -> None:
         """``tokens`` autoregressive tokens took ``seconds`` after ``prefix`` tokens."""
@@ -52,9 +53,9 @@ class LiveProfile:
     def observe_round(self, length: int, steps: int, prefix: int, seconds: float) -> None:
         """A verified round (``steps`` draft steps of ``length`` positions and the verifying pass)."""
         p = self.base.at_prefix(prefix)
-        ratio = seconds / (steps * p.step_s(length) + p.verify_s(length))
-        self._add("verify", length, ratio)
-        self._add("step", length, ratio)
+        # one ratio for both parts (a round cannot tell them apart): the steps take it where no
+        # canvas of theirs has been observed (the nearest observed forward's), but stay unobserved
+        self._add("verify", length, seconds / (steps * p.step_s(length) + p.verify_s(length)))
 
     def _add(self, kind: str, length: int, ratio: float) -> None:
         if not 0 < ratio < math.inf:
@@ -66,11 +67,15 @@ class LiveProfile:
         )
         self.seen.setdefault(key, deque(maxlen=KEPT)).append(ratio * base_s)
         self.counts[key] = self.counts.get(key, 0) + 1
-        self.profile = self._blended()
-        if self.store is not None and len(self.ratios[key]) >= CONFIRM:
+        if self.store is not None:
             r = statistics.median(self.ratios[key])
-            if not 1 / DISAGREE < r < DISAGREE or kind not in self.base.observed:
+            if len(self.ratios[key]) >= CONFIRM and not 1 / DISAGREE < r < DISAGREE:
                 self._replace_cache()
+            elif kind not in self.base.observed and 1 / DISAGREE < r < DISAGREE:
+                # confirmed: said in the cache, so that the next process does not run it to check
+                self.base = replace(self.base, observed=sorted({*self.base.observed, kind}))
+                self.store(self.base)
+        self.profile = self._blended()
 
     def _blended(self) -> Profile:
         ratio = {key: statistics.median(values) for key, values in self.ratios.items()}
@@ -99,7 +104,7 @@ class LiveProfile:
         """The cached profile disagrees with what the engine observes (or lacks a kind it observed):
         the live profile takes its place, here and on disk."""
         kinds = sorted(self.observed_kinds())
-        self.base = self.profile = replace(self.profile, source="observed", observed=kinds)
+        self.base = replace(self._blended(), source="observed", observed=kinds)
         self.ratios.clear()
         self.store(self.base)
 
