@@ -382,3 +382,28 @@ def test_concurrent_auto_answers_are_each_paced_against_their_own_choice():
     planner.observe_ar(block, 4, seconds=4 / (2 * block.predicted[1]), prompt=template + short + [99])
     assert planner.pace[name].value(template + long + [99]) == pytest.approx((1 + 0.5) / 2)  # the prior, then 0.5
     assert planner.pace["ar"].value(template + short + [99]) == pytest.approx((1 + 2) / 2)
+
+
+def test_each_auto_response_says_which_kind_it_ran_in_and_why(pattern):
+    """Every canvas, block or round auto runs carries its choice in the response's plan: the kind it
+    ran in (the response's mode), each plan's predicted tok/s and the costs those rest on."""
+    model, tokenizer = pattern
+    PLANNERS.set(model, None)
+    profile = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.008, 16: 0.016},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.008, 16: 0.03},
+    )
+    responses = list(stream_generate(model, tokenizer, PROMPT, 40, policy="auto", profile=profile))
+    kinds = {"diffusion": ("reference", "fast"), "ar": ("ar",), "verified": ("verified",)}
+    for r in responses:
+        name = r.plan.predicted[0]
+        assert name in kinds[r.plan.mode]
+        names, rates = [n for n, _, _ in r.plan.predictions], [t for _, t, _ in r.plan.predictions]
+        assert sorted(names) == ["ar", "fast", "reference", "verified"] and rates == sorted(rates, reverse=True)
+        line = r.plan.choice()
+        assert line.startswith(f"auto ran {name}") and "tok/s predicted" in line
+        assert ("ms per step" if r.plan.mode == "diffusion" else "ms per") in line

@@ -192,6 +192,10 @@ class AutoPlanner:
             predicted=chosen,
             context=context,
             unit_s=self._unit_s(best, plan, context),
+            predictions=tuple(
+                (name, tok_s, w) for name, (tok_s, w) in sorted(predicted.items(), key=lambda i: -i[1][0])
+            ),
+            why=why.split(":")[0] + ")" if why else "",
         ).overridden(overrides or {})
 
     def _unit_s(self, name: str, plan: Plan, context: int) -> float:
