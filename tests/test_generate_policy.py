@@ -407,3 +407,34 @@ def test_each_auto_response_says_which_kind_it_ran_in_and_why(pattern):
         line = r.plan.choice()
         assert line.startswith(f"auto ran {name}") and "tok/s predicted" in line
         assert ("ms per step" if r.plan.mode == "diffusion" else "ms per") in line
+
+
+def test_the_live_profile_learns_only_from_forwards_a_row_had_alone(pattern):
+    """A batched row's canvas, block or round shares its forwards with the other rows: its time is not
+    the device's for one row, so the live profile observes nothing while two rows are in the engine,
+    and what the one left runs alone once the other is done."""
+    from mlx_dgemma.engine.batch import BatchGenerator
+    from mlx_dgemma.engine.policy import AutoPlanner, LiveProfile
+    from mlx_dgemma.engine.request import generation_device, prepare
+    from mlx_dgemma.options import GenerationArgs
+
+    model, tokenizer = pattern
+    profile = Profile(
+        "cpu-like", "measured", {2: 0.008, 16: 0.016}, 0.004, 1e4, verify_s_by_length={2: 0.008, 16: 0.03}
+    )
+    live = LiveProfile(profile)
+    PLANNERS.set(model, AutoPlanner(model.generation_config, 16, profile, live=live))
+    generator = BatchGenerator(model, tokenizer)
+    try:
+        for tokens in (8, 48):  # the first ends well before the second
+            args = GenerationArgs.of(max_tokens=tokens, seed=0, policy="auto", profile=profile)
+            generator.insert(prepare(model, tokenizer, PROMPT, args))
+        with generation_device(model):
+            while len(generator):
+                together = len(generator) == 2
+                generator.next()
+                if together:
+                    assert not live.counts
+    finally:
+        PLANNERS.set(model, None)
+    assert live.counts  # the second row's last canvases, blocks or rounds: alone

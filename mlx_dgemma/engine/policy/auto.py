@@ -215,25 +215,37 @@ class AutoPlanner:
         seconds: float | None = None,
         tokens: int | None = None,
         prompt: list[int] | tuple[int, ...] = (),
+        alone: bool = True,
     ) -> None:
-        """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``."""
+        """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``
+        (``alone``: its forwards were its own, so the live profile learns from their time)."""
         policy = "fast" if plan.settings.freeze_after else "reference"
         self.steps[policy].add(steps, prompt)
         # a fast canvas's steps compute about FAST_POSITION_SHARE of its positions (its commit all of them)
-        if self.live is not None and seconds and steps and plan.predicted:
+        if self.live is not None and alone and seconds and steps and plan.predicted:
             self.live.observe_canvas(_positions(policy, self.canvas), steps, plan.context, seconds, self.canvas)
         self._pace(plan, policy, tokens, seconds, prompt)
 
     def observe_ar(
-        self, plan: Plan, tokens: int, seconds: float | None = None, prompt: list[int] | tuple[int, ...] = ()
+        self,
+        plan: Plan,
+        tokens: int,
+        seconds: float | None = None,
+        prompt: list[int] | tuple[int, ...] = (),
+        alone: bool = True,
     ) -> None:
         """An autoregressive block under ``plan`` gave ``tokens`` in ``seconds``."""
-        if self.live is not None and seconds and tokens and plan.predicted:
+        if self.live is not None and alone and seconds and tokens and plan.predicted:
             self.live.observe_ar(tokens, plan.context, seconds)
         self._pace(plan, "ar", tokens, seconds, prompt)
 
     def observe_round(
-        self, plan: Plan, done, seconds: float | None = None, prompt: list[int] | tuple[int, ...] = ()
+        self,
+        plan: Plan,
+        done,
+        seconds: float | None = None,
+        prompt: list[int] | tuple[int, ...] = (),
+        alone: bool = True,
     ) -> None:
         """A verified round under ``plan`` (``done``: a ``drafting.Round``); one that ended the answer
         (no next token) says how long the answer was, not how well drafts are accepted."""
@@ -241,7 +253,7 @@ class AutoPlanner:
         self.acceptance.observe(plan.draft_steps, done.length, done.kept, done.rejected)
         if done.known is not None:
             self.round_yield.add(len(done.tokens) / modelled, prompt)
-        if self.live is not None and seconds and plan.predicted:
+        if self.live is not None and alone and seconds and plan.predicted:
             self.live.observe_round(done.length, plan.draft_steps, plan.context, seconds)
         self._pace(plan, "verified", len(done.tokens), seconds, prompt)
 
