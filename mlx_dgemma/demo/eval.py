@@ -112,7 +112,7 @@ def main(
             "--history, --busy, --fresh-profile and --task mixed apply to free generation; leave out --templates"
         )
     with one_core_busy() if busy else contextlib.nullcontext():
-        run(
+        _evaluate(
             model_path,
             n,
             POLICIES if all_policies else policies,
@@ -139,7 +139,7 @@ def one_core_busy():
         process.wait()
 
 
-def run(
+def _evaluate(
     model_path,
     n,
     policies,
