@@ -198,3 +198,21 @@ def test_one_slow_canvas_does_not_replace_the_cache():
     assert live.profile.step_s(CANVAS) == pytest.approx(0.003)  # the median of three
     # once the median agrees with the cache, the cache is only marked: its steps were observed
     assert stored == [replace(DIFFUSION_WINS, observed=["step"])]
+
+
+def test_the_models_planner_turns_live_when_auto_asks_for_the_cached_profile():
+    """Verified drafting asks the model's planner for its acceptance without a store; the auto request
+    that follows, on the cached profile, gets the same planner with a live profile."""
+    from types import SimpleNamespace
+
+    from mlx_dgemma.engine.policy import PLANNERS, auto_planner
+
+    class Model:
+        config = SimpleNamespace(canvas_length=CANVAS)
+
+    model, stored = Model(), []
+    first = auto_planner(model, GEN, DIFFUSION_WINS)
+    assert first.live is None
+    again = auto_planner(model, GEN, DIFFUSION_WINS, stored.append)
+    assert again is first and again.live is not None and again.live.store == stored.append
+    PLANNERS.set(model, None)

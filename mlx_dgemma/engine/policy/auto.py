@@ -354,6 +354,8 @@ def auto_planner(model, gen: GenerationConfig, profile: Profile, store=None) -> 
         live = LiveProfile(profile, store) if store is not None else None
         planner = AutoPlanner(gen, model.config.canvas_length, profile, live=live)
         PLANNERS.set(model, planner)
+    elif store is not None and planner.live is None:  # made for verified drafting's acceptance first
+        planner.live = LiveProfile(profile, store)
     return planner
 
 
