@@ -256,6 +256,10 @@ def main(**flags):
         click.echo()
     if flags["verbose"]:
         click.echo(statistics(responses))
+        choices = {id(r.plan): r.plan for r in responses if r.plan.predicted}  # one per canvas, block or round
+        if choices:
+            click.echo("auto, canvas by canvas, block by block, round by round:")
+            click.echo("\n".join(f"  {i}. {plan.choice()}" for i, plan in enumerate(choices.values(), 1)))
 
 
 def _plan_key(plan: Plan) -> tuple:
@@ -337,8 +341,6 @@ def _generate_cli(flags: dict, group, watchdog):
     for response in stream_from_args(dgemma, tokenizer, prompt, args):
         if flags["verbose"] and (not responses or _plan_key(response.plan) != _plan_key(responses[-1].plan)):
             click.echo(response.plan.explain(), err=True)  # auto may re-plan between canvases/rounds
-        elif flags["verbose"] and response.plan.predicted and response.plan is not responses[-1].plan:
-            click.echo(response.plan.choice(), err=True)  # auto's next canvas, block or round, and why
         if canvas_view:
             canvas_view.commit(response.text)
         else:

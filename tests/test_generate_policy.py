@@ -438,3 +438,33 @@ def test_the_live_profile_learns_only_from_forwards_a_row_had_alone(pattern):
     finally:
         PLANNERS.set(model, None)
     assert live.counts  # the second row's last canvases, blocks or rounds: alone
+
+
+def test_verbose_says_which_kind_each_round_ran_in_and_why(monkeypatch):
+    """--verbose under auto prints, after the statistics, one line per canvas, block or round: the kind
+    it ran in and the predictions it was chosen by (the costs behind them)."""
+    from click.testing import CliRunner
+
+    from mlx_dgemma.engine import request
+    from mlx_dgemma.generate import main
+
+    cheap_drafts = Profile(  # short drafts nearly free, a canvas dear: verified drafting every round
+        "cpu-like",
+        "measured",
+        {2: 1e-4, 8: 1e-4, 16: 0.1, 32: 0.1},
+        ar_token_s=0.01,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 1e-4, 8: 1e-4, 16: 0.1, 32: 0.1},
+    )
+    monkeypatch.setattr(request, "cached_profile", lambda model: cheap_drafts)
+    monkeypatch.setattr(request, "live_profile_store", lambda model: None)
+    model_args = ["--model", str(DEMO_MODEL), "--prompt", "reverse: 1 2 3 4 5 6 7 8 9 10 11 12", "--seed", "0"]
+    result = CliRunner().invoke(main, [*model_args, "--policy", "auto", "--verbose", "--max-tokens", "64"])
+    assert result.exit_code == 0, result.output
+    assert "plan (auto): verified" in result.output
+    rounds = int(result.output.split(" rounds, ")[0].rsplit(" ", 1)[1])  # "Generation: N tokens in R rounds"
+    lines = result.output.split("round by round:\n")[1].splitlines()
+    assert len(lines) == rounds > 1, result.output
+    for i, line in enumerate(lines, 1):
+        assert line.startswith(f"  {i}. auto ran verified: ") and "tok/s predicted (drafts of" in line
+        assert "ms per round" in line and all(f"{name} " in line for name in ("fast", "reference", "ar"))
