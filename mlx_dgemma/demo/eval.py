@@ -27,6 +27,7 @@ from .. import fast_blas
 fast_blas.load()  # a command-line process: the fast BLAS before mlx.core loads
 
 import contextlib
+import os
 import subprocess
 import sys
 
@@ -130,8 +131,10 @@ def main(
 
 @contextlib.contextmanager
 def one_core_busy():
-    """Another process that keeps one core busy until the block ends (a user's other work)."""
-    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """Another process that keeps one core busy until the block ends (a user's other work), or until
+    this process is gone however it ended (it checks that its parent is still the same)."""
+    spin = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    for _ in range(10**6): pass"
+    process = subprocess.Popen([sys.executable, "-c", spin, str(os.getpid())])
     try:
         yield
     finally:
