@@ -75,20 +75,24 @@ def answer(planner: AutoPlanner, true: Profile, prompt=(7, 8, 9)) -> list[str]:
     produced, chosen = 0, []
     while produced < ANSWER:
         plan = planner.choose(ANSWER - produced, produced=produced, prompt=list(prompt))
-        name = plan.predicted[0]
-        tokens, seconds = _run(name, true, ANSWER - produced, plan.context, plan)
-        if name in STEPS:
-            planner.observe_canvas(plan, STEPS[name], seconds, tokens, list(prompt))
-        elif name == "ar":
-            planner.observe_ar(plan, tokens, seconds, list(prompt))
-        else:
-            kept = tokens - 1
-            done = drafting.Round(list(range(tokens)), 1, plan.draft_length, kept, plan.draft_steps + 1, [])
-            planner.observe_round(plan, done, seconds, list(prompt))
-        produced += tokens
-        chosen.append(name)
+        produced += observe(planner, plan, true, ANSWER - produced, prompt)
+        chosen.append(plan.predicted[0])
     planner.observe_answer(produced, list(prompt))
     return chosen
+
+
+def observe(planner: AutoPlanner, plan, true: Profile, remaining: int, prompt) -> int:
+    """Run ``plan``'s canvas, block or round on the true device, as the planner observes it; its tokens."""
+    name = plan.predicted[0]
+    tokens, seconds = _run(name, true, remaining, plan.context, plan)
+    if name in STEPS:
+        planner.observe_canvas(plan, STEPS[name], seconds, tokens, list(prompt))
+    elif name == "ar":
+        planner.observe_ar(plan, tokens, seconds, list(prompt))
+    else:
+        done = drafting.Round(list(range(tokens)), 1, plan.draft_length, tokens - 1, plan.draft_steps + 1, [])
+        planner.observe_round(plan, done, seconds, list(prompt))
+    return tokens
 
 
 def test_isotonic_pools_what_falls():
@@ -216,3 +220,17 @@ def test_the_models_planner_turns_live_when_auto_asks_for_the_cached_profile():
     again = auto_planner(model, GEN, DIFFUSION_WINS, stored.append)
     assert again is first and again.live is not None and again.live.store == stored.append
     PLANNERS.set(model, None)
+
+
+def test_one_probe_at_a_time_among_concurrent_answers():
+    """Two answers choose before either's probe is observed: the second does not probe too (nor the
+    first's probe end when the second chooses); once the probe is observed the next kind may be."""
+    live = AutoPlanner(GEN, CANVAS, DIFFUSION_WINS, live=LiveProfile(DIFFUSION_WINS))
+    first = live.choose(ANSWER, prompt=[1])
+    second = live.choose(ANSWER, prompt=[2])
+    third = live.choose(ANSWER, prompt=[3])
+    assert "not yet observed" in first.why and first.predicted[0] != "reference"  # not the best's own kind
+    assert not second.why and not third.why
+    observe(live, first, DIFFUSION_WINS, ANSWER, [1])
+    fourth = live.choose(ANSWER, prompt=[4])
+    assert "not yet observed" in fourth.why and fourth.predicted[0] not in ("reference", first.predicted[0])

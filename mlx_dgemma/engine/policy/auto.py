@@ -52,7 +52,12 @@ class AutoPlanner:
     the mean of the ~8 observations made on the prompts that begin most like this one
     (``PromptLikeMeans``: a task's instructions, a conversation's earlier turns), so one task's do not
     stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but predicted within
-    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task."""
+    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task.
+
+    With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
+    predictions come from, each pace is taken against the prediction that profile now makes, and a
+    kind of forward never observed is run once (a probe) if predicted within ``PROBE_WITHIN`` of the
+    best; without, ``profile`` is fixed and the choices are deterministic in it and the pace."""
 
     def __init__(
         self,
@@ -154,8 +159,7 @@ class AutoPlanner:
             name
             for name in predicted
             if unseen is not None
-            and KIND[name] not in unseen
-            and name != best
+            and KIND[name] not in unseen | {KIND[best]}  # (the best's own kind is observed as it runs)
             and predicted[name][0] >= PROBE_WITHIN * predicted[best][0]
         ]
         probe = max(probes, key=lambda name: predicted[name][0]) if probes and not self._probing else None
@@ -163,7 +167,8 @@ class AutoPlanner:
             self.idle[name] += 1
         best = probe or retry or best
         self.idle[best] = 0
-        self._probing = probe is not None and KIND[probe]
+        if probe:
+            self._probing = KIND[probe]
         profile = self.current
         plan = fixed_plan(best, self.gen, self.canvas, profile)
         if best == "verified":
