@@ -112,21 +112,30 @@ def main(
         raise click.UsageError(
             "--history, --busy, --fresh-profile and --task mixed apply to free generation; leave out --templates"
         )
+    from ..loader import load
+    from . import DEMO_MODEL
+
+    policies = POLICIES if all_policies else policies
+    model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
+    if templates:
+        for policy in policies:
+            click.echo(
+                f"policy {policy}, {n} instances per task\n  {'task':<8} {'setting':<11} {'accuracy':>9} {'valid':>7}"
+            )
+            for task, name, accuracy, valid in evaluate_templates(
+                model, tokenizer, n, seed, policy, tasks=tasks or TASKS
+            ):
+                click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
+        return
+    drafts = {"verified": {"draft_length": draft_length, "draft_steps": draft_steps}}
     with one_core_busy() if busy else contextlib.nullcontext():
-        _evaluate(
-            model_path,
-            n,
-            POLICIES if all_policies else policies,
-            seed,
-            tasks,
-            adapter_path,
-            templates,
-            draft_length,
-            draft_steps,
-            history,
-            warmup,
-            fresh_profile,
-        )
+        if fresh_profile:
+            drafts = with_a_fresh_profile(model, drafts)
+        scores = evaluate_policies(model, tokenizer, n, seed, list(policies), tasks or TASKS, drafts, history, warmup)
+    for policy in policies:
+        click.echo(format_scores(policy, scores[policy]))
+    if len(policies) > 1:
+        click.echo(format_side_by_side(scores))
 
 
 @contextlib.contextmanager
@@ -142,49 +151,16 @@ def one_core_busy():
         process.wait()
 
 
-def _evaluate(
-    model_path,
-    n,
-    policies,
-    seed,
-    tasks,
-    adapter_path,
-    templates,
-    draft_length,
-    draft_steps,
-    history,
-    warmup,
-    fresh_profile,
-):
-    from ..loader import load
-    from . import DEMO_MODEL
+def with_a_fresh_profile(model, generate_kwargs: dict[str, dict]) -> dict[str, dict]:
+    """A profile measured now (neither read from the cache nor cached), the model's planner kept live
+    on it, and ``generate_kwargs`` with auto and verified planning from it."""
+    from ..engine.policy import PLANNERS, AutoPlanner, LiveProfile, measure
 
-    model, tokenizer = load(model_path or DEMO_MODEL, adapter_path=adapter_path)
-    if templates:
-        for policy in policies:
-            click.echo(
-                f"policy {policy}, {n} instances per task\n  {'task':<8} {'setting':<11} {'accuracy':>9} {'valid':>7}"
-            )
-            for task, name, accuracy, valid in evaluate_templates(
-                model, tokenizer, n, seed, policy, tasks=tasks or TASKS
-            ):
-                click.echo(f"  {task:<8} {name:<11} {accuracy:8.1%} {valid:7.1%}")
-        return
-    drafts = {"verified": {"draft_length": draft_length, "draft_steps": draft_steps}}
-    if fresh_profile:
-        from ..engine.policy import PLANNERS, AutoPlanner, LiveProfile, measure
-
-        click.echo("measuring the device profile (not cached)", err=True)
-        profile = measure(model)
-        live = AutoPlanner(model.generation_config, model.config.canvas_length, profile, live=LiveProfile(profile))
-        PLANNERS.set(model, live)  # the model's planner for this profile: auto's and verified's
-        for policy in ("auto", "verified"):
-            drafts[policy] = {**drafts.get(policy, {}), "profile": profile}
-    scores = evaluate_policies(model, tokenizer, n, seed, list(policies), tasks or TASKS, drafts, history, warmup)
-    for policy in policies:
-        click.echo(format_scores(policy, scores[policy]))
-    if len(policies) > 1:
-        click.echo(format_side_by_side(scores))
+    click.echo("measuring the device profile (not cached)", err=True)
+    profile = measure(model)
+    planner = AutoPlanner(model.generation_config, model.config.canvas_length, profile, live=LiveProfile(profile))
+    PLANNERS.set(model, planner)  # the model's planner for this profile: auto's, and verified's acceptance
+    return {**generate_kwargs, **{p: {**generate_kwargs.get(p, {}), "profile": profile} for p in ("auto", "verified")}}
 
 
 if __name__ == "__main__":
