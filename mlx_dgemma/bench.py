@@ -3,8 +3,9 @@
     python -m mlx_dgemma.bench --model PATH [--json FILE] [--plot FILE.png]
 
 Measures prefill tok/s, autoregressive tok/s, the denoising step time per canvas length, and real
-sampler runs at several steps per 256-canvas (early stop off); prints the crossover and the
-roofline predictions for known Apple and NVIDIA devices (see policy/roofline.py for the model behind them).
+sampler runs at several steps per 256-canvas (early stop off); prints the crossover, the profile
+beside the forwards auto then ran (what the engine observed), and the roofline predictions for known
+Apple and NVIDIA devices (see policy/roofline.py for the model behind them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,18 @@ from pathlib import Path
 import click
 
 from .cli import command_line, several_values
-from .engine.policy import CANVAS_LENGTHS, Acceptance, Profile, best_draft, measure, predicted_table, time_canvas
+from .engine.policy import (
+    CANVAS_LENGTHS,
+    PLANNERS,
+    Acceptance,
+    AutoPlanner,
+    LiveProfile,
+    Profile,
+    best_draft,
+    measure,
+    predicted_table,
+    time_canvas,
+)
 from .validate import at_least, option, writable_file
 
 STEPS = (2, 4, 8, 16, 32, 48)
@@ -56,6 +68,7 @@ def run(model, tokenizer, prefix: int = 64, steps_list=STEPS, measured_steps=(4,
         "sampler_check": check,
         "verify_s_by_length": profile.verify_s_by_length,
         "verified": verified_figures(model, tokenizer, profile, prefix),
+        "observed": observed_figures(model, tokenizer, profile, prefix),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "predicted": predicted_table(),
     }
@@ -103,6 +116,34 @@ def verified_figures(model, tokenizer, profile: Profile, prefix: int = 64, token
         "tok_s": rounds[-1].generation_tps,
     }
     return out
+
+
+def observed_figures(model, tokenizer, profile: Profile, prefix: int = 64, answers: int = 3, tokens: int = 64) -> dict:
+    """The profile beside what the engine observed: ``answers`` auto generations of up to ``tokens``
+    after a random prompt, planned from ``profile`` kept live (``LiveProfile``; not cached), and per
+    point the seconds measured, the seconds the forwards auto ran took (their median, at the profile's
+    prefix) and how many canvases, blocks or rounds observed it; with the kinds each answer ran in."""
+    import mlx.core as mx
+
+    from .api import stream_generate
+
+    live = LiveProfile(profile)
+    PLANNERS.set(model, AutoPlanner(model.generation_config, model.config.canvas_length, profile, live=live))
+    ids = mx.random.randint(3, model.config.vocab_size, (prefix,), key=mx.random.key(5)).tolist()
+    ran = []
+    try:
+        for seed in range(answers):
+            plans = {}  # each canvas, block or round's plan, once
+            for r in stream_generate(model, tokenizer, ids, tokens, policy="auto", profile=profile, seed=seed):
+                plans.setdefault(id(r.plan), r.plan)
+            ran.append([plan.predicted[0] for plan in plans.values() if plan.predicted])
+    finally:
+        PLANNERS.set(model, None)
+    points = [
+        {"kind": kind, "length": n, "profile_s": s, "observed_s": seen, "observations": count}
+        for kind, n, s, seen, count in live.report()
+    ]
+    return {"points": points, "ran": ran}
 
 
 def prefix_sweep(model, prefixes, repeats: int = 2, canvas: int = 256, steps: int = 3) -> dict:
@@ -243,6 +284,13 @@ def format_report(r: dict) -> str:
         f"{m['draft_length']} in {m['draft_steps']} step(s), {m['tokens_per_round']:.2f} tokens per round, "
         f"{m['tokens_per_forward']:.2f} per forward, {m['tok_s']:.2f} tok/s"
     )
+    lines.append("the profile beside the forwards auto ran (ms; observed: median, at the profile's prefix)")
+    lines.append(f"{'kind':<7} {'length':>6} {'profile':>9} {'observed':>9} {'ratio':>6} {'runs':>5}")
+    for p in r["observed"]["points"]:
+        seen = p["observed_s"]
+        observed = f"{seen * 1e3:9.2f} {seen / p['profile_s']:5.2f}x" if seen else f"{'-':>9} {'':>6}"
+        lines.append(f"{p['kind']:<7} {p['length']:>6} {p['profile_s'] * 1e3:9.2f} {observed} {p['observations']:>5}")
+    lines.append("auto ran: " + "; ".join(", ".join(ran) or "-" for ran in r["observed"]["ran"]))
     lines.append(
         "predicted for google/diffusiongemma-26B-A4B-it (16 steps/canvas; roofline, see policy/roofline.py; verified "
         "at the demo's acceptance and at half of it, best draft length L and steps k):"

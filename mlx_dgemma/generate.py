@@ -256,6 +256,10 @@ def main(**flags):
         click.echo()
     if flags["verbose"]:
         click.echo(statistics(responses))
+        choices = {id(r.plan): r.plan for r in responses if r.plan.predicted}  # one per canvas, block or round
+        if choices:
+            click.echo("auto, canvas by canvas, block by block, round by round:")
+            click.echo("\n".join(f"  {i}. {plan.choice()}" for i, plan in enumerate(choices.values(), 1)))
 
 
 def _plan_key(plan: Plan) -> tuple:

@@ -52,6 +52,15 @@ def test_bench_json_and_plot(checkpoints, tmp_path):
     assert v["half_acceptance"]["tokens_per_round"] < v["demo_acceptance"]["tokens_per_round"]
     assert all(p["verified_tok_s"] > p["verified_half_tok_s"] > 0 for p in r["predicted"].values())
     assert "verified drafting measured" in result.output
+    # the profile beside the forwards auto ran: every measured point, and those it ran observed
+    points = r["observed"]["points"]
+    assert {(p["kind"], p["length"]) for p in points} >= {("step", n) for n in steps} | {("ar", 1)}
+    seen = [p for p in points if p["observations"]]
+    assert seen and all(p["observed_s"] > 0 for p in seen)
+    assert all(p["observed_s"] is None for p in points if not p["observations"])
+    ran = r["observed"]["ran"]
+    assert len(ran) == 3 and all(ran) and set().union(*ran) <= {"reference", "fast", "ar", "verified"}
+    assert "the profile beside the forwards auto ran" in result.output
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -348,7 +348,8 @@ def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
         prefill_tok_s=1e4,
         verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
     )
-    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
+    # no confirming steps: the reference's canvases are expected to take as many steps as fast's
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8, stability_threshold=0), 16, profile, expected_steps=2)
     first = planner.choose(64)
     name, predicted = first.predicted
     planner.observe_canvas(first, 2, seconds=10 / predicted, tokens=1)  # a tenth of the predicted rate
@@ -381,3 +382,89 @@ def test_concurrent_auto_answers_are_each_paced_against_their_own_choice():
     planner.observe_ar(block, 4, seconds=4 / (2 * block.predicted[1]), prompt=template + short + [99])
     assert planner.pace[name].value(template + long + [99]) == pytest.approx((1 + 0.5) / 2)  # the prior, then 0.5
     assert planner.pace["ar"].value(template + short + [99]) == pytest.approx((1 + 2) / 2)
+
+
+def test_each_auto_response_says_which_kind_it_ran_in_and_why(pattern):
+    """Every canvas, block or round auto runs carries its choice in the response's plan: the kind it
+    ran in (the response's mode), each plan's predicted tok/s and the costs those rest on."""
+    model, tokenizer = pattern
+    PLANNERS.set(model, None)
+    profile = Profile(
+        "cpu-like",
+        "measured",
+        {2: 0.008, 16: 0.016},
+        ar_token_s=0.004,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 0.008, 16: 0.03},
+    )
+    responses = list(stream_generate(model, tokenizer, PROMPT, 40, policy="auto", profile=profile))
+    kinds = {"diffusion": ("reference", "fast"), "ar": ("ar",), "verified": ("verified",)}
+    for r in responses:
+        name = r.plan.predicted[0]
+        assert name in kinds[r.plan.mode]
+        names, rates = [n for n, _, _ in r.plan.predictions], [t for _, t, _ in r.plan.predictions]
+        assert sorted(names) == ["ar", "fast", "reference", "verified"] and rates == sorted(rates, reverse=True)
+        line = r.plan.choice()
+        assert line.startswith(f"auto ran {name}") and "tok/s predicted" in line
+        assert ("ms per step" if r.plan.mode == "diffusion" else "ms per") in line
+
+
+def test_the_live_profile_learns_only_from_forwards_a_row_had_alone(pattern):
+    """A batched row's canvas, block or round shares its forwards with the other rows: its time is not
+    the device's for one row, so the live profile observes nothing while two rows are in the engine,
+    and what the one left runs alone once the other is done."""
+    from mlx_dgemma.engine.batch import BatchGenerator
+    from mlx_dgemma.engine.policy import AutoPlanner, LiveProfile
+    from mlx_dgemma.engine.request import generation_device, prepare
+    from mlx_dgemma.options import GenerationArgs
+
+    model, tokenizer = pattern
+    profile = Profile(
+        "cpu-like", "measured", {2: 0.008, 16: 0.016}, 0.004, 1e4, verify_s_by_length={2: 0.008, 16: 0.03}
+    )
+    live = LiveProfile(profile)
+    PLANNERS.set(model, AutoPlanner(model.generation_config, 16, profile, live=live))
+    generator = BatchGenerator(model, tokenizer)
+    try:
+        for tokens in (8, 48):  # the first ends well before the second
+            args = GenerationArgs.of(max_tokens=tokens, seed=0, policy="auto", profile=profile)
+            generator.insert(prepare(model, tokenizer, PROMPT, args))
+        with generation_device(model):
+            while len(generator):
+                together = len(generator) == 2
+                generator.next()
+                if together:
+                    assert not live.counts
+    finally:
+        PLANNERS.set(model, None)
+    assert live.counts  # the second row's last canvases, blocks or rounds: alone
+
+
+def test_verbose_says_which_kind_each_round_ran_in_and_why(monkeypatch):
+    """--verbose under auto prints, after the statistics, one line per canvas, block or round: the kind
+    it ran in and the predictions it was chosen by (the costs behind them)."""
+    from click.testing import CliRunner
+
+    from mlx_dgemma.engine import request
+    from mlx_dgemma.generate import main
+
+    cheap_drafts = Profile(  # short drafts nearly free, a canvas dear: verified drafting every round
+        "cpu-like",
+        "measured",
+        {2: 1e-4, 8: 1e-4, 16: 0.1, 32: 0.1},
+        ar_token_s=0.01,
+        prefill_tok_s=1e4,
+        verify_s_by_length={2: 1e-4, 8: 1e-4, 16: 0.1, 32: 0.1},
+    )
+    monkeypatch.setattr(request, "cached_profile", lambda model: cheap_drafts)
+    monkeypatch.setattr(request, "live_profile_store", lambda model: None)
+    model_args = ["--model", str(DEMO_MODEL), "--prompt", "reverse: 1 2 3 4 5 6 7 8 9 10 11 12", "--seed", "0"]
+    result = CliRunner().invoke(main, [*model_args, "--policy", "auto", "--verbose", "--max-tokens", "64"])
+    assert result.exit_code == 0, result.output
+    assert "plan (auto): verified" in result.output
+    rounds = int(result.output.split(" rounds, ")[0].rsplit(" ", 1)[1])  # "Generation: N tokens in R rounds"
+    lines = result.output.split("round by round:\n")[1].splitlines()
+    assert len(lines) == rounds > 1, result.output
+    for i, line in enumerate(lines, 1):
+        assert line.startswith(f"  {i}. auto ran verified: ") and "tok/s predicted (drafts of" in line
+        assert "ms per round" in line and all(f"{name} " in line for name in ("fast", "reference", "ar"))

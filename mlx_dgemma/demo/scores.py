@@ -29,9 +29,20 @@ class TaskScore:
         return self.correct / max(self.total, 1)
 
 
+MIXED = "mixed"  # a set of the four tasks in turn: auto may run each in its own kind
+
+
 def instances(task: str, n: int, seed: int) -> list[tuple[str, str]]:
     rng = random.Random(f"{task}-{seed}")
     return [make_instance(task, rng, split="eval") for _ in range(n)]
+
+
+def tasked_instances(task: str, n: int, seed: int) -> list[tuple[str, str]]:
+    """(task, prompt) of ``n`` fresh instances of ``task``; of ``MIXED``, the four tasks in turn."""
+    if task != MIXED:
+        return [(task, prompt) for prompt, _ in instances(task, n, seed)]
+    rng = random.Random(f"{MIXED}-{seed}")
+    return [(TASKS[i % len(TASKS)], make_instance(TASKS[i % len(TASKS)], rng, split="eval")[0]) for i in range(n)]
 
 
 def evaluate(
@@ -59,18 +70,27 @@ def evaluate_policies(
     tasks=TASKS,
     generate_kwargs: dict[str, dict] | None = None,
     history: int = 0,
+    warmup: int = 0,
 ) -> dict[str, dict[str, TaskScore]]:
     """Scores per policy and task. The policies take turns on each instance, in an order that rotates
     from one instance to the next, so that they share whatever else the machine is doing (on a shared
-    host the speed of one run moves by a quarter; side by side, the ratios hold)."""
+    host the speed of one run moves by a quarter; side by side, the ratios hold). Each policy first
+    answers ``warmup`` mixed instances (of another seed) unscored: the kernels for its shapes are
+    built, and auto has seen answers."""
     from ..api import stream_generate
 
+    for kind, prompt in tasked_instances(MIXED, warmup, seed + 1):
+        for policy in policies:
+            for _ in stream_generate(
+                model, tokenizer, prompt, seed=seed, policy=policy, **(generate_kwargs or {}).get(policy, {})
+            ):
+                pass
     scores = {policy: {} for policy in policies}
     for task in tasks:
         for policy in policies:
             scores[policy][task] = TaskScore()
         rng = random.Random(f"history-{task}-{seed}")
-        for i, (prompt, _) in enumerate(instances(task, n, seed)):
+        for i, (kind, prompt) in enumerate(tasked_instances(task, n, seed)):
             asked = with_history(tokenizer, prompt, history, rng) if history else prompt
             for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
                 score = scores[policy][task]
@@ -87,7 +107,7 @@ def evaluate_policies(
                 )
                 score.seconds += time.perf_counter() - start
                 text = "".join(r.text for r in responses)
-                score.correct += check(task, prompt, text)
+                score.correct += check(kind, prompt, text)
                 score.total += 1
                 score.steps += [r.steps for r in responses]
                 score.tokens += responses[-1].generation_tokens
@@ -196,16 +216,25 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
 
 
 def format_side_by_side(scores: dict[str, dict[str, TaskScore]]) -> str:
-    """tok/s of every policy per task (measured turn about on the same instances), and each against
-    the fastest on that task."""
+    """tok/s of every policy per task (measured turn about on the same instances), each against the
+    fastest on that task, and accuracy; with auto and a fixed policy, auto against the best fixed one
+    (by tok/s) and that one's accuracy."""
     policies = list(scores)
     tasks = list(scores[policies[0]])
+    fixed = [p for p in policies if p != "auto"]
+    against = "auto" in policies and fixed
     lines = [
-        "tok/s side by side (x: against the fastest on the task)",
-        f"  {'task':<8} " + " ".join(f"{p:>16}" for p in policies),
+        "tok/s side by side (x: against the fastest on the task) and accuracy",
+        f"  {'task':<8} " + " ".join(f"{p:>22}" for p in policies) + ("   auto/best fixed" if against else ""),
     ]
     for task in tasks:
         rates = {p: scores[p][task].tokens / scores[p][task].seconds for p in policies}
         best = max(rates.values())
-        lines.append(f"  {task:<8} " + " ".join(f"{rates[p]:9.1f} {rates[p] / best:5.2f}x" for p in policies))
+        line = f"  {task:<8} " + " ".join(
+            f"{rates[p]:9.1f} {rates[p] / best:5.2f}x {scores[p][task].accuracy:5.0%}" for p in policies
+        )
+        if against:
+            top = max(fixed, key=rates.get)
+            line += f"   {rates['auto'] / rates[top]:5.2f}x ({top}, {scores[top][task].accuracy:.0%} right)"
+        lines.append(line)
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +91,12 @@ class BatchGenerator:
         self._pending: list[tuple[Row, object, Callable[[object], None] | None]] = []  # row, prefix cache, on_prefilled
         self._kinds = {"diffusion": DiffusionRows(self), "ar": AutoregressiveRows(self), "verified": VerifiedRows(self)}
         self._out: list[StepResponse] = []
+        self._crowded_until = -math.inf  # the end of the last step that ran more than one row
+
+    def alone(self, row: Row) -> bool:
+        """Whether ``row`` has been the only row since its current canvas, block or round began: its
+        forwards were its own, so their time is the device's (auto's live profile learns from it)."""
+        return self._crowded_until < row.started
 
     def __len__(self) -> int:
         return len(self._pending) + sum(len(kind) for kind in self._kinds.values())
@@ -125,8 +132,13 @@ class BatchGenerator:
         row, a token of every autoregressive row and a round of every verified row; what each row
         committed."""
         self.admit()
+        crowded = len(self) > 1
+        if crowded:
+            self._crowded_until = math.inf
         for kind in self._kinds.values():
             kind.step()
+        if crowded:
+            self._crowded_until = time.perf_counter()
         out, self._out = self._out, []
         return out
 

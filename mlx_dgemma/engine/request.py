@@ -19,7 +19,7 @@ from ..structured.template import CanvasTemplate, canvas_clamps
 from ..tokenizer import TextStream, Tokenizer
 from .drafting import DraftSettings
 from .filters import filtering
-from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, make_plan
+from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, live_profile_store, make_plan
 from .resolve import ResolvedRequest, resolve
 from .sampler import MxRandom, Random
 
@@ -180,13 +180,15 @@ def _policy_plan(
     policy, profile = args.policy, args.profile
     if isinstance(layout, Grammar) and policy != "ar":
         policy = "verified"
+    store = None  # a profile of the caller's is fixed; the cached one is refreshed from the forwards run
     if profile is None and (policy == "auto" or policy == "verified" and None in (args.draft_length, args.draft_steps)):
         profile = cached_profile(model)
+        store = live_profile_store(model)
     if policy == "auto" and layout is None:
         planner = (
             AutoPlanner(defaults, model.config.canvas_length, profile, args.expected_steps)
             if args.expected_steps
-            else auto_planner(model, defaults, profile)
+            else auto_planner(model, defaults, profile, store)
         )
         return planner, None, planner.choose(max_tokens, overrides, prompt=ids)  # from answers to prompts like it
     acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from ...model.config import GenerationConfig
 from .acceptance import Acceptance, best_draft
+from .observed import LiveProfile
 from .plan import DraftRequest, Plan, fixed_plan, verified_plan
 from .profile import Profile
 
@@ -24,6 +25,10 @@ PROMPT_KEY = 256
 # auto runs a plan again after this many choices without it, if predicted within this share of the best
 EXPLORE_EVERY = 16
 EXPLORE_WITHIN = 0.8
+# With a live profile, a kind of forward (step, verify, ar) that has never been observed is run once if
+# its plan is predicted within this share of the best: a cached time 10x wrong is found out at once.
+PROBE_WITHIN = 0.1
+KIND = {"reference": "step", "fast": "step", "verified": "verify", "ar": "ar"}
 
 
 class AutoPlanner:
@@ -47,18 +52,46 @@ class AutoPlanner:
     the mean of the ~8 observations made on the prompts that begin most like this one
     (``PromptLikeMeans``: a task's instructions, a conversation's earlier turns), so one task's do not
     stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but predicted within
-    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task."""
+    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task.
 
-    def __init__(self, gen: GenerationConfig, canvas: int, profile: Profile, expected_steps: float | None = None):
-        self.gen, self.canvas, self.profile = gen, canvas, profile
+    With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
+    predictions come from, each pace is taken against the prediction that profile now makes, and a
+    kind of forward never observed is run once (a probe) if predicted within ``PROBE_WITHIN`` of the
+    best; without, ``profile`` is fixed and the choices are deterministic in it and the pace."""
+
+    def __init__(
+        self,
+        gen: GenerationConfig,
+        canvas: int,
+        profile: Profile,
+        expected_steps: float | None = None,
+        live: LiveProfile | None = None,
+    ):
+        self.gen, self.canvas, self.profile, self.live = gen, canvas, profile, live
         prior = expected_steps or max(gen.stability_threshold + 1, gen.max_denoising_steps / 4)
-        self.steps = {"reference": PromptLikeMeans(prior), "fast": PromptLikeMeans(prior)}
+        # steps per canvas: what was observed, as soon as it is (the prior only stands in until then)
+        self.steps = {"reference": PromptLikeMeans(prior, 0.0), "fast": PromptLikeMeans(prior, 0.0)}
         self.lengths = PromptLikeMeans(float(canvas), window=ANSWERS_KEPT)  # answer lengths
         self.acceptance = Acceptance()
         self.round_yield = PromptLikeMeans(1.0)  # observed / modelled tokens per round
         # tok/s a plan gave / tok/s predicted when it was chosen
         self.pace = {name: PromptLikeMeans(1.0) for name in ("reference", "fast", "ar", "verified")}
         self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
+        self._probing: str | bool = False  # the kind a probe is out for (one at a time)
+
+    @property
+    def current(self) -> Profile:
+        """The profile predictions are made from: the live one, where the planner keeps one."""
+        return self.live.profile if self.live is not None else self.profile
+
+    def steps_per_canvas(self, name: str, prompt: list[int] | tuple[int, ...] = ()) -> float:
+        """Steps a canvas of ``name`` (reference or fast) is expected to take: its own observations,
+        else the other's (fast skips the reference's confirming steps), else the prior."""
+        own, other = self.steps[name], self.steps["fast" if name == "reference" else "reference"]
+        if own.observed(prompt) or not other.observed(prompt):
+            return own.value(prompt)
+        confirm = self.gen.stability_threshold
+        return other.value(prompt) + confirm if name == "reference" else max(1.0, other.value(prompt) - confirm)
 
     def answers(self, prompt: list[int] | tuple[int, ...] = ()) -> list[int]:
         """Lengths of the ``ANSWERS_KEPT`` answers to the prompts that begin most like ``prompt``."""
@@ -72,24 +105,26 @@ class AutoPlanner:
     def predictions(
         self, remaining: int, produced: int = 0, prompt: list[int] | tuple[int, ...] = ()
     ) -> dict[str, tuple[float, str]]:
-        p, C = self.profile.at_prefix(len(prompt) + produced), self.canvas  # the context at hand
+        p, C = self.current.at_prefix(len(prompt) + produced), self.canvas  # the context at hand
         expected = self.expected_tokens(produced, prompt)
         tokens = min(expected, remaining, C)
         length, steps, verified = best_draft(p, self.acceptance, C)
         out = {}
         for name in ("reference", "fast"):
-            positions = C if name == "reference" else max(1, round(FAST_POSITION_SHARE * C))
-            n = self.steps[name].value(prompt)
+            positions = _positions(name, C)
+            n = self.steps_per_canvas(name, prompt)
             out[name] = (
                 tokens / (n * p.step_s(positions)),
-                f"{n:.1f} steps per canvas of {positions} computed positions, {tokens:.1f} tokens per canvas",
+                f"{n:.1f} steps per canvas x {p.step_s(positions) * 1e3:.2f} ms per step of {positions} computed "
+                f"positions, {tokens:.1f} tokens per canvas",
             )
         out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
         modelled = self.acceptance.tokens_per_round(steps, length)
         per_round = min(modelled * self.round_yield.value(prompt), max(1.0, expected), remaining)
         out["verified"] = (
             verified * per_round / modelled,
-            f"drafts of {length} in {steps} step(s), {per_round:.1f} tokens per round ({self.acceptance.describe()})",
+            f"drafts of {length} in {steps} step(s), {(steps * p.step_s(length) + p.verify_s(length)) * 1e3:.2f} ms "
+            f"per round, {per_round:.1f} tokens per round ({self.acceptance.describe()})",
         )
         paces = {name: self.pace[name].value(prompt) for name in out}
         return {
@@ -117,30 +152,66 @@ class AutoPlanner:
             if self.idle[name] >= EXPLORE_EVERY and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]
         ]
         retry = max(stale, key=lambda name: predicted[name][0]) if stale else None
+        # A kind of forward the live profile has not yet seen is run once, so that a cached time far
+        # off (too slow, so never chosen) is measured rather than believed.
+        unseen = self.live.observed_kinds() if self.live is not None else None
+        probes = [
+            name
+            for name in predicted
+            if unseen is not None
+            and KIND[name] not in unseen | {KIND[best]}  # (the best's own kind is observed as it runs)
+            and predicted[name][0] >= PROBE_WITHIN * predicted[best][0]
+        ]
+        probe = max(probes, key=lambda name: predicted[name][0]) if probes and not self._probing else None
         for name in self.idle:
             self.idle[name] += 1
-        best = retry or best
+        best = probe or retry or best
         self.idle[best] = 0
-        plan = fixed_plan(best, self.gen, self.canvas, self.profile)
+        if probe:
+            self._probing = KIND[probe]
+        profile = self.current
+        plan = fixed_plan(best, self.gen, self.canvas, profile)
         if best == "verified":
-            plan = verified_plan(plan, self.canvas, self.profile, DraftRequest(acceptance=self.acceptance))
-        reasons = [f"{self.profile.device} ({self.profile.source}), predicted tok/s:"]
+            plan = verified_plan(plan, self.canvas, profile, DraftRequest(acceptance=self.acceptance))
+        reasons = [f"{profile.device} ({profile.source}), predicted tok/s:"]
         reasons += [
             f"{name}: {tok_s:.1f} ({why})"
             for name, (tok_s, why) in sorted(predicted.items(), key=lambda item: -item[1][0])
         ]
-        reasons.append(
-            f"→ {best}"
-            + (
+        if probe:
+            why = f" (its {KIND[probe]} time not yet observed on this device: run once to measure it)"
+        elif retry:
+            why = (
                 f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
                 f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)"
-                if retry
-                else ""
             )
-            + "; re-chosen at every canvas or round as the estimates move"
-        )
+        else:
+            why = ""
+        reasons.append(f"→ {best}{why}; re-chosen at every canvas or round as the estimates move")
         chosen = (best, predicted[best][0] / self.pace[best].value(prompt))  # before its pace
-        return replace(plan, policy="auto", reasons=reasons, predicted=chosen).overridden(overrides or {})
+        context = len(prompt) + produced
+        return replace(
+            plan,
+            policy="auto",
+            reasons=reasons,
+            predicted=chosen,
+            context=context,
+            unit_s=self._unit_s(best, plan, context),
+            predictions=tuple(
+                (name, tok_s, w) for name, (tok_s, w) in sorted(predicted.items(), key=lambda i: -i[1][0])
+            ),
+            why=why.split(":")[0] + ")" if why else "",
+        ).overridden(overrides or {})
+
+    def _unit_s(self, name: str, plan: Plan, context: int) -> float:
+        """The forward time a prediction of ``name`` rests on, from the current profile: a step, an AR
+        token or a verified round."""
+        p = self.current.at_prefix(context)
+        if name == "ar":
+            return p.ar_token_s
+        if name == "verified":
+            return plan.draft_steps * p.step_s(plan.draft_length) + p.verify_s(plan.draft_length)
+        return p.step_s(_positions(name, self.canvas))
 
     def observe_canvas(
         self,
@@ -149,20 +220,37 @@ class AutoPlanner:
         seconds: float | None = None,
         tokens: int | None = None,
         prompt: list[int] | tuple[int, ...] = (),
+        alone: bool = True,
     ) -> None:
-        """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``."""
+        """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``
+        (``alone``: its forwards were its own, so the live profile learns from their time)."""
         policy = "fast" if plan.settings.freeze_after else "reference"
         self.steps[policy].add(steps, prompt)
+        # a fast canvas's steps compute about FAST_POSITION_SHARE of its positions (its commit all of them)
+        if self.live is not None and alone and seconds and steps and plan.predicted:
+            self.live.observe_canvas(_positions(policy, self.canvas), steps, plan.context, seconds, self.canvas)
         self._pace(plan, policy, tokens, seconds, prompt)
 
     def observe_ar(
-        self, plan: Plan, tokens: int, seconds: float | None = None, prompt: list[int] | tuple[int, ...] = ()
+        self,
+        plan: Plan,
+        tokens: int,
+        seconds: float | None = None,
+        prompt: list[int] | tuple[int, ...] = (),
+        alone: bool = True,
     ) -> None:
         """An autoregressive block under ``plan`` gave ``tokens`` in ``seconds``."""
+        if self.live is not None and alone and seconds and tokens and plan.predicted:
+            self.live.observe_ar(tokens, plan.context, seconds)
         self._pace(plan, "ar", tokens, seconds, prompt)
 
     def observe_round(
-        self, plan: Plan, done, seconds: float | None = None, prompt: list[int] | tuple[int, ...] = ()
+        self,
+        plan: Plan,
+        done,
+        seconds: float | None = None,
+        prompt: list[int] | tuple[int, ...] = (),
+        alone: bool = True,
     ) -> None:
         """A verified round under ``plan`` (``done``: a ``drafting.Round``); one that ended the answer
         (no next token) says how long the answer was, not how well drafts are accepted."""
@@ -170,6 +258,8 @@ class AutoPlanner:
         self.acceptance.observe(plan.draft_steps, done.length, done.kept, done.rejected)
         if done.known is not None:
             self.round_yield.add(len(done.tokens) / modelled, prompt)
+        if self.live is not None and alone and seconds and plan.predicted:
+            self.live.observe_round(done.length, plan.draft_steps, plan.context, seconds)
         self._pace(plan, "verified", len(done.tokens), seconds, prompt)
 
     def observe_answer(self, tokens: int, prompt: list[int] | tuple[int, ...] = ()) -> None:
@@ -177,20 +267,28 @@ class AutoPlanner:
         self.lengths.add(tokens, prompt)
 
     def _pace(self, plan: Plan, name: str, tokens: int | None, seconds: float | None, prompt) -> None:
+        """The pace against the prediction as the current profile would make it: with a live profile
+        the forward times it has absorbed are not counted twice, and the pace keeps what it does not
+        model (tokens per canvas or round, fast's share of positions, the commit encodes)."""
+        if self._probing == KIND[name]:
+            self._probing = False
         if tokens is None or not seconds or plan.predicted is None or plan.predicted[0] != name:
             return
-        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / plan.predicted[1])), prompt)
+        predicted = plan.predicted[1]
+        if self.live is not None and plan.unit_s:
+            predicted *= plan.unit_s / self._unit_s(name, plan, plan.context)
+        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / predicted)), prompt)
 
 
 class PromptLikeMeans:
     """One quantity observed along with the prompt each observation came from, estimated from the
     ``window`` observations on the prompts that share the longest beginnings with the one at hand (the
     same instructions, a conversation's earlier turns; the latest when none shares more than the
-    template), after a prior worth one observation until there are ``window``. A new kind of prompt
+    template), after a prior worth ``prior_weight`` observations until there are ``window``. A new kind of prompt
     starts from what the others gave and takes over the estimate as its own observations come in."""
 
-    def __init__(self, prior: float, window: int = 8):
-        self.prior, self.window = prior, window
+    def __init__(self, prior: float, prior_weight: float = 1.0, window: int = 8):
+        self.prior, self.prior_weight, self.window = prior, prior_weight, window
         self.records: deque[tuple[tuple[int, ...], float]] = deque(maxlen=OBSERVATIONS_KEPT)
         self._observed: dict[tuple[int, ...], list[float]] = {}  # per prompt key, until the next observation
 
@@ -210,9 +308,8 @@ class PromptLikeMeans:
 
     def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
         seen = self.observed(prompt)
-        if len(seen) >= self.window:
-            return sum(seen) / len(seen)
-        return (self.prior + sum(seen)) / (1 + len(seen))
+        weight = self.prior_weight if len(seen) < self.window else 0.0
+        return (self.prior * weight + sum(seen)) / (weight + len(seen)) if weight or seen else self.prior
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -222,6 +319,11 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
             break
         n += 1
     return n
+
+
+def _positions(name: str, canvas: int) -> int:
+    """Positions a step of ``name`` (reference or fast) computes on a canvas of ``canvas``."""
+    return canvas if name == "reference" else max(1, round(FAST_POSITION_SHARE * canvas))
 
 
 class Planners:
@@ -248,12 +350,17 @@ class Planners:
 PLANNERS = Planners()
 
 
-def auto_planner(model, gen: GenerationConfig, profile: Profile) -> AutoPlanner:
-    """This model's planner for ``profile`` (``PLANNERS``)."""
+def auto_planner(model, gen: GenerationConfig, profile: Profile, store=None) -> AutoPlanner:
+    """This model's planner for ``profile`` (``PLANNERS``). With ``store`` (a function that caches a
+    profile) its profile is live: refreshed from the forwards it runs, and stored where they disagree
+    with it (``LiveProfile``); without, ``profile`` is fixed and planning deterministic in it."""
     planner = PLANNERS.get(model)
-    if planner is None or planner.profile != profile:
-        planner = AutoPlanner(gen, model.config.canvas_length, profile)
+    if planner is None or profile not in (planner.profile, planner.live and planner.live.base):
+        live = LiveProfile(profile, store) if store is not None else None
+        planner = AutoPlanner(gen, model.config.canvas_length, profile, live=live)
         PLANNERS.set(model, planner)
+    elif store is not None and planner.live is None:  # made for verified drafting's acceptance first
+        planner.live = LiveProfile(profile, store)
     return planner
 
 

@@ -28,6 +28,12 @@ class Plan:
     draft_length: int = 0  # verified drafting (drafting.py): canvas positions per draft, the known token included
     draft_steps: int = 0  # verified drafting: denoising steps per draft
     predicted: tuple[str, float] | None = None  # auto's choice and its tok/s predicted (before its pace)
+    context: int = 0  # auto: the prompt and answer tokens before the canvas, block or round it was chosen for
+    unit_s: float = 0.0  # auto: the forward time the prediction rests on (a step, an AR token, a round)
+    # auto: every plan's predicted tok/s and what it rests on (the costs), best first, and why the
+    # chosen one ran (the best, or a probe or a retry)
+    predictions: tuple[tuple[str, float, str], ...] = ()
+    why: str = ""
 
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"
@@ -40,6 +46,15 @@ class Plan:
         if self.mode == "verified":
             head += f", drafts of {self.draft_length} tokens in {self.draft_steps} step(s), verified by the encoder"
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
+
+    def choice(self) -> str:
+        """One line: the kind auto ran this canvas, block or round in, and why (the predictions)."""
+        if self.predicted is None:
+            return f"{self.policy}: {self.mode}"
+        name = self.predicted[0]
+        tok_s, costs = next((t, w) for n, t, w in self.predictions if n == name)
+        others = ", ".join(f"{n} {t:.1f}" for n, t, _ in self.predictions if n != name)
+        return f"auto ran {name}{self.why}: {tok_s:.1f} tok/s predicted ({costs}); {others}"
 
     def overridden(self, overrides: dict) -> Plan:
         """The plan with the caller's sampler settings (``SamplerSettings`` field -> value, every one

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -20,8 +21,8 @@ from ..sampler import SamplerSettings
 CANVAS_LENGTHS = (16, 32, 64, 128, 256)
 DRAFT_LENGTHS = (2, 4, 8, 16, 32, 64, 128, 256)  # verified drafting's candidates (up to the canvas length)
 DRAFT_STEPS = (1, 2)
-# Bumped whenever the engine's speed changes enough to make cached device profiles stale.
-PROFILE_VERSION = 4
+# Bumped whenever the engine's speed, or how a profile is measured, changes enough to make cached profiles stale.
+PROFILE_VERSION = 5
 # Prefix keys between the two prefixes a profile's growth with the prefix is measured at (both past the
 # sliding window, so that only the full-attention layers grow).
 SLOPE_KEYS = 2048
@@ -45,6 +46,22 @@ class Profile:
     prefix: int = 0
     step_s_per_key: float = 0.0
     ar_s_per_key: float = 0.0
+    # The kinds of forward ("step", "verify", "ar") whose times the engine's own runs have confirmed
+    # or corrected (observed.py); a measured profile starts with none.
+    observed: list[str] = field(default_factory=list)
+
+    def fitted(self) -> Profile:
+        """The profile in a shape the hardware can have: a step or a verifying pass over more positions
+        costs no less than one over fewer (an isotonic fit of the times by length; a point measured
+        while the machine was busy is pooled with its neighbours), and a prefix key adds no negative
+        time."""
+        return replace(
+            self,
+            step_s_by_canvas=isotonic(self.step_s_by_canvas),
+            verify_s_by_length=isotonic(self.verify_s_by_length),
+            step_s_per_key=max(0.0, self.step_s_per_key),
+            ar_s_per_key=max(0.0, self.ar_s_per_key),
+        )
 
     def at_prefix(self, prefix: int) -> Profile:
         """The profile after ``prefix`` tokens of context (no faster than at its own prefix)."""
@@ -109,6 +126,20 @@ class Profile:
         return profile
 
 
+def isotonic(points_by_length: dict[int, float]) -> dict[int, float]:
+    """The non-decreasing times closest (least squares) to ``points_by_length``: pool adjacent
+    violators, each pool at the mean of its points."""
+    pools: list[list] = []  # [sum, count, lengths]
+    for length, seconds in sorted(points_by_length.items()):
+        pools.append([seconds, 1, [length]])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            total, count, lengths = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+            pools[-1][2] += lengths
+    return {n: total / count for total, count, lengths in pools for n in lengths}
+
+
 def _interpolate(points_by_length: dict[int, float], length: int) -> float:
     """Linear between measured lengths; below the shortest, its value; beyond the longest, proportional."""
     points = sorted(points_by_length.items())
@@ -157,14 +188,16 @@ def measure(
     model,
     prefix: int = 64,
     canvases=CANVAS_LENGTHS,
-    repeats: int = 2,
+    repeats: int = 3,
     ar_tokens: int = 8,
     steps: int = 3,
     draft_lengths=DRAFT_LENGTHS,
 ) -> Profile:
     """Time real sampler steps (forward, self-conditioning, sampling) per canvas length (and per draft
     length up to the model's canvas), verifying encoder passes per draft length, AR tokens and
-    prefill on this device; each figure is the best of ``repeats`` after a warm-up."""
+    prefill on this device; each figure is the median of ``repeats`` after a warm-up (a run slowed by
+    another process moves it less than the mean, and a lucky one less than the best), and the times
+    are fitted to a shape the hardware can have (``Profile.fitted``)."""
     cfg = model.config
     ids = mx.random.randint(3, cfg.vocab_size, (1, prefix), key=mx.random.key(0))
     cache = model.make_cache()
@@ -176,11 +209,11 @@ def measure(
     step_s = {}
     for c in sorted(set(canvases) | set(drafts)):
         time_canvas(model, cache, 1, c)  # warm-up: kernels and buffers for this shape
-        step_s[c] = min(time_canvas(model, cache, steps, c) for _ in range(repeats)) / steps
+        step_s[c] = statistics.median(time_canvas(model, cache, steps, c) for _ in range(repeats)) / steps
     verify_s = {}
     for n in drafts:
         time_verify(model, cache, n)
-        verify_s[n] = min(time_verify(model, cache, n) for _ in range(repeats))
+        verify_s[n] = statistics.median(time_verify(model, cache, n) for _ in range(repeats))
 
     def ar_run():
         ar_cache = model.make_cache()
@@ -194,12 +227,12 @@ def measure(
         return (time.perf_counter() - start) / ar_tokens
 
     ar_run()
-    ar = min(ar_run() for _ in range(repeats))
+    ar = statistics.median(ar_run() for _ in range(repeats))
     dtype = str(model.model.decoder.norm.weight.dtype).replace("mlx.core.", "")
     step_slope, ar_slope = _slopes(model, max(step_s), steps, repeats)
     return Profile(
         device_name(), "measured", step_s, ar, prefix / prefill_s, dtype, verify_s, prefix, step_slope, ar_slope
-    )
+    ).fitted()
 
 
 def _slopes(model, canvas: int, steps: int, repeats: int) -> tuple[float, float]:
@@ -216,9 +249,9 @@ def _slopes(model, canvas: int, steps: int, repeats: int) -> tuple[float, float]
         model.encode(part, cache)
         mx.eval(cache.state())
         time_canvas(model, cache, 1, canvas)
-        step = min(time_canvas(model, cache, steps, canvas) for _ in range(repeats)) / steps
+        step = statistics.median(time_canvas(model, cache, steps, canvas) for _ in range(repeats)) / steps
         time_ar(model, cache)
-        times.append((step, min(time_ar(model, cache) for _ in range(repeats))))
+        times.append((step, statistics.median(time_ar(model, cache) for _ in range(repeats))))
     (step0, ar0), (step1, ar1) = times
     return max(0.0, step1 - step0) / SLOPE_KEYS, max(0.0, ar1 - ar0) / SLOPE_KEYS
 
@@ -281,11 +314,20 @@ def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Pr
     if path is None:
         print("no home folder to cache the device profile in; it will be measured again next time", file=sys.stderr)
         return profile
+    store_profile(path, profile)
+    return profile
+
+
+def store_profile(path: Path | None, profile: Profile) -> None:
+    """Write ``profile`` to ``path`` whole or not at all (a killed run leaves no truncated cache); a
+    cache that cannot be written is said on stderr, not fatal."""
+    if path is None:
+        return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(profile.to_json(), indent=2))
-        tmp.replace(path)  # whole or not at all: a killed run leaves no truncated cache
+        tmp.replace(path)
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -293,14 +335,25 @@ def cached_profile(model, root: Path | None = None, refresh: bool = False) -> Pr
             f"cannot cache the device profile in {path} ({e.strerror or e}); it will be measured again next time",
             file=sys.stderr,
         )
-    return profile
+
+
+def live_profile_store(model, root: Path | None = None):
+    """The function that replaces this model's cached profile with one the engine observed, or None
+    where a profile must not move under the engine: a model sharded over several ranks plans alike
+    on all of them from rank 0's profile, which each rank's own timings would pull apart."""
+    from ...distributed import sharded_group
+
+    if sharded_group(model) is not None:
+        return None
+    path = profile_cache_path(model, root)
+    return None if path is None else lambda profile: store_profile(path, profile)
 
 
 def _read_cached_profile(path: Path | None) -> Profile | None:
     if path is None or not path.is_file():
         return None
     try:
-        return Profile.from_json(json.loads(path.read_text()))
+        return Profile.from_json(json.loads(path.read_text())).fitted()  # a cache written before the fit, reshaped
     except (OSError, ValueError) as e:
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0] or type(e).__name__
         print(f"ignoring the damaged device profile {path} ({reason}); measuring again", file=sys.stderr)

@@ -145,7 +145,11 @@ class AutoregressiveRows:
         last = stop or row.remaining <= 0
         if row.planner is not None and (last or state.block == 0):
             row.planner.observe_ar(
-                row.plan, state.block_size - state.block, time.perf_counter() - row.started, row.job.ids
+                row.plan,
+                state.block_size - state.block,
+                time.perf_counter() - row.started,
+                row.job.ids,
+                alone=self.engine.alone(row),
             )
         if self.engine.emit(row, [token], 1, stop, last, state.block == 0):
             return "done"

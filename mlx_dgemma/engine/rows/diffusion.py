@@ -196,4 +196,11 @@ class DiffusionRows:
 
     def _observe(self, state: _Canvases, result) -> None:
         row = state.row
-        row.planner.observe_canvas(row.plan, result.steps, time.perf_counter() - row.started, state.gave, row.job.ids)
+        row.planner.observe_canvas(
+            row.plan,
+            result.steps,
+            time.perf_counter() - row.started,
+            state.gave,
+            row.job.ids,
+            alone=self.engine.alone(row),
+        )

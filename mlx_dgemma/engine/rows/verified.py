@@ -78,7 +78,9 @@ class VerifiedRows:
         row, draft, planner = state.row, state.draft, state.row.planner
         finished = done.known is None
         if planner is not None:
-            planner.observe_round(row.plan, done, time.perf_counter() - row.started, row.job.ids)
+            planner.observe_round(
+                row.plan, done, time.perf_counter() - row.started, row.job.ids, alone=self.engine.alone(row)
+            )
         elif row.job.acceptance is not None and done.length > 1:
             row.job.acceptance.observe(row.plan.draft_steps, done.length, done.kept, done.rejected)
         # An auto row drafts afresh each round (no leftover start), as its plan may change between rounds.

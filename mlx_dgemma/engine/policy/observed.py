@@ -1,0 +1,122 @@
+"""The live device profile: the times of the forwards auto runs (its canvases, blocks and rounds:
+free measurements, at the load the machine has now) blended into the measured profile, which they
+replace on disk where they disagree with it."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+
+from .profile import Profile
+
+# Observations kept per point (their median counts); after CONFIRM of them a point that differs from
+# the profile by DISAGREE or more makes the live profile the one on disk. A kind of forward observed
+# within DISAGREE of the profile is marked observed in it.
+KEPT = 5
+CONFIRM = 3
+DISAGREE = 2.0
+
+
+class LiveProfile:
+    """``base`` (the profile read or measured) times the ratio observed at each point: the seconds a
+    forward took over those ``base`` predicts for it at the same prefix, the median of the last
+    ``KEPT`` (one observation alone counts as it is, so one canvas or block suffices to move a badly
+    wrong point). A point not observed takes the ratio of the nearest observed length of its kind
+    ("step" and "verify" passes share theirs: the same layers over several positions; "ar" keeps
+    its own), so a load that slows every forward moves the whole profile. The result is fitted to
+    a shape the hardware can have (``Profile.fitted``). ``store`` writes a profile to the cache."""
+
+    def __init__(self, base: Profile, store: Callable[[Profile], None] | None = None):
+        self.base, self.store, self.profile = base, store, base
+        self.measured = base  # the profile it started from, for reports
+        self.ratios: dict[tuple[str, int], deque[float]] = {}  # (kind, length) -> observed / base
+        self.seen: dict[tuple[str, int], deque[float]] = {}  # the same as seconds at base's prefix, for reports
+        self.counts: dict[tuple[str, int], int] = {}
+
+    def observed_kinds(self) -> set[str]:
+        return set(self.base.observed) | {kind for kind, _ in self.ratios}
+
+    def observe_canvas(self, positions: int, steps: int, prefix: int, seconds: float, canvas: int = 0) -> None:
+        """A canvas took ``steps`` denoising steps of ``positions`` computed positions and its commit
+        encode (a pass like a verifying one over its ``canvas`` positions, all of them by default) in
+        ``seconds``, after ``prefix`` tokens."""
+        p = self.base.at_prefix(prefix)
+        self._add("step", positions, seconds / (steps * p.step_s(positions) + p.verify_s(canvas or positions)))
+
+    def observe_ar(self, tokens: int, prefix: int, seconds: float) -> None:
+        """``tokens`` autoregressive tokens took ``seconds`` after ``prefix`` tokens."""
+        self._add("ar", 1, seconds / tokens / self.base.at_prefix(prefix).ar_token_s)
+
+    def observe_round(self, length: int, steps: int, prefix: int, seconds: float) -> None:
+        """A verified round (``steps`` draft steps of ``length`` positions and the verifying pass)."""
+        p = self.base.at_prefix(prefix)
+        # one ratio for both parts (a round cannot tell them apart): the steps take it where no
+        # canvas of theirs has been observed (the nearest observed forward's), but stay unobserved
+        self._add("verify", length, seconds / (steps * p.step_s(length) + p.verify_s(length)))
+
+    def _add(self, kind: str, length: int, ratio: float) -> None:
+        if not 0 < ratio < math.inf:
+            return
+        key = (kind, length)
+        self.ratios.setdefault(key, deque(maxlen=KEPT)).append(ratio)
+        base_s = {"ar": self.base.ar_token_s, "verify": self.base.verify_s(length)}.get(kind) or self.base.step_s(
+            length
+        )
+        self.seen.setdefault(key, deque(maxlen=KEPT)).append(ratio * base_s)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.store is not None:
+            r = statistics.median(self.ratios[key])
+            if len(self.ratios[key]) >= CONFIRM and not 1 / DISAGREE < r < DISAGREE:
+                self._replace_cache()
+            elif kind not in self.base.observed and 1 / DISAGREE < r < DISAGREE:
+                # confirmed: said in the cache, so that the next process does not run it to check
+                self.base = replace(self.base, observed=sorted({*self.base.observed, kind}))
+                self.store(self.base)
+        self.profile = self._blended()
+
+    def _blended(self) -> Profile:
+        ratio = {key: statistics.median(values) for key, values in self.ratios.items()}
+        forwards = [(n, r) for (kind, n), r in ratio.items() if kind != "ar"]
+
+        def scaled(kind: str, points: dict[int, float]) -> dict[int, float]:
+            out = {}
+            for n, s in points.items():
+                if (kind, n) in ratio:
+                    out[n] = s * ratio[kind, n]
+                elif forwards:
+                    out[n] = s * min(forwards, key=lambda o: (abs(math.log2(o[0] / n)), o[0]))[1]
+                else:
+                    out[n] = s
+            return out
+
+        return replace(
+            self.base,
+            source=f"{self.base.source}, with observed forwards" if ratio else self.base.source,
+            step_s_by_canvas=scaled("step", self.base.step_s_by_canvas),
+            verify_s_by_length=scaled("verify", self.base.verify_s_by_length),
+            ar_token_s=self.base.ar_token_s * ratio.get(("ar", 1), 1.0),
+        ).fitted()
+
+    def _replace_cache(self) -> None:
+        """The cached profile disagrees with what the engine observes (or lacks a kind it observed):
+        the live profile takes its place, here and on disk."""
+        kinds = sorted(self.observed_kinds())
+        self.base = replace(self._blended(), source="observed", observed=kinds)
+        self.ratios.clear()
+        self.store(self.base)
+
+    def report(self) -> list[tuple[str, int, float, float | None, int]]:
+        """(kind, length, seconds in the profile it started from, seconds observed (the median of the
+        last few, at that profile's prefix) or None, observations) per point and per length observed,
+        for ``python -m mlx_dgemma.bench``."""
+        m = self.measured
+        lengths = {("step", n) for n in m.step_s_by_canvas} | {("verify", n) for n in m.verify_s_by_length}
+        rows = []
+        for kind, n in sorted(lengths | set(self.seen) | {("ar", 1)}):
+            start = m.ar_token_s if kind == "ar" else m.step_s(n) if kind == "step" else m.verify_s(n)
+            seen = self.seen.get((kind, n))
+            rows.append((kind, n, start, statistics.median(seen) if seen else None, self.counts.get((kind, n), 0)))
+        return rows
