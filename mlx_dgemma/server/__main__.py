@@ -47,9 +47,10 @@ def _chat_template_args(context, parameter, value: str) -> dict:
 @click.option(
     "--allowed-origins",
     default=",".join(ALLOWED_ORIGINS),
-    show_default=True,
     callback=lambda c, p, v: [origin.strip() for origin in v.split(",") if origin.strip()],
-    help="Comma-separated origins whose browser pages may call the server (CORS); * allows any.",
+    help="Comma-separated origins whose browser pages may call the server (CORS), besides local ones "
+    "(localhost, 127.0.0.1, [::1], 0.0.0.0 at any port); * lets a page of any site read every answer "
+    "[default: local origins alone].",
 )
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @sampling_options
@@ -229,7 +230,8 @@ def main(
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     request_log.log.addHandler(handler)
     request_log.log.setLevel(log_level.upper())
-    Uvicorn(uvicorn.Config(create_app(server, allowed_origins), host=host, port=port, log_level=log_level)).run()
+    app = create_app(server, allowed_origins, bind_host=host)
+    Uvicorn(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
     # MLX 0.32 can abort at interpreter exit once a thread that ran attention on the CPU has ended:
     # everything is answered and closed by now, so the process ends here.
     os._exit(0)
