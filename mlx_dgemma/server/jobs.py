@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from .. import validate
 from ..engine.resolve import answer_room, check_prompt_fits, generation_config, resolve
-from ..engine.scoring import MAX_TOP_LOGPROBS
 from ..errors import PromptError
 from ..model.images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..model.vision import has_vision
@@ -27,6 +26,7 @@ from ..validate import shown
 from . import reasoning
 from .api import MAX_STOP_STRINGS, BadRequest, Reply
 from .body import strings, typed
+from .logprobs import logprobs
 from .scheduler import Job, failure
 from .settings import request_options
 
@@ -537,36 +537,6 @@ def prompts(body: dict) -> list:
             param="prompt",
         )
     return prompt
-
-
-def logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
-    """The most likely tokens a request's log-probabilities give per position (None: no log-probabilities),
-    and whether a completion echoes its prompt: chat's ``logprobs`` (true or false) and ``top_logprobs``,
-    completions' ``logprobs`` (the number) and ``echo``."""
-    if chat:
-        if typed(body, "echo", bool, False):
-            raise BadRequest("echo is for completions; leave it out or send false", param="echo")
-        on, top = typed(body, "logprobs", bool, False), typed(body, "top_logprobs", int, None)
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
-        if top and not on:
-            raise BadRequest("top_logprobs needs logprobs true", param="top_logprobs")
-        return (top or 0) if on else None, False
-    if body.get("top_logprobs") not in (None, 0):
-        raise BadRequest(
-            "top_logprobs is for chat completions; on completions, logprobs is the number of most likely tokens",
-            param="top_logprobs",
-        )
-    top = body.get("logprobs")
-    if top is False:
-        top = None
-    if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_TOP_LOGPROBS):
-        raise BadRequest(
-            f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens given "
-            f"per position), got {shown(top)}",
-            param="logprobs",
-        )
-    return top, typed(body, "echo", bool, False)
 
 
 def check_supported(body: dict, chat: bool) -> None:
