@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass
 
 from .. import validate
+from ..chat_template import RenderLimit
 from ..engine.resolve import answer_room, check_prompt_fits, generation_config, resolve
 from ..errors import PromptError
 from ..model.images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
@@ -110,6 +111,8 @@ class Reader:
         self.max_text_chars = self.context * max(
             [len(tokenizer.piece(i)) for i in range(model.config.vocab_size)] if tokenizer.has_vocabulary else [1]
         )
+        # The chat template's render: its seconds, and no string in it longer than a prompt may be.
+        self.render_limit = RenderLimit(chars=self.max_text_chars)
 
     def read(
         self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS, cap_max_tokens: bool = False
@@ -385,7 +388,11 @@ class Reader:
         extra = {"tools": tools} if tools else {}
         try:  # (enable_thinking given either way: a template whose default is on is off unless asked)
             text = self.tokenizer.apply_chat_template(
-                plain, add_generation_prompt=True, **{**self.chat_template_args, "enable_thinking": think}, **extra
+                plain,
+                add_generation_prompt=True,
+                render_limit=self.render_limit,
+                **{**self.chat_template_args, "enable_thinking": think},
+                **extra,
             )
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
