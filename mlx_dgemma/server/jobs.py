@@ -8,6 +8,7 @@ several. The fields the server refuses unless they are off are refused here by n
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import secrets
@@ -22,7 +23,7 @@ from ..model.vision import has_vision
 from ..options import GenerationArgs
 from ..structured.grammar import JSON_OBJECT
 from ..structured.template import CanvasTemplate, TemplateError, infill_template
-from ..structured.tool_calls import CALL_OPEN, call_choice_schema, check_parameters, check_tool
+from ..structured.tool_calls import CALL_OPEN, call_choice_schema, check_parameters, check_tool, in_tool_terms
 from ..validate import shown
 from . import reasoning
 from .api import MAX_STOP_STRINGS, BadRequest, Reply
@@ -232,8 +233,9 @@ class Reader:
             )
         except ValueError as e:
             refused = failure(job, e, bad_input=ValueError)
+            of_tools = forced is not None and refused.param == "tools"  # (a forced call's schema)
             raise BadRequest(
-                str(refused),
+                in_tool_terms(str(refused), forced) if of_tools else str(refused),
                 param=refused.param,
                 code="context_length_exceeded" if getattr(e, "context", False) else None,
             ) from None
@@ -337,6 +339,13 @@ class Reader:
                 check_parameters(function)
             except TemplateError as e:
                 raise BadRequest(str(e), param="tools") from None
+        names = collections.Counter(tool["function"]["name"] for tool in tools)
+        if twice := [name for name, count in names.items() if count > 1]:
+            raise BadRequest(
+                f"tools holds {names[twice[0]]} tools named {shown(twice[0])}; each tool needs a name of its own "
+                "(a call names the tool it is to)",
+                param="tools",
+            )
         choice = body.get("tool_choice", "auto" if tools else "none")
         if choice == "none":
             return [], None
