@@ -2,13 +2,14 @@
 checkpoint's file), and jinja's sandbox keeps it from the host but not from looping for ever or doubling a
 string until memory runs out. Here every render has a deadline and a most characters: the deadline is
 checked at every item a loop takes, every call, attribute, operator and concatenation, and every piece
-of output; the size before a string or list grows (``+``, ``*``, ``~``, and the filters and methods that
-lengthen text) and after every call. Past either, ``RenderLimitError``."""
+of output; the size before a string, list or number grows (``+``, ``*``, ``%``, ``**``, ``~``, and the
+filters and methods that lengthen text) and after every call. Past either, ``RenderLimitError``."""
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -58,28 +59,39 @@ def _grown(name: str, obj, args: tuple, kwargs: dict) -> int:
         return max(len(obj), arg)
     if name == "indent":
         width = kwargs.get("width", arg if arg is not None else 4)
-        return len(obj) * (1 + (width if isinstance(width, int) else len(str(width))))
+        return len(obj) + (obj.count("\n") + 1) * (width if isinstance(width, int) else len(str(width)))
     if name == "expandtabs":
         return len(obj) * max(1, arg if isinstance(arg, int) else 8)
     if name == "join" and isinstance(arg, (list, tuple)):  # str.join
         return sum(map(_sized, arg)) + len(obj) * len(arg)
     if name == "format":
-        return len(obj) + sum(map(_sized, args)) + sum(map(_sized, kwargs.values()))
+        return _formatted(obj, [*args, *kwargs.values()])
     return 0
 
 
+def _formatted(text: str, values) -> int:
+    """At most the length of ``text`` formatted with ``values`` (``%`` or ``str.format``): its own, the
+    values' and every field width it asks for (``%9s``, ``{:>9}``)."""
+    widths = sum(int(width) for width in re.findall(r"[%:][^a-zA-Z%{}]*?(\d+)", text))
+    return len(text) + widths + sum(len(str(value)) for value in values)
+
+
 def _bounded_filter(name: str, function):
-    @functools.wraps(function)  # (keeps jinja's pass_context and pass_environment marks)
-    def bounded(*args, **kwargs):
+    """``function`` (a jinja filter) bounded. The wrapper takes the context, as jinja's own filters that
+    read it do, so that the compiler never runs it on constants ahead of a render (outside its bounds)."""
+    from jinja2 import pass_context
+
+    passes = getattr(getattr(function, "jinja_pass_arg", None), "name", None)  # (context, eval_context...)
+
+    def bounded(context, value, *args, **kwargs):
         _check_time()
-        value = next((a for a in args if not hasattr(a, "environment")), None)  # past a context or environment
-        rest = args[args.index(value) + 1 :] if value is not None else ()
-        _check_size(_grown(name, value, rest, kwargs))
-        result = function(*args, **kwargs)
+        _check_size(_grown(name, value, args, kwargs))
+        first = {"context": context, "eval_context": context.eval_ctx, "environment": context.environment}
+        result = function(*([first[passes]] if passes in first else []), value, *args, **kwargs)
         _check_size(_sized(result))
         return result
 
-    return bounded
+    return pass_context(bounded)
 
 
 def _bounded_iter(iterable):
@@ -114,7 +126,7 @@ def _environment_class():
             return nodes.Call(nodes.EnvironmentAttribute("bounded_concat"), node.nodes, [], None, None)
 
     class BoundedEnvironment(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"+", "*"})
+        intercepted_binops = frozenset({"+", "*", "%", "**"})
         bounded_iter = staticmethod(_bounded_iter)
         bounded_concat = staticmethod(_bounded_concat)
 
@@ -129,11 +141,16 @@ def _environment_class():
                 _check_size(_sized(right) * left)
             elif operator == "+":
                 _check_size(_sized(left) + _sized(right))
+            elif operator == "%" and isinstance(left, str):
+                _check_size(_formatted(left, right if isinstance(right, (tuple, list)) else [right]))
+            elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+                _check_size(right * max(abs(left).bit_length() - 1, 0) // 8)  # (its bytes)
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
             _check_time()
-            _check_size(_grown(getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None), args, kwargs))
+            method = getattr(__obj, "__wrapped__", __obj)  # (the sandbox's own str.format wraps the method)
+            _check_size(_grown(getattr(method, "__name__", ""), getattr(method, "__self__", None), args, kwargs))
             result = super().call(__context, __obj, *args, **kwargs)
             _check_size(_sized(result))
             return result

@@ -26,6 +26,10 @@ HOSTILE = {
     "replace method": "{% set ns = namespace(s='aa') %}{% for i in range(64) %}"
     "{% set ns.s = ns.s.replace('a', ns.s) %}{% endfor %}{{ ns.s }}",
     "center": "{{ 'a'|center(10**12) }}",
+    "a constant's filter": "{{ '%999999999s'|format('a') }}",  # (jinja's compiler would run it while compiling)
+    "%": "{{ '%999999999s' % 'a' }}",
+    "str.format": "{{ '{:>999999999}'.format('a') }}",
+    "power": "{{ 10 ** 100000000 }}",
     "ljust": "{{ 'a'.ljust(10**12) }}",
     "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "nested loops over a string": "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
