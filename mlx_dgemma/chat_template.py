@@ -50,9 +50,14 @@ def _sized(value) -> int:
 
 def _grown(name: str, obj, args: tuple, kwargs: dict) -> int:
     """The size a filter or method that lengthens text would give, known before it runs (0: none of those)."""
-    if not isinstance(obj, str):
-        return sum(map(_sized, obj)) if name == "join" and isinstance(obj, (list, tuple)) else 0
     arg = args[0] if args else None
+    if name == "tojson":
+        indent = kwargs.get("indent", arg)
+        return (len(json.dumps(obj, default=str)) + 1) * (1 + indent) if isinstance(indent, int) and indent > 0 else 0
+    if not isinstance(obj, str):
+        if name == "join" and isinstance(obj, (list, tuple)):  # the join filter
+            return sum(len(str(item)) for item in obj) + len(obj) * len(str(kwargs.get("d", arg or "")))
+        return 0
     if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
         return len(obj) + (obj.count(args[0]) if args[0] else len(obj) + 1) * len(args[1])
     if name in ("center", "ljust", "rjust", "zfill") and isinstance(arg, int):

@@ -30,6 +30,8 @@ HOSTILE = {
     "%": "{{ '%999999999s' % 'a' }}",
     "str.format": "{{ '{:>999999999}'.format('a') }}",
     "power": "{{ 10 ** 100000000 }}",
+    "join": "{{ range(100000)|join('x' * 1000) }}",
+    "tojson": "{{ [[[1]]]|tojson(indent=10**9) }}",
     "ljust": "{{ 'a'.ljust(10**12) }}",
     "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "nested loops over a string": "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
