@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import json
 import re
-from datetime import datetime
 from pathlib import Path
 
+from .chat_template import RenderLimit, render
 from .errors import TokenizerError
 from .model.config import GenerationConfig, ModelConfig
 
@@ -295,9 +295,16 @@ class TextStream:
         return new
 
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **context) -> str:
-    """Render a Hugging Face chat template the way transformers does (sandboxed jinja2, trimmed blocks)."""
-    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+def render_chat_template(
+    template: str,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    render_limit: RenderLimit = RenderLimit(),
+    **context,
+) -> str:
+    """Render a Hugging Face chat template the way transformers does (sandboxed jinja2, trimmed blocks),
+    within ``render_limit``'s seconds and characters (chat_template.py: ``RenderLimitError`` past them)."""
+    return render(template, render_limit, messages=messages, add_generation_prompt=add_generation_prompt, **context)
 
 
 @functools.lru_cache(maxsize=8)
@@ -336,25 +343,6 @@ def chat_template_renders_thinking(template: str) -> bool:
         )
     except Exception:  # a template that cannot take this conversation: no switch seen
         return False
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled(template: str):
-    """A template compiled once (as transformers does): compiling costs ~5 ms, a whole demo answer ~50."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii
-    )
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
 
 
 def _read_json(path: Path) -> dict:

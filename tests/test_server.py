@@ -21,9 +21,11 @@ import uvicorn
 from PIL import Image
 
 from mlx_dgemma import generate, load
+from mlx_dgemma.engine.batch import BatchGenerator
 from mlx_dgemma.engine.policy import PLANNERS
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.server import Limits, Scheduler, Server, create_app
+from mlx_dgemma.server.routes import ALLOWED_ORIGINS
 
 MODEL_ID = "demo"
 SORT = "sort: 42 17 85 23 61"
@@ -69,21 +71,20 @@ def serving(
     model,
     tokenizer,
     model_id: str = MODEL_ID,
-    allowed_origins=("*",),
+    allowed_origins=ALLOWED_ORIGINS,
     log_level: str = "warning",
     statuses: list | None = None,
+    engine=BatchGenerator,
     **server_options,
 ):
     """A real uvicorn server for ``model`` on a free loopback port: its base URL while it runs (``log_level``
     "info" logs every request's status to ``uvicorn.access``). Each answer's (path, status) is appended to
-    ``statuses`` when given."""
+    ``statuses`` when given; ``engine`` makes the worker's engine."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(
-        Server(model, tokenizer, model_id, Scheduler(model, tokenizer, prompt_cache_size=4), Limits(**server_options)),
-        allowed_origins,
-    )
+    scheduler = Scheduler(model, tokenizer, prompt_cache_size=4, engine=engine)
+    app = create_app(Server(model, tokenizer, model_id, scheduler, Limits(**server_options)), allowed_origins)
     if statuses is not None:
         app = recording(app, statuses)
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))

@@ -364,6 +364,48 @@ def test_schemas_that_cannot_be_enforced_are_400s(server, client, body, param, m
     assert_still_serving(client)
 
 
+def function(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+SORT_TOOL = function("sort", {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}}}})
+BAD_REF = function(
+    "lookup",
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/Nope"}}}}},
+)
+LONG_ENUM = function("pick", {"type": "object", "properties": {"x": {"enum": list(range(10_001))}}})
+LOOKUP = {"type": "function", "function": {"name": "lookup"}}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", "auto", "none", {"type": "function", "function": {"name": "sort"}}]
+)
+def test_tools_of_one_name_are_refused(server, client, tool_choice):
+    """A call names the tool it is to: two tools of one name make it ambiguous, whatever tool_choice says."""
+    status, error, _ = post(server, ask(SORT, tools=[SORT_TOOL, BAD_REF, SORT_TOOL], tool_choice=tool_choice))
+    assert status == 400 and error["param"] == "tools", error
+    assert error["message"].startswith("tools holds 2 tools named 'sort'; each tool needs a name of its own"), error
+    assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    "tools, tool_choice, message",
+    [
+        ([SORT_TOOL, BAD_REF], "required", "tool 'lookup': the schema cannot be enforced: Pointer '/$defs/Nope' "),
+        ([SORT_TOOL, BAD_REF], LOOKUP, "tool 'lookup': the schema cannot be enforced: Pointer '/$defs/Nope' "),
+        ([LONG_ENUM, SORT_TOOL], "required", "tool 'pick': enum at $.properties.x has 10001 values, more than the "),
+    ],
+    ids=["bad-ref-required", "bad-ref-named", "long-enum-required"],
+)
+def test_a_tools_schema_error_names_the_tool_and_the_path_inside_it(server, client, tools, tool_choice, message):
+    """A forced call to any of several tools is generated under one schema of all their calls; its error
+    is put in the terms of the tool it is about, never of that union's /anyOf/1/properties/arguments."""
+    status, error, _ = post(server, ask(SORT, tools=tools, tool_choice=tool_choice))
+    assert status == 400 and error["param"] == "tools", error
+    assert error["message"].startswith(message) and "anyOf" not in error["message"], error
+    assert_still_serving(client)
+
+
 @pytest.mark.parametrize(
     "body, schema",
     [

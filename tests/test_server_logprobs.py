@@ -8,8 +8,12 @@ import openai
 import pytest
 
 from mlx_dgemma.engine.scoring import Scorer, sequence_logprobs
+from mlx_dgemma.options import GenerationArgs
+from mlx_dgemma.server.api import BadRequest
+from mlx_dgemma.server.logprobs import MAX_REPLY_LOGPROBS, check_reply_logprobs
+from mlx_dgemma.server.scheduler import Job
 
-from .test_server import MODEL_ID, SORT, raw_post, serving
+from .test_server import MODEL_ID, SORT, health, raw_post, serving
 
 # Scored in pieces (a stream's commits) or whole, the same logits differ by float32 rounding: at most
 # FP32_BOUND of the largest logit (the soft-cap, 30) each, so a log-probability by twice that.
@@ -234,3 +238,36 @@ def test_a_streamed_echo_gives_the_whole_ones_text_and_entries(client, demo):
         max(abs(a - b) for (_, a, _), b in zip(entries[prompt:], whole.logprobs.token_logprobs[prompt:]))
         <= PIECES_BOUND
     )
+
+
+def test_a_reply_of_too_many_logprobs_is_refused_before_any_forward(served, demo):
+    """64 prompts of 1,500 tokens, echoed with 20 most likely tokens each and nothing generated: 2,016,000
+    log-probabilities, refused by name before the worker scores a prompt (its count of finished requests
+    stays). A chat's choices count alike."""
+    _, tokenizer = demo
+    ids = (tokenizer.encode(SORT, add_special_tokens=False) * 200)[:1500]
+    body = {"model": MODEL_ID, "prompt": [ids] * 64, "echo": True, "logprobs": 20, "max_tokens": 0}
+    before = health(served)
+    status, reply = raw_post(served, "/v1/completions", json.dumps(body).encode())
+    assert status == 400 and reply["error"]["param"] == "logprobs", reply
+    message = reply["error"]["message"]
+    assert message.startswith("the reply would hold 2,016,000 log-probabilities (64 choices of up to 1,500 positions")
+    assert f"{MAX_REPLY_LOGPROBS:,}" in message
+    chat = {"messages": [{"role": "user", "content": SORT}], "n": 8, "logprobs": True, "top_logprobs": 20}
+    status, reply = raw_post(served, "/v1/chat/completions", json.dumps({**chat, "max_tokens": 4000}).encode())
+    assert status == 400 and reply["error"]["param"] == "top_logprobs", reply
+    assert "8 choices of up to 4,000 positions each with its own and top_logprobs 20 more" in reply["error"]["message"]
+    after = health(served)
+    assert (after["finished"], after["rounds"]) == (before["finished"], before["rounds"])
+
+
+def test_the_bound_counts_every_position_of_every_choice(demo):
+    """At the bound a request is taken; one log-probability more is refused."""
+    _, tokenizer = demo
+    prompt = [2] + [300] * 4095  # 4,096 positions
+    at_bound = [Job(prompt, GenerationArgs(), logprobs=3, echo=True)] * (MAX_REPLY_LOGPROBS // (4 * 4096))
+    check_reply_logprobs(at_bound)
+    with pytest.raises(BadRequest, match=f"the reply would hold {MAX_REPLY_LOGPROBS + 4:,} log-probabilities"):
+        check_reply_logprobs([*at_bound, Job([2], GenerationArgs(), logprobs=3, echo=True)])
+    check_reply_logprobs([Job(prompt, GenerationArgs(), logprobs=20, echo=False)] * 64)  # nothing scored: no entries
+    check_reply_logprobs([Job(prompt, GenerationArgs(), logprobs=None, echo=True)] * 64)

@@ -330,12 +330,15 @@ def test_the_servers_flags_are_the_defaults_of_requests_that_omit_them(demo, dem
     assert unadapted.choices[0].message.content != plain.choices[0].message.content
 
 
-def test_the_servers_chat_template_flag_renders_every_prompt(demo):
-    """mlx-lm's --chat-template: each prompt is rendered by the given template in place of the
-    checkpoint's, as the tokenizer renders it with that template."""
+@pytest.mark.parametrize("as_file", [False, True], ids=["text", "file"])
+def test_the_servers_chat_template_flag_renders_every_prompt(demo, as_file, tmp_path):
+    """mlx-lm's --chat-template: each prompt is rendered by the given template (the flag's text, or the
+    file it names) in place of the checkpoint's, as the tokenizer renders it with that template."""
     template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[model] "
     asked = dict(model="default_model", messages=user(PROMPT), seed=1, max_tokens=8)
-    with command_line_server("--chat-template", template) as (url, process):
+    (tmp_path / "my_template.jinja").write_text(template)
+    flag = str(tmp_path / "my_template.jinja") if as_file else template
+    with command_line_server("--chat-template", flag) as (url, process):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.chat.completions.create(**asked)
     _, tokenizer = load(DEMO_MODEL)
@@ -348,6 +351,21 @@ def test_the_servers_chat_template_flag_renders_every_prompt(demo):
     "flags, status, message",
     [
         (["--chat-template", "{% for %}"], 1, "Error: --chat-template cannot render a conversation: "),
+        (
+            [
+                "--chat-template",
+                "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                "{% endfor %}{{ ns.s }}",
+            ],
+            1,
+            "Error: --chat-template cannot render a conversation: rendering grew a text of 67,108,864 characters",
+        ),
+        (
+            ["--chat-template", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"],
+            1,
+            "Error: --chat-template cannot render a conversation: rendering ran past 2 s (a loop without end?)",
+        ),
+        (["--chat-template", "my_template.jinja"], 2, "no file my_template.jinja, and as a template it has no {{ }}"),
         (["--temp", "3"], 1, "--temp: temperature must be 0 or a finite number from 0.0001 to 2, got 3"),
         (["--chat-template-args", "[1]"], 2, "must be a JSON object"),
         (["--chat-template-args", '{"tools": []}'], 2, "tools is set by each request"),
@@ -355,6 +373,8 @@ def test_the_servers_chat_template_flag_renders_every_prompt(demo):
     ],
 )
 def test_bad_server_flags_are_refused_by_name(flags, status, message):
+    """Each a one-line error naming the flag, in seconds (the time to load the demo; a template's render
+    is bounded)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "mlx_dgemma", "server", "--port", "1", *flags],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 
 import click
 
@@ -40,6 +41,25 @@ def _chat_template_args(context, parameter, value: str) -> dict:
     return args
 
 
+def _chat_template(context, parameter, value: str | None) -> str | None:
+    """mlx-lm's rule: a path names a file holding the template; any other value is the template itself
+    (one without a Jinja tag or expression is taken for a path that names no file)."""
+    if value is None:
+        return None
+    try:
+        is_file = "\n" not in value and Path(value).expanduser().is_file()
+    except (OSError, ValueError):  # (a name too long for the filesystem, a NUL)
+        is_file = False
+    if is_file:
+        try:
+            return Path(value).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.BadParameter(f"cannot read {value}: {e}") from None
+    if "{{" not in value and "{%" not in value:
+        raise click.BadParameter(f"no file {value[:100]}, and as a template it has no {{{{ }}}} or {{% %}}")
+    return value
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", help=f"Checkpoint folder or Hugging Face Hub id [default: the bundled demo, {DEMO_MODEL}]")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -47,16 +67,19 @@ def _chat_template_args(context, parameter, value: str) -> dict:
 @click.option(
     "--allowed-origins",
     default=",".join(ALLOWED_ORIGINS),
-    show_default=True,
     callback=lambda c, p, v: [origin.strip() for origin in v.split(",") if origin.strip()],
-    help="Comma-separated origins whose browser pages may call the server (CORS); * allows any.",
+    help="Comma-separated origins whose browser pages may call the server (CORS), besides local ones "
+    "(localhost, 127.0.0.1, [::1], 0.0.0.0 at any port); * lets a page of any site read every answer "
+    "[default: local origins alone].",
 )
 @click.option("--adapter-path", help="Adapters of a fine-tuning run (python -m mlx_dgemma.lora) to apply.")
 @sampling_options
 @click.option(
     "--chat-template",
     default=None,
-    help="A chat template (Jinja, as in a Hugging Face tokenizer_config.json) in place of the checkpoint's.",
+    callback=_chat_template,
+    help="A chat template (Jinja, as in a Hugging Face tokenizer_config.json) in place of the checkpoint's: "
+    "a file's path, or the template itself.",
 )
 @click.option(
     "--chat-template-args",
@@ -183,8 +206,8 @@ def main(
         dgemma, tokenizer = load(model or DEMO_MODEL, adapter_path=adapter_path)
         if chat_template is not None:
             try:
-                render_chat_template(chat_template, [{"role": "user", "content": "x"}])
-            except Exception as e:  # (jinja's syntax and render errors, whatever their class)
+                render_chat_template(chat_template, [{"role": "user", "content": "x"}])  # (within RENDER_SECONDS)
+            except Exception as e:  # (jinja's syntax and render errors and the render's limits, whatever their class)
                 raise ValueError(
                     f"--chat-template cannot render a conversation: {' '.join(str(e).split())[:200]}"
                 ) from None
@@ -229,7 +252,8 @@ def main(
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     request_log.log.addHandler(handler)
     request_log.log.setLevel(log_level.upper())
-    Uvicorn(uvicorn.Config(create_app(server, allowed_origins), host=host, port=port, log_level=log_level)).run()
+    app = create_app(server, allowed_origins, bind_host=host)
+    Uvicorn(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
     # MLX 0.32 can abort at interpreter exit once a thread that ran attention on the CPU has ended:
     # everything is answered and closed by now, so the process ends here.
     os._exit(0)

@@ -34,6 +34,7 @@ from .api import Answer, Api, BadRequest, Reply, error_response
 from .body import check_unicode, json_reply, parsed
 from .events import choice_events, job_events, next_event
 from .jobs import MAX_PROMPTS, Reader, prompts as prompts_of
+from .logprobs import check_reply_logprobs
 from .scheduler import EmbeddingJob, Event, Job, Scheduler
 
 MAX_REQUEST_BYTES = 32 << 20  # room for a few images sent as data URLs (base64: 4/3 of the file)
@@ -203,6 +204,7 @@ class Server:
                 )
             jobs += choices
             echoes += reply.echoes or []
+        check_reply_logprobs(jobs)
         reply.echoes, reply.prompts = echoes or None, len(prompts)
         return jobs, reply
 

@@ -8,25 +8,27 @@ several. The fields the server refuses unless they are off are refused here by n
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import secrets
 from dataclasses import dataclass
 
 from .. import validate
+from ..chat_template import RenderLimit
 from ..engine.resolve import answer_room, check_prompt_fits, generation_config, resolve
-from ..engine.scoring import MAX_TOP_LOGPROBS
 from ..errors import PromptError
 from ..model.images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..model.vision import has_vision
 from ..options import GenerationArgs
 from ..structured.grammar import JSON_OBJECT
 from ..structured.template import CanvasTemplate, TemplateError, infill_template
-from ..structured.tool_calls import CALL_OPEN, call_choice_schema, check_parameters, check_tool
+from ..structured.tool_calls import CALL_OPEN, call_choice_schema, check_parameters, check_tool, in_tool_terms
 from ..validate import shown
 from . import reasoning
 from .api import MAX_STOP_STRINGS, BadRequest, Reply
 from .body import strings, typed
+from .logprobs import logprobs
 from .scheduler import Job, failure
 from .settings import request_options
 
@@ -112,6 +114,8 @@ class Reader:
         self.max_text_chars = self.context * max(
             [len(tokenizer.piece(i)) for i in range(model.config.vocab_size)] if tokenizer.has_vocabulary else [1]
         )
+        # The chat template's render: its seconds, and no string in it longer than a prompt may be.
+        self.render_limit = RenderLimit(chars=self.max_text_chars)
 
     def read(
         self, body: dict, chat: bool, max_stop: int = MAX_STOP_STRINGS, cap_max_tokens: bool = False
@@ -231,8 +235,9 @@ class Reader:
             )
         except ValueError as e:
             refused = failure(job, e, bad_input=ValueError)
+            of_tools = forced is not None and refused.param == "tools"  # (a forced call's schema)
             raise BadRequest(
-                str(refused),
+                in_tool_terms(str(refused), forced) if of_tools else str(refused),
                 param=refused.param,
                 code="context_length_exceeded" if getattr(e, "context", False) else None,
             ) from None
@@ -336,6 +341,13 @@ class Reader:
                 check_parameters(function)
             except TemplateError as e:
                 raise BadRequest(str(e), param="tools") from None
+        names = collections.Counter(tool["function"]["name"] for tool in tools)
+        if twice := [name for name, count in names.items() if count > 1]:
+            raise BadRequest(
+                f"tools holds {names[twice[0]]} tools named {shown(twice[0])}; each tool needs a name of its own "
+                "(a call names the tool it is to)",
+                param="tools",
+            )
         choice = body.get("tool_choice", "auto" if tools else "none")
         if choice == "none":
             return [], None
@@ -395,6 +407,7 @@ class Reader:
                 plain,
                 add_generation_prompt=True,
                 tokenize=False,
+                render_limit=self.render_limit,
                 **{**self.chat_template_args, "enable_thinking": think},
                 **extra,
             )
@@ -548,36 +561,6 @@ def prompts(body: dict) -> list:
             param="prompt",
         )
     return prompt
-
-
-def logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
-    """The most likely tokens a request's log-probabilities give per position (None: no log-probabilities),
-    and whether a completion echoes its prompt: chat's ``logprobs`` (true or false) and ``top_logprobs``,
-    completions' ``logprobs`` (the number) and ``echo``."""
-    if chat:
-        if typed(body, "echo", bool, False):
-            raise BadRequest("echo is for completions; leave it out or send false", param="echo")
-        on, top = typed(body, "logprobs", bool, False), typed(body, "top_logprobs", int, None)
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", param="top_logprobs")
-        if top and not on:
-            raise BadRequest("top_logprobs needs logprobs true", param="top_logprobs")
-        return (top or 0) if on else None, False
-    if body.get("top_logprobs") not in (None, 0):
-        raise BadRequest(
-            "top_logprobs is for chat completions; on completions, logprobs is the number of most likely tokens",
-            param="top_logprobs",
-        )
-    top = body.get("logprobs")
-    if top is False:
-        top = None
-    if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_TOP_LOGPROBS):
-        raise BadRequest(
-            f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens given "
-            f"per position), got {shown(top)}",
-            param="logprobs",
-        )
-    return top, typed(body, "echo", bool, False)
 
 
 def check_supported(body: dict, chat: bool) -> None:

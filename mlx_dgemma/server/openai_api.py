@@ -84,17 +84,23 @@ class OpenAI(Api):
         echoes = list(reply.echoes) if reply.echoes else [""] * choices
         offsets = [0] * choices  # (completions' text_offset: where each choice's next text starts)
         usages = {}
-        async for event in events:
-            if event.error is not None:
-                yield _sse(error_body(str(event.error), event.error.status, event.error.param))
-                break
+
+        def chunk(event: Event) -> str:
             if reply.chat:
                 choice = self._delta(event, reply)
             else:
                 choice = self._text_delta(event, reply, echoes[event.choice], offsets[event.choice])
                 offsets[event.choice] += len(choice["text"])
                 echoes[event.choice] = ""
-            yield _sse({**head, "choices": [choice]})
+            return _sse({**head, "choices": [choice]})
+
+        async for event in events:
+            if event.error is not None:
+                yield _sse(error_body(str(event.error), event.error.status, event.error.param))
+                break
+            # A chunk of log-probabilities (an echoed prompt's: thousands of entries, each token decoded) is
+            # written off the event loop, as a whole reply is.
+            yield await self.server.off_loop(chunk, event) if event.logprobs or event.prompt_logprobs else chunk(event)
             if event.finish_reason is not None:
                 usages[event.choice] = event.usage
                 if reply.include_usage and len(usages) == choices:

@@ -1,6 +1,6 @@
 """The server's routes: OpenAI's, the Responses API's, Anthropic's, Ollama's, the embeddings' and vLLM's
 tokenizer's, on one app, each answering browsers of the allowed origins (CORS: a preflight ``OPTIONS`` and the
-headers on every reply)."""
+headers on every reply; origins.py refuses every other origin)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,27 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.routing import Route
 
-from . import anthropic, embeddings, ollama, openai_api, responses, tokenize
+from . import anthropic, embeddings, ollama, openai_api, request_log, responses, tokenize
 from .api import error_response
 from .app import Server
+from .origins import LOCAL_ORIGIN, LocalGuard
 
-ALLOWED_ORIGINS = ("*",)  # mlx-lm's default: a page of any origin may call the server
+ALLOWED_ORIGINS = ()  # Ollama's default: pages of local origins alone may call the server
 
 
-def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS) -> Starlette:
-    """The starlette app of ``server``; its scheduler's worker runs while the app does. A browser page
-    whose origin is in ``allowed_origins`` (``"*"``: any) may call every route; any other gets no CORS
-    headers, and its preflight a 400."""
+def error_in_api_shape(path: str, message: str, status: int):
+    """A refusal in the error shape of the API ``path`` belongs to."""
+    if path.startswith("/api/"):
+        return ollama.ollama_error(message, status)
+    if path.startswith("/v1/messages"):
+        return anthropic.anthropic_error(message, status)
+    return error_response(message, status)
+
+
+def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS, bind_host: str = "127.0.0.1") -> Starlette:
+    """The starlette app of ``server``; its scheduler's worker runs while the app does. A browser page of
+    a local origin, or one in ``allowed_origins`` (``"*"``: any), may call every route; any other origin,
+    and on a loopback ``bind_host`` any ``Host`` that is not local, gets a 403 (origins.py)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -38,11 +48,11 @@ def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS) -> Starlette:
         message = (
             f"{path} does not take {request.method}; send {allowed}" if allowed else f"no route {request.method} {path}"
         )
-        if path.startswith("/api/"):
-            return ollama.ollama_error(message, status)
-        if path.startswith("/v1/messages"):
-            return anthropic.anthropic_error(message, status)
-        return error_response(message, status)
+        return error_in_api_shape(path, message, status)
+
+    def refuse(path: str, message: str):
+        request_log.log.info("%s refused with 403: %s", path, message)
+        return error_in_api_shape(path, message, 403)
 
     return Starlette(
         routes=[
@@ -59,6 +69,13 @@ def create_app(server: Server, allowed_origins=ALLOWED_ORIGINS) -> Starlette:
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: not_found},
         middleware=[
-            Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+            Middleware(LocalGuard, allowed_origins=allowed_origins, bind_host=bind_host, refuse=refuse),
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(allowed_origins),
+                allow_origin_regex=LOCAL_ORIGIN,
+                allow_methods=["*"],
+                allow_headers=["*"],
+            ),
         ],
     )

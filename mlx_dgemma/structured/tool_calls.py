@@ -222,6 +222,24 @@ def call_choice_schema(tools: list[dict]) -> dict:
     return {"anyOf": choices}
 
 
+# A path into call_choice_schema's union: a JSON pointer (a $ref's, llguidance's) or a path as grammar.py writes it.
+_UNION_PATH = re.compile(r"(#?)/anyOf/(\d+)/properties/arguments\b|\$\.anyOf\[(\d+)\]\.properties\.arguments\b")
+
+
+def in_tool_terms(message: str, tools: list[dict]) -> str:
+    """A message about the schema of a call forced to one of ``tools`` (one tool's parameters, or
+    ``call_choice_schema(tools)``) put in the terms of the tool it is about: that tool named, and each path
+    into the union (``/anyOf/1/properties/arguments/$defs/X``) as the path inside its parameters
+    (``/$defs/X``). A message about no one of several tools comes back as it is."""
+    if len(tools) == 1:
+        return f"tool {tools[0]['function']['name']!r}: {message}"
+    indexes = {int(pointer or path) for _, pointer, path in _UNION_PATH.findall(message)}
+    if len(indexes) != 1 or (index := indexes.pop()) >= len(tools):
+        return message
+    text = _UNION_PATH.sub(lambda m: m.group(1) if m.group(2) is not None else "$", message)
+    return f"tool {tools[index]['function']['name']!r}: {text}"
+
+
 def chosen_call(text: str) -> ToolCall:
     """The call in an answer of ``call_choice_schema`` (a ``ValueError`` where the text is not one)."""
     value = json.loads(text)
