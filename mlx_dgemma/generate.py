@@ -236,6 +236,8 @@ def main(**flags):
             "a schema lays the answer out from its first token and leaves no room for a "
             "thought; drop --think or --schema"
         )
+    if flags["video_fps"] is not None and not flags["video_files"]:
+        raise click.ClickException("--video-fps samples the frames of a --video; give one")
     if flags["system_prompt"] is not None and flags["ignore_chat_template"]:
         raise click.ClickException(
             "--system-prompt needs the chat template: drop --ignore-chat-template or put the system text in --prompt"

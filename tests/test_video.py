@@ -5,6 +5,7 @@ the frames as images; the CLI, the API and the server answer alike; bad clips ge
 
 import base64
 import json
+import re
 import shutil
 import types
 
@@ -23,8 +24,9 @@ from transformers.video_utils import load_video as reference_load_video
 from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma.engine.resolve import resolve
 from mlx_dgemma.generate import DEMO_MODEL, main
+from mlx_dgemma.memory import DEVICE_MEMORY_ENV, check_memory
 from mlx_dgemma.model import video as video_module
-from mlx_dgemma.model.video import VideoProcessorConfig, load_video, sample_indices
+from mlx_dgemma.model.video import VideoError, VideoProcessorConfig, load_video, sample_indices, video_from_url
 from mlx_dgemma.options import GenerationArgs
 
 from .reference import ReferenceSession, load_reference, on_reference, torch_device
@@ -291,6 +293,12 @@ def test_the_server_answers_as_the_api(client, tame_checkpoint, clip):
             model="vision", messages=[{"role": "user", "content": content}], seed=5, max_tokens=2 * C
         )
         assert reply.choices[0].message.content == expected
+    # Responses has no video part of its own: the chat's is taken as the chat takes it.
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "input_text", "text": PROMPT}]
+    reply = openai_client.responses.create(
+        model="vision", input=[{"role": "user", "content": content}], max_output_tokens=2 * C, extra_body={"seed": 5}
+    )
+    assert reply.output_text == expected
     bad = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,aGVsbG8="}}]
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.chat.completions.create(model="vision", messages=[{"role": "user", "content": bad}])
@@ -300,7 +308,44 @@ def test_the_server_answers_as_the_api(client, tame_checkpoint, clip):
     assert e.value.body["param"] == "messages"
 
 
+def test_the_memory_check_counts_the_frames(chat_checkpoint, clip, monkeypatch):
+    model, tokenizer = load(chat_checkpoint)
+    with_frames = len(resolve(model, tokenizer, PROMPT, GenerationArgs(videos=[str(clip)])).ids)
+    frame_tokens = with_frames - len(resolve(model, tokenizer, PROMPT, GenerationArgs()).ids)
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, "1TB")
+    text = check_memory(chat_checkpoint, PROMPT, 2 * C).total
+    video = check_memory(chat_checkpoint, PROMPT, 2 * C, extra_tokens=frame_tokens).total
+    assert video > text
+    monkeypatch.setenv(DEVICE_MEMORY_ENV, str((text + video) // 2))  # the text fits, not with the frames
+    args = ["--model", str(chat_checkpoint), "--prompt", PROMPT, "--max-tokens", str(2 * C)]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    result = CliRunner().invoke(main, args + ["--video", str(clip)])
+    assert result.exit_code == 1 and result.output.startswith("Error: the model needs ")
+
+
 # Bad input
+
+
+def test_video_sources(clip, tmp_path):
+    config = VideoProcessorConfig(num_frames=FRAMES)
+    frames = load_video(clip, config).frames
+    url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
+    for source in (url, str(clip), f"file://{clip}"):
+        same = video_from_url(source, clip.parent, config).frames
+        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(same, frames))
+    for bad, folder, message in [
+        ("https://example.com/walk.mp4", "/", "remote video URLs are not fetched"),
+        ("data:image/png;base64,aGk=", "/", "a video data URL must look like data:video/mp4;base64,..."),
+        ("data:video/mp4;base64,!!!", "/", "the video data URL's base64 payload is damaged"),
+        (str(clip), tmp_path, f"{str(clip)!r} is not a video file that may be read here"),
+        (str(clip), None, "local video paths are not read here"),
+    ]:
+        with pytest.raises(VideoError, match=re.escape(message)):
+            video_from_url(bad, folder, config)
+    with pytest.raises(VideoError, match=re.escape("not one image; pass [frames]")):
+        load_video(frames[0], config)
+    with pytest.raises(VideoError, match="the video fps must be a number above 0, got 0"):
+        load_video(clip, config, fps=0)
 
 
 @pytest.mark.parametrize(

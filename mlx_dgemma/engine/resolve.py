@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from os import PathLike
 
 from ..errors import PromptError, TemplateError
 from ..model.config import GenerationConfig
 from ..model.images import ImageInputs, image_inputs
-from ..model.video import VIDEO_PLACEHOLDER, VideoProcessorConfig, load_video, place_videos
+from ..model.video import VIDEO_PLACEHOLDER, load_video, place_videos, video_processor
 from ..model.vision import check_takes_images
 from ..options import GenerationArgs, check_prefill_step_size
 from ..structured.closing import check_closing_fits, check_closing_room, closing_length
@@ -252,8 +253,9 @@ def _prompt_and_videos(model, tokenizer: Tokenizer, prompt: str | list[int], arg
     place of its placeholder (video.py), and must leave the context room for a canvas."""
     check_takes_images(model, "video")
     config = model.config
-    processor = getattr(model, "video_processor", None) or VideoProcessorConfig()
-    clips = [load_video(video, processor, args.video_fps) for video in args.videos]
+    processor = video_processor(model)
+    videos = [args.videos] if isinstance(args.videos, (str, bytes, PathLike)) else args.videos
+    clips = [load_video(video, processor, args.video_fps) for video in videos]
     video_token = tokenizer.token_id(VIDEO_PLACEHOLDER)
     if not isinstance(prompt, str) and video_token is None:
         raise PromptError(f"this tokenizer has no {VIDEO_PLACEHOLDER} token to place a video in ids; give text")

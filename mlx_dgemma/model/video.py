@@ -69,6 +69,11 @@ class VideoProcessorConfig:
         return cls()
 
 
+def video_processor(model) -> VideoProcessorConfig:
+    """The model's video settings (the loader reads them with the image processor's), else the defaults."""
+    return getattr(model, "video_processor", None) or VideoProcessorConfig()
+
+
 @dataclass(frozen=True)
 class Clip:
     """A clip's sampled frames (PIL images) and their times in seconds."""
@@ -103,10 +108,12 @@ def load_video(source, config: VideoProcessorConfig, fps: float | None = None) -
     ``UNTIMED_FPS``) or a ``Clip``; ``fps`` (else the config's) samples at that rate instead of
     evenly."""
     fps = config.fps if fps is None else fps
-    if fps is not None and not (isinstance(fps, (int, float)) and 0 < fps <= 60):
-        raise VideoError(f"the video fps must be a number above 0 and at most 60, got {fps}")
+    if fps is not None and not (isinstance(fps, (int, float)) and 0 < fps < float("inf")):
+        raise VideoError(f"the video fps must be a number above 0, got {fps}")
     if isinstance(source, Clip):
         return source
+    if hasattr(source, "getbands"):  # one PIL image
+        raise VideoError("a video is a file, its bytes or a list of PIL frames, not one image; pass [frames]")
     if isinstance(source, (list, tuple)):
         return _given_frames(list(source), config, fps)
     name = "the video data" if isinstance(source, (bytes, bytearray)) else str(source)

@@ -18,7 +18,7 @@ from ..engine.resolve import answer_room, check_prompt_fits, generation_config, 
 from ..engine.scoring import MAX_TOP_LOGPROBS
 from ..errors import PromptError
 from ..model.images import Frame, ImageError, ImageInputs, decode_image, image_inputs, open_image_url
-from ..model.video import Clip, place_videos, video_from_url
+from ..model.video import Clip, place_videos, video_from_url, video_processor
 from ..model.vision import has_vision
 from ..options import GenerationArgs
 from ..structured.grammar import JSON_OBJECT
@@ -395,7 +395,7 @@ class Reader:
         self.check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
         if clips:  # each video placeholder the template wrote becomes its frames, laid out as images
             try:
-                text, images = place_videos(text, images, clips, self.model.video_processor)
+                text, images = place_videos(text, images, clips, video_processor(self.model))
             except ImageError as e:
                 raise BadRequest(f"messages: {e}", param="messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -439,13 +439,13 @@ class Reader:
         if all(p.get("type") == "text" for p in content):
             return "".join(str(p.get("text", "")) for p in content), []
         if not has_vision(self.model):
+            what = "an image" if any(p.get("type") == "image_url" for p in content) else "a video"
             raise BadRequest(
-                f"messages[{index}] has an image or video, but this model takes text only (no vision tower)",
-                param="messages",
+                f"messages[{index}] has {what}, but this model takes text only (no vision tower)", param="messages"
             )
         if (count := earlier_images + sum(p.get("type") != "text" for p in content)) > self.limits.max_images:
             raise BadRequest(
-                f"the request has {count} or more images and videos, more than the {self.limits.max_images} accepted",
+                f"the request has {count} or more images, more than the {self.limits.max_images} accepted",
                 param="messages",
             )
         parts, images = [], []
@@ -465,7 +465,7 @@ class Reader:
                 )
             try:
                 if kind == "video_url":
-                    images.append(video_from_url(url, self.limits.image_dir, self.model.video_processor))
+                    images.append(video_from_url(url, self.limits.image_dir, video_processor(self.model)))
                 else:
                     images.append(open_image_url(url, self.limits.image_dir))
             except ImageError as e:
