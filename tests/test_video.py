@@ -349,7 +349,17 @@ def test_video_sources(clip, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["text file", "missing", "no frames", "too long", "too large", "no vision tower", "too many tokens"]
+    "case",
+    [
+        "text file",
+        "missing",
+        "no frames",
+        "too long",
+        "too large",
+        "far keyframes",
+        "no vision tower",
+        "too many tokens",
+    ],
 )
 def test_bad_videos_get_a_one_line_error(chat_checkpoint, clip, tmp_path, monkeypatch, case):
     model, video, extra = chat_checkpoint, clip, []
@@ -373,6 +383,9 @@ def test_bad_videos_get_a_one_line_error(chat_checkpoint, clip, tmp_path, monkey
     elif case == "too large":
         monkeypatch.setattr(video_module, "MAX_IMAGE_PIXELS", 500)
         expected = f"{clip} is 32x24 pixels, more than the 500 pixels accepted per frame; scale it down first"
+    elif case == "far keyframes":  # (the clip's frames 0, 15, 30, 45 are sampled: 15 decoded to reach the second)
+        monkeypatch.setattr(video_module, "MAX_DECODED_PER_FRAME", 10)
+        expected = f"{clip} has keyframes more than 10 frames apart; re-encode it"
     elif case == "no vision tower":  # the demo: a tower, but no image tokens in its vocabulary
         model = DEMO_MODEL
         expected = (

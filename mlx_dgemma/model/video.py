@@ -31,7 +31,7 @@ VIDEO_PLACEHOLDER = "<|video|>"  # what Gemma 4's chat template writes for a vid
 MAX_VIDEO_SECONDS = 2 * 60 * 60  # longer clips are refused
 MAX_FRAMES = 256  # the most frames a clip gives, whatever the rate asked for or the checkpoint's limit
 SEEK_AHEAD_SECONDS = 2.0  # a sampled frame closer than this to the last one decoded is reached by decoding on
-MAX_DECODED_PER_FRAME = 3000  # frames decoded to reach one sampled frame (a keyframe interval past it: refused)
+MAX_DECODED_PER_FRAME = 1000  # frames decoded to reach one sampled frame (a keyframe interval past it: refused)
 UNTIMED_FPS = 24  # the rate the reference gives frames passed without a clip's metadata
 
 
