@@ -323,6 +323,22 @@ def test_the_memory_check_counts_the_frames(chat_checkpoint, clip, monkeypatch):
     assert result.exit_code == 1 and result.output.startswith("Error: the model needs ")
 
 
+def test_the_demo_server_refuses_a_video(clip):
+    with serving(*load(DEMO_MODEL), model_id="demo") as url:
+        demo = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        part = {
+            "type": "video_url",
+            "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()},
+        }
+        with pytest.raises(openai.BadRequestError) as e:
+            demo.chat.completions.create(model="demo", messages=[{"role": "user", "content": [part]}])
+    assert e.value.status_code == 400 and e.value.body["param"] == "messages"
+    assert e.value.body["message"] == (
+        "messages[0]: this checkpoint takes text only, not video: its image token ids (up to 350) are outside "
+        "its vocabulary of 348"
+    )
+
+
 # Bad input
 
 

@@ -19,7 +19,7 @@ from ..engine.scoring import MAX_TOP_LOGPROBS
 from ..errors import PromptError
 from ..model.images import Frame, ImageError, ImageInputs, decode_image, image_inputs, open_image_url
 from ..model.video import Clip, place_videos, video_from_url, video_processor
-from ..model.vision import has_vision
+from ..model.vision import check_takes_images, has_vision
 from ..options import GenerationArgs
 from ..structured.grammar import JSON_OBJECT
 from ..structured.template import CanvasTemplate, TemplateError, infill_template
@@ -465,6 +465,7 @@ class Reader:
                 )
             try:
                 if kind == "video_url":
+                    check_takes_images(self.model, "video")  # (before the clip is decoded)
                     images.append(video_from_url(url, self.limits.image_dir, video_processor(self.model)))
                 else:
                     images.append(open_image_url(url, self.limits.image_dir))
