@@ -7,6 +7,7 @@ import base64
 import json
 import re
 import shutil
+import sys
 import types
 
 import av
@@ -342,7 +343,7 @@ def test_the_demo_server_refuses_a_video(clip):
 # Bad input
 
 
-def test_video_sources(clip, tmp_path):
+def test_video_sources(clip, tmp_path, monkeypatch):
     config = VideoProcessorConfig(num_frames=FRAMES)
     frames = load_video(clip, config).frames
     url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
@@ -362,6 +363,9 @@ def test_video_sources(clip, tmp_path):
         load_video(frames[0], config)
     with pytest.raises(VideoError, match="the video fps must be a number above 0, got 0"):
         load_video(clip, config, fps=0)
+    monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed
+    with pytest.raises(VideoError, match=re.escape("video input needs PyAV: pip install 'mlx-dgemma[video]'")):
+        load_video(clip, config)
 
 
 @pytest.mark.parametrize(
