@@ -134,7 +134,9 @@ def stream_generate(
 
     ``images`` (paths or PIL images; a checkpoint with a vision tower) go with the prompt: a text
     prompt gets one image placeholder per image before the text; ids or an untemplated prompt must
-    hold them (the image token, ``<|image|>``) themselves.
+    hold them (the image token, ``<|image|>``) themselves. ``videos`` (paths, or lists of PIL frames)
+    likewise, after the images, with ``<|video|>``: each clip's sampled frames (``video_fps`` per
+    second, or evenly) go in as images with their ``mm:ss`` times (docs/vision.md).
 
     ``prompt_cache`` (``model.make_cache()``) may already hold the prompt's first ``offset`` ids, images
     placed (a server's prompt cache): only the rest is encoded, and the answer is appended to it.
@@ -150,8 +152,8 @@ def stream_from_args(
     model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs
 ) -> Iterator[GenerationResponse]:
     """``stream_generate`` with its options as one ``GenerationArgs`` (the command line's)."""
-    if args.prompt_cache is not None and args.images:
-        raise OptionError("give the images or a prompt cache that already holds them, not both")
+    if args.prompt_cache is not None and (args.images or args.videos):
+        raise OptionError("give the images and videos or a prompt cache that already holds them, not both")
     job = prepare(model, tokenizer, prompt, args)
     scorer = Scorer(model, args.logprobs, args.prefill_step_size) if args.logprobs is not None else None
     engine = BatchGenerator(model, tokenizer, args.prefill_step_size, args.kv_quantization)

@@ -37,6 +37,10 @@ class ImageError(DGemmaError):
     """An image that cannot be used; the message names it and says why."""
 
 
+class VideoError(ImageError):
+    """A video that cannot be used (its frames go where images go); the message names it and says why."""
+
+
 class PromptError(DGemmaError):
     """A prompt the model cannot take; ``option`` names the option at fault where it is not the prompt
     (``max_tokens``), ``context`` says the prompt and answer are past the model's context."""

@@ -38,6 +38,7 @@ from .engine.policy import POLICIES, Plan
 from .engine.request import PreparedRequest, generation_device, plan, prepare
 from .engine.resolve import check_prompt_fits, check_template_fits, generation_config, prompt_ids, resolve
 from .model.images import load_image
+from .model.video import VideoProcessorConfig, load_video
 from .options import PREFILL_STEP_SIZE, GenerationArgs, SamplingArgs, check_prefill_step_size, check_schedule_scale
 from .structured.template import TemplateError, parse_template
 from .validate import (
@@ -201,6 +202,20 @@ DEFAULT_PROMPT = "sort: 42 17 85 23 61"
     help="Images to go with the prompt (a checkpoint with a vision tower).",
 )
 @click.option(
+    "--video",
+    "video_files",
+    cls=several_values(),
+    multiple=True,
+    metavar="PATH...",
+    help="Videos to go with the prompt, after the images: their sampled frames, with their times (docs/vision.md).",
+)
+@click.option(
+    "--video-fps",
+    type=float,
+    default=None,
+    help="Frames per second sampled from each video, up to its frame limit [default: the checkpoint's, else evenly].",
+)
+@click.option(
     "--ignore-memory-check",
     is_flag=True,
     help="Load the model even where it needs more memory than the device can give (see docs/quantization.md).",
@@ -221,6 +236,8 @@ def main(**flags):
             "a schema lays the answer out from its first token and leaves no room for a "
             "thought; drop --think or --schema"
         )
+    if flags["video_fps"] is not None and not flags["video_files"]:
+        raise click.ClickException("--video-fps samples the frames of a --video; give one")
     if flags["system_prompt"] is not None and flags["ignore_chat_template"]:
         raise click.ClickException(
             "--system-prompt needs the chat template: drop --ignore-chat-template or put the system text in --prompt"
@@ -285,6 +302,18 @@ def _read_prompt(flags: dict) -> str:
     return prompt
 
 
+def _read_videos(flags: dict) -> tuple[list | None, int]:
+    """The ``--video`` clips, decoded at the checkpoint's video settings before its weights load (a bad
+    file fails first), and the most tokens their frames take (for the memory check)."""
+    if not flags["video_files"]:
+        return None, 0
+    from .loader import checkpoint_folder
+
+    config = VideoProcessorConfig.from_folder(checkpoint_folder(flags["model"] or DEMO_MODEL))
+    clips = [load_video(path, config, flags["video_fps"]) for path in flags["video_files"]]
+    return clips, sum(clip.most_tokens(config) for clip in clips)
+
+
 def _token(tokenizer, text: str) -> int:
     """The id of the token ``text`` names: a special token's name (``<turn|>``), or one token's text."""
     if (special := tokenizer.token_id(text)) is not None:
@@ -319,10 +348,10 @@ def _generate_cli(flags: dict, group, watchdog):
 
     prompt = _read_prompt(flags)
     images = [load_image(path) for path in flags["image_files"]] or None  # bad files fail before the model loads
+    videos, frame_tokens = _read_videos(flags)
     if not flags["ignore_memory_check"]:
-        check_memory(
-            flags["model"] or DEMO_MODEL, prompt, flags["max_tokens"], group.size() if group else 1, flags["kv_bits"]
-        )
+        ranks = group.size() if group else 1
+        check_memory(flags["model"] or DEMO_MODEL, prompt, flags["max_tokens"], ranks, flags["kv_bits"], frame_tokens)
     dgemma, tokenizer = _load(flags, group, watchdog)
     defaults = generation_config(dgemma, tokenizer)
     if flags["extra_eos_tokens"]:  # (this process's model: every generation here reads its stop ids from it)
@@ -330,7 +359,7 @@ def _generate_cli(flags: dict, group, watchdog):
         defaults = dgemma.generation_config = replace(
             defaults, eos_token_id=[*defaults.eos_token_id, *(i for i in extra if i not in defaults.eos_token_id)]
         )
-    args = generation_args(flags, images)
+    args = replace(generation_args(flags, images), videos=videos)
     limit = dgemma.config.max_position_embeddings
     layout = _read_template(tokenizer, flags["template_file"], flags["schema_file"], limit)
     template, schema = (None, layout) if flags["schema_file"] else (layout, None)

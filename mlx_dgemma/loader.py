@@ -20,6 +20,7 @@ from .errors import CheckpointError
 from .model.config import ConfigError, GenerationConfig, ModelConfig
 from .model.diffusion_gemma import DiffusionGemma
 from .model.images import ImageProcessorConfig
+from .model.video import VideoProcessorConfig
 from .model.vision import add_vision_modules, has_vision
 from .safetensors_io import read_header
 
@@ -290,4 +291,5 @@ def load(
         raise CheckpointError(str(e)) from None
     if has_vision(model):
         model.image_processor = ImageProcessorConfig.from_folder(folder, model.config.vision_config)
+        model.video_processor = VideoProcessorConfig.from_folder(folder)
     return model, load_tokenizer(folder, model.config)

@@ -205,14 +205,16 @@ def largest_context(
     return low * step
 
 
-def requested_context(folder: Path, config: ModelConfig, prompt: str = "", max_tokens: int | None = None) -> int:
-    """The prompt's UTF-8 bytes (no fewer than its tokens) and ``max_tokens`` (default: the generation
-    config's) in whole canvases."""
+def requested_context(
+    folder: Path, config: ModelConfig, prompt: str = "", max_tokens: int | None = None, extra_tokens: int = 0
+) -> int:
+    """The prompt's UTF-8 bytes (no fewer than its tokens), ``extra_tokens`` (a video's frames) and
+    ``max_tokens`` (default: the generation config's) in whole canvases."""
     try:
         max_tokens = max_tokens or GenerationConfig.from_folder(folder, config).max_new_tokens
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    return len(prompt.encode()) + -(-max_tokens // config.canvas_length) * config.canvas_length
+    return len(prompt.encode()) + extra_tokens + -(-max_tokens // config.canvas_length) * config.canvas_length
 
 
 def check_memory(
@@ -221,14 +223,16 @@ def check_memory(
     max_tokens: int | None = None,
     ranks: int = 1,
     kv_bits: int | None = None,
+    extra_tokens: int = 0,
 ) -> MemoryNeed | None:
     """Raise MemoryCheckError, naming what would fit, when the model needs more than the device can
     give with its KV cache at ``kv_bits`` (None: the activations' dtype); returns the need (None
-    when the device's memory is unknown). Reads only headers and configs."""
+    when the device's memory is unknown). ``extra_tokens``: the prompt's tokens its text does not show
+    (a video's frames). Reads only headers and configs."""
     folder = checkpoint_folder(path_or_repo)
     config = read_config(folder)
     tensors = _tensors(folder)
-    context = requested_context(folder, config, prompt, max_tokens)
+    context = requested_context(folder, config, prompt, max_tokens, extra_tokens)
     needed = memory_need(config, tensors, context, ranks, kv_bits)
     if (device := device_memory()) is None:
         return None

@@ -126,6 +126,8 @@ class GenerationArgs:
     template: object = None  # text with {{fill:N}} holes or a template.CanvasTemplate
     schema: object = None  # a JSON schema the answer validates against ({}: any JSON value) or its grammar.Grammar
     images: list | None = None  # paths or PIL images, or an images.ImageInputs
+    videos: list | None = None  # paths, encoded bytes or lists of PIL frames (video.load_video)
+    video_fps: float | None = None  # frames sampled per second (None: the checkpoint's, or evenly)
     draft_length: int | None = None
     draft_steps: int | None = None
     sampling: SamplingArgs = field(default_factory=SamplingArgs)

@@ -16,13 +16,14 @@ from pathlib import Path
 from .chat_template import RenderLimit, render
 from .errors import TokenizerError
 from .model.config import GenerationConfig, ModelConfig
+from .model.images import IMAGE_PLACEHOLDER
+from .model.video import VIDEO_PLACEHOLDER
 
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>", "<channel|>"
-IMAGE_PLACEHOLDER = "<|image|>"  # what chat templates write for an image part
 THINK = "<|think|>"  # what Gemma 4's template writes into the system turn to switch thinking on
 
 # Gemma 4's chat format, used when the checkpoint ships no template. Content is text, or a list of
-# parts where an image part is the image placeholder, written inline as Gemma 4's template does.
+# parts where an image (video) part is the image (video) placeholder, written inline as Gemma 4's template does.
 # Thinking is Gemma 4's switch: ``enable_thinking`` opens the system turn with ``<|think|>`` (a system
 # turn of its own when the conversation has none) and leaves the model's turn open for its thought;
 # without it the generation prompt ends with an empty thought channel, and the model answers at once.
@@ -39,6 +40,7 @@ BUILTIN_CHAT_TEMPLATE = (
     "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
     "{%- else -%}{%- for item in message['content'] -%}"
     "{%- if item['type'] == 'image' -%}{{ '" + IMAGE_PLACEHOLDER + "' }}"
+    "{%- elif item['type'] == 'video' -%}{{ '" + VIDEO_PLACEHOLDER + "' }}"
     "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{ '<turn|>\n' }}"

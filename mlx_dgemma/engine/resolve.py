@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from os import PathLike
 
 from ..errors import PromptError, TemplateError
 from ..model.config import GenerationConfig
 from ..model.images import ImageInputs, image_inputs
+from ..model.video import VIDEO_PLACEHOLDER, load_video, place_videos, video_processor
+from ..model.vision import check_takes_images
 from ..options import GenerationArgs, check_prefill_step_size
 from ..structured.closing import check_closing_fits, check_closing_room, closing_length
 from ..structured.layout import Layout, answer_layout
@@ -141,30 +144,35 @@ def prompt_ids(
     chat_template: bool = True,
     images: int = 0,
     think: bool = False,
+    videos: int = 0,
+    place=None,
 ) -> list[int]:
     """Token ids as given, or text through the chat template (or plain, with ``<bos>``); with
-    ``images``, the user message starts with that many image placeholders; ``think`` is the
-    template's thinking switch (``enable_thinking``)."""
+    ``images`` and ``videos``, the user message starts with that many image, then video placeholders;
+    ``think`` is the template's thinking switch (``enable_thinking``). ``place`` rewrites the ids or
+    the text before it is tokenized (``video.place_videos``)."""
+    place = place or (lambda given: given)
     if not isinstance(prompt, str):
-        return [int(i) for i in prompt]
+        return place([int(i) for i in prompt])
     if not chat_template:
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(place(prompt))
     if tokenizer.carries_chat_template(prompt):  # apply_chat_template's text: taken as given, as ids are
         if system_prompt is not None:
             raise PromptError(
                 "the prompt already carries the chat template; write the system turn into it, "
                 "or pass the untemplated text with the system prompt"
             )
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(place(prompt))
     if think and not tokenizer.renders_thinking:
         raise PromptError(
             "this checkpoint's chat template has no thinking switch (enable_thinking); "
             "drop think, or pass a prompt that opens the thought as token ids"
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
-    messages.append({"role": "user", "content": content})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=think)
+    parts = [{"type": "image"}] * images + [{"type": "video"}] * videos
+    messages.append({"role": "user", "content": parts + [{"type": "text", "text": prompt}] if parts else prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think)
+    return tokenizer.encode(place(text), add_special_tokens=False)
 
 
 def check_prompt_fits(ids: list[int], config, max_tokens: int = 1, name: str = "max_tokens") -> None:
@@ -244,8 +252,48 @@ def _prompt_and_images(
             prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, think=args.think),
             args.images.vision_inputs,
         )
+    if args.videos:
+        return _prompt_and_videos(model, tokenizer, prompt, args)
     ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, len(args.images or []), args.think)
     return image_inputs(model, ids, args.images) if args.images else (ids, {})
+
+
+def _prompt_and_videos(model, tokenizer: Tokenizer, prompt: str | list[int], args: GenerationArgs):
+    """``_prompt_and_images`` with videos: each clip's frames are images, laid out with their times in
+    place of its placeholder (video.py), and must leave the context room for a canvas."""
+    check_takes_images(model, "video")
+    config = model.config
+    processor = video_processor(model)
+    videos = [args.videos] if isinstance(args.videos, (str, bytes, PathLike)) else args.videos
+    clips = [load_video(video, processor, args.video_fps) for video in videos]
+    video_token = tokenizer.token_id(VIDEO_PLACEHOLDER)
+    if not isinstance(prompt, str) and video_token is None:
+        raise PromptError(f"this tokenizer has no {VIDEO_PLACEHOLDER} token to place a video in ids; give text")
+    images = []
+
+    def place(given):
+        placed, images[:] = place_videos(
+            given,
+            list(args.images or []),
+            clips,
+            processor,
+            (config.image_token_id, video_token),
+            lambda text: tokenizer.encode(text, add_special_tokens=False),
+        )
+        return placed
+
+    count = len(args.images or [])
+    ids = prompt_ids(tokenizer, prompt, args.system_prompt, args.chat_template, count, args.think, len(clips), place)
+    ids, vision_inputs = image_inputs(model, ids, images)
+    if len(ids) + config.canvas_length > config.max_position_embeddings:
+        frames = sum(len(clip.frames) for clip in clips)
+        raise PromptError(
+            f"the prompt with its videos' {frames} frames is {len(ids)} tokens: with a {config.canvas_length}-token "
+            f"canvas after it, past the model's context of {config.max_position_embeddings}; sample fewer frames "
+            "(a lower video fps) or send a shorter clip",
+            context=True,
+        )
+    return ids, vision_inputs
 
 
 class _TemplateText:

@@ -20,13 +20,14 @@ import math
 import os
 import stat
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ImageError
 
+IMAGE_PLACEHOLDER = "<|image|>"  # what chat templates write for an image part
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the reference processor's allowed budgets
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # larger images are refused (decoding alone would take GBs)
 MAX_IMAGE_FILE_BYTES = 64 << 20  # a local file an image_url names is read whole, up to this size
@@ -133,17 +134,29 @@ def patches_of(image, config: ImageProcessorConfig) -> tuple[np.ndarray, np.ndar
     return patches.reshape(rows * cols, -1), np.stack([x, y], axis=-1).reshape(-1, 2)
 
 
+@dataclass(frozen=True)
+class Frame:
+    """A video's frame: an image preprocessed at the video's own soft-token budget (video.py)."""
+
+    image: object  # a PIL image
+    max_soft_tokens: int
+
+
 def preprocess(images, config: ImageProcessorConfig) -> dict:
-    """Images (paths, PIL images) → ``pixel_values`` [N, max_patches, p·p·3] float32,
+    """Images (paths, PIL images, ``Frame``s) → ``pixel_values`` [N, max_patches, p·p·3] float32,
     ``image_position_ids`` [N, max_patches, 2] int64 ((-1, -1) pads) and
-    ``num_soft_tokens_per_image``: what the reference's processor returns."""
+    ``num_soft_tokens_per_image``: what the reference's processor returns (padded to the largest
+    budget among them when frames come with images)."""
     if not isinstance(images, (list, tuple)):
         images = [images]
     pixel_values, positions, soft_tokens = [], [], []
-    for source in images:
-        patches, where = patches_of(load_image(source), config)
+    budgets = [replace(config, max_soft_tokens=s.max_soft_tokens) if isinstance(s, Frame) else config for s in images]
+    length = max(budget.max_patches for budget in budgets)  # (the reference pads to its one budget's)
+    for source, budget in zip(images, budgets):
+        image = source.image if isinstance(source, Frame) else source
+        patches, where = patches_of(load_image(image), budget)
         soft_tokens.append(patches.shape[0] // config.pooling_kernel_size**2)
-        pad = config.max_patches - patches.shape[0]
+        pad = length - patches.shape[0]
         pixel_values.append(np.pad(patches, [(0, pad), (0, 0)]))
         positions.append(np.pad(where, [(0, pad), (0, 0)], constant_values=-1))
     return {
@@ -268,13 +281,19 @@ def open_image_url(url: str, folder: str | Path | None = "/"):
         raise refused from None
 
 
-def _read_under(path: str, folder: Path) -> bytes:
-    """The bytes of the regular file ``path`` names (relative paths are under ``folder``) once symlinks
-    and ``..`` are resolved, if it lies under ``folder``; an ``OSError`` or ``ValueError`` otherwise."""
+def path_under(path: str, folder: Path) -> Path:
+    """The file ``path`` names (relative paths are under ``folder``) once symlinks and ``..`` are
+    resolved, if it lies under ``folder``; an ``OSError`` or ``ValueError`` otherwise."""
     root = folder.resolve(strict=True)
     target = (root / path).resolve(strict=True)
     if target != root and root not in target.parents:
         raise PermissionError(f"{target} is outside {root}")
+    return target
+
+
+def _read_under(path: str, folder: Path) -> bytes:
+    """The bytes of the regular file ``path_under`` finds; an ``OSError`` or ``ValueError`` otherwise."""
+    target = path_under(path, folder)
     fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO opens at once; it is refused next)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

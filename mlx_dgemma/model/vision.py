@@ -215,7 +215,7 @@ def has_vision(model) -> bool:
     return "vision_tower" in model.model.encoder
 
 
-def check_takes_images(model) -> None:
+def check_takes_images(model, what: str = "images") -> None:
     """An ``ImageError`` saying why the checkpoint cannot take images, if it cannot: a tower is of no
     use without image tokens in the vocabulary (the bundled demo has an untrained tower and no image
     tokens)."""
@@ -226,7 +226,7 @@ def check_takes_images(model) -> None:
         reason = f"its image token ids (up to {outside}) are outside its vocabulary of {cfg.vocab_size}"
     else:
         return
-    raise ImageError(f"this checkpoint takes text only, not images: {reason}")
+    raise ImageError(f"this checkpoint takes text only, not {what}: {reason}")
 
 
 def image_features(model, pixel_values, image_position_ids) -> mx.array:

@@ -138,7 +138,8 @@ def _chat_template(context, parameter, value: str | None) -> str | None:
 @click.option(
     "--allowed-image-dir",
     type=click.Path(exists=True, file_okay=False, resolve_path=True),
-    help="Folder whose image files an image_url may name by path or file:// URL [default: none; only data URLs].",
+    help="Folder whose image and video files an image_url or video_url may name by path or file:// URL "
+    "[default: none; only data URLs].",
 )
 @click.option(
     "--shutdown-grace",

@@ -18,8 +18,9 @@ from .. import validate
 from ..chat_template import RenderLimit
 from ..engine.resolve import answer_room, check_prompt_fits, generation_config, resolve
 from ..errors import PromptError
-from ..model.images import ImageError, ImageInputs, decode_image, image_inputs, open_image_url
-from ..model.vision import has_vision
+from ..model.images import Frame, ImageError, ImageInputs, decode_image, image_inputs, open_image_url
+from ..model.video import Clip, place_videos, video_from_url, video_processor
+from ..model.vision import check_takes_images, has_vision
 from ..options import GenerationArgs
 from ..structured.grammar import JSON_OBJECT
 from ..structured.template import CanvasTemplate, TemplateError, infill_template
@@ -395,6 +396,8 @@ class Reader:
             "the text of the messages and tools" if tools else "the text of the messages",
             "messages",
         )
+        clips = [clip for clip in images if isinstance(clip, Clip)]
+        images = [image for image in images if not isinstance(image, Clip)]
         if (pixels := sum(image.width * image.height for image in images)) > self.limits.max_image_pixels:
             raise BadRequest(
                 f"the request's images are {pixels} pixels together, more than the "
@@ -414,6 +417,11 @@ class Reader:
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         self.check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
+        if clips:  # each video placeholder the template wrote becomes its frames, laid out as images
+            try:
+                text, images = place_videos(text, images, clips, video_processor(self.model))
+            except ImageError as e:
+                raise BadRequest(f"messages: {e}", param="messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         vision_inputs = {}
         if images:
@@ -424,37 +432,42 @@ class Reader:
                     param="messages",
                 )
             try:  # each placeholder the template wrote becomes its image's soft tokens
-                ids, vision_inputs = image_inputs(self.model, ids, [decode_image(image) for image in images])
+                pictures = [image if isinstance(image, Frame) else decode_image(image) for image in images]
+                ids, vision_inputs = image_inputs(self.model, ids, pictures)
             except ImageError as e:
                 raise BadRequest(f"messages: {e}", param="messages") from None
         return ids, vision_inputs
 
     def _content(self, content, index: int, earlier_images: int) -> tuple[str | list[dict], list]:
-        """A message's content for the chat template (its text, or text and image parts) and its images,
-        opened (their headers read, ``open_image_url``)."""
+        """A message's content for the chat template (its text, or text, image and video parts) and its
+        images, opened (their headers read, ``open_image_url``), and videos, decoded (``video.Clip``s)."""
         if content is None:
             return "", []
         if isinstance(content, str):
             return content, []
         if not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
             raise BadRequest(
-                f"messages[{index}].content must be a string or a list of text and image_url parts", param="messages"
+                f"messages[{index}].content must be a string or a list of text, image_url and video_url parts",
+                param="messages",
             )
         if kinds := {t[:40] if isinstance(t := p.get("type"), str) else validate.shown_json(t) for p in content} - {
             "text",
             "image_url",
+            "video_url",
         }:
             raise BadRequest(
-                f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; send text or image_url",
+                f"messages[{index}]: content of type {min(map(str, kinds))} is not supported; "
+                "send text, image_url or video_url",
                 param="messages",
             )
         if all(p.get("type") == "text" for p in content):
             return "".join(str(p.get("text", "")) for p in content), []
         if not has_vision(self.model):
+            what = "an image" if any(p.get("type") == "image_url" for p in content) else "a video"
             raise BadRequest(
-                f"messages[{index}] has an image, but this model takes text only (no vision tower)", param="messages"
+                f"messages[{index}] has {what}, but this model takes text only (no vision tower)", param="messages"
             )
-        if (count := earlier_images + sum(p.get("type") == "image_url" for p in content)) > self.limits.max_images:
+        if (count := earlier_images + sum(p.get("type") != "text" for p in content)) > self.limits.max_images:
             raise BadRequest(
                 f"the request has {count} or more images, more than the {self.limits.max_images} accepted",
                 param="messages",
@@ -464,19 +477,25 @@ class Reader:
             if part.get("type") == "text":
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
                 continue
-            url = part.get("image_url")
+            kind = part["type"]
+            url = part.get(kind)
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str):
+                media = "video/mp4" if kind == "video_url" else "image/png"
                 raise BadRequest(
-                    f'messages[{index}]: an image_url part must be {{"type": "image_url", '
-                    f'"image_url": {{"url": "data:image/png;base64,..."}}}}',
+                    f'messages[{index}]: an {kind} part must be {{"type": "{kind}", '
+                    f'"{kind}": {{"url": "data:{media};base64,..."}}}}',
                     param="messages",
                 )
             try:
-                images.append(open_image_url(url, self.limits.image_dir))
+                if kind == "video_url":
+                    check_takes_images(self.model, "video")  # (before the clip is decoded)
+                    images.append(video_from_url(url, self.limits.image_dir, video_processor(self.model)))
+                else:
+                    images.append(open_image_url(url, self.limits.image_dir))
             except ImageError as e:
                 raise BadRequest(f"messages[{index}]: {e}", param="messages") from None
-            parts.append({"type": "image"})
+            parts.append({"type": "video" if kind == "video_url" else "image"})
         return parts, images
 
     def _text_prompt(self, body: dict, empty: bool = False) -> list[int]:

@@ -58,6 +58,7 @@ SET_OTHERWISE = {
     "max_tokens": "max_tokens (max_completion_tokens, max_output_tokens, num_predict), fitted to the context",
     "template": "template, response_format, a forced tool call or suffix",
     "images": "the messages' image parts",
+    "videos": "the messages' video_url parts",
     "schema": "response_format (Ollama's format, Responses' text.format) or a forced tool call",
     "think": "reasoning_effort or reasoning (Anthropic's thinking, Ollama's think)",
     "logprobs": "logprobs and top_logprobs, scored by the worker beside the answer (scheduler.py)",
@@ -75,6 +76,7 @@ NOT_SETTABLE = {
     "prompt_cache": "the server's own, shared by its requests",
     "drafts": "each step's canvas, for a live view: no API carries it",
     "on_step": "a Python callback",
+    "video_fps": "the checkpoint's video settings (its frame limit, and its rate where it has one) sample every video",
 }
 
 
