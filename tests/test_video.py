@@ -19,8 +19,7 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 from transformers import Gemma4ImageProcessorPil, Gemma4Processor
-from transformers.video_utils import VideoMetadata
-from transformers.video_utils import load_video as reference_load_video
+from transformers.video_utils import VideoMetadata, load_video as reference_load_video
 
 from mlx_dgemma import generate, load, stream_generate
 from mlx_dgemma.engine.resolve import resolve
