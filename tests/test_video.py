@@ -107,7 +107,7 @@ def reference_prompt(tokenizer, frames, metadata: VideoMetadata) -> tuple[list[i
     processor at the video budget."""
     inputs = VIDEO_PROCESSOR(frames)
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]}]
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]}], tokenize=False
     )
     names = types.SimpleNamespace(boi_token="<|image>", video_token="<|image|>", eoi_token="<image|>")
     per_frame = set(inputs["num_soft_tokens_per_image"])
@@ -241,7 +241,7 @@ def test_greedy_ar_answer_matches_the_reference(chat_checkpoint, clip):
 
 def test_the_cli_answers_as_the_api(chat_checkpoint, clip):
     model, tokenizer = load(chat_checkpoint)
-    expected = generate(model, tokenizer, PROMPT, 2 * C, seed=5, videos=[str(clip)])
+    expected = generate(model, tokenizer, PROMPT, max_tokens=2 * C, seed=5, videos=[str(clip)])
     args = ["--model", str(chat_checkpoint), "--prompt", PROMPT, "--max-tokens", str(2 * C), "--seed", "5"]
     result = CliRunner().invoke(main, args + ["--video", str(clip), "--verbose"])
     assert result.exit_code == 0, result.output
@@ -250,7 +250,7 @@ def test_the_cli_answers_as_the_api(chat_checkpoint, clip):
     assert f"Prompt: {len(ids)} tokens" in result.output
     # The frames are seen (another rate, other frames, another answer), and frames given as images
     # at the clip's rate are the clip.
-    at_rate = generate(model, tokenizer, PROMPT, 2 * C, seed=5, videos=[str(clip)], video_fps=1.0)
+    at_rate = generate(model, tokenizer, PROMPT, max_tokens=2 * C, seed=5, videos=[str(clip)], video_fps=1.0)
     assert at_rate != expected
     fast = CliRunner().invoke(main, args + ["--video", str(clip), "--video-fps", "1"])
     assert fast.exit_code == 0 and fast.stdout == at_rate + "\n"
@@ -284,7 +284,7 @@ def client(tame_checkpoint, tmp_path_factory):
 def test_the_server_answers_as_the_api(client, tame_checkpoint, clip):
     openai_client, folder = client
     model, tokenizer = load(tame_checkpoint)
-    expected = generate(model, tokenizer, PROMPT, 2 * C, seed=5, videos=[str(clip)])
+    expected = generate(model, tokenizer, PROMPT, max_tokens=2 * C, seed=5, videos=[str(clip)])
     url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
     shutil.copyfile(clip, folder / "clip.mp4")
     for where in (url, "clip.mp4"):

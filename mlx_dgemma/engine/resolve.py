@@ -171,7 +171,7 @@ def prompt_ids(
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     parts = [{"type": "image"}] * images + [{"type": "video"}] * videos
     messages.append({"role": "user", "content": parts + [{"type": "text", "text": prompt}] if parts else prompt})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=think)
     return tokenizer.encode(place(text), add_special_tokens=False)
 
 
