@@ -616,3 +616,22 @@ def test_a_schema_llguidance_gives_up_on_within_its_shortest_answer_is_refused_b
     with pytest.raises(TemplateError, match=r"^the schema cannot be enforced: llguidance gave up on it") as caught:
         generate(*demo, "hello", schema=schema, policy="ar", max_tokens=64)
     assert "\n" not in str(caught.value)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
+def test_a_pattern_that_forces_millions_of_characters_is_refused_within_megabytes(demo):
+    """a{110} nested four deep forces 110**4 characters: llguidance's default lexer fuel builds ~440 MB
+    of them before the walk sees the cap; the walk's own fuel (closing.WALK_FUEL) stops it in a few."""
+    pattern = "^" + "(?:" * 4 + "a" + "{110})" * 4 + "$"
+    schema = {"type": "object", "required": ["code"], "properties": {"code": {"type": "string", "pattern": pattern}}}
+    compiled = grammar(demo, schema)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # (the peak resident set restarts from now)
+    baseline = _status_bytes("VmRSS")
+    with pytest.raises(TemplateError, match=f"shortest answer takes more than {CLOSING_CAP} tokens"):
+        check_closing_fits(compiled, demo[0].config.vocab_size, 256)
+    assert _status_bytes("VmHWM") - baseline < 64 << 20
