@@ -625,7 +625,7 @@ def _status_bytes(field: str) -> int:
 
 def test_a_pattern_that_forces_millions_of_characters_is_refused_within_megabytes(demo):
     """a{110} nested four deep forces 110**4 characters: llguidance's default lexer fuel builds ~440 MB
-    of them before the walk sees the cap; the walk's own fuel (closing.WALK_FUEL) stops it in a few."""
+    of them before the walk sees the cap; the walk's own fuel (closing.WALK_FUELS) stops it in a few."""
     pattern = "^" + "(?:" * 4 + "a" + "{110})" * 4 + "$"
     schema = {"type": "object", "required": ["code"], "properties": {"code": {"type": "string", "pattern": pattern}}}
     compiled = grammar(demo, schema)

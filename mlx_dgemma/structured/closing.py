@@ -271,16 +271,16 @@ def first_closing_path(grammar: Grammar, vocab: int) -> list[int] | None:
     """The closing path from the grammar's start, walked once per grammar (the server's default budget,
     the budget check and every row under it read it): the shorter of the walks on the grammar and on
     its required-only shape (the walk may write optional keys; that shape has none), the latter where
-    the grammar takes it. Each walk's matcher has ``WALK_FUEL`` of lexer work: a pattern that forces
-    millions of characters (a{110} nested four deep) stops the walk past ``CLOSING_CAP`` tokens,
+    the grammar takes it. Each walk's matcher has bounded lexer work (``WALK_FUELS``): a pattern that
+    forces millions of characters (a{110} nested four deep) stops the walk past ``CLOSING_CAP`` tokens,
     within megabytes, where llguidance's default would build hundreds. A ``TemplateError`` where
-    llguidance gives up on the grammar on the way."""
+    llguidance gives up on the grammar on the way, or on the path's first tokens taken as a row
+    takes them (``_replay``)."""
     cached = _FIRST_PATHS.get(grammar)
     if cached is None:
-        table, eos = closing_table(grammar, vocab), grammar.tokenizer.eos_token
-        path = closing_path(grammar.matcher(WALK_FUEL), table, eos, examples=grammar.examples)
+        path = _walk_from_start(grammar, vocab)
         if grammar.shortest is not None:
-            shortest = closing_path(grammar.matcher(WALK_FUEL, shortest=True), table, eos, examples=grammar.examples)
+            shortest = _walk_from_start(grammar, vocab, shortest=True)
             if shortest is not None and (path is None or len(shortest) < len(path)) and _ends(grammar, shortest):
                 path = shortest
         if path is not None:
@@ -289,9 +289,24 @@ def first_closing_path(grammar: Grammar, vocab: int) -> list[int] | None:
     return None if cached[0] is None else list(cached[0])
 
 
+def _walk_from_start(grammar: Grammar, vocab: int, shortest: bool = False) -> list[int] | None:
+    """``closing_path`` from the start of the grammar (``shortest``: of its required-only shape), on a
+    matcher with the first of ``WALK_FUELS``, then, where llguidance runs out of it, the next."""
+    table = closing_table(grammar, vocab)
+    for fuel in WALK_FUELS:
+        try:
+            return closing_path(
+                grammar.matcher(fuel, shortest), table, grammar.tokenizer.eos_token, examples=grammar.examples
+            )
+        except TemplateError as e:
+            if _OUT_OF_FUEL not in str(e) or fuel == WALK_FUELS[-1]:
+                raise
+    raise AssertionError("no fuel to walk with")
+
+
 def _ends(grammar: Grammar, path: list[int]) -> bool:
     """Whether ``path`` takes the grammar from its start to its end."""
-    matcher = grammar.matcher(WALK_FUEL)
+    matcher = grammar.matcher(WALK_FUELS[-1])
     return all(matcher.consume_token(t) for t in path) and matcher.is_stopped() and not matcher.is_error()
 
 
@@ -314,10 +329,13 @@ def _replay(grammar: Grammar, path: list[int], vocab: int) -> None:
 
 REPLAY_TOKENS = 32  # tokens of the path from the start taken at admission as a row takes them
 
-# Lexer work a walk from the start may take (llguidance's fuel: ~2.2 a forced character, ~0.25 kB
-# each): past CLOSING_CAP tokens of forced characters on a one-byte vocabulary, within ~8 MB. The
-# schemas of the tests walk within 4,000.
-WALK_FUEL = 30_000
+# Lexer work a walk from the start may take (llguidance's fuel, against its default of 1,000,000): first
+# 30,000, past CLOSING_CAP tokens of forced characters on a one-byte vocabulary (~2.2 fuel and ~0.25 kB
+# a character: a{110} nested four deep stops within ~7 MB); where that runs out, 200,000, for patterns
+# whose lexer states cost much fuel and little memory (^(a?){60}a{60}$ walks within ~92,000 and 1.3 MB).
+# The schemas of the tests otherwise walk within 4,000.
+WALK_FUELS = (30_000, 200_000)
+_OUT_OF_FUEL = "too many expressions constructed"  # (llguidance's words where its lexer fuel runs out)
 _FIRST_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
