@@ -46,7 +46,9 @@ class GrammarRule:
     model's token is taken only where a closing path after it is found that fits the room after it:
     the path held, where the token leaves it valid, else one walked from after the token within
     ``operations_limit`` matcher operations (a bounded cost per token). Otherwise the held path's
-    next token is taken instead. So an answer that fits its budget at the start always ends valid."""
+    next token is taken instead. So an answer that fits its budget at the start always ends valid.
+    No token that would close a key its object already has is allowed (``keys``: distinct_keys.py),
+    in the mask, in a proposal, or on a closing path."""
 
     def __init__(
         self, grammar: Grammar, vocab: int, max_tokens: int, temperature: float = 0.0, rng=None, filters: tuple = ()
