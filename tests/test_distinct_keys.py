@@ -18,7 +18,7 @@ from mlx_dgemma.structured.string_examples import match_count
 
 from .test_schema_grammar import grammar
 
-POLICIES = ["reference", "ar", "verified", "auto"]
+POLICIES = ["reference", "fast", "ar", "verified", "auto"]
 MAPS = {
     "pattern-map": {
         "type": "object",
