@@ -379,43 +379,40 @@ def test_what_no_grammar_enforces_is_refused_by_name(demo, schema, keyword):
 
 
 @pytest.mark.parametrize(
-    "schema, path, lower",
+    "schema",
     [
-        ({"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4}, "$", 1),
-        (
-            {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a"],
-                "minProperties": 3,
-            },
-            "$",
-            2,
-        ),  # (b may be left out, and the other keys repeat)
-        (
-            {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "patternProperties": {"^x": {}},
-                        "additionalProperties": False,
-                        "minProperties": 2,
-                    },
-                    {"type": "null"},
-                ]
-            },
-            "$.anyOf[0]",
-            1,
-        ),
+        {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4},
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "minProperties": 4,
+        },  # (two keys past the properties)
+        {
+            "anyOf": [
+                {"type": "object", "patternProperties": {"^x": {}}, "additionalProperties": False, "minProperties": 2},
+                {"type": "null"},
+            ]
+        },
     ],
 )
-def test_a_min_properties_that_repeated_keys_could_meet_is_refused_by_name(demo, schema, path, lower):
-    """llguidance lets a key of additionalProperties or patternProperties repeat: with minProperties 4,
-    {"color": "da", "name": "ada", "year": "rda", "color": "dda"} was an answer (three keys once parsed)."""
-    with pytest.raises(
-        TemplateError, match=rf"minProperties at {re.escape(path)} is .* lower minProperties to {lower}$"
-    ):
-        grammar(demo, schema)
+def test_a_min_properties_past_the_required_properties_is_met_by_distinct_keys(demo, schema):
+    """llguidance lets a key of additionalProperties or patternProperties repeat ({"color": "da",
+    "name": "ada", "year": "rda", "color": "dda"} met minProperties 4 with three keys once parsed); the
+    rule never closes a key its object has (distinct_keys.py), so the keys counted are distinct."""
+    model, tokenizer = demo
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 200)
+        while (
+            rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None
+            and not rule.done
+        ):
+            pass
+        text = tokenizer.decode_clean(rule.output)
+        pairs = json.loads(text, object_pairs_hook=list)
+        assert pairs is None or len(dict(pairs)) == len(pairs), text
+        validate(None if pairs is None else dict(pairs), schema)
 
 
 def test_a_min_properties_its_required_properties_meet_is_answered_with_as_many_keys(demo):
@@ -585,11 +582,13 @@ def test_where_llguidance_gives_up_mid_answer_no_answer_ends_as_if_whole(demo):
     """A pattern past llguidance's lexer limit: after some characters its mask allows only the end, the
     string open. The rule then takes its closing path's token, or fails by name; it never ends there."""
     model, tokenizer = demo
-    schema = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}
+    schema = {"type": "object", "properties": {"q": GIVES_UP}, "additionalProperties": False}
     for seed in range(3):
         rng = np.random.default_rng(seed)
         rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 300)
         try:
+            for token in tokenizer.encode('{"q": "', add_special_tokens=False):  # (the key the shortest answer skips)
+                rule.step(wanting(model.config.vocab_size, token))
             while (
                 rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None
                 and not rule.done
@@ -599,3 +598,40 @@ def test_where_llguidance_gives_up_mid_answer_no_answer_ends_as_if_whole(demo):
             assert "llguidance gave up on the schema mid-answer" in str(e) and "\n" not in str(e)
             continue
         validate(json.loads(tokenizer.decode_clean(rule.output)), schema)
+
+
+GIVES_UP = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}  # (at its first character)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        GIVES_UP,
+        {"type": "object", "required": ["q"], "properties": {"q": GIVES_UP}},
+        {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,40}\S+$"},  # (the walk takes "a" whole)
+    ],
+)
+def test_a_schema_llguidance_gives_up_on_within_its_shortest_answer_is_refused_before_any_forward(demo, schema):
+    """Its shortest answer's first tokens are taken at admission as a row takes them, masks and all."""
+    with pytest.raises(TemplateError, match=r"^the schema cannot be enforced: llguidance gave up on it") as caught:
+        generate(*demo, "hello", schema=schema, policy="ar", max_tokens=64)
+    assert "\n" not in str(caught.value)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
+def test_a_pattern_that_forces_millions_of_characters_is_refused_within_megabytes(demo):
+    """a{110} nested four deep forces 110**4 characters: llguidance's default lexer fuel builds ~440 MB
+    of them before the walk sees the cap; the walk's own fuel (closing.WALK_FUELS) stops it in a few."""
+    pattern = "^" + "(?:" * 4 + "a" + "{110})" * 4 + "$"
+    schema = {"type": "object", "required": ["code"], "properties": {"code": {"type": "string", "pattern": pattern}}}
+    compiled = grammar(demo, schema)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # (the peak resident set restarts from now)
+    baseline = _status_bytes("VmRSS")
+    with pytest.raises(TemplateError, match=f"shortest answer takes more than {CLOSING_CAP} tokens"):
+        check_closing_fits(compiled, demo[0].config.vocab_size, 256)
+    assert _status_bytes("VmHWM") - baseline < 64 << 20

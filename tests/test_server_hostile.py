@@ -699,8 +699,13 @@ def test_hostile_requests_keep_the_servers_memory_bounded(tmp_path, big_png):
         server.wait(10)
 
 
-# A schema llguidance gives up on in the worker's first steps (its lexer's limit on the pattern).
-GIVES_UP = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}
+# A schema llguidance gives up on in the worker's first steps (its lexer's limit on the pattern), once
+# the model writes the optional key that the shortest answer, checked at admission, leaves out.
+GIVES_UP = {
+    "type": "object",
+    "properties": {"q": {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}},
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize(
@@ -720,9 +725,7 @@ GIVES_UP = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\
             "/v1/messages",
             {
                 "max_tokens": 64,
-                "tools": [
-                    {"name": "f", "input_schema": {"type": "object", "required": ["s"], "properties": {"s": GIVES_UP}}}
-                ],
+                "tools": [{"name": "f", "input_schema": GIVES_UP}],
                 "tool_choice": {"type": "tool", "name": "f"},
             },
             None,
@@ -739,6 +742,65 @@ def test_a_row_that_fails_in_the_worker_ends_alone(server, client, path, body, p
     message = error.get("message") or error.get("error", {}).get("message") if isinstance(error, dict) else error
     assert status == 400 and "llguidance gave up on the schema mid-answer" in str(message), error
     assert "\n" not in str(message) and (param is None or error.get("param") == param), error
+
+
+# A schema llguidance gives up on at its first character: within its shortest answer, so at admission.
+GIVES_UP_AT_ONCE = {"type": "string", "maxLength": 5000, "pattern": r"^(?:\S+\s+){0,99}\S+$"}
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/api/chat", {"format": GIVES_UP_AT_ONCE, "stream": True}, None),  # (Ollama's error is its message alone)
+        (
+            "/v1/chat/completions",
+            {
+                "stream": True,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": GIVES_UP_AT_ONCE}},
+            },
+            "response_format",
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "hello",
+                "stream": True,
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": GIVES_UP_AT_ONCE}},
+            },
+            "text.format",
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 64,
+                "stream": True,
+                "tools": [
+                    {
+                        "name": "f",
+                        "input_schema": {"type": "object", "required": ["s"], "properties": {"s": GIVES_UP_AT_ONCE}},
+                    }
+                ],
+                "tool_choice": {"type": "tool", "name": "f"},
+            },
+            None,
+        ),  # (Anthropic's error shape names no field)
+    ],
+)
+def test_a_schema_llguidance_gives_up_on_at_once_is_a_400_before_any_stream(server, client, path, body, param):
+    """Streamed, the 400 comes instead of the stream (not a 200 and an error event): one JSON error in
+    one line, naming the API's schema field, and the server answers the next request."""
+    request = urllib.request.Request(
+        server + path, data=json.dumps({**ask("hello"), **body}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60).read()
+    assert caught.value.code == 400 and "text/event-stream" not in caught.value.headers.get("Content-Type", "")
+    error = json.loads(caught.value.read())
+    error = error.get("error", error)
+    message = error.get("message", error) if isinstance(error, dict) else error
+    assert "llguidance gave up on it" in str(message) and "\n" not in str(message), error
+    assert param is None or error.get("param") == param, error
+    assert_still_serving(client)
 
 
 @pytest.mark.parametrize(

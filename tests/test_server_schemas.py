@@ -273,16 +273,35 @@ def test_a_schema_is_compiled_once_and_its_hostile_pattern_is_never_backtracked(
     assert len(compiled) == 1
 
 
-def test_a_min_properties_repeated_keys_could_meet_is_a_400_naming_response_format(openai_client):
+def test_a_min_properties_is_met_by_distinct_keys_over_http(openai_client):
+    """A map of at least 4 entries: answered, each key once (json.loads would keep one of two)."""
     schema = {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 4}
+    reply = openai_client.completions.create(
+        model=MODEL_ID,
+        prompt="json: color name year",
+        max_tokens=64,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "m", "schema": schema}}},
+    )
+    pairs = json.loads(reply.choices[0].text, object_pairs_hook=list)
+    assert len(pairs) >= 4 and len(dict(pairs)) == len(pairs), reply.choices[0].text
+
+
+def test_a_min_properties_past_the_names_its_keys_can_take_is_a_400_naming_response_format(openai_client):
+    schema = {
+        "type": "object",
+        "patternProperties": {"^[ab]$": {"type": "string"}},
+        "additionalProperties": False,
+        "minProperties": 3,
+    }
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.completions.create(
             model=MODEL_ID,
-            prompt="json: color name year",
+            prompt="json: a b",
             max_tokens=64,
             extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "m", "schema": schema}}},
         )
-    assert caught.value.body["param"] == "response_format" and "minProperties at $ is 4" in caught.value.body["message"]
+    assert caught.value.body["param"] == "response_format"
+    assert "minProperties at $ is 3, but its keys can take only 2 distinct names" in caught.value.body["message"]
 
 
 @pytest.mark.parametrize("parameters", [{"type": "integer"}, {"properties": {"a": {"type": "string"}}}])

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import TemplateError
 from ..structured.closing import CLOSING_CAP, Operations, closing_path, closing_table, first_closing_path, whole_json
+from ..structured.distinct_keys import KeyTracker
 from ..structured.grammar import Grammar, allowed_tokens, single_line
 from .filters import sampling_probs
 
@@ -45,7 +46,9 @@ class GrammarRule:
     model's token is taken only where a closing path after it is found that fits the room after it:
     the path held, where the token leaves it valid, else one walked from after the token within
     ``operations_limit`` matcher operations (a bounded cost per token). Otherwise the held path's
-    next token is taken instead. So an answer that fits its budget at the start always ends valid."""
+    next token is taken instead. So an answer that fits its budget at the start always ends valid.
+    No token that would close a key its object already has is allowed (``keys``: distinct_keys.py),
+    in the mask, in a proposal, or on a closing path."""
 
     def __init__(
         self, grammar: Grammar, vocab: int, max_tokens: int, temperature: float = 0.0, rng=None, filters: tuple = ()
@@ -66,7 +69,9 @@ class GrammarRule:
         self.digits = 0  # the answer's trailing digits
         self.longest_digits = int(self.table.digits.max())  # (the most one token adds)
         self.done = False
-        self._allowed: np.ndarray | None = None  # the mask now, once computed
+        self.keys = KeyTracker()  # the keys of the answer's open objects: none is written twice
+        self._allowed: np.ndarray | None = None  # the grammar's mask now, once computed
+        self._distinct: np.ndarray | None = None  # ...less the tokens that would repeat a key
 
     @property
     def room(self) -> int:
@@ -84,11 +89,13 @@ class GrammarRule:
     def _mask(self) -> np.ndarray:
         if self._allowed is None:
             self._allowed = allowed_tokens(self.matcher, self.vocab)
+        if self._distinct is None:
+            self._distinct = self.table.distinct(self._allowed, self.keys)
         if self.digits + self.longest_digits > MAX_DIGITS:
-            fewer = self._allowed & (self.digits + self.table.digits <= MAX_DIGITS)
+            fewer = self._distinct & (self.digits + self.table.digits <= MAX_DIGITS)
             if fewer.any():
                 return fewer
-        return self._allowed
+        return self._distinct
 
     def _emit(self, token: int) -> int:
         """Take ``token``, or where llguidance gives up after it, the first token of a closing path
@@ -113,7 +120,8 @@ class GrammarRule:
         text = self.table.tokenizer.decode_bytes([token])
         trailing = len(text) - len(text.rstrip(b"0123456789"))
         self.digits = self.digits + trailing if text and trailing == len(text) else trailing
-        self.matcher, self._allowed = after, mask
+        self.matcher, self._allowed, self._distinct = after, mask, None
+        self.keys.feed(text)
         self.output.append(token)
         self.done = self.matcher.is_stopped() or len(self.output) >= self.max_tokens
         return token
@@ -154,12 +162,19 @@ class GrammarRule:
             return None
         if self.stops[token]:
             return [] if after.is_stopped() else None
+        keys = self.keys.copy()
+        keys.feed(self.table.text(token))
         if len(self.path) <= room:
             held = after.deep_copy()
             operations.spend()
-            if held.consume_tokens(self.path) and held.is_stopped() and not held.is_error():
+            if (
+                held.consume_tokens(self.path)
+                and held.is_stopped()
+                and not held.is_error()
+                and not keys.repeats(self.table.tokenizer.decode_bytes(self.path))
+            ):
                 return list(self.path)
-        return self._walk(after, token, room, operations)
+        return self._walk(after, token, room, operations, keys)
 
     def _walk(
         self,
@@ -167,6 +182,7 @@ class GrammarRule:
         token: int | None = None,
         cap: int = CLOSING_CAP,
         operations: Operations | None = None,
+        keys: KeyTracker | None = None,
     ) -> list[int] | None:
         written = self.table.tokenizer.decode_bytes(self.output + ([] if token is None else [token]))
         try:
@@ -178,6 +194,7 @@ class GrammarRule:
                 self.examples,
                 written,
                 operations or Operations(self.operations_limit),
+                self.keys if keys is None else keys,
             )
         except TemplateError:  # llguidance gave up on the way out from here
             return None

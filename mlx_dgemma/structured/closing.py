@@ -16,6 +16,7 @@ import llguidance
 import numpy as np
 
 from ..errors import TemplateError
+from .distinct_keys import KeyTracker, drop_repeats
 from .grammar import Grammar, allowed_tokens, single_line
 
 CLOSING_CAP = 8192  # tokens a closing path may take before it counts as endless
@@ -28,15 +29,25 @@ class ClosingTable:
     down, they start more; separators a little down: an object's required keys need them, an
     array's ] beats them), ``marks``, the ids of single ASCII punctuation characters, ``same``,
     each id's first id with the same text (a walk that repeats a text repeats it under any id),
-    ``closes``, the brackets each closes less those it opens, and ``digits``, each token's leading ASCII
-    digits; ``tokenizer`` is whose vocabulary it is."""
+    ``closes``, the brackets each closes less those it opens, ``digits``, each token's leading ASCII
+    digits, ``quotes``, its count of ``"`` (distinct_keys.drop_repeats), and ``first``, its first byte
+    (-1: none); ``tokenizer`` is whose vocabulary it is."""
 
     scores: np.ndarray
     marks: np.ndarray
     same: np.ndarray
     closes: np.ndarray
     digits: np.ndarray
+    quotes: np.ndarray
+    first: np.ndarray
     tokenizer: llguidance.LLTokenizer
+
+    def text(self, token: int) -> bytes:
+        return self.tokenizer.decode_bytes([token])
+
+    def distinct(self, allowed: np.ndarray, keys: KeyTracker) -> np.ndarray:
+        """``allowed`` less the tokens that would close a key already in its object."""
+        return drop_repeats(allowed, keys, self.quotes, self.text)
 
 
 _CLOSING_TABLES: dict[int, tuple] = {}
@@ -57,7 +68,7 @@ def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
         ord(","): -1.0,
     }
     scores, marks, same, closes, first = np.full(vocab, -10.0), [], np.arange(vocab), np.zeros(vocab), {}
-    digits = np.zeros(vocab, dtype=np.int64)
+    digits, quotes, firsts = np.zeros(vocab, dtype=np.int64), np.zeros(vocab, dtype=np.int64), np.full(vocab, -1)
     for i in range(vocab):
         if grammar.tokenizer.is_special_token(i) or not (text := grammar.tokenizer.decode_bytes([i])):
             continue
@@ -65,9 +76,12 @@ def closing_table(grammar: Grammar, vocab: int) -> ClosingTable:
         same[i] = first.setdefault(text, i)
         closes[i] = text.count(b"}") + text.count(b"]") - text.count(b"{") - text.count(b"[")
         digits[i] = len(text) - len(text.lstrip(b"0123456789"))
+        quotes[i], firsts[i] = text.count(b'"'), text[0]
         if len(text) == 1 and chr(text[0]) in string.punctuation:
             marks.append(i)
-    table = ClosingTable(scores, np.array(marks, dtype=np.int64), same, closes, digits, grammar.tokenizer)
+    table = ClosingTable(
+        scores, np.array(marks, dtype=np.int64), same, closes, digits, quotes, firsts, grammar.tokenizer
+    )
     _CLOSING_TABLES[id(grammar.tokenizer)] = (grammar.tokenizer, table)
     return table
 
@@ -106,32 +120,46 @@ def closing_path(
     examples: tuple[tuple[int, ...], ...] = (),
     written: bytes = b"",
     operations: Operations | None = None,
+    keys: KeyTracker | None = None,
 ) -> list[int] | None:
     """The tokens that take ``matcher`` (unchanged: a copy walks) to the grammar's end: forced ones,
     the end as soon as it is allowed, the first of ``examples`` (Grammar.examples) the grammar takes
     where a string cannot end yet, else ``_narrowest``'s pick. A token picked lately scores less
     (by ``REPEAT_PENALTY``, fading by ``REPEAT_FADE`` a token), so a walk caught in a loop tries the
     other ways out while one that closes a string every few tokens still closes it with a quote.
-    None when the walk takes more than ``cap`` tokens or ``operations`` past their limit; a
-    ``TemplateError`` when llguidance gives up on the schema on the way (it refuses a token its own
-    mask allowed, or allows the end where the answer, ``written`` so far and the path, is not whole
-    JSON: its lexer gave up on a pattern)."""
+    No token closes a key already in its object (``keys``: where ``written`` left the answer's
+    objects, distinct_keys.py), and inside a key one that heads for such a key scores less.
+    None when the walk takes more than ``cap`` tokens, ``operations`` past their limit, or reaches a
+    state where only a repeated key could follow; a ``TemplateError`` when llguidance gives up on the
+    schema on the way (it refuses a token its own mask allowed, errs after one, or allows the end
+    where the answer, ``written`` so far and the path, is not whole JSON: its lexer gave up on a
+    pattern)."""
+    if keys is None:
+        keys = KeyTracker()
+        keys.feed(written)
     try:
-        return _walk_out(matcher, table, eos, cap, examples, written, operations or Operations())
+        return _walk_out(matcher, table, eos, cap, examples, written, operations or Operations(), keys.copy())
     except _Spent:
         return None
 
 
 def _walk_out(
-    matcher, table: ClosingTable, eos: int, cap: int, examples, written: bytes, operations: Operations
+    matcher, table: ClosingTable, eos: int, cap: int, examples, written: bytes, operations: Operations, keys
 ) -> list[int] | None:
     walker, path, recent, seen = matcher.deep_copy(), [], np.zeros(len(table.scores)), {}
     quotes = table.scores == 2  # a lone quote: a string's end
     while not walker.is_stopped():
         operations.spend()
         forced = walker.compute_ff_tokens()
+        _check_alive(walker)
+        if len(path) + len(forced) > cap:
+            return None
+        if forced and keys.repeats(table.tokenizer.decode_bytes(forced)):
+            return None  # the grammar forces a key already written: no way on from here
         if not forced:
-            allowed = allowed_tokens(walker, len(table.scores))
+            allowed = table.distinct(allowed_tokens(walker, len(table.scores)), keys)
+            if not allowed.any():
+                return None
             if allowed[eos]:
                 if not whole_json(written + table.tokenizer.decode_bytes(path)):
                     raise TemplateError(
@@ -141,27 +169,44 @@ def _walk_out(
                 forced = [eos]
             elif examples and not (allowed & quotes).any():
                 operations.spend(len(examples))
-                forced = next((list(e) for e in examples if walker.validate_tokens(list(e)) == len(e)), [])
+                forced = next(
+                    (
+                        list(e)
+                        for e in examples
+                        if walker.validate_tokens(list(e)) == len(e)
+                        and not keys.repeats(table.tokenizer.decode_bytes(list(e)))
+                    ),
+                    [],
+                )
             if not forced:
-                forced = [
-                    _narrowest(
-                        walker, np.where(allowed, table.scores - recent[table.same], -np.inf), table, seen, operations
-                    )
-                ]
+                scores = table.scores - recent[table.same]
+                if heading := keys.continuing():
+                    scores = scores - KEY_PENALTY * np.isin(table.first, list(heading))
+                forced = [_narrowest(walker, np.where(allowed, scores, -np.inf), table, seen, operations)]
                 recent[table.same[forced[0]]] += REPEAT_PENALTY
         if len(path) + len(forced) > cap:
             return None
         if not all(walker.consume_token(t) for t in forced):
             reason = walker.get_error().split("\n")[0] if walker.is_error() else "it refused its own forced tokens"
             raise TemplateError(f"the schema cannot be enforced: llguidance gave up on it: {single_line(reason)}")
+        _check_alive(walker)
+        keys.feed(table.tokenizer.decode_bytes(forced))
         path.extend(forced)
         recent *= REPEAT_FADE ** len(forced)
     return path
 
 
+def _check_alive(walker: llguidance.LLMatcher) -> None:
+    """A ``TemplateError`` where llguidance has given up on the grammar (its lexer's limits on a pattern)."""
+    if walker.is_error():
+        reason = walker.get_error().split("\n")[0]
+        raise TemplateError(f"the schema cannot be enforced: llguidance gave up on it: {single_line(reason)}")
+
+
 REPEAT_PENALTY = 1.0  # score a picked token loses on the closing path...
 REPEAT_FADE = 0.8  # ...fading by this factor a token: one picked at every token loses 5 points
 FORCED_WEIGHT = 1.0  # score a choice loses per bracket the tokens it forces open
+KEY_PENALTY = 4.0  # score a token loses inside a key where it continues a key of its object
 
 
 def _narrowest(
@@ -226,30 +271,71 @@ def first_closing_path(grammar: Grammar, vocab: int) -> list[int] | None:
     """The closing path from the grammar's start, walked once per grammar (the server's default budget,
     the budget check and every row under it read it): the shorter of the walks on the grammar and on
     its required-only shape (the walk may write optional keys; that shape has none), the latter where
-    the grammar takes it."""
+    the grammar takes it. Each walk's matcher has bounded lexer work (``WALK_FUELS``): a pattern that
+    forces millions of characters (a{110} nested four deep) stops the walk past ``CLOSING_CAP`` tokens,
+    within megabytes, where llguidance's default would build hundreds. A ``TemplateError`` where
+    llguidance gives up on the grammar on the way, or on the path's first tokens taken as a row
+    takes them (``_replay``)."""
     cached = _FIRST_PATHS.get(grammar)
     if cached is None:
-        table, eos = closing_table(grammar, vocab), grammar.tokenizer.eos_token
-        matcher = grammar.matcher()
-        path = closing_path(matcher, table, eos, examples=grammar.examples)
+        path = _walk_from_start(grammar, vocab)
         if grammar.shortest is not None:
-            shortest = closing_path(
-                llguidance.LLMatcher(grammar.tokenizer, grammar.shortest, log_level=0),
-                table,
-                eos,
-                examples=grammar.examples,
-            )
-            if (
-                shortest is not None
-                and (path is None or len(shortest) < len(path))
-                and all(matcher.consume_token(t) for t in shortest)
-                and matcher.is_stopped()
-            ):
+            shortest = _walk_from_start(grammar, vocab, shortest=True)
+            if shortest is not None and (path is None or len(shortest) < len(path)) and _ends(grammar, shortest):
                 path = shortest
+        if path is not None:
+            _replay(grammar, path, vocab)
         cached = _FIRST_PATHS[grammar] = (path,)
     return None if cached[0] is None else list(cached[0])
 
 
+def _walk_from_start(grammar: Grammar, vocab: int, shortest: bool = False) -> list[int] | None:
+    """``closing_path`` from the start of the grammar (``shortest``: of its required-only shape), on a
+    matcher with the first of ``WALK_FUELS``, then, where llguidance runs out of it, the next."""
+    table = closing_table(grammar, vocab)
+    for fuel in WALK_FUELS:
+        try:
+            return closing_path(
+                grammar.matcher(fuel, shortest), table, grammar.tokenizer.eos_token, examples=grammar.examples
+            )
+        except TemplateError as e:
+            if _OUT_OF_FUEL not in str(e) or fuel == WALK_FUELS[-1]:
+                raise
+    raise AssertionError("no fuel to walk with")
+
+
+def _ends(grammar: Grammar, path: list[int]) -> bool:
+    """Whether ``path`` takes the grammar from its start to its end."""
+    matcher = grammar.matcher(WALK_FUELS[-1])
+    return all(matcher.consume_token(t) for t in path) and matcher.is_stopped() and not matcher.is_error()
+
+
+def _replay(grammar: Grammar, path: list[int], vocab: int) -> None:
+    """A ``TemplateError`` where llguidance gives up within the first ``REPLAY_TOKENS`` tokens of
+    ``path`` taken as a row takes them: on the grammar's own matcher, its mask computed before each
+    (the walk takes an example or forced tokens whole, without the masks inside them, which are
+    where its lexer runs past its limits on a pattern such as ^(?:\\S+\\s+){0,40}\\S+$)."""
+    matcher = grammar.matcher()
+    for i, token in enumerate(path[:REPLAY_TOKENS]):
+        if not matcher.is_error():
+            allowed_tokens(matcher, vocab)
+        if matcher.is_error() or not matcher.consume_token(token) or matcher.is_error():
+            reason = single_line(matcher.get_error().partition("\n")[0]) if matcher.is_error() else "a refused token"
+            raise TemplateError(
+                f"the schema cannot be enforced: llguidance gave up on it {i + 1} tokens into its shortest "
+                f"answer ({reason}); simplify its patterns"
+            )
+
+
+REPLAY_TOKENS = 32  # tokens of the path from the start taken at admission as a row takes them
+
+# Lexer work a walk from the start may take (llguidance's fuel, against its default of 1,000,000): first
+# 30,000, past CLOSING_CAP tokens of forced characters on a one-byte vocabulary (~2.2 fuel and ~0.25 kB
+# a character: a{110} nested four deep stops within ~7 MB); where that runs out, 200,000, for patterns
+# whose lexer states cost much fuel and little memory (^(a?){60}a{60}$ walks within ~92,000 and 1.3 MB).
+# The schemas of the tests otherwise walk within 4,000.
+WALK_FUELS = (30_000, 200_000)
+_OUT_OF_FUEL = "too many expressions constructed"  # (llguidance's words where its lexer fuel runs out)
 _FIRST_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import TemplateError
 from .schema_rewrite import required_only, rewrite
-from .string_examples import string_examples
+from .string_examples import match_count, string_examples
 
 # Compact JSON, laid out as the templates lay it out ({"a": 1, "b": [2, 3]}): no free whitespace a
 # small model could loop in, and the separators the model saw in training.
@@ -48,8 +48,14 @@ class Grammar:
     shortest: str | None = None
     examples: tuple[tuple[int, ...], ...] = ()
 
-    def matcher(self) -> llguidance.LLMatcher:
-        return llguidance.LLMatcher(self.tokenizer, self.text, log_level=0)
+    def matcher(self, fuel: int | None = None, shortest: bool = False) -> llguidance.LLMatcher:
+        """A fresh matcher of the grammar (``shortest``: of its required-only shape); ``fuel`` bounds
+        the lexer's work over the matcher's life (llguidance's ``initial_lexer_fuel``; None: its
+        default of 1,000,000, about 500 MB of forced characters)."""
+        limits = None if fuel is None else llguidance.LLParserLimits(initial_lexer_fuel=fuel)
+        return llguidance.LLMatcher(
+            self.tokenizer, self.shortest if shortest else self.text, log_level=0, limits=limits
+        )
 
 
 def grammar_tokenizer(tokenizer, vocab: int, stop_ids: list[int]) -> llguidance.LLTokenizer:
@@ -142,8 +148,8 @@ def _shortest_grammar(schema, llt: llguidance.LLTokenizer) -> str | None:
 def _check_shape(schema) -> None:
     """Refuse, before compiling, an enum of more than ``MAX_CHOICES`` values, JSON nested deeper than
     ``MAX_NESTING`` (llguidance's compiler would give up on it with a recursion error), a
-    ``minProperties`` that repeated keys could meet (``_check_distinct_keys``) and a ``$ref`` that leads
-    back to itself (``_check_ref_loops``)."""
+    ``minProperties`` more than its keys' names (``_check_key_space``) and a ``$ref`` that leads back
+    to itself (``_check_ref_loops``)."""
     stack, refs = [(schema, "$", 0, False)], []
     while stack:
         node, path, depth, value = stack.pop()  # (value: inside an enum, const, default or example)
@@ -157,7 +163,7 @@ def _check_shape(schema) -> None:
                     "takes; use a pattern or fewer values"
                 )
             if not value:
-                _check_distinct_keys(node, path)
+                _check_key_space(node, path)
                 if isinstance(node.get("$ref"), str):
                     refs.append((path, node["$ref"]))
             stack.extend(
@@ -175,23 +181,29 @@ def _check_shape(schema) -> None:
 _VALUES = ("enum", "const", "default", "examples")  # keywords whose values are JSON, not schemas
 
 
-def _check_distinct_keys(schema: dict, path: str) -> None:
-    """llguidance writes each of an object's ``properties`` at most once but lets a key of
-    ``additionalProperties`` or ``patternProperties`` repeat ({"a": 1, "a": 2} parses to one key): a
-    ``minProperties`` is met for certain only by the required properties and one key more."""
+def _check_key_space(schema: dict, path: str) -> None:
+    """An object's keys are distinct (distinct_keys.py), so a ``minProperties`` needs as many names:
+    refuse one larger than the names its keys can take, where those are finitely many (its
+    ``properties``, and with ``additionalProperties`` false, the strings its ``patternProperties``
+    match, counted by ``string_examples.match_count``)."""
     least, kind = schema.get("minProperties"), schema.get("type", "object")
     if not isinstance(least, int) or least <= 1 or "object" not in (kind if isinstance(kind, list) else [kind]):
         return
-    if schema.get("additionalProperties") is False and not schema.get("patternProperties"):
-        return  # every key is one of its properties
+    if schema.get("additionalProperties", True) is not False:
+        return  # any other key may be written
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
-    distinct = len({k for k in required if isinstance(k, str) and k in properties})
-    if least > distinct + 1:
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    names = len(properties)
+    for pattern in patterns:
+        count = match_count(pattern)
+        if count is None:
+            return
+        names += count
+    if least > names:
         raise TemplateError(
-            f"minProperties at {path} is {least}, but keys past its required properties may repeat "
-            f"(llguidance does not keep them distinct) and parse to fewer; make {least - 1} of its keys "
-            f"required properties, or lower minProperties to {distinct + 1}"
+            f"minProperties at {path} is {least}, but its keys can take only {names} distinct names "
+            f"({len(properties)} properties, and what its patternProperties match); lower minProperties to "
+            f"{names}, or allow more keys"
         )
 
 

@@ -221,3 +221,83 @@ def _in_class(c: str, items) -> bool:
         if op not in (sre.LITERAL, sre.RANGE, sre.CATEGORY):
             raise _Unsupported(op)
     return False
+
+
+MANY = 1 << 32  # a count of matches past any minProperties a schema can ask for
+
+
+def match_count(pattern: str) -> int | None:
+    """How many strings ``pattern`` matches at most (searched, as JSON Schema reads a pattern: only
+    one anchored at both ends, or an alternation of such, matches finitely many), counted on its
+    parse tree (an alternation's branches summed, so overlapping ones count twice), at most
+    ``MANY``; None where it matches without bound or uses what this does not follow."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            parsed = sre_parse.parse(pattern)
+            if parsed.state.flags & _FOLDING:
+                return None
+            items = list(parsed)
+            while len(items) == 1 and items[0][0] is sre.SUBPATTERN and not items[0][1][1] & _FOLDING:
+                items = list(items[0][1][3])
+            if len(items) == 1 and items[0][0] is sre.BRANCH:
+                return min(MANY, sum(_anchored_count(list(branch)) for branch in items[0][1][1]))
+            return _anchored_count(items)
+        except (re.error, _Unsupported, RecursionError, OverflowError, ValueError):
+            return None
+
+
+def _anchored_count(items: list) -> int:
+    if len(items) < 2 or (items[0][0], items[-1][0]) != (sre.AT, sre.AT):
+        raise _Unsupported("not anchored at both ends")
+    if items[0][1] not in _STARTS or items[-1][1] not in _ENDS:
+        raise _Unsupported("not anchored at both ends")
+    return _count_sequence(items[1:-1])
+
+
+def _count_sequence(items) -> int:
+    count = 1
+    for op, arg in items:
+        count = min(MANY, count * _count_node(op, arg))
+    return count
+
+
+def _count_node(op, arg) -> int:
+    if op is sre.LITERAL:
+        return 1
+    if op is sre.IN and not (arg and arg[0][0] is sre.NEGATE):
+        count = 0
+        for kind, value in arg:
+            if kind is sre.LITERAL:
+                count += 1
+            elif kind is sre.RANGE:
+                count += value[1] - value[0] + 1
+            else:
+                raise _Unsupported(kind)  # (a category: \d may be any Unicode digit)
+        return count
+    if op is sre.BRANCH:
+        return min(MANY, sum(_count_sequence(branch) for branch in arg[1]))
+    if op is sre.SUBPATTERN:
+        if arg[1] & _FOLDING:
+            raise _Unsupported("case folding")
+        return _count_sequence(arg[3])
+    if op in _REPEATS:
+        low, high, item = arg
+        each = _count_sequence(item)
+        if each == 0:
+            return 0 if low else 1
+        if high is sre.MAXREPEAT or high == sre.MAXREPEAT:
+            raise _Unsupported("unbounded")
+        if each == 1:  # (one text, repeated: a length each)
+            return min(MANY, high - low + 1)
+        power = 1
+        for _ in range(min(low, 64)):  # (2**64 is past MANY)
+            power = min(MANY, power * each)
+        total = 0
+        for _ in range(low, high + 1):
+            total = min(MANY, total + power)
+            if total >= MANY:
+                break
+            power = min(MANY, power * each)
+        return total
+    raise _Unsupported(op)
