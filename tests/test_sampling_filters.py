@@ -181,7 +181,7 @@ def test_penalties_under_ar_are_mlx_lms(demo, penalty):
 @pytest.mark.parametrize("policy", ["reference", "fast", "verified", "auto"])
 def test_a_penalty_outside_ar_is_refused(demo, policy):
     with pytest.raises(ValueError, match=r"^frequency_penalty applies to autoregressive decoding only \(policy ar\)"):
-        generate(*demo, PROMPT, 8, policy=policy, frequency_penalty=0.5)
+        generate(*demo, PROMPT, max_tokens=8, policy=policy, frequency_penalty=0.5)
 
 
 def test_a_template_samples_under_diffusion_and_is_refused_a_temperature_under_ar(demo):
@@ -223,6 +223,6 @@ def test_the_cli_takes_mlx_lms_flags():
         assert greedy.exit_code == top_1.exit_code == nucleus.exit_code == 0, top_1.output
         assert greedy.output == top_1.output == nucleus.output
         # (a fresh model, as the command loads: verified drafts by the model's running acceptance estimate)
-        want = generate(*load(DEMO_MODEL), PROMPT, 32, seed=2, policy=policy, temperature=1.7, min_p=0.1)
+        want = generate(*load(DEMO_MODEL), PROMPT, max_tokens=32, seed=2, policy=policy, temperature=1.7, min_p=0.1)
         got = CliRunner().invoke(main, prompt + ["--policy", policy, "--temp", "1.7", "--min-p", "0.1"])
         assert got.output == want + "\n"
