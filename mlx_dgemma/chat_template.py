@@ -26,7 +26,12 @@ class RenderLimit:
 
 
 class RenderLimitError(Exception):
-    """A render that ran past its deadline or grew past its characters."""
+    """A render that ran past its deadline or grew past its characters (``size``: the text that did;
+    None for the deadline)."""
+
+    def __init__(self, message: str, size: int | None = None):
+        super().__init__(message)
+        self.size = size
 
 
 _budget = threading.local()  # the render running on this thread: its deadline and characters
@@ -41,7 +46,7 @@ def _check_time() -> None:
 def _check_size(size: int) -> None:
     limit = getattr(_budget, "limit", None)
     if limit is not None and size > limit.chars:
-        raise RenderLimitError(f"rendering grew a text of {size:,} characters, past the {limit.chars:,} allowed")
+        raise RenderLimitError(f"rendering grew a text of {size:,} characters, past the {limit.chars:,} allowed", size)
 
 
 def _sized(value) -> int:

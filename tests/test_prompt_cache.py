@@ -122,7 +122,9 @@ def test_a_prompt_cache_must_leave_the_prompt_an_id_and_cannot_come_with_images(
     prefill(model, mx.array(ids), whole)
     with pytest.raises(ValueError, match=f"holds {len(ids)} ids of a {len(ids)}-id prompt; at least its last id"):
         generate(model, tokenizer, ids, prompt_cache=whole)
-    with pytest.raises(ValueError, match="give the images or a prompt cache that already holds them, not both"):
+    with pytest.raises(
+        ValueError, match="give the images and videos or a prompt cache that already holds them, not both"
+    ):
         generate(model, tokenizer, ids, prompt_cache=model.make_cache(), images=["x.png"])
 
 

@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 
 from .. import validate
-from ..chat_template import RenderLimit
+from ..chat_template import RenderLimit, RenderLimitError
 from ..engine.resolve import answer_room, check_prompt_fits, generation_config, resolve
 from ..errors import PromptError
 from ..model.images import Frame, ImageError, ImageInputs, decode_image, image_inputs, open_image_url
@@ -260,11 +260,12 @@ class Reader:
                 status=404,
             )
 
-    def check_length(self, chars: int, what: str, param: str) -> None:
-        """Refuse text that cannot fit the context before it is rendered or tokenized."""
+    def check_length(self, chars: int, what: str, param: str, at_least: bool = False) -> None:
+        """Refuse text that cannot fit the context before it is rendered or tokenized (``at_least``: a
+        render stopped at ``chars``)."""
         if chars > self.max_text_chars:
             raise BadRequest(
-                f"{what} is {chars} characters: more than the model's context of {self.context} "
+                f"{what} is {'at least ' * at_least}{chars} characters: more than the model's context of {self.context} "
                 f"tokens can hold (at most {self.max_text_chars})",
                 param=param,
                 code="context_length_exceeded",
@@ -414,6 +415,9 @@ class Reader:
                 **{**self.chat_template_args, "enable_thinking": think},
                 **extra,
             )
+        except RenderLimitError as e:  # its deadline, or a text past what the context can hold
+            self.check_length(e.size or 0, "the prompt the chat template renders", "messages", at_least=True)
+            raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         except Exception as e:  # the template's own raise_exception, or messages it cannot render
             raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
         self.check_length(len(text), "the prompt the chat template renders", "messages")  # before tokenizing it
