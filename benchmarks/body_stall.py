@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from server_load import free_port, start_server  # noqa: E402
+from server_load import free_port, longest_health, start_server  # noqa: E402
 from starlette.responses import JSONResponse  # noqa: E402
 
 from mlx_dgemma.server.body import json_reply  # noqa: E402
@@ -41,21 +41,6 @@ def body(kind: str, mib: int) -> bytes:
     item = KINDS[kind]
     items = ",".join([item] * (size // (len(item) + 1)))
     return f'{{"prompt": [{items}], "max_tokens": 1}}'.encode()
-
-
-def longest_health(url: str, done: threading.Event) -> list[float]:
-    worst = [0.0]
-
-    def poll():
-        while not done.is_set():
-            start = time.perf_counter()
-            urllib.request.urlopen(url + "/health", timeout=60).read()
-            worst[0] = max(worst[0], time.perf_counter() - start)
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    return worst
 
 
 def reply_waits() -> None:

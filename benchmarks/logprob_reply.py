@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
-from server_load import free_port, start_server  # noqa: E402
+from server_load import free_port, longest_health, start_server  # noqa: E402
 
 from mlx_dgemma.engine.scoring import MAX_TOP_LOGPROBS  # noqa: E402
 from mlx_dgemma.server.jobs import MAX_PROMPTS  # noqa: E402
@@ -45,20 +45,6 @@ def rss_mb(pid: int) -> float:
     import subprocess
 
     return int(subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True).stdout) / 1024
-
-
-def worst_health(url: str, done: threading.Event) -> list[float]:
-    worst = [0.0]
-
-    def poll():
-        while not done.is_set():
-            start = time.perf_counter()
-            urllib.request.urlopen(url + "/health", timeout=60).read()
-            worst[0] = max(worst[0], time.perf_counter() - start)
-            time.sleep(0.01)
-
-    threading.Thread(target=poll, daemon=True).start()
-    return worst
 
 
 def post(url: str, body: dict) -> tuple[int, int]:
@@ -103,7 +89,7 @@ def main() -> None:
         print(f"{'round':>5} {'logprobs':>9} {'reply MB':>9} {'s':>6} {'/health max s':>14} {'RSS after MB':>13}")
         for round in range(1, args.rounds + 1):
             done = threading.Event()
-            worst = worst_health(url, done)
+            worst = longest_health(url, done)
             start = time.perf_counter()
             status, size = post(url, body)
             seconds = time.perf_counter() - start

@@ -24,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,21 @@ def start_server(model: str | None, port: int, timeout: float = 120) -> subproce
             time.sleep(0.2)
     process.terminate()
     raise SystemExit(f"the server did not answer within {timeout:.0f} s")
+
+
+def longest_health(url: str, done: threading.Event) -> list[float]:
+    """Poll ``/health`` until ``done``: the one-item list holds the longest answer's seconds so far."""
+    worst = [0.0]
+
+    def poll():
+        while not done.is_set():
+            start = time.perf_counter()
+            urllib.request.urlopen(url + "/health", timeout=60).read()
+            worst[0] = max(worst[0], time.perf_counter() - start)
+            time.sleep(0.01)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return worst
 
 
 def request(url: str, prompt: str, seed: int, max_tokens: int, policy: str = "reference") -> tuple[float, int]:

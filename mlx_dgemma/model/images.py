@@ -249,6 +249,26 @@ def _check_size(image, name: str) -> None:
         )
 
 
+def data_url_payload(url: str, kind: str, example: str, folder, error: type[ValueError]) -> bytes | None:
+    """The bytes of a ``data:KIND/...;base64,`` URL; None for a local path to read under ``folder``. A
+    remote URL, a local path where ``folder`` is None, or a damaged data URL is an ``error`` saying so."""
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if not header.startswith(f"data:{kind}/") or ";base64" not in header:
+            raise error(
+                f"{'an' if kind == 'image' else 'a'} {kind} data URL must look like data:{kind}/{example};base64,..."
+            )
+        try:
+            return base64.b64decode(payload, validate=True)
+        except binascii.Error:
+            raise error(f"the {kind} data URL's base64 payload is damaged") from None
+    if url.startswith(("http://", "https://")):
+        raise error(f"remote {kind} URLs are not fetched ({url[:60]}); send the {kind} as a data URL")
+    if folder is None:
+        raise error(f"local {kind} paths are not read here; send the {kind} as a data URL")
+    return None
+
+
 def image_from_url(url: str, folder: str | Path | None = "/"):
     """An OpenAI chat ``image_url`` (``data:image/...;base64,...``, ``file://`` or a local path) → a PIL
     image. Remote (http) URLs are refused: a local runtime does not fetch them. Local paths are read
@@ -261,18 +281,8 @@ def open_image_url(url: str, folder: str | Path | None = "/"):
     """``image_from_url``'s image with only its header read (``open_image``). A local path is refused,
     with one message whatever the reason (missing, a folder, a FIFO or device, outside ``folder``, not
     an image), so that refusals do not map the filesystem; a FIFO is never waited on."""
-    if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        if not header.startswith("data:image/") or ";base64" not in header:
-            raise ImageError("an image data URL must look like data:image/png;base64,...")
-        try:
-            return open_image(base64.b64decode(payload, validate=True))
-        except binascii.Error:
-            raise ImageError("the image data URL's base64 payload is damaged") from None
-    if url.startswith(("http://", "https://")):
-        raise ImageError(f"remote image URLs are not fetched ({url[:60]}); send the image as a data URL")
-    if folder is None:
-        raise ImageError("local image paths are not read here; send the image as a data URL")
+    if (data := data_url_payload(url, "image", "png", folder, ImageError)) is not None:
+        return open_image(data)
     refused = ImageError(f"{url[:80]!r} is not an image file that may be read here; send the image as a data URL")
     try:
         data = _read_under(url.removeprefix("file://"), Path(folder))

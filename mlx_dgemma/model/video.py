@@ -13,8 +13,6 @@ decoding the clip whole, so a long clip costs its sampled frames and one keyfram
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import json
 import re
@@ -25,7 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import VideoError
-from .images import IMAGE_PLACEHOLDER, MAX_IMAGE_PIXELS, SUPPORTED_SOFT_TOKENS, Frame, path_under
+from .images import (
+    IMAGE_PLACEHOLDER,
+    MAX_IMAGE_PIXELS,
+    SUPPORTED_SOFT_TOKENS,
+    Frame,
+    data_url_payload,
+    path_under,
+)
 
 VIDEO_PLACEHOLDER = "<|video|>"  # what Gemma 4's chat template writes for a video part
 MAX_VIDEO_SECONDS = 2 * 60 * 60  # longer clips are refused
@@ -219,18 +224,8 @@ def video_from_url(url: str, folder: str | Path | None, config: VideoProcessorCo
     """An OpenAI-style ``video_url`` (``data:video/...;base64,...``, ``file://`` or a local path under
     ``folder``; None: no local paths) → a ``Clip``. A local path is refused with one message whatever
     the reason, as ``images.open_image_url`` refuses one."""
-    if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        if not header.startswith("data:video/") or ";base64" not in header:
-            raise VideoError("a video data URL must look like data:video/mp4;base64,...")
-        try:
-            return load_video(base64.b64decode(payload, validate=True), config, fps)
-        except binascii.Error:
-            raise VideoError("the video data URL's base64 payload is damaged") from None
-    if url.startswith(("http://", "https://")):
-        raise VideoError(f"remote video URLs are not fetched ({url[:60]}); send the video as a data URL")
-    if folder is None:
-        raise VideoError("local video paths are not read here; send the video as a data URL")
+    if (data := data_url_payload(url, "video", "mp4", folder, VideoError)) is not None:
+        return load_video(data, config, fps)
     refused = VideoError(f"{url[:80]!r} is not a video file that may be read here; send the video as a data URL")
     try:
         path = path_under(url.removeprefix("file://"), Path(folder))
