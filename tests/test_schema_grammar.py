@@ -378,6 +378,17 @@ def test_what_no_grammar_enforces_is_refused_by_name(demo, schema, keyword):
         generate(*demo, "json: x", schema=schema, policy="ar")
 
 
+def answer_to_noise(demo, schema: dict, seed: int, limit: int = 200) -> str:
+    """What the schema's rule writes from random logits (the grammar decides every structural token)."""
+    model, tokenizer = demo
+    rng = np.random.default_rng(seed)
+    rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, limit)
+    while rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None:
+        if rule.done:
+            break
+    return tokenizer.decode_clean(rule.output)
+
+
 @pytest.mark.parametrize(
     "schema",
     [
@@ -400,16 +411,8 @@ def test_a_min_properties_past_the_required_properties_is_met_by_distinct_keys(d
     """llguidance lets a key of additionalProperties or patternProperties repeat ({"color": "da",
     "name": "ada", "year": "rda", "color": "dda"} met minProperties 4 with three keys once parsed); the
     rule never closes a key its object has (distinct_keys.py), so the keys counted are distinct."""
-    model, tokenizer = demo
     for seed in range(3):
-        rng = np.random.default_rng(seed)
-        rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 200)
-        while (
-            rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None
-            and not rule.done
-        ):
-            pass
-        text = tokenizer.decode_clean(rule.output)
+        text = answer_to_noise(demo, schema, seed)
         pairs = json.loads(text, object_pairs_hook=list)
         assert pairs is None or len(dict(pairs)) == len(pairs), text
         validate(None if pairs is None else dict(pairs), schema)
@@ -417,7 +420,6 @@ def test_a_min_properties_past_the_required_properties_is_met_by_distinct_keys(d
 
 def test_a_min_properties_its_required_properties_meet_is_answered_with_as_many_keys(demo):
     """Three required properties and one key more: that key is none of them, so four keys once parsed."""
-    model, tokenizer = demo
     schema = {
         "type": "object",
         "properties": {k: {"type": "integer"} for k in "abc"},
@@ -426,14 +428,7 @@ def test_a_min_properties_its_required_properties_meet_is_answered_with_as_many_
         "minProperties": 4,
     }
     for seed in range(3):
-        rng = np.random.default_rng(seed)
-        rule = GrammarRule(grammar(demo, schema), model.config.vocab_size, 200)
-        while (
-            rule.step(mx.array(rng.normal(0, 4, model.config.vocab_size).astype(np.float32))) is not None
-            and not rule.done
-        ):
-            pass
-        text = tokenizer.decode_clean(rule.output)
+        text = answer_to_noise(demo, schema, seed)
         pairs = json.loads(text, object_pairs_hook=list)
         assert len(dict(pairs)) >= 4, text
         validate(dict(pairs), schema)
