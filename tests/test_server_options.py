@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from mlx_dgemma import generate, load
+from mlx_dgemma.engine import request
 from mlx_dgemma.engine.policy import PLANNERS
 from mlx_dgemma.generate import DEMO_MODEL
 from mlx_dgemma.options import GenerationArgs, SamplingArgs
@@ -93,9 +94,20 @@ def planner_set(model, planner) -> None:
     PLANNERS.set(model, copy.deepcopy(planner))
 
 
+@pytest.fixture
+def fixed_profile(monkeypatch, demo):
+    """auto plans from the cached profile kept fixed: no live profile learns from this run's wall-clock
+    times, so the served answer and generate's are planned alike (both run in this process)."""
+    monkeypatch.setattr(request, "live_profile_store", lambda model: None)
+    before = planner_kept(demo[0])
+    planner_set(demo[0], None)  # a planner made afresh, without a live profile
+    yield
+    planner_set(demo[0], before)
+
+
 @pytest.mark.parametrize("temperature", [None, 0.7])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_the_server_answers_as_generate_does(clients, demo, policy, temperature):
+def test_the_server_answers_as_generate_does(clients, demo, policy, temperature, fixed_profile):
     """The same body and seed: the text ``generate`` gives, under every policy, with and without a
     temperature (one meaning of it in the API and the server alike)."""
     model, tokenizer = demo
