@@ -33,6 +33,21 @@ MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # larger images are refused (decoding alone
 MAX_IMAGE_FILE_BYTES = 64 << 20  # a local file an image_url names is read whole, up to this size
 
 
+def processor_settings(folder: str | Path, places: tuple, error: type[ValueError]) -> dict | None:
+    """The first non-empty settings among ``places`` ((file, key or None: the whole file)) in a
+    checkpoint's ``folder``; a file that is not JSON is an ``error`` naming it."""
+    for name, key in places:
+        path = Path(folder) / name
+        if path.exists():
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise error(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+            if raw := (raw.get(key) if key else raw):
+                return raw
+    return None
+
+
 @dataclass
 class ImageProcessorConfig:
     """The checkpoint's image processor settings (preprocessor_config.json, or processor_config.json's
@@ -67,17 +82,9 @@ class ImageProcessorConfig:
     def from_folder(cls, folder: str | Path, vision_config=None) -> "ImageProcessorConfig":
         """From the files the reference saves; without them, the defaults at the vision tower's
         patch and pooling sizes."""
-        folder = Path(folder)
-        for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
-            path = folder / name
-            if path.exists():
-                try:
-                    raw = json.loads(path.read_text())
-                except json.JSONDecodeError as e:
-                    raise ImageError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-                raw = raw.get(key) if key else raw
-                if raw:
-                    return cls.from_dict(raw)
+        places = (("preprocessor_config.json", None), ("processor_config.json", "image_processor"))
+        if raw := processor_settings(folder, places, ImageError):
+            return cls.from_dict(raw)
         if vision_config is None:
             return cls()
         return cls(patch_size=vision_config.patch_size, pooling_kernel_size=vision_config.pooling_kernel_size)

@@ -14,7 +14,6 @@ decoding the clip whole, so a long clip costs its sampled frames and one keyfram
 from __future__ import annotations
 
 import io
-import json
 import re
 import stat
 from dataclasses import dataclass, fields
@@ -30,6 +29,7 @@ from .images import (
     Frame,
     data_url_payload,
     path_under,
+    processor_settings,
 )
 
 VIDEO_PLACEHOLDER = "<|video|>"  # what Gemma 4's chat template writes for a video part
@@ -59,18 +59,10 @@ class VideoProcessorConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "VideoProcessorConfig":
-        folder = Path(folder)
-        for name, key in (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None)):
-            path = folder / name
-            if path.exists():
-                try:
-                    raw = json.loads(path.read_text())
-                except json.JSONDecodeError as e:
-                    raise VideoError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-                raw = raw.get(key) if key else raw
-                if raw:
-                    names = {f.name for f in fields(cls)}
-                    return cls(**{k: v for k, v in raw.items() if k in names and v is not None})
+        places = (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None))
+        if raw := processor_settings(folder, places, VideoError):
+            names = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in raw.items() if k in names and v is not None})
         return cls()
 
 
