@@ -145,7 +145,38 @@ def test_auto_expects_answers_as_long_as_the_last_ones():
     for _ in range(8):
         planner.observe_answer(40)
     assert planner.choose(64).mode == "diffusion"
-    assert planner.expected_tokens(30) == 10 and planner.expected_tokens(40) == 16  # none longer: a canvas
+    assert planner.expected_tokens(30) == 10
+    assert planner.expected_tokens(40) == 40  # none longer: as many again as it has
+
+
+def test_both_diffusion_plans_canvases_say_how_many_steps_a_canvas_takes():
+    """A prompt takes about as many steps under reference and fast: each plan's estimate comes from
+    the canvases of both (fast saving the confirming step, the stability threshold, until both have
+    canvases enough to say how many it saves), so one slow canvas of fast does not keep it out."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=16, stability_threshold=1), 16, PROFILE_FOR_STEPS)
+    assert planner.steps_per_canvas("fast") == planner.steps_per_canvas("reference") == 4  # the prior
+    planner.observe_canvas(fixed("fast"), 7)
+    assert (planner.steps_per_canvas("reference"), planner.steps_per_canvas("fast")) == (8, 7)
+    for _ in range(4):
+        planner.observe_canvas(fixed("reference"), 3)
+    assert planner.steps_per_canvas("reference") == pytest.approx((4 * 3 + 8) / 5)
+    assert planner.steps_per_canvas("fast") == pytest.approx((4 * 3 + 8) / 5 - 1)
+    for _ in range(2):  # fast's canvases take as many steps as the reference's: it saves none
+        planner.observe_canvas(fixed("fast"), 3)
+    both = (4 * 3 + 7 + 2 * 3) / 7
+    assert planner.steps_per_canvas("reference") == pytest.approx(both) == planner.steps_per_canvas("fast")
+
+
+PROFILE_FOR_STEPS = Profile(
+    "cpu-like",
+    "measured",
+    {2: 0.008, 8: 0.012, 16: 0.016},
+    ar_token_s=0.004,
+    prefill_tok_s=1e4,
+    verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
+)
 
 
 def planner_of_two_answer_lengths():
@@ -179,8 +210,10 @@ def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
     assert planner.choose(64, prompt=template + short + [99]).mode == "ar"  # 3 tokens per canvas or round
     assert planner.choose(64, prompt=template + long + [99]).mode == "diffusion"
     assert planner.expected_tokens(0, [7, 7]) == (3 + 40) / 2  # shares nothing: the latest answers
-    planner.observe_answer(20, template + [30])  # a new kind: its own, then the latest others
-    assert planner.answers(template + [30, 1]) == [40, 3, 40, 3, 40, 3, 40, 20]
+    assert planner.answers(template + [30, 1]) == [3, 40] * 4  # a new kind: the latest others
+    planner.observe_answer(20, template + [30])  # then its own, from the first
+    assert planner.answers(template + [30, 1]) == [20]
+    assert planner.answers(template + short + [99]) == [3] * 8
     for i in range(8):  # steps per canvas, too, come from the canvases of prompts like this one
         planner.observe_canvas(fixed("fast"), 1, prompt=template + short + [60 + i])
         planner.observe_canvas(fixed("fast"), 6, prompt=template + long + [70 + i])
@@ -333,10 +366,22 @@ def test_auto_applies_the_callers_settings_to_every_plan(pattern):
         assert "set by the caller: steps 2, entropy bound 0.7" in r.plan.explain()
 
 
-def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
-    """The pace compares what a plan gave (tokens in seconds) with what was predicted when it was
-    chosen: a plan whose canvases or rounds give fewer tokens than modelled (a short answer's) is
-    left for the next best, and one that gives more is kept."""
+def _predicted_s(planner, plan, steps: int = 2, tokens: int = 2, length: int = 8) -> float:
+    """Seconds the planner's profile gives a canvas of ``steps`` steps (its commit encoded), an AR
+    block of ``tokens`` or a verified round of drafts of ``length`` under ``plan``."""
+    p, canvas = planner.current.at_prefix(plan.context), planner.canvas
+    if plan.mode == "ar":
+        return tokens * p.ar_token_s
+    if plan.mode == "verified":
+        return plan.draft_steps * p.step_s(length) + p.verify_s(length)
+    positions = canvas // 2 if plan.settings.freeze_after else canvas
+    return steps * p.step_s(positions) + p.verify_s(canvas)
+
+
+def test_auto_leaves_a_plan_whose_forwards_run_slower_than_predicted():
+    """The pace compares the seconds a canvas, block or round took with those the profile gives its
+    work: a plan that runs 10x slower than predicted is left for the next best, one that runs twice
+    as fast is kept. Only time counts: a canvas that gave 1 token (a short answer) does not slow it."""
     from mlx_dgemma.engine.policy import AutoPlanner
     from mlx_dgemma.model.config import GenerationConfig
 
@@ -351,35 +396,39 @@ def test_auto_leaves_a_plan_that_gives_fewer_tokens_per_second_than_predicted():
     # no confirming steps: the reference's canvases are expected to take as many steps as fast's
     planner = AutoPlanner(GenerationConfig(max_denoising_steps=8, stability_threshold=0), 16, profile, expected_steps=2)
     first = planner.choose(64)
-    name, predicted = first.predicted
-    planner.observe_canvas(first, 2, seconds=10 / predicted, tokens=1)  # a tenth of the predicted rate
+    name = first.predicted[0]
+    planner.observe_canvas(first, 2, seconds=_predicted_s(planner, first), tokens=1)  # on time, 1 token
+    assert planner.pace[name].value() == 1 and planner.choose(64).predicted[0] == name
+    planner.observe_canvas(first, 2, seconds=10 * _predicted_s(planner, first), tokens=16)
     after = planner.choose(64)
     assert (after.mode, bool(after.settings.freeze_after)) != (first.mode, bool(first.settings.freeze_after))
     assert planner.pace[name].value() < 1
-    runner_up = after.predicted
-    for _ in range(6):  # the next best gives twice its prediction: it stays
+    runner_up = after.predicted[0]
+    for _ in range(6):  # the next best runs twice as fast as predicted: it stays
         plan = planner.choose(64)
-        if runner_up[0] == "ar":
-            planner.observe_ar(plan, 2, seconds=1 / runner_up[1])
-        elif runner_up[0] == "verified":
+        if runner_up == "ar":
+            planner.observe_ar(plan, 2, seconds=_predicted_s(planner, plan) / 2)
+        elif runner_up == "verified":
             done = drafting.Round(tokens=[1, 2], known=3, length=8, kept=4, forwards=2, leftover=[])
-            planner.observe_round(replace(plan, draft_steps=1), done, seconds=1 / runner_up[1])
+            planner.observe_round(plan, done, seconds=_predicted_s(planner, plan) / 2)
         else:
-            planner.observe_canvas(plan, 2, seconds=1 / runner_up[1], tokens=2)
-    assert planner.choose(64).predicted[0] == runner_up[0] and planner.pace[runner_up[0]].value() > 1.5
+            planner.observe_canvas(plan, 2, seconds=_predicted_s(planner, plan) / 2, tokens=2)
+    assert planner.choose(64).predicted[0] == runner_up and planner.pace[runner_up].value() > 1.5
 
 
 def test_concurrent_auto_answers_are_each_paced_against_their_own_choice():
     """Two answers share the model's planner and choose between each other's observations: each
-    canvas or block is measured against the prediction its own plan was chosen with, not against
-    whatever the planner chose last."""
+    canvas or block is measured against the plan it ran under, not against whatever the planner
+    chose last."""
     planner, template, short, long = planner_of_two_answer_lengths()
     canvas = planner.choose(64, prompt=template + long + [99])
     block = planner.choose(64, prompt=template + short + [99])  # the other answer's choice, made meanwhile
     assert (canvas.mode, block.mode) == ("diffusion", "ar")
-    name, predicted = canvas.predicted
-    planner.observe_canvas(canvas, 2, seconds=1.0, tokens=predicted / 2, prompt=template + long + [99])
-    planner.observe_ar(block, 4, seconds=4 / (2 * block.predicted[1]), prompt=template + short + [99])
+    name = canvas.predicted[0]
+    planner.observe_canvas(
+        canvas, 2, seconds=2 * _predicted_s(planner, canvas), tokens=16, prompt=template + long + [99]
+    )
+    planner.observe_ar(block, 4, seconds=_predicted_s(planner, block, tokens=4) / 2, prompt=template + short + [99])
     assert planner.pace[name].value(template + long + [99]) == pytest.approx((1 + 0.5) / 2)  # the prior, then 0.5
     assert planner.pace["ar"].value(template + short + [99]) == pytest.approx((1 + 2) / 2)
 

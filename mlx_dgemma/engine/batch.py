@@ -254,5 +254,6 @@ def warm_up(model, tokenizer) -> None:
 
 
 def _wants_logits(row: Row) -> bool:
-    """Whether a row starts from the prompt's next-token logits (autoregressive, verified or auto)."""
-    return row.plan.mode != "diffusion" or row.planner is not None
+    """Whether a row starts from the prompt's next-token logits (autoregressive or verified; an auto
+    row whose first canvas is diffused gets its next logits from the canvas's commit, if it switches)."""
+    return row.plan.mode != "diffusion"

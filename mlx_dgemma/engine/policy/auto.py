@@ -22,6 +22,8 @@ FAST_POSITION_SHARE = 0.5
 ANSWERS_KEPT = 8
 OBSERVATIONS_KEPT = 64
 PROMPT_KEY = 256
+# canvases of each diffusion plan it takes to tell how many steps fast saves
+SAVED_SEEN = 3
 # auto runs a plan again after this many choices without it, if predicted within this share of the best
 EXPLORE_EVERY = 16
 EXPLORE_WITHIN = 0.8
@@ -42,16 +44,15 @@ class AutoPlanner:
     verified = tokens per round / (draft steps · step time at the draft length + the verifying pass),
     at the draft length and steps ``best_draft`` picks from the acceptance estimate, scaled by the
     observed ratio of tokens per round to the model's. A canvas or round gives no more tokens than the
-    answer is expected still to have, from the lengths of earlier answers (those longer than what this
-    one has so far; a whole canvas when none is). Each prediction times that plan's pace: the tokens
-    per second it gave (commit encodes included) over what was predicted when it was chosen, which
-    corrects both the profile's times and the tokens a canvas or round was expected to give.
+    answer is expected still to have, from the lengths of earlier answers (``expected_tokens``). A canvas that the answer is expected to go on from
+    also pays its commit's encode. Each prediction times that plan's pace: the seconds the profile
+    gives the work a canvas, block or round of it did over the seconds that work took (time only:
+    steps, answer lengths and tokens per round have their own estimates).
 
     Answer lengths, steps per canvas (from a prior of the generation config: a quarter of the step
-    limit, at least the stability threshold + 1, worth one canvas), tokens per round and pace are each
-    the mean of the ~8 observations made on the prompts that begin most like this one
-    (``PromptLikeMeans``: a task's instructions, a conversation's earlier turns), so one task's do not
-    stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but predicted within
+    limit, at least the stability threshold + 1, until one is observed), tokens per round and pace are each the mean of the latest ~8 observations
+    on prompts like this one (``PromptLikeMeans``: a task's instructions, a conversation's earlier
+    turns), so one task's do not stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but predicted within
     ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task.
 
     With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
@@ -70,12 +71,13 @@ class AutoPlanner:
         self.gen, self.canvas, self.profile, self.live = gen, canvas, profile, live
         prior = expected_steps or max(gen.stability_threshold + 1, gen.max_denoising_steps / 4)
         # steps per canvas: what was observed, as soon as it is (the prior only stands in until then)
-        self.steps = {"reference": PromptLikeMeans(prior, 0.0), "fast": PromptLikeMeans(prior, 0.0)}
-        self.lengths = PromptLikeMeans(float(canvas), window=ANSWERS_KEPT)  # answer lengths
+        self.prompts = PromptKinds()  # the prompts answered, which say what a prompt is like
+        self.steps = {name: PromptLikeMeans(prior, 0.0, kinds=self.prompts) for name in ("reference", "fast")}
+        self.lengths = PromptLikeMeans(float(canvas), window=ANSWERS_KEPT, kinds=self.prompts)  # answer lengths
         self.acceptance = Acceptance()
-        self.round_yield = PromptLikeMeans(1.0)  # observed / modelled tokens per round
-        # tok/s a plan gave / tok/s predicted when it was chosen
-        self.pace = {name: PromptLikeMeans(1.0) for name in ("reference", "fast", "ar", "verified")}
+        self.round_yield = PromptLikeMeans(1.0, kinds=self.prompts)  # observed / modelled tokens per round
+        # seconds the profile gives a plan's work / seconds it took
+        self.pace = {name: PromptLikeMeans(1.0, kinds=self.prompts) for name in ("reference", "fast", "ar", "verified")}
         self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
         self._probing: str | bool = False  # the kind a probe is out for (one at a time)
 
@@ -85,22 +87,30 @@ class AutoPlanner:
         return self.live.profile if self.live is not None else self.profile
 
     def steps_per_canvas(self, name: str, prompt: list[int] | tuple[int, ...] = ()) -> float:
-        """Steps a canvas of ``name`` (reference or fast) is expected to take: its own observations,
-        else the other's (fast skips the reference's confirming steps), else the prior."""
-        own, other = self.steps[name], self.steps["fast" if name == "reference" else "reference"]
-        if own.observed(prompt) or not other.observed(prompt):
-            return own.value(prompt)
-        confirm = self.gen.stability_threshold
-        return other.value(prompt) + confirm if name == "reference" else max(1.0, other.value(prompt) - confirm)
+        """Steps a canvas of ``name`` (reference or fast) is expected to take, from the canvases of
+        both on prompts like ``prompt`` (else the prior): a prompt takes about as many steps under
+        either, but for the confirming steps fast's stop rule saves (the stability threshold at most;
+        what is observed once both have canvases enough to tell)."""
+        ref, fast = self.steps["reference"].observed(prompt), self.steps["fast"].observed(prompt)
+        if not ref and not fast:
+            return self.steps[name].prior
+        saved = float(self.gen.stability_threshold)
+        if len(ref) >= SAVED_SEEN and len(fast) >= SAVED_SEEN:
+            saved = min(saved, max(0.0, sum(ref) / len(ref) - sum(fast) / len(fast)))
+        pooled = (sum(ref) + sum(n + saved for n in fast)) / (len(ref) + len(fast))  # in the reference's steps
+        return pooled if name == "reference" else max(1.0, pooled - saved)
 
     def answers(self, prompt: list[int] | tuple[int, ...] = ()) -> list[int]:
         """Lengths of the ``ANSWERS_KEPT`` answers to the prompts that begin most like ``prompt``."""
         return [int(n) for n in self.lengths.observed(prompt)]
 
     def expected_tokens(self, produced: int, prompt: list[int] | tuple[int, ...] = ()) -> float:
-        """Tokens an answer to ``prompt`` that has ``produced`` so far is expected still to give."""
+        """Tokens an answer to ``prompt`` that has ``produced`` so far is expected still to give: the
+        mean of what the earlier answers longer than that gave past it; when none is, as many as it
+        has already (an answer past every earlier length is as likely to end soon as to run on), or a
+        canvas before it has any."""
         longer = [n - produced for n in self.answers(prompt) if n > produced]
-        return sum(longer) / len(longer) if longer else float(self.canvas)
+        return sum(longer) / len(longer) if longer else float(produced or self.canvas)
 
     def predictions(
         self, remaining: int, produced: int = 0, prompt: list[int] | tuple[int, ...] = ()
@@ -110,13 +120,15 @@ class AutoPlanner:
         tokens = min(expected, remaining, C)
         length, steps, verified = best_draft(p, self.acceptance, C)
         out = {}
+        goes_on = min(expected, remaining) > C  # the answer goes on past the canvas: its commit is encoded
         for name in ("reference", "fast"):
             positions = _positions(name, C)
             n = self.steps_per_canvas(name, prompt)
             out[name] = (
-                tokens / (n * p.step_s(positions)),
+                tokens / _canvas_s(p, n, positions, C, goes_on),
                 f"{n:.1f} steps per canvas x {p.step_s(positions) * 1e3:.2f} ms per step of {positions} computed "
-                f"positions, {tokens:.1f} tokens per canvas",
+                f"positions{f' + {p.verify_s(C) * 1e3:.2f} ms commit encode' if goes_on else ''}, "
+                f"{tokens:.1f} tokens per canvas",
             )
         out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
         modelled = self.acceptance.tokens_per_round(steps, length)
@@ -189,29 +201,17 @@ class AutoPlanner:
             why = ""
         reasons.append(f"→ {best}{why}; re-chosen at every canvas or round as the estimates move")
         chosen = (best, predicted[best][0] / self.pace[best].value(prompt))  # before its pace
-        context = len(prompt) + produced
         return replace(
             plan,
             policy="auto",
             reasons=reasons,
             predicted=chosen,
-            context=context,
-            unit_s=self._unit_s(best, plan, context),
+            context=len(prompt) + produced,
             predictions=tuple(
                 (name, tok_s, w) for name, (tok_s, w) in sorted(predicted.items(), key=lambda i: -i[1][0])
             ),
             why=why.split(":")[0] + ")" if why else "",
         ).overridden(overrides or {})
-
-    def _unit_s(self, name: str, plan: Plan, context: int) -> float:
-        """The forward time a prediction of ``name`` rests on, from the current profile: a step, an AR
-        token or a verified round."""
-        p = self.current.at_prefix(context)
-        if name == "ar":
-            return p.ar_token_s
-        if name == "verified":
-            return plan.draft_steps * p.step_s(plan.draft_length) + p.verify_s(plan.draft_length)
-        return p.step_s(_positions(name, self.canvas))
 
     def observe_canvas(
         self,
@@ -221,15 +221,19 @@ class AutoPlanner:
         tokens: int | None = None,
         prompt: list[int] | tuple[int, ...] = (),
         alone: bool = True,
+        encoded: bool = True,
     ) -> None:
-        """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``
-        (``alone``: its forwards were its own, so the live profile learns from their time)."""
+        """A canvas denoised under ``plan`` took ``steps`` steps and gave ``tokens`` in ``seconds``,
+        its commit's encode included if ``encoded`` (the answer went on) (``alone``: its forwards were
+        its own, so the live profile learns from their time)."""
         policy = "fast" if plan.settings.freeze_after else "reference"
         self.steps[policy].add(steps, prompt)
         # a fast canvas's steps compute about FAST_POSITION_SHARE of its positions (its commit all of them)
+        positions = _positions(policy, self.canvas)
         if self.live is not None and alone and seconds and steps and plan.predicted:
-            self.live.observe_canvas(_positions(policy, self.canvas), steps, plan.context, seconds, self.canvas)
-        self._pace(plan, policy, tokens, seconds, prompt)
+            self.live.observe_canvas(positions, steps, plan.context, seconds, self.canvas if encoded else 0)
+        at = self.current.at_prefix(plan.context)
+        self._pace(plan, policy, _canvas_s(at, steps, positions, self.canvas, encoded), seconds, prompt)
 
     def observe_ar(
         self,
@@ -242,7 +246,7 @@ class AutoPlanner:
         """An autoregressive block under ``plan`` gave ``tokens`` in ``seconds``."""
         if self.live is not None and alone and seconds and tokens and plan.predicted:
             self.live.observe_ar(tokens, plan.context, seconds)
-        self._pace(plan, "ar", tokens, seconds, prompt)
+        self._pace(plan, "ar", tokens * self.current.at_prefix(plan.context).ar_token_s, seconds, prompt)
 
     def observe_round(
         self,
@@ -260,35 +264,60 @@ class AutoPlanner:
             self.round_yield.add(len(done.tokens) / modelled, prompt)
         if self.live is not None and alone and seconds and plan.predicted:
             self.live.observe_round(done.length, plan.draft_steps, plan.context, seconds)
-        self._pace(plan, "verified", len(done.tokens), seconds, prompt)
+        at = self.current.at_prefix(plan.context)
+        self._pace(
+            plan, "verified", plan.draft_steps * at.step_s(done.length) + at.verify_s(done.length), seconds, prompt
+        )
 
     def observe_answer(self, tokens: int, prompt: list[int] | tuple[int, ...] = ()) -> None:
         """An answer to ``prompt`` ended after ``tokens`` tokens."""
+        self.prompts.add(prompt)
         self.lengths.add(tokens, prompt)
 
-    def _pace(self, plan: Plan, name: str, tokens: int | None, seconds: float | None, prompt) -> None:
-        """The pace against the prediction as the current profile would make it: with a live profile
-        the forward times it has absorbed are not counted twice, and the pace keeps what it does not
-        model (tokens per canvas or round, fast's share of positions, the commit encodes)."""
+    def _pace(self, plan: Plan, name: str, predicted_s: float, seconds: float | None, prompt) -> None:
+        """The pace of a canvas, block or round of ``name``: the seconds the current profile gives the
+        work it did (the steps it took, the tokens it decoded, the round it ran) over the seconds it
+        took. Only time is compared: how many steps a canvas takes, how many tokens an answer or a
+        round gives, are estimated on their own, so a short answer does not read as a slow plan. With
+        a live profile the forward times it has absorbed are not counted twice; the pace keeps what
+        the profile does not model (fast's share of positions, the row's work between forwards)."""
         if self._probing == KIND[name]:
             self._probing = False
-        if tokens is None or not seconds or plan.predicted is None or plan.predicted[0] != name:
+        if not seconds or not predicted_s or plan.predicted is None or plan.predicted[0] != name:
             return
-        predicted = plan.predicted[1]
-        if self.live is not None and plan.unit_s:
-            predicted *= plan.unit_s / self._unit_s(name, plan, plan.context)
-        self.pace[name].add(min(4.0, max(0.25, tokens / seconds / predicted)), prompt)
+        self.pace[name].add(min(4.0, max(0.25, predicted_s / seconds)), prompt)
+
+
+class PromptKinds:
+    """The prompts of the latest answers, which say what a prompt is like: the prompts that share more
+    of its beginning than every one of them does (the same instructions, a conversation's earlier
+    turns, not just the template)."""
+
+    def __init__(self):
+        self.keys: deque[tuple[int, ...]] = deque(maxlen=OBSERVATIONS_KEPT)
+        self._common: dict[tuple[int, ...], int] = {}
+
+    def add(self, prompt: list[int] | tuple[int, ...]) -> None:
+        self.keys.append(tuple(prompt[:PROMPT_KEY]))
+        self._common.clear()
+
+    def common(self, key: tuple[int, ...]) -> int:
+        """How much of ``key``'s beginning every prompt answered shares with it."""
+        if key not in self._common:  # (asked by every estimate, at every choice)
+            self._common[key] = min((_common_prefix(key, past) for past in self.keys), default=0)
+        return self._common[key]
 
 
 class PromptLikeMeans:
     """One quantity observed along with the prompt each observation came from, estimated from the
-    ``window`` observations on the prompts that share the longest beginnings with the one at hand (the
-    same instructions, a conversation's earlier turns; the latest when none shares more than the
-    template), after a prior worth ``prior_weight`` observations until there are ``window``. A new kind of prompt
-    starts from what the others gave and takes over the estimate as its own observations come in."""
+    latest ``window`` observations on prompts like the one at hand (those that share more of its
+    beginning than ``kinds``, the prompts answered, all do), or on any prompt when none is like it,
+    after a prior worth ``prior_weight`` observations until there are ``window``. A new kind of prompt
+    starts from what the others gave and is estimated from its own observations from the first on."""
 
-    def __init__(self, prior: float, prior_weight: float = 1.0, window: int = 8):
+    def __init__(self, prior: float, prior_weight: float = 1.0, window: int = 8, kinds: PromptKinds | None = None):
         self.prior, self.prior_weight, self.window = prior, prior_weight, window
+        self.kinds = kinds if kinds is not None else PromptKinds()
         self.records: deque[tuple[tuple[int, ...], float]] = deque(maxlen=OBSERVATIONS_KEPT)
         self._observed: dict[tuple[int, ...], list[float]] = {}  # per prompt key, until the next observation
 
@@ -297,13 +326,13 @@ class PromptLikeMeans:
         self._observed.clear()
 
     def observed(self, prompt: list[int] | tuple[int, ...] = ()) -> list[float]:
-        """The ``window`` observations on the prompts that share the longest beginnings with ``prompt``
-        (the latest first among equals), oldest first."""
+        """The latest ``window`` observations on prompts like ``prompt``, oldest first."""
         key = tuple(prompt[:PROMPT_KEY])
         if key not in self._observed:
             shared = [_common_prefix(key, past) for past, _ in self.records]
-            nearest = sorted(range(len(shared)), key=lambda i: (shared[i], i), reverse=True)[: self.window]
-            self._observed[key] = [self.records[i][1] for i in sorted(nearest)]
+            floor = min(self.kinds.common(key), min(shared, default=0))
+            like = [value for n, (_, value) in zip(shared, self.records) if n > floor]
+            self._observed[key] = (like or [value for _, value in self.records])[-self.window :]
         return self._observed[key]
 
     def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
@@ -319,6 +348,12 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
             break
         n += 1
     return n
+
+
+def _canvas_s(p: Profile, steps: float, positions: int, canvas: int, encoded: bool) -> float:
+    """Seconds of a canvas of ``steps`` steps of ``positions`` computed positions, and of its commit's
+    encode (a pass over the canvas, like a verifying one) if the answer goes on past it."""
+    return steps * p.step_s(positions) + (p.verify_s(canvas) if encoded else 0.0)
 
 
 def _positions(name: str, canvas: int) -> int:

@@ -15,7 +15,7 @@ from .profile import Profile
 # Observations kept per point (their median counts); after CONFIRM of them a point that differs from
 # the profile by DISAGREE or more makes the live profile the one on disk. A kind of forward observed
 # within DISAGREE of the profile is marked observed in it.
-KEPT = 5
+KEPT = 9
 CONFIRM = 3
 DISAGREE = 2.0
 
@@ -39,12 +39,15 @@ class LiveProfile:
     def observed_kinds(self) -> set[str]:
         return set(self.base.observed) | {kind for kind, _ in self.ratios}
 
-    def observe_canvas(self, positions: int, steps: int, prefix: int, seconds: float, canvas: int = 0) -> None:
+    def observe_canvas(
+        self, positions: int, steps: int, prefix: int, seconds: float, encoded: int | None = None
+    ) -> None:
         """A canvas took ``steps`` denoising steps of ``positions`` computed positions and its commit
-        encode (a pass like a verifying one over its ``canvas`` positions, all of them by default) in
-        ``seconds``, after ``prefix`` tokens."""
+        encode (a pass like a verifying one over ``encoded`` positions: by default ``positions``; 0:
+        the answer ended with the canvas, nothing was encoded) in ``seconds``, after ``prefix`` tokens."""
         p = self.base.at_prefix(prefix)
-        self._add("step", positions, seconds / (steps * p.step_s(positions) + p.verify_s(canvas or positions)))
+        encode = p.verify_s(positions if encoded is None else encoded) if encoded != 0 else 0.0
+        self._add("step", positions, seconds / (steps * p.step_s(positions) + encode))
 
     def observe_ar(self, tokens: int, prefix: int, seconds: float) -> None:
         """``tokens`` autoregressive tokens took ``seconds`` after ``prefix`` tokens."""

@@ -29,7 +29,6 @@ class Plan:
     draft_steps: int = 0  # verified drafting: denoising steps per draft
     predicted: tuple[str, float] | None = None  # auto's choice and its tok/s predicted (before its pace)
     context: int = 0  # auto: the prompt and answer tokens before the canvas, block or round it was chosen for
-    unit_s: float = 0.0  # auto: the forward time the prediction rests on (a step, an AR token, a round)
     # auto: every plan's predicted tok/s and what it rests on (the costs), best first, and why the
     # chosen one ran (the best, or a probe or a retry)
     predictions: tuple[tuple[str, float, str], ...] = ()

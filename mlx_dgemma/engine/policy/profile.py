@@ -11,8 +11,10 @@ import platform
 import statistics
 import sys
 import time
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from stat import S_ISREG
 
 import mlx.core as mx
 
@@ -162,14 +164,24 @@ def device_name() -> str:
 
 
 def model_fingerprint(model) -> str:
-    cfg = model.config
     dtype = str(model.model.decoder.norm.weight.dtype)
-    # The kernels and PROFILE_VERSION: a profile measured with other kernels (or before verified
-    # drafting's timings existed) is measured again.
-    raw = json.dumps(
-        [asdict(cfg), dtype, str(mx.default_device()), model.kernels.name, PROFILE_VERSION], sort_keys=True, default=str
-    )
-    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+    key = (id(model), id(model.config), dtype, str(mx.default_device()), model.kernels.name)
+    if key not in _FINGERPRINTS:  # (asked before every auto request: the config's hash is kept)
+        # The kernels and PROFILE_VERSION: a profile measured with other kernels (or before verified
+        # drafting's timings existed) is measured again.
+        raw = json.dumps([asdict(model.config), *key[2:], PROFILE_VERSION], sort_keys=True, default=str)
+        if not any(k[0] == id(model) for k in _FINGERPRINTS):
+            weakref.finalize(model, _forget, id(model))
+        _FINGERPRINTS[key] = hashlib.sha1(raw.encode()).hexdigest()[:16]
+    return _FINGERPRINTS[key]
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def _forget(model_id: int) -> None:
+    for key in [k for k in _FINGERPRINTS if k[0] == model_id]:
+        del _FINGERPRINTS[key]
 
 
 def time_canvas(model, cache, steps: int, canvas: int, seed: int = 0) -> float:
@@ -337,6 +349,9 @@ def store_profile(path: Path | None, profile: Profile) -> None:
         )
 
 
+_READ: dict[Path, tuple[tuple[int, int], Profile]] = {}  # path -> (its mtime and size, the profile read)
+
+
 def live_profile_store(model, root: Path | None = None):
     """The function that replaces this model's cached profile with one the engine observed, or None
     where a profile must not move under the engine: a model sharded over several ranks plans alike
@@ -350,10 +365,20 @@ def live_profile_store(model, root: Path | None = None):
 
 
 def _read_cached_profile(path: Path | None) -> Profile | None:
-    if path is None or not path.is_file():
+    if path is None:
         return None
     try:
-        return Profile.from_json(json.loads(path.read_text())).fitted()  # a cache written before the fit, reshaped
+        st = path.stat()
+        if not S_ISREG(st.st_mode):
+            return None
+        read = _READ.get(path)
+        if read is not None and read[0] == (st.st_mtime_ns, st.st_size):  # read before every auto request
+            return read[1]
+        profile = Profile.from_json(json.loads(path.read_text())).fitted()  # a cache written before the fit, reshaped
+        _READ[path] = ((st.st_mtime_ns, st.st_size), profile)
+        return profile
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError) as e:
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0] or type(e).__name__
         print(f"ignoring the damaged device profile {path} ({reason}); measuring again", file=sys.stderr)

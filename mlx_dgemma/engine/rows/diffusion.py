@@ -188,13 +188,13 @@ class DiffusionRows:
         state.gave = len(tokens)
         last = stopped or row.remaining <= 0
         if last and row.planner is not None:  # said before the answer's end
-            self._observe(state, result)
+            self._observe(state, result, encoded=False)
         done = self.engine.emit(row, tokens, result.steps, stopped, last)
         if done:
             self.rows.remove(state)
         return done
 
-    def _observe(self, state: _Canvases, result) -> None:
+    def _observe(self, state: _Canvases, result, encoded: bool = True) -> None:
         row = state.row
         row.planner.observe_canvas(
             row.plan,
@@ -203,4 +203,5 @@ class DiffusionRows:
             state.gave,
             row.job.ids,
             alone=self.engine.alone(row),
+            encoded=encoded,
         )
