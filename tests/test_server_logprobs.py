@@ -2,6 +2,7 @@
 client in the shapes lm-evaluation-harness sends (test_lm_eval.py runs the harness itself): the numbers
 are scoring.py's in process, a batch's choices each prompt's alone, and bad values refused by name."""
 
+import gc
 import json
 
 import openai
@@ -271,3 +272,29 @@ def test_the_bound_counts_every_position_of_every_choice(demo):
         check_reply_logprobs([*at_bound, Job([2], GenerationArgs(), logprobs=3, echo=True)])
     check_reply_logprobs([Job(prompt, GenerationArgs(), logprobs=20, echo=False)] * 64)  # nothing scored: no entries
     check_reply_logprobs([Job(prompt, GenerationArgs(), logprobs=None, echo=True)] * 64)
+
+
+def test_no_scorer_outlives_its_answer(served, client, demo):
+    """Each choice's scorer holds a KV cache as long as its prompt and answer: it is let go as the
+    answer finishes (a scored prompt alone, an answer whole or streamed), so the memory of a large
+    reply can go back to the system after it is sent (heap.give_back_freed)."""
+    _, tokenizer = demo
+
+    def scorers() -> int:
+        gc.collect()
+        return sum(isinstance(o, Scorer) for o in gc.get_objects())
+
+    before = scorers()
+    ids = tokenizer.encode(SORT, add_special_tokens=False)
+    client.completions.create(model=MODEL_ID, prompt=[ids] * 3, echo=True, logprobs=2, max_tokens=0)
+    client.completions.create(model=MODEL_ID, prompt=SORT, logprobs=2, max_tokens=8, n=2)
+    stream = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": SORT}],
+        logprobs=True,
+        top_logprobs=2,
+        max_tokens=8,
+        stream=True,
+    )
+    assert any(chunk.choices and chunk.choices[0].logprobs for chunk in stream)
+    assert scorers() == before

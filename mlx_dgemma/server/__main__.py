@@ -198,6 +198,7 @@ def main(
     from . import request_log
     from .api import BadRequest
     from .app import Limits, Server
+    from .heap import keep_large_blocks_mapped
     from .scheduler import Scheduler
 
     kv = None if kv_bits is None else KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
@@ -222,6 +223,7 @@ def main(
             kv.check([dgemma.config.layer_head_dim(i) for i in range(dgemma.config.num_hidden_layers)])
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    keep_large_blocks_mapped()
     scheduler = Scheduler(
         dgemma, tokenizer, prompt_cache_size=prompt_cache_size, prefill_step_size=prefill_step_size, kv_quantization=kv
     )

@@ -53,6 +53,7 @@ class Reply:
     prompts: int = 1  # a completions request's prompts (choices: n of each, prompt by prompt)
     logprobs: bool = False  # the answer's log-probabilities go with it
     echoes: list[str] | None = None  # (completions' echo) each choice's prompt text, which the choice starts with
+    held_logprobs: int = 0  # the log-probabilities the reply may hold, at most (logprobs.check_reply_logprobs)
 
 
 @dataclass

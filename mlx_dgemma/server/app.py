@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -33,6 +34,7 @@ from . import request_log
 from .api import Answer, Api, BadRequest, Reply, error_response
 from .body import check_unicode, json_reply, parsed
 from .events import choice_events, job_events, next_event
+from .heap import TRIM_AFTER_LOGPROBS, give_back_freed
 from .jobs import MAX_PROMPTS, Reader, prompts as prompts_of
 from .logprobs import check_reply_logprobs
 from .scheduler import EmbeddingJob, Event, Job, Scheduler
@@ -125,7 +127,11 @@ class Server:
                     headers={"Cache-Control": "no-cache"},
                 )
             answers = await self._wholes(jobs, queues, reply, request)
-            return await self.off_loop(lambda: json_reply(api.replies(answers, reply)))
+            response = await self.off_loop(lambda: json_reply(api.replies(answers, reply)))
+            if reply.held_logprobs >= TRIM_AFTER_LOGPROBS:  # once sent, what it held goes back to the system
+                del answers
+                response.background = BackgroundTask(self.off_loop, give_back_freed)
+            return response
         except BadRequest as e:
             return self._refused(number, request, api, e)
 
@@ -204,7 +210,7 @@ class Server:
                 )
             jobs += choices
             echoes += reply.echoes or []
-        check_reply_logprobs(jobs)
+        reply.held_logprobs = check_reply_logprobs(jobs)
         reply.echoes, reply.prompts = echoes or None, len(prompts)
         return jobs, reply
 
@@ -295,8 +301,10 @@ class Server:
             async for chunk in api.stream(events, reply):
                 yield chunk
         finally:  # the client went away mid-answer (a finished job's cancel changes nothing)
-            for job in jobs:
-                job.cancel()
+            _cancel(jobs)
+            if reply.held_logprobs >= TRIM_AFTER_LOGPROBS:  # what the stream held goes back to the system
+                jobs.clear()
+                await self.off_loop(give_back_freed)
 
     async def text_pieces(self, events: AsyncIterator[Event], reply: Reply):
         """A stream's answer as its text pieces (the thought's as ``Thought`` pieces, before the text of
@@ -320,3 +328,8 @@ class Server:
 
 class Thought(str):
     """A piece of a stream's thought (``Server.text_pieces``)."""
+
+
+def _cancel(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.cancel()

@@ -45,9 +45,10 @@ def logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
     return top, typed(body, "echo", bool, False)
 
 
-def check_reply_logprobs(jobs: list[Job]) -> None:
-    """Refuse a request whose reply would hold more than ``MAX_REPLY_LOGPROBS`` log-probabilities, before any
-    forward: ``jobs`` are its choices, each resolved (its answer's budget known) or a prompt scored alone."""
+def check_reply_logprobs(jobs: list[Job]) -> int:
+    """The log-probabilities a request's reply may hold, at most: ``jobs`` are its choices, each resolved
+    (its answer's budget known) or a prompt scored alone. Over ``MAX_REPLY_LOGPROBS`` it is refused,
+    before any forward."""
     scored = [job for job in jobs if job.logprobs is not None]
     positions = [(len(job.ids) if job.echo else 0) + (job.resolved.max_tokens if job.resolved else 0) for job in scored]
     total = sum(count * (1 + job.logprobs) for count, job in zip(positions, scored))
@@ -61,3 +62,4 @@ def check_reply_logprobs(jobs: list[Job]) -> None:
             f"{top} or no echo",
             param=top,
         )
+    return total

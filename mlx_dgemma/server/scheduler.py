@@ -273,6 +273,7 @@ class Scheduler:
         try:
             if job.args.max_tokens == 0:  # the prompt alone, scored
                 self._score_prompt(job, job.ids)
+                job.scorer = None
                 self.finished += 1
                 self._send(
                     job,
@@ -368,6 +369,7 @@ class Scheduler:
             event.prompt_logprobs, job.prompt_logprobs = job.prompt_logprobs, None
             if finish is not None:
                 event.sampled_from = sampled_from(job.modes)
+                job.scorer = None  # its KV cache, the answer's length, is let go now, not with the reply
         job.sent = max(job.sent, end)
         if finish is not None and job.thought is not None:
             usage.reasoning_tokens = self.tokenizer.thought_tokens(job.thought.tokens, job.thought.stop_ids)
