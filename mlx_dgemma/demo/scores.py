@@ -72,11 +72,12 @@ def evaluate_policies(
     history: int = 0,
     warmup: int = 0,
 ) -> dict[str, dict[str, TaskScore]]:
-    """Scores per policy and task. The policies take turns on each instance, in an order that rotates
-    from one instance to the next, so that they share whatever else the machine is doing (on a shared
-    host the speed of one run moves by a quarter; side by side, the ratios hold). Each policy first
-    answers ``warmup`` mixed instances (of another seed) unscored: the kernels for its shapes are
-    built, and auto has seen answers."""
+    """Scores per policy and task. The policies take turns on each instance, in an order drawn afresh
+    for each (seeded), so that they share whatever else the machine is doing (on a shared host the
+    speed of one run moves by a quarter; side by side, the ratios hold) and none always follows the
+    same other one (what a policy leaves the allocator and the threads would be charged to it). Each
+    policy first answers ``warmup`` mixed instances (of another seed) unscored: the kernels for its
+    shapes are built, and auto has seen answers."""
     from ..api import stream_generate
 
     for kind, prompt in tasked_instances(MIXED, warmup, seed + 1):
@@ -89,10 +90,10 @@ def evaluate_policies(
     for task in tasks:
         for policy in policies:
             scores[policy][task] = TaskScore()
-        rng = random.Random(f"history-{task}-{seed}")
+        rng, order = random.Random(f"history-{task}-{seed}"), random.Random(f"order-{task}-{seed}")
         for i, (kind, prompt) in enumerate(tasked_instances(task, n, seed)):
             asked = with_history(tokenizer, prompt, history, rng) if history else prompt
-            for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
+            for policy in order.sample(policies, len(policies)):
                 score = scores[policy][task]
                 start = time.perf_counter()
                 responses = list(

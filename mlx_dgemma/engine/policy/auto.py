@@ -56,8 +56,7 @@ class AutoPlanner:
     ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task.
 
     With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
-    predictions come from, each pace is taken against the prediction that profile now makes, and a
-    kind of forward never observed is run once (a probe) if predicted within ``PROBE_WITHIN`` of the
+    predictions come from (in place of the paces), and a kind of forward never observed is run once (a probe) if predicted within ``PROBE_WITHIN`` of the
     best; without, ``profile`` is fixed and the choices are deterministic in it and the pace."""
 
     def __init__(
@@ -230,10 +229,11 @@ class AutoPlanner:
         self.steps[policy].add(steps, prompt)
         # a fast canvas's steps compute about FAST_POSITION_SHARE of its positions (its commit all of them)
         positions = _positions(policy, self.canvas)
-        if self.live is not None and alone and seconds and steps and plan.predicted:
+        taken = self.live is not None and alone and bool(seconds and steps and plan.predicted)
+        if taken:
             self.live.observe_canvas(positions, steps, plan.context, seconds, self.canvas if encoded else 0)
         at = self.current.at_prefix(plan.context)
-        self._pace(plan, policy, _canvas_s(at, steps, positions, self.canvas, encoded), seconds, prompt)
+        self._pace(plan, policy, _canvas_s(at, steps, positions, self.canvas, encoded), seconds, prompt, taken)
 
     def observe_ar(
         self,
@@ -244,9 +244,10 @@ class AutoPlanner:
         alone: bool = True,
     ) -> None:
         """An autoregressive block under ``plan`` gave ``tokens`` in ``seconds``."""
-        if self.live is not None and alone and seconds and tokens and plan.predicted:
+        taken = self.live is not None and alone and bool(seconds and tokens and plan.predicted)
+        if taken:
             self.live.observe_ar(tokens, plan.context, seconds)
-        self._pace(plan, "ar", tokens * self.current.at_prefix(plan.context).ar_token_s, seconds, prompt)
+        self._pace(plan, "ar", tokens * self.current.at_prefix(plan.context).ar_token_s, seconds, prompt, taken)
 
     def observe_round(
         self,
@@ -262,27 +263,32 @@ class AutoPlanner:
         self.acceptance.observe(plan.draft_steps, done.length, done.kept, done.rejected)
         if done.known is not None:
             self.round_yield.add(len(done.tokens) / modelled, prompt)
-        if self.live is not None and alone and seconds and plan.predicted:
+        taken = self.live is not None and alone and bool(seconds and plan.predicted)
+        if taken:
             self.live.observe_round(done.length, plan.draft_steps, plan.context, seconds)
         at = self.current.at_prefix(plan.context)
-        self._pace(
-            plan, "verified", plan.draft_steps * at.step_s(done.length) + at.verify_s(done.length), seconds, prompt
-        )
+        round_s = plan.draft_steps * at.step_s(done.length) + at.verify_s(done.length)
+        self._pace(plan, "verified", round_s, seconds, prompt, taken)
 
     def observe_answer(self, tokens: int, prompt: list[int] | tuple[int, ...] = ()) -> None:
         """An answer to ``prompt`` ended after ``tokens`` tokens."""
         self.prompts.add(prompt)
         self.lengths.add(tokens, prompt)
 
-    def _pace(self, plan: Plan, name: str, predicted_s: float, seconds: float | None, prompt) -> None:
+    def _pace(
+        self, plan: Plan, name: str, predicted_s: float, seconds: float | None, prompt, taken: bool = False
+    ) -> None:
         """The pace of a canvas, block or round of ``name``: the seconds the current profile gives the
         work it did (the steps it took, the tokens it decoded, the round it ran) over the seconds it
         took. Only time is compared: how many steps a canvas takes, how many tokens an answer or a
-        round gives, are estimated on their own, so a short answer does not read as a slow plan. With
-        a live profile the forward times it has absorbed are not counted twice; the pace keeps what
-        the profile does not model (fast's share of positions, the row's work between forwards)."""
+        round gives, are estimated on their own, so a short answer does not read as a slow plan. It
+        corrects a fixed profile (fast's share of positions, the row's work between forwards) and a
+        live one for forwards shared with other rows; seconds the live profile has ``taken`` in, point
+        by point, are not counted twice."""
         if self._probing == KIND[name]:
             self._probing = False
+        if taken:
+            return
         if not seconds or not predicted_s or plan.predicted is None or plan.predicted[0] != name:
             return
         self.pace[name].add(min(4.0, max(0.25, predicted_s / seconds)), prompt)

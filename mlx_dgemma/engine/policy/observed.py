@@ -5,14 +5,13 @@ replace on disk where they disagree with it."""
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
 from .profile import Profile
 
-# Observations kept per point (their median counts); after CONFIRM of them a point that differs from
+# Observations kept per point (their lower quartile counts: ``settled``); after CONFIRM of them a point that differs from
 # the profile by DISAGREE or more makes the live profile the one on disk. A kind of forward observed
 # within DISAGREE of the profile is marked observed in it.
 KEPT = 9
@@ -22,11 +21,12 @@ DISAGREE = 2.0
 
 class LiveProfile:
     """``base`` (the profile read or measured) times the ratio observed at each point: the seconds a
-    forward took over those ``base`` predicts for it at the same prefix, the median of the last
-    ``KEPT`` (one observation alone counts as it is, so one canvas or block suffices to move a badly
-    wrong point). A point not observed takes the ratio of the nearest observed length of its kind
+    forward took over those ``base`` predicts for it at the same prefix, the lower quartile of the
+    last ``KEPT`` (``settled``: a burst of another process's work does not move it; one observation
+    alone counts as it is, so one canvas or block suffices to move a badly wrong point). A point not observed takes the ratio of the nearest observed length
     ("step" and "verify" passes share theirs: the same layers over several positions; "ar" keeps
-    its own), so a load that slows every forward moves the whole profile. The result is fitted to
+    its own; a verifying pass takes the nearest verifying pass observed, if any: a round's overheads
+    are its own, and each untried draft length would otherwise look as cheap as a canvas), so a load that slows every forward moves the whole profile. The result is fitted to
     a shape the hardware can have (``Profile.fitted``). ``store`` writes a profile to the cache."""
 
     def __init__(self, base: Profile, store: Callable[[Profile], None] | None = None):
@@ -71,7 +71,7 @@ class LiveProfile:
         self.seen.setdefault(key, deque(maxlen=KEPT)).append(ratio * base_s)
         self.counts[key] = self.counts.get(key, 0) + 1
         if self.store is not None:
-            r = statistics.median(self.ratios[key])
+            r = settled(self.ratios[key])
             if len(self.ratios[key]) >= CONFIRM and not 1 / DISAGREE < r < DISAGREE:
                 self._replace_cache()
             elif kind not in self.base.observed and 1 / DISAGREE < r < DISAGREE:
@@ -81,16 +81,20 @@ class LiveProfile:
         self.profile = self._blended()
 
     def _blended(self) -> Profile:
-        ratio = {key: statistics.median(values) for key, values in self.ratios.items()}
+        ratio = {key: settled(values) for key, values in self.ratios.items()}
         forwards = [(n, r) for (kind, n), r in ratio.items() if kind != "ar"]
 
         def scaled(kind: str, points: dict[int, float]) -> dict[int, float]:
+            # a verifying pass not observed: the nearest observed one (a round's overheads are not a
+            # canvas's), else the nearest forward; a step: the nearest forward (a round's draft steps
+            # take the round's ratio)
+            own = [(n, r) for (k, n), r in ratio.items() if k == kind == "verify"]
             out = {}
             for n, s in points.items():
                 if (kind, n) in ratio:
                     out[n] = s * ratio[kind, n]
-                elif forwards:
-                    out[n] = s * min(forwards, key=lambda o: (abs(math.log2(o[0] / n)), o[0]))[1]
+                elif own or forwards:
+                    out[n] = s * min(own or forwards, key=lambda o: (abs(math.log2(o[0] / n)), o[0]))[1]
                 else:
                     out[n] = s
             return out
@@ -112,7 +116,7 @@ class LiveProfile:
         self.store(self.base)
 
     def report(self) -> list[tuple[str, int, float, float | None, int]]:
-        """(kind, length, seconds in the profile it started from, seconds observed (the median of the
+        """(kind, length, seconds in the profile it started from, seconds observed (the lower quartile of the
         last few, at that profile's prefix) or None, observations) per point and per length observed,
         for ``python -m mlx_dgemma.bench``."""
         m = self.measured
@@ -121,5 +125,13 @@ class LiveProfile:
         for kind, n in sorted(lengths | set(self.seen) | {("ar", 1)}):
             start = m.ar_token_s if kind == "ar" else m.step_s(n) if kind == "step" else m.verify_s(n)
             seen = self.seen.get((kind, n))
-            rows.append((kind, n, start, statistics.median(seen) if seen else None, self.counts.get((kind, n), 0)))
+            rows.append((kind, n, start, settled(seen) if seen else None, self.counts.get((kind, n), 0)))
         return rows
+
+
+def settled(values) -> float:
+    """A forward's time (or ratio) at the machine's load, not at its bursts: the lower quartile of the
+    observations (the fastest of up to 4). Another process only ever slows a forward, and its bursts
+    last several forwards on a shared machine; a load that stays moves the quartile within a few."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 4]
