@@ -282,7 +282,7 @@ def test_no_scorer_outlives_its_answer(served, client, demo):
 
     def scorers() -> int:
         gc.collect()
-        return sum(isinstance(o, Scorer) for o in gc.get_objects())
+        return sum(type(o) is Scorer for o in gc.get_objects())
 
     before = scorers()
     ids = tokenizer.encode(SORT, add_special_tokens=False)
