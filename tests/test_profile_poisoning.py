@@ -192,16 +192,31 @@ def test_an_observed_profile_is_stored_and_read_back_whole(tmp_path):
 
 
 def test_one_slow_canvas_does_not_replace_the_cache():
-    """A canvas slowed by another process moves the live profile, but the cache is replaced only
-    when several observations (their median) disagree with it."""
+    """A canvas slowed by another process does not move the live profile (its lower quartile: load
+    only slows a forward), and the cache is replaced only when several observations disagree with it."""
     stored = []
     live = LiveProfile(DIFFUSION_WINS, stored.append)
     live.observe_canvas(CANVAS, 4, 0, 10 * (4 * 0.003 + 0.003))  # 10x slower once
     live.observe_canvas(CANVAS, 4, 0, 4 * 0.003 + 0.003)
     live.observe_canvas(CANVAS, 4, 0, 4 * 0.003 + 0.003)
-    assert live.profile.step_s(CANVAS) == pytest.approx(0.003)  # the median of three
-    # once the median agrees with the cache, the cache is only marked: its steps were observed
+    assert live.profile.step_s(CANVAS) == pytest.approx(0.003)  # the quartile of three
+    # once the quartile agrees with the cache, the cache is only marked: its steps were observed
     assert stored == [replace(DIFFUSION_WINS, observed=["step"])]
+
+
+def test_a_round_is_predicted_as_it_was_observed():
+    """Once canvases have said what a step costs, a verified round's draft steps cost that and its
+    verifying pass the rest, so the live profile predicts the round it observed; an untried draft
+    length takes the verifying passes' ratio, not the canvases'."""
+    live = LiveProfile(DIFFUSION_WINS)
+    live.observe_canvas(CANVAS, 4, 0, 2 * (4 * 0.003 + 0.003))  # steps at 2x the cache
+    round_s = 0.05  # a round of 2 draft steps of 8 and its verifying pass: slow for its forwards
+    live.observe_round(8, 2, 0, round_s)
+    p = live.profile
+    assert 2 * p.step_s(8) + p.verify_s(8) == pytest.approx(round_s)
+    assert p.step_s(8) == pytest.approx(2 * DIFFUSION_WINS.step_s(8))  # the canvases' ratio
+    ratio = p.verify_s(8) / DIFFUSION_WINS.verify_s(8)
+    assert p.verify_s(4) / DIFFUSION_WINS.verify_s(4) == pytest.approx(ratio) and ratio > 2
 
 
 def test_the_models_planner_turns_live_when_auto_asks_for_the_cached_profile():

@@ -23,11 +23,14 @@ class LiveProfile:
     """``base`` (the profile read or measured) times the ratio observed at each point: the seconds a
     forward took over those ``base`` predicts for it at the same prefix, the lower quartile of the
     last ``KEPT`` (``settled``: a burst of another process's work does not move it; one observation
-    alone counts as it is, so one canvas or block suffices to move a badly wrong point). A point not observed takes the ratio of the nearest observed length
-    ("step" and "verify" passes share theirs: the same layers over several positions; "ar" keeps
-    its own; a verifying pass takes the nearest verifying pass observed, if any: a round's overheads
-    are its own, and each untried draft length would otherwise look as cheap as a canvas), so a load that slows every forward moves the whole profile. The result is fitted to
-    a shape the hardware can have (``Profile.fitted``). ``store`` writes a profile to the cache."""
+    alone counts as it is, so one canvas or block suffices to move a badly wrong point). A point not
+    observed takes the ratio of the nearest observed length of its kind, else of the other ("step"
+    and "verify" passes share theirs until each kind is observed: the same layers over several
+    positions; "ar" keeps its own; a round's overheads are not a canvas's, and each untried draft
+    length would otherwise look as cheap as a canvas). A round's draft steps cost what canvases say
+    a step costs, once one is observed, and its verifying pass the rest. So a load that slows every
+    forward moves the whole profile. The result is fitted to a shape the hardware can have
+    (``Profile.fitted``). ``store`` writes a profile to the cache."""
 
     def __init__(self, base: Profile, store: Callable[[Profile], None] | None = None):
         self.base, self.store, self.profile = base, store, base
@@ -56,8 +59,14 @@ class LiveProfile:
     def observe_round(self, length: int, steps: int, prefix: int, seconds: float) -> None:
         """A verified round (``steps`` draft steps of ``length`` positions and the verifying pass)."""
         p = self.base.at_prefix(prefix)
-        # one ratio for both parts (a round cannot tell them apart): the steps take it where no
-        # canvas of theirs has been observed (the nearest observed forward's), but stay unobserved
+        if any(kind == "step" for kind, _ in self.ratios):
+            # the draft steps cost what canvases say a step costs; the verifying pass is the rest, so
+            # that the round is predicted as it was observed
+            drafting = steps * self.profile.at_prefix(prefix).step_s(length)
+            self._add("verify", length, max(seconds - drafting, seconds / 10) / p.verify_s(length))
+            return
+        # no canvas observed: one ratio for both parts (a round cannot tell them apart), which the
+        # steps take too (the nearest observed forward's), but stay unobserved
         self._add("verify", length, seconds / (steps * p.step_s(length) + p.verify_s(length)))
 
     def _add(self, kind: str, length: int, ratio: float) -> None:
@@ -85,10 +94,9 @@ class LiveProfile:
         forwards = [(n, r) for (kind, n), r in ratio.items() if kind != "ar"]
 
         def scaled(kind: str, points: dict[int, float]) -> dict[int, float]:
-            # a verifying pass not observed: the nearest observed one (a round's overheads are not a
-            # canvas's), else the nearest forward; a step: the nearest forward (a round's draft steps
-            # take the round's ratio)
-            own = [(n, r) for (k, n), r in ratio.items() if k == kind == "verify"]
+            # a point not observed: the nearest observed of its kind (a round's overheads are not a
+            # canvas's), else the nearest forward of either
+            own = [(n, r) for (k, n), r in ratio.items() if k == kind]
             out = {}
             for n, s in points.items():
                 if (kind, n) in ratio:
