@@ -14,6 +14,17 @@ from mlx_dgemma.model.config import GenerationConfig
 PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17]
 
 
+# Steps cheap next to a verifying pass, an AR token a quarter of a 16-position step.
+CPU_LIKE = Profile(
+    "cpu-like",
+    "measured",
+    {2: 0.008, 8: 0.012, 16: 0.016},
+    ar_token_s=0.004,
+    prefill_tok_s=1e4,
+    verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
+)
+
+
 def fixed(policy: str):
     """The plan of a fixed policy, as auto's canvases and rounds are observed under one."""
     return make_plan(policy, GenerationConfig(), 16, 64)
@@ -126,15 +137,7 @@ def test_auto_expects_answers_as_long_as_the_last_ones():
     from mlx_dgemma.engine.policy import AutoPlanner
     from mlx_dgemma.model.config import GenerationConfig
 
-    profile = Profile(
-        "cpu-like",
-        "measured",
-        {2: 0.008, 8: 0.012, 16: 0.016},
-        ar_token_s=0.004,
-        prefill_tok_s=1e4,
-        verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
-    )
-    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, CPU_LIKE, expected_steps=2)
     assert planner.choose(64).mode == "diffusion"  # a whole canvas in 2 steps: 500 tok/s (fast more), AR 250
     for _ in range(3):
         planner.observe_answer(3)
@@ -155,7 +158,7 @@ def test_both_diffusion_plans_canvases_say_how_many_steps_a_canvas_takes():
     canvases enough to say how many it saves), so one slow canvas of fast does not keep it out."""
     from mlx_dgemma.engine.policy import AutoPlanner
 
-    planner = AutoPlanner(GenerationConfig(max_denoising_steps=16, stability_threshold=1), 16, PROFILE_FOR_STEPS)
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=16, stability_threshold=1), 16, CPU_LIKE)
     assert planner.steps_per_canvas("fast") == planner.steps_per_canvas("reference") == 4  # the prior
     planner.observe_canvas(fixed("fast"), 7)
     assert (planner.steps_per_canvas("reference"), planner.steps_per_canvas("fast")) == (8, 7)
@@ -169,31 +172,13 @@ def test_both_diffusion_plans_canvases_say_how_many_steps_a_canvas_takes():
     assert planner.steps_per_canvas("reference") == pytest.approx(both) == planner.steps_per_canvas("fast")
 
 
-PROFILE_FOR_STEPS = Profile(
-    "cpu-like",
-    "measured",
-    {2: 0.008, 8: 0.012, 16: 0.016},
-    ar_token_s=0.004,
-    prefill_tok_s=1e4,
-    verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
-)
-
-
 def planner_of_two_answer_lengths():
     """An auto planner that has seen 3-token answers to prompts beginning ``template + short`` and
     40-token ones to prompts beginning ``template + long``."""
     from mlx_dgemma.engine.policy import AutoPlanner
     from mlx_dgemma.model.config import GenerationConfig
 
-    profile = Profile(
-        "cpu-like",
-        "measured",
-        {2: 0.008, 8: 0.012, 16: 0.016},
-        ar_token_s=0.004,
-        prefill_tok_s=1e4,
-        verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
-    )
-    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, profile, expected_steps=2)
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, CPU_LIKE, expected_steps=2)
     template, short, long = [2, 105, 9], [40, 41], [50, 51]
     for i in range(8):
         planner.observe_answer(3, template + short + [60 + i])
@@ -385,16 +370,10 @@ def test_auto_leaves_a_plan_whose_forwards_run_slower_than_predicted():
     from mlx_dgemma.engine.policy import AutoPlanner
     from mlx_dgemma.model.config import GenerationConfig
 
-    profile = Profile(
-        "cpu-like",
-        "measured",
-        {2: 0.008, 8: 0.012, 16: 0.016},
-        ar_token_s=0.004,
-        prefill_tok_s=1e4,
-        verify_s_by_length={2: 0.008, 8: 0.02, 16: 0.03},
-    )
     # no confirming steps: the reference's canvases are expected to take as many steps as fast's
-    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8, stability_threshold=0), 16, profile, expected_steps=2)
+    planner = AutoPlanner(
+        GenerationConfig(max_denoising_steps=8, stability_threshold=0), 16, CPU_LIKE, expected_steps=2
+    )
     first = planner.choose(64)
     name = first.predicted[0]
     planner.observe_canvas(first, 2, seconds=_predicted_s(planner, first), tokens=1)  # on time, 1 token

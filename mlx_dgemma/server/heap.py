@@ -4,8 +4,8 @@ caches as long as its prompts. Once it is sent they are freed, but MLX keeps the
 cache and glibc's allocator keeps the pages for the process's next allocations, so the server would
 stay about 150 MB larger after each. ``give_back_freed`` empties MLX's cache and returns the free
 pages of every glibc arena (``malloc_trim``), and the server gives large blocks their own mappings
-(``keep_large_blocks_mapped``), which go back as they are freed; elsewhere (macOS's allocator gives freed regions back
-on its own) only MLX's cache is emptied."""
+(``keep_large_blocks_mapped``), which go back as they are freed; elsewhere (macOS's allocator gives
+freed regions back on its own) only MLX's cache is emptied."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import mlx.core as mx
 # Log-probabilities a reply holds from which, once it is sent, the freed memory is given back (a trim
 # walks the heap: a few ms, worth it only after a reply of tens of MB).
 TRIM_AFTER_LOGPROBS = 1 << 16
-
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 MMAP_THRESHOLD = 128 << 10  # glibc's default before it starts to move

@@ -39,25 +39,27 @@ class AutoPlanner:
     model has done so far; the estimates are updated as it generates, so a plan that turns out slower
     than predicted is left for the next best at the next canvas or round.
 
-    Predicted tok/s: reference = tokens per canvas / (steps per canvas · step time at the canvas);
-    fast = the same at ``FAST_POSITION_SHARE`` of the canvas's positions; ar = 1 / token time;
-    verified = tokens per round / (draft steps · step time at the draft length + the verifying pass),
-    at the draft length and steps ``best_draft`` picks from the acceptance estimate, scaled by the
-    observed ratio of tokens per round to the model's. A canvas or round gives no more tokens than the
-    answer is expected still to have, from the lengths of earlier answers (``expected_tokens``). A canvas that the answer is expected to go on from
-    also pays its commit's encode. Each prediction times that plan's pace: the seconds the profile
-    gives the work a canvas, block or round of it did over the seconds that work took (time only:
-    steps, answer lengths and tokens per round have their own estimates).
+    Predicted tok/s: reference = tokens per canvas / (steps per canvas · step time at the canvas); fast
+    = the same at ``FAST_POSITION_SHARE`` of the canvas's positions; ar = 1 / token time; verified =
+    tokens per round / (draft steps · step time at the draft length + the verifying pass), at the draft
+    length and steps ``best_draft`` picks from the acceptance estimate, scaled by the observed ratio of
+    tokens per round to the model's. A canvas or round gives no more tokens than the answer is expected
+    still to have, from the lengths of earlier answers (``expected_tokens``). A canvas that the answer
+    is expected to go on from also pays its commit's encode. Each prediction times that plan's pace: the
+    seconds the profile gives the work a canvas, block or round of it did over the seconds that work
+    took (time only: steps, answer lengths and tokens per round have their own estimates).
 
     Answer lengths, steps per canvas (from a prior of the generation config: a quarter of the step
-    limit, at least the stability threshold + 1, until one is observed), tokens per round and pace are each the mean of the latest ~8 observations
-    on prompts like this one (``PromptLikeMeans``: a task's instructions, a conversation's earlier
-    turns), so one task's do not stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but predicted within
-    ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of task.
+    limit, at least the stability threshold + 1, until one is observed), tokens per round and pace are
+    each the mean of the latest ~8 observations on prompts like this one (``PromptLikeMeans``: a task's
+    instructions, a conversation's earlier turns), so one task's do not stand for another's. A plan not
+    run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is run once
+    more, so estimates follow a change of task.
 
     With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
-    predictions come from (in place of the paces), and a kind of forward never observed is run once (a probe) if predicted within ``PROBE_WITHIN`` of the
-    best; without, ``profile`` is fixed and the choices are deterministic in it and the pace."""
+    predictions come from (in place of the paces), and a kind of forward never observed is run once (a
+    probe) if predicted within ``PROBE_WITHIN`` of the best; without, ``profile`` is fixed and the
+    choices are deterministic in it and the pace."""
 
     def __init__(
         self,

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 from .profile import Profile
 
-# Observations kept per point (their lower quartile counts: ``settled``); after CONFIRM of them a point that differs from
-# the profile by DISAGREE or more makes the live profile the one on disk. A kind of forward observed
-# within DISAGREE of the profile is marked observed in it.
+# Observations kept per point (their lower quartile counts: ``settled``); after CONFIRM of them a
+# point that differs from the profile by DISAGREE or more makes the live profile the one on disk. A
+# kind of forward observed within DISAGREE of the profile is marked observed in it.
 KEPT = 9
 CONFIRM = 3
 DISAGREE = 2.0
@@ -124,9 +124,9 @@ class LiveProfile:
         self.store(self.base)
 
     def report(self) -> list[tuple[str, int, float, float | None, int]]:
-        """(kind, length, seconds in the profile it started from, seconds observed (the lower quartile of the
-        last few, at that profile's prefix) or None, observations) per point and per length observed,
-        for ``python -m mlx_dgemma.bench``."""
+        """(kind, length, seconds in the profile it started from, seconds observed (the lower quartile
+        of the last few, at that profile's prefix) or None, observations) per point and per length
+        observed, for ``python -m mlx_dgemma.bench``."""
         m = self.measured
         lengths = {("step", n) for n in m.step_s_by_canvas} | {("verify", n) for n in m.verify_s_by_length}
         rows = []

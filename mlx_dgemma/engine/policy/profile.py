@@ -164,24 +164,19 @@ def device_name() -> str:
 
 
 def model_fingerprint(model) -> str:
-    dtype = str(model.model.decoder.norm.weight.dtype)
-    key = (id(model), id(model.config), dtype, str(mx.default_device()), model.kernels.name)
-    if key not in _FINGERPRINTS:  # (asked before every auto request: the config's hash is kept)
-        # The kernels and PROFILE_VERSION: a profile measured with other kernels (or before verified
-        # drafting's timings existed) is measured again.
-        raw = json.dumps([asdict(model.config), *key[2:], PROFILE_VERSION], sort_keys=True, default=str)
-        if not any(k[0] == id(model) for k in _FINGERPRINTS):
-            weakref.finalize(model, _forget, id(model))
-        _FINGERPRINTS[key] = hashlib.sha1(raw.encode()).hexdigest()[:16]
-    return _FINGERPRINTS[key]
+    # The kernels and PROFILE_VERSION: a profile measured with other kernels (or before verified
+    # drafting's timings existed) is measured again.
+    settings = (str(model.model.decoder.norm.weight.dtype), str(mx.default_device()), model.kernels.name)
+    kept = _FINGERPRINTS.get(id(model))
+    if kept is None or kept[0] != (id(model.config), settings):  # (asked before every auto request)
+        if kept is None:
+            weakref.finalize(model, _FINGERPRINTS.pop, id(model), None)
+        raw = json.dumps([asdict(model.config), *settings, PROFILE_VERSION], sort_keys=True, default=str)
+        kept = _FINGERPRINTS[id(model)] = ((id(model.config), settings), hashlib.sha1(raw.encode()).hexdigest()[:16])
+    return kept[1]
 
 
-_FINGERPRINTS: dict[tuple, str] = {}
-
-
-def _forget(model_id: int) -> None:
-    for key in [k for k in _FINGERPRINTS if k[0] == model_id]:
-        del _FINGERPRINTS[key]
+_FINGERPRINTS: dict[int, tuple[tuple, str]] = {}  # id(model) -> ((id of its config, settings), fingerprint)
 
 
 def time_canvas(model, cache, steps: int, canvas: int, seed: int = 0) -> float:
