@@ -205,6 +205,27 @@ def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
     assert planner.steps["fast"].value(template + short) == 1 and planner.steps["fast"].value(template + long) == 6
 
 
+def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
+    """Steps per canvas differ 8x between the demo's tasks (sort 2-3, add 19-24), so a prompt unlike
+    every one whose canvases were seen is expected halfway between what those took and the prior (a
+    quarter of the step limit); one with their instructions takes what they took, whatever follows."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=24), 16, CPU_LIKE)
+    template, task = [2, 105, 9], [40, 41]
+    for i in range(8):
+        planner.observe_canvas(fixed("fast"), 1, prompt=template + task + [60 + i])
+        planner.observe_answer(8, template + task + [60 + i])
+    assert planner.steps["fast"].prior == 6
+    same, other = template + task + [99], template + [30, 31]  # 99 follows no prompt seen
+    assert planner.steps_per_canvas("fast", same) == 1 and planner.choose(64, prompt=same).mode == "diffusion"
+    assert planner.steps_per_canvas("fast", other) == (1 + 6) / 2
+    assert planner.choose(64, prompt=other).mode != "diffusion"  # 8 tokens in 3.5 steps: slower than AR
+    for i in range(8):  # its own canvases, from the first
+        planner.observe_canvas(fixed("fast"), 2, prompt=template + [30, 50 + i])
+    assert planner.steps_per_canvas("fast", other) == 2 and planner.steps_per_canvas("fast", same) == 1
+
+
 def test_auto_learns_each_answers_length(pattern):
     model, tokenizer = pattern
     PLANNERS.set(model, None)

@@ -91,10 +91,19 @@ class AutoPlanner:
         """Steps a canvas of ``name`` (reference or fast) is expected to take, from the canvases of
         both on prompts like ``prompt`` (else the prior): a prompt takes about as many steps under
         either, but for the confirming steps fast's stop rule saves (the stability threshold at most;
-        what is observed once both have canvases enough to tell)."""
+        what is observed once both have canvases enough to tell). A prompt unlike all of those takes
+        what they took halfway to the prior."""
         ref, fast = self.steps["reference"].observed(prompt), self.steps["fast"].observed(prompt)
         if not ref and not fast:
             return self.steps[name].prior
+        pooled = self._pooled(name, ref, fast)
+        if self.steps["reference"].unlike(prompt) and self.steps["fast"].unlike(prompt):
+            # A prompt unlike every one whose canvases were seen may be as hard as the step limit allows
+            # (an arithmetic answer takes 8x a sort's steps): midway between what those took and the prior.
+            return (pooled + self.steps[name].prior) / 2
+        return pooled
+
+    def _pooled(self, name: str, ref: list[float], fast: list[float]) -> float:
         saved = float(self.gen.stability_threshold)
         if len(ref) >= SAVED_SEEN and len(fast) >= SAVED_SEEN:
             saved = min(saved, max(0.0, sum(ref) / len(ref) - sum(fast) / len(fast)))
@@ -327,7 +336,8 @@ class PromptLikeMeans:
         self.prior, self.prior_weight, self.window = prior, prior_weight, window
         self.kinds = kinds if kinds is not None else PromptKinds()
         self.records: deque[tuple[tuple[int, ...], float]] = deque(maxlen=OBSERVATIONS_KEPT)
-        self._observed: dict[tuple[int, ...], list[float]] = {}  # per prompt key, until the next observation
+        # per prompt key, until the next observation: (observed, unlike)
+        self._observed: dict[tuple[int, ...], tuple[list[float], bool]] = {}
 
     def add(self, value: float, prompt: list[int] | tuple[int, ...] = ()) -> None:
         self.records.append((tuple(prompt[:PROMPT_KEY]), value))
@@ -335,12 +345,25 @@ class PromptLikeMeans:
 
     def observed(self, prompt: list[int] | tuple[int, ...] = ()) -> list[float]:
         """The latest ``window`` observations on prompts like ``prompt``, oldest first."""
+        return self._estimate(prompt)[0]
+
+    def unlike(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
+        """Whether ``prompt`` is unlike every prompt behind ``observed(prompt)`` (if any): none is like it,
+        and those share more of their beginning with one another than any does with it (another task's)."""
+        return self._estimate(prompt)[1]
+
+    def _estimate(self, prompt) -> tuple[list[float], bool]:
         key = tuple(prompt[:PROMPT_KEY])
         if key not in self._observed:
             shared = [_common_prefix(key, past) for past, _ in self.records]
             floor = min(self.kinds.common(key), min(shared, default=0))
             like = [value for n, (_, value) in zip(shared, self.records) if n > floor]
-            self._observed[key] = (like or [value for _, value in self.records])[-self.window :]
+            if like:
+                self._observed[key] = (like[-self.window :], False)
+            else:
+                kept = list(self.records)[-self.window :]
+                between = min((_common_prefix(kept[0][0], past) for past, _ in kept), default=0)
+                self._observed[key] = ([value for _, value in kept], not kept or max(shared[-self.window :]) < between)
         return self._observed[key]
 
     def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
