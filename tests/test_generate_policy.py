@@ -224,6 +224,9 @@ def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
     for i in range(8):  # its own canvases, from the first
         planner.observe_canvas(fixed("fast"), 2, prompt=template + [30, 50 + i])
     assert planner.steps_per_canvas("fast", other) == 2 and planner.steps_per_canvas("fast", same) == 1
+    for i in range(2):  # the latest canvases of two tasks, and a prompt of neither
+        planner.observe_canvas(fixed("fast"), 1, prompt=template + task + [70 + i])
+    assert planner.steps_per_canvas("fast", template + [20, 21]) == ((6 * 2 + 2 * 1) / 8 + 6) / 2
 
 
 def test_auto_learns_each_answers_length(pattern):

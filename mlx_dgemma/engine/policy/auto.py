@@ -349,7 +349,8 @@ class PromptLikeMeans:
 
     def unlike(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
         """Whether ``prompt`` is unlike every prompt behind ``observed(prompt)`` (if any): none is like it,
-        and those share more of their beginning with one another than any does with it (another task's)."""
+        and each of those shares more of its beginning with another of them than with it (another
+        task's instructions)."""
         return self._estimate(prompt)[1]
 
     def _estimate(self, prompt) -> tuple[list[float], bool]:
@@ -361,9 +362,14 @@ class PromptLikeMeans:
             if like:
                 self._observed[key] = (like[-self.window :], False)
             else:
-                kept = list(self.records)[-self.window :]
-                between = min((_common_prefix(kept[0][0], past) for past, _ in kept), default=0)
-                self._observed[key] = ([value for _, value in kept], not kept or max(shared[-self.window :]) < between)
+                kept = [past for past, _ in self.records][-self.window :]
+                # what each of them shares with the nearest other: its kind's instructions, if any
+                nearest = [
+                    max((_common_prefix(a, b) for j, b in enumerate(kept) if j != i), default=0)
+                    for i, a in enumerate(kept)
+                ]
+                unlike = not kept or max(shared[-self.window :]) < min(nearest)
+                self._observed[key] = ([value for _, value in self.records][-self.window :], unlike)
         return self._observed[key]
 
     def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
