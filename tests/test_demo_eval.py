@@ -33,6 +33,10 @@ def test_side_by_side_puts_auto_against_the_best_fixed_policy():
     assert row.split()[:4] == ["sort", "300.0", "1.00x", "75%"]
     assert row.endswith("0.90x (fast, 75% right)")
     assert "auto/best fixed" not in format_side_by_side({"fast": scores["fast"], "ar": scores["ar"]})
+    # answer by answer: each of auto's answers against fast's to the same prompt, the median of four
+    scores["fast"]["sort"].rates = [300.0, 150.0, 300.0, 300.0]
+    scores["auto"]["sort"].rates = [270.0, 150.0, 30.0, 330.0]  # 0.9, 1, 0.1 (a burst of load), 1.1
+    assert format_side_by_side(scores).splitlines()[-1].endswith("0.90x (fast, 75% right)  0.95x")
 
 
 @pytest.mark.slow

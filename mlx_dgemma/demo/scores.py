@@ -23,6 +23,7 @@ class TaskScore:
     rounds: int = 0  # verified drafting's rounds (one response each)
     round_tokens: int = 0  # tokens those rounds produced
     plans: dict[str, int] = field(default_factory=dict)  # responses per plan (what auto chose)
+    rates: list[float] = field(default_factory=list)  # tok/s of each answer, in the instances' order
 
     @property
     def accuracy(self) -> float:
@@ -106,7 +107,9 @@ def evaluate_policies(
                         **(generate_kwargs or {}).get(policy, {}),
                     )
                 )
-                score.seconds += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                score.seconds += seconds
+                score.rates.append(responses[-1].generation_tokens / seconds)
                 text = "".join(r.text for r in responses)
                 score.correct += check(kind, prompt, text)
                 score.total += 1
@@ -216,17 +219,29 @@ def format_scores(policy: str, scores: dict[str, TaskScore]) -> str:
     return "\n".join(lines)
 
 
+def paired_ratio(score: TaskScore, against: TaskScore) -> float | None:
+    """The median over instances of one answer's tok/s against the other's to the same prompt (run
+    next to each other, so a burst of load falls on both): on a shared core, where the totals of
+    30 answers move by a quarter between runs of the same plan, it resolves a few percent."""
+    if not score.rates or len(score.rates) != len(against.rates):
+        return None
+    return statistics.median(a / b for a, b in zip(score.rates, against.rates))
+
+
 def format_side_by_side(scores: dict[str, dict[str, TaskScore]]) -> str:
     """tok/s of every policy per task (measured turn about on the same instances), each against the
     fastest on that task, and accuracy; with auto and a fixed policy, auto against the best fixed one
-    (by tok/s) and that one's accuracy."""
+    (by tok/s), that one's accuracy, and the median of their answers' paired ratios
+    (``paired_ratio``)."""
     policies = list(scores)
     tasks = list(scores[policies[0]])
     fixed = [p for p in policies if p != "auto"]
     against = "auto" in policies and fixed
     lines = [
         "tok/s side by side (x: against the fastest on the task) and accuracy",
-        f"  {'task':<8} " + " ".join(f"{p:>22}" for p in policies) + ("   auto/best fixed" if against else ""),
+        f"  {'task':<8} "
+        + " ".join(f"{p:>22}" for p in policies)
+        + ("   auto/best fixed (answer by answer: median)" if against else ""),
     ]
     for task in tasks:
         rates = {p: scores[p][task].tokens / scores[p][task].seconds for p in policies}
@@ -237,5 +252,7 @@ def format_side_by_side(scores: dict[str, dict[str, TaskScore]]) -> str:
         if against:
             top = max(fixed, key=rates.get)
             line += f"   {rates['auto'] / rates[top]:5.2f}x ({top}, {scores[top][task].accuracy:.0%} right)"
+            paired = paired_ratio(scores["auto"][task], scores[top][task])
+            line += f" {paired:5.2f}x" if paired is not None else ""
         lines.append(line)
     return "\n".join(lines)
