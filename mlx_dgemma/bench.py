@@ -121,7 +121,7 @@ def verified_figures(model, tokenizer, profile: Profile, prefix: int = 64, token
 def observed_figures(model, tokenizer, profile: Profile, prefix: int = 64, answers: int = 3, tokens: int = 64) -> dict:
     """The profile beside what the engine observed: ``answers`` auto generations of up to ``tokens``
     after a random prompt, planned from ``profile`` kept live (``LiveProfile``; not cached), and per
-    point the seconds measured, the seconds the forwards auto ran took (their median, at the profile's
+    point the seconds measured, the seconds the forwards auto ran took (their lower quartile, at the profile's
     prefix) and how many canvases, blocks or rounds observed it; with the kinds each answer ran in."""
     import mlx.core as mx
 
@@ -284,7 +284,7 @@ def format_report(r: dict) -> str:
         f"{m['draft_length']} in {m['draft_steps']} step(s), {m['tokens_per_round']:.2f} tokens per round, "
         f"{m['tokens_per_forward']:.2f} per forward, {m['tok_s']:.2f} tok/s"
     )
-    lines.append("the profile beside the forwards auto ran (ms; observed: median, at the profile's prefix)")
+    lines.append("the profile beside the forwards auto ran (ms; observed: lower quartile, at the profile's prefix)")
     lines.append(f"{'kind':<7} {'length':>6} {'profile':>9} {'observed':>9} {'ratio':>6} {'runs':>5}")
     for p in r["observed"]["points"]:
         seen = p["observed_s"]

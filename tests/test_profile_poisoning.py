@@ -21,6 +21,7 @@ from mlx_dgemma.engine.policy import (
     profile_cache_path,
     store_profile,
 )
+from mlx_dgemma.engine.policy.observed import CONFIRM
 from mlx_dgemma.model.config import GenerationConfig
 
 GEN = GenerationConfig(max_denoising_steps=16)
@@ -197,6 +198,7 @@ def test_one_slow_canvas_does_not_replace_the_cache():
     stored = []
     live = LiveProfile(DIFFUSION_WINS, stored.append)
     live.observe_canvas(CANVAS, 4, 0, 10 * (4 * 0.003 + 0.003))  # 10x slower once
+    assert live.profile.step_s(CANVAS) == pytest.approx(0.003)  # alone, it does not shut diffusion out
     live.observe_canvas(CANVAS, 4, 0, 4 * 0.003 + 0.003)
     live.observe_canvas(CANVAS, 4, 0, 4 * 0.003 + 0.003)
     assert live.profile.step_s(CANVAS) == pytest.approx(0.003)  # the quartile of three
@@ -206,12 +208,14 @@ def test_one_slow_canvas_does_not_replace_the_cache():
 
 def test_a_round_is_predicted_as_it_was_observed():
     """Once canvases have said what a step costs, a verified round's draft steps cost that and its
-    verifying pass the rest, so the live profile predicts the round it observed; an untried draft
+    verifying pass the rest, so the live profile predicts the rounds it observed; an untried draft
     length takes the verifying passes' ratio, not the canvases'."""
     live = LiveProfile(DIFFUSION_WINS)
-    live.observe_canvas(CANVAS, 4, 0, 2 * (4 * 0.003 + 0.003))  # steps at 2x the cache
+    for _ in range(CONFIRM):  # (slower than the cache: it takes CONFIRM observations to say so)
+        live.observe_canvas(CANVAS, 4, 0, 2 * (4 * 0.003 + 0.003))  # steps at 2x the cache
     round_s = 0.05  # a round of 2 draft steps of 8 and its verifying pass: slow for its forwards
-    live.observe_round(8, 2, 0, round_s)
+    for _ in range(CONFIRM):
+        live.observe_round(8, 2, 0, round_s)
     p = live.profile
     assert 2 * p.step_s(8) + p.verify_s(8) == pytest.approx(round_s)
     assert p.step_s(8) == pytest.approx(2 * DIFFUSION_WINS.step_s(8))  # the canvases' ratio

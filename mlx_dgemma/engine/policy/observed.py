@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from .profile import Profile
+from .profile import Profile, settled
 
 # Observations kept per point (their lower quartile counts: ``settled``); after CONFIRM of them a
 # point that differs from the profile by DISAGREE or more makes the live profile the one on disk. A
@@ -22,8 +22,11 @@ DISAGREE = 2.0
 class LiveProfile:
     """``base`` (the profile read or measured) times the ratio observed at each point: the seconds a
     forward took over those ``base`` predicts for it at the same prefix, the lower quartile of the
-    last ``KEPT`` (``settled``: a burst of another process's work does not move it; one observation
-    alone counts as it is, so one canvas or block suffices to move a badly wrong point). A point not
+    last ``KEPT`` (``settled``: a burst of another process's work does not move it). Until a point
+    has ``CONFIRM`` observations, ``base``'s own time counts as one of them: one forward faster than
+    it moves the point at once (a cached time too slow is found out by one canvas or block), a slower
+    one only once ``CONFIRM`` agree (on a shared core one canvas in a few runs 2-5x slow, and a plan
+    predicted from it alone would not be run again to find that out). A point not
     observed takes the ratio of the nearest observed length of its kind, else of the other ("step"
     and "verify" passes share theirs until each kind is observed: the same layers over several
     positions; "ar" keeps its own; a round's overheads are not a canvas's, and each untried draft
@@ -90,7 +93,10 @@ class LiveProfile:
         self.profile = self._blended()
 
     def _blended(self) -> Profile:
-        ratio = {key: settled(values) for key, values in self.ratios.items()}
+        # until CONFIRM observations, the profile's own time stands as one of them
+        ratio = {
+            key: settled([*values, 1.0] if len(values) < CONFIRM else values) for key, values in self.ratios.items()
+        }
         forwards = [(n, r) for (kind, n), r in ratio.items() if kind != "ar"]
 
         def scaled(kind: str, points: dict[int, float]) -> dict[int, float]:
@@ -135,11 +141,3 @@ class LiveProfile:
             seen = self.seen.get((kind, n))
             rows.append((kind, n, start, settled(seen) if seen else None, self.counts.get((kind, n), 0)))
         return rows
-
-
-def settled(values) -> float:
-    """A forward's time (or ratio) at the machine's load, not at its bursts: the lower quartile of the
-    observations (the fastest of up to 4). Another process only ever slows a forward, and its bursts
-    last several forwards on a shared machine; a load that stays moves the quartile within a few."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 4]
