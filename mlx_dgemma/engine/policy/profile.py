@@ -23,7 +23,7 @@ CANVAS_LENGTHS = (16, 32, 64, 128, 256)
 DRAFT_LENGTHS = (2, 4, 8, 16, 32, 64, 128, 256)  # verified drafting's candidates (up to the canvas length)
 DRAFT_STEPS = (1, 2)
 # Bumped whenever the engine's speed, or how a profile is measured, changes enough to make cached profiles stale.
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 # Prefix keys between the two prefixes a profile's growth with the prefix is measured at (both past the
 # sliding window, so that only the full-attention layers grow).
 SLOPE_KEYS = 2048
