@@ -253,3 +253,23 @@ def test_one_probe_at_a_time_among_concurrent_answers():
     observe(live, first, DIFFUSION_WINS, ANSWER, [1])
     fourth = live.choose(ANSWER, prompt=[4])
     assert "not yet observed" in fourth.why and fourth.predicted[0] not in ("reference", first.predicted[0])
+
+
+def test_a_point_measured_through_a_burst_takes_its_fastest_run(monkeypatch, checkpoints):
+    """Beside a busy core a forward runs at its pace or several times slower, in bursts: a point two
+    of whose three runs fell in one is measured at the third (the lower quartile, as the live profile
+    takes in forwards), not at the burst a median would give."""
+    from mlx_dgemma import load
+    from mlx_dgemma.engine.policy import profile as profile_module
+
+    model, _ = load(checkpoints("pattern"))
+    pace = {8: 0.002, 16: 0.003}
+    runs: dict[int, int] = {}
+
+    def timed(model, cache, steps, canvas, seed=0):
+        runs[canvas] = runs.get(canvas, 0) + 1
+        return steps * pace[canvas] * (1 if runs[canvas] % 3 == 0 else 10)  # the warm-up, then 10x, 10x, 1x
+
+    monkeypatch.setattr(profile_module, "time_canvas", timed)
+    measured = profile_module.measure(model, canvases=(8, 16), repeats=3, draft_lengths=())
+    assert measured.step_s_by_canvas == pytest.approx(pace)

@@ -11,10 +11,12 @@ from dataclasses import replace
 
 from .profile import Profile, settled
 
-# Observations kept per point (their lower quartile counts: ``settled``); after CONFIRM of them a
+# Observations kept per point (their lower quartile counts: ``settled``; beside a busy core a burst
+# 10x slower lasted 9 canvases, and a point that moved with it priced its plan out against the plans
+# not run meanwhile, though the burst slowed them too); after CONFIRM of them a
 # point that differs from the profile by DISAGREE or more makes the live profile the one on disk. A
 # kind of forward observed within DISAGREE of the profile is marked observed in it.
-KEPT = 9
+KEPT = 32
 CONFIRM = 3
 DISAGREE = 2.0
 
