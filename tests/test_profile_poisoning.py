@@ -221,6 +221,11 @@ def test_a_round_is_predicted_as_it_was_observed():
     assert p.step_s(8) == pytest.approx(2 * DIFFUSION_WINS.step_s(8))  # the canvases' ratio
     ratio = p.verify_s(8) / DIFFUSION_WINS.verify_s(8)
     assert p.verify_s(4) / DIFFUSION_WINS.verify_s(4) == pytest.approx(ratio) and ratio > 2
+    for _ in range(CONFIRM):  # the canvases' steps back at the cache's time: the rounds still as they ran
+        live.observe_canvas(CANVAS, 4, 0, 4 * 0.003 + 0.003)
+    p = live.profile
+    assert p.step_s(8) == pytest.approx(DIFFUSION_WINS.step_s(8))
+    assert 2 * p.step_s(8) + p.verify_s(8) == pytest.approx(round_s)
 
 
 def test_the_models_planner_turns_live_when_auto_asks_for_the_cached_profile():

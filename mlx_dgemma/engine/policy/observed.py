@@ -43,6 +43,7 @@ class LiveProfile:
         self.ratios: dict[tuple[str, int], deque[float]] = {}  # (kind, length) -> observed / base
         self.seen: dict[tuple[str, int], deque[float]] = {}  # the same as seconds at base's prefix, for reports
         self.counts: dict[tuple[str, int], int] = {}
+        self.draft_steps: dict[int, int] = {}  # per draft length, the draft steps of its latest round
 
     def observed_kinds(self) -> set[str]:
         return set(self.base.observed) | {kind for kind, _ in self.ratios}
@@ -64,14 +65,7 @@ class LiveProfile:
     def observe_round(self, length: int, steps: int, prefix: int, seconds: float) -> None:
         """A verified round (``steps`` draft steps of ``length`` positions and the verifying pass)."""
         p = self.base.at_prefix(prefix)
-        if any(kind == "step" for kind, _ in self.ratios):
-            # the draft steps cost what canvases say a step costs; the verifying pass is the rest, so
-            # that the round is predicted as it was observed
-            drafting = steps * self.profile.at_prefix(prefix).step_s(length)
-            self._add("verify", length, max(seconds - drafting, seconds / 10) / p.verify_s(length))
-            return
-        # no canvas observed: one ratio for both parts (a round cannot tell them apart), which the
-        # steps take too (the nearest observed forward's), but stay unobserved
+        self.draft_steps[length] = steps
         self._add("verify", length, seconds / (steps * p.step_s(length) + p.verify_s(length)))
 
     def _add(self, kind: str, length: int, ratio: float) -> None:
@@ -115,10 +109,21 @@ class LiveProfile:
                     out[n] = s
             return out
 
+        steps = scaled("step", self.base.step_s_by_canvas)
+        if any(kind == "step" for kind, _ in ratio):
+            # A round's draft steps cost what canvases say a step costs now, and its verifying pass
+            # the rest of the round's settled time, so that the round is predicted as it was observed
+            # (before any canvas, one ratio for both: a round cannot tell them apart).
+            at_canvases = replace(self.base, step_s_by_canvas=steps)
+            for (kind, n), r in list(ratio.items()):
+                if kind == "verify":
+                    drafting, verify = self.draft_steps[n] * at_canvases.step_s(n), self.base.verify_s(n)
+                    round_s = r * (self.draft_steps[n] * self.base.step_s(n) + verify)
+                    ratio[kind, n] = max(round_s - drafting, round_s / 10) / verify
         return replace(
             self.base,
             source=f"{self.base.source}, with observed forwards" if ratio else self.base.source,
-            step_s_by_canvas=scaled("step", self.base.step_s_by_canvas),
+            step_s_by_canvas=steps,
             verify_s_by_length=scaled("verify", self.base.verify_s_by_length),
             ar_token_s=self.base.ar_token_s * ratio.get(("ar", 1), 1.0),
         ).fitted()
