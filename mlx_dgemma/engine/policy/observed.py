@@ -138,13 +138,15 @@ class LiveProfile:
 
     def report(self) -> list[tuple[str, int, float, float | None, int]]:
         """(kind, length, seconds in the profile it started from, seconds observed (the lower quartile
-        of the last few, at that profile's prefix) or None, observations) per point and per length
-        observed, for ``python -m mlx_dgemma.bench``."""
+        of the last few, at that profile's prefix; a verifying pass: what its rounds leave after their
+        draft steps) or None, observations) per point and per length observed, for
+        ``python -m mlx_dgemma.bench``."""
         m = self.measured
         lengths = {("step", n) for n in m.step_s_by_canvas} | {("verify", n) for n in m.verify_s_by_length}
         rows = []
         for kind, n in sorted(lengths | set(self.seen) | {("ar", 1)}):
             start = m.ar_token_s if kind == "ar" else m.step_s(n) if kind == "step" else m.verify_s(n)
             seen = self.seen.get((kind, n))
-            rows.append((kind, n, start, settled(seen) if seen else None, self.counts.get((kind, n), 0)))
+            observed = (self.profile.verify_s(n) if kind == "verify" else settled(seen)) if seen else None
+            rows.append((kind, n, start, observed, self.counts.get((kind, n), 0)))
         return rows
