@@ -229,6 +229,24 @@ def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
     assert planner.steps_per_canvas("fast", template + [20, 21]) == ((6 * 2 + 2 * 1) / 8 + 6) / 2
 
 
+def test_a_verified_round_is_paid_in_full_at_the_end_of_an_answer():
+    """A round costs the same however few tokens are left: an answer of 18 tokens at 13 a round takes
+    two rounds, 9 tokens each, where 13 or 26 take one or two full ones."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=8), 16, CPU_LIKE, expected_steps=2)
+    planner.acceptance.tokens_per_round = lambda steps, length: 13.0
+    template = [2, 105, 9]
+    for length, task in ((13, 40), (18, 50), (26, 60)):
+        for i in range(8):
+            planner.observe_answer(length, template + [task, 70 + i])
+    verified = {
+        n: planner.predictions(64, 0, template + [task, 99])["verified"][0]
+        for n, task in ((13, 40), (18, 50), (26, 60))
+    }
+    assert verified[18] == pytest.approx(verified[13] * 9 / 13) and verified[26] == pytest.approx(verified[13])
+
+
 def test_auto_learns_each_answers_length(pattern):
     model, tokenizer = pattern
     PLANNERS.set(model, None)

@@ -4,6 +4,7 @@ and ``make_plan``, the plan of any policy."""
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import deque
 from dataclasses import replace
@@ -142,7 +143,11 @@ class AutoPlanner:
             )
         out["ar"] = (p.ar_tok_s, f"{p.ar_token_s * 1e3:.2f} ms per token")
         modelled = self.acceptance.tokens_per_round(steps, length)
-        per_round = min(modelled * self.round_yield.value(prompt), max(1.0, expected), remaining)
+        rest = max(1.0, min(expected, remaining))
+        per_round = min(modelled * self.round_yield.value(prompt), rest)
+        # a round costs as much however few tokens are left, so the rest of the answer is what is paid
+        # for: 18 tokens at 13 a round are two rounds, 9 tokens each
+        per_round = rest / math.ceil(rest / per_round - 1e-9)
         out["verified"] = (
             verified * per_round / modelled,
             f"drafts of {length} in {steps} step(s), {(steps * p.step_s(length) + p.verify_s(length)) * 1e3:.2f} ms "
