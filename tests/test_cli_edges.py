@@ -251,7 +251,7 @@ def interrupted(command, wait_for: str) -> str:
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        env=ENV,
+        env={**ENV, "PYTHONFAULTHANDLER": "1"},
     )
     seen = ""
     while not seen or wait_for not in seen:
@@ -259,7 +259,12 @@ def interrupted(command, wait_for: str) -> str:
         assert char, f"ended before {wait_for!r}: {process.stderr.read()}"
         seen += char
     process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
+    try:
+        stdout, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # say where it hangs: faulthandler prints every thread's stack on SIGABRT
+        process.send_signal(signal.SIGABRT)
+        stderr = process.communicate(timeout=30)[1]
+        raise AssertionError(f"no exit within 60 s of SIGINT; its threads:\n{stderr[-6000:]}") from None
     *progress, last = stderr.replace("\r", "\n").strip().split("\n") or [""]
     assert process.returncode == 130 and last == "Error: interrupted", (process.returncode, stderr)
     assert all("%|" in line for line in progress), stderr  # nothing but a progress bar before it
