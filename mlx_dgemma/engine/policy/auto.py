@@ -367,14 +367,14 @@ class PromptLikeMeans:
             if like:
                 self._observed[key] = (like[-self.window :], False)
             else:
-                kept = [past for past, _ in self.records][-self.window :]
+                kept = list(self.records)[-self.window :]
                 # what each of them shares with the nearest other: its kind's instructions, if any
                 nearest = [
-                    max((_common_prefix(a, b) for j, b in enumerate(kept) if j != i), default=0)
-                    for i, a in enumerate(kept)
+                    max((_common_prefix(a, b) for j, (b, _) in enumerate(kept) if j != i), default=0)
+                    for i, (a, _) in enumerate(kept)
                 ]
                 unlike = not kept or max(shared[-self.window :]) < min(nearest)
-                self._observed[key] = ([value for _, value in self.records][-self.window :], unlike)
+                self._observed[key] = ([value for _, value in kept], unlike)
         return self._observed[key]
 
     def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:

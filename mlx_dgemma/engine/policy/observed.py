@@ -11,11 +11,11 @@ from dataclasses import replace
 
 from .profile import Profile, settled
 
-# Observations kept per point (their lower quartile counts: ``settled``; beside a busy core a burst
+# Observations kept per point (their lower quartile counts: ``settled``). Beside a busy core a burst
 # 10x slower lasted 9 canvases, and a point that moved with it priced its plan out against the plans
-# not run meanwhile, though the burst slowed them too); after CONFIRM of them a
-# point that differs from the profile by DISAGREE or more makes the live profile the one on disk. A
-# kind of forward observed within DISAGREE of the profile is marked observed in it.
+# not run meanwhile, though the burst slowed them too. After CONFIRM observations a point that
+# differs from the profile by DISAGREE or more makes the live profile the one on disk; a kind of
+# forward observed within DISAGREE of the profile is marked observed in it.
 KEPT = 32
 CONFIRM = 3
 DISAGREE = 2.0

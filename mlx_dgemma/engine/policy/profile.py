@@ -144,7 +144,8 @@ def isotonic(points_by_length: dict[int, float]) -> dict[int, float]:
 def settled(values) -> float:
     """A forward's time (or ratio) at the machine's load, not at its bursts: the lower quartile of the
     observations (the fastest of up to 4). Another process only ever slows a forward, and its bursts
-    last several forwards on a shared machine; a load that stays moves the quartile within a few."""
+    last several forwards on a shared machine; a load that stays moves the quartile once it holds
+    for three quarters of them."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 4]
 
