@@ -227,6 +227,48 @@ def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
     for i in range(2):  # the latest canvases of two tasks, and a prompt of neither
         planner.observe_canvas(fixed("fast"), 1, prompt=template + task + [70 + i])
     assert planner.steps_per_canvas("fast", template + [20, 21]) == ((6 * 2 + 2 * 1) / 8 + 6) / 2
+    planner.observe_canvas(fixed("fast"), 3, prompt=template + [25, 26])  # one of a third task among them
+    assert planner.steps_per_canvas("fast", template + [20, 21]) == ((5 * 2 + 2 * 1 + 3) / 8 + 6) / 2
+
+
+def test_a_task_answered_but_never_by_a_canvas_runs_one():
+    """A new task's first answer, expected halfway to the step limit, runs AR; the task's canvases would
+    never be observed, and an easy task stay on AR for good. Once the task has been answered, a canvas
+    predicted the best at the other tasks' steps is run once, and its own steps decide from then on.
+    The first answer is not staked on a canvas to check a plan not run for a while either."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+    from mlx_dgemma.engine.policy.auto import EXPLORE_EVERY, EXPLORE_WITHIN
+
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=20), 16, CPU_LIKE)
+    template, sort, reverse = [2, 105, 9], [40, 41], [30, 31]
+    for i in range(8):
+        planner.observe_canvas(fixed("fast"), 1, prompt=template + sort + [60 + i])
+        planner.observe_answer(8, template + sort + [60 + i])
+    first, second = template + reverse + [50], template + reverse + [51]
+    planner.idle.update(reference=EXPLORE_EVERY, fast=EXPLORE_EVERY)
+    predicted = planner.predictions(64, 0, first)
+    assert EXPLORE_WITHIN * predicted["ar"][0] < predicted["fast"][0] < predicted["ar"][0]  # 8 tokens in 3 steps
+    plan = planner.choose(64, prompt=first)
+    assert plan.mode == "ar" and not plan.why
+    planner.observe_ar(plan, 8, prompt=first)
+    planner.observe_answer(8, first)
+    plan = planner.choose(64, prompt=second)
+    assert plan.mode == "diffusion" and plan.why.startswith(" (no canvas yet on prompts like this one")
+    assert planner.predictions(64, 0, second)["ar"][0] > planner.predictions(64, 0, second)["fast"][0]
+    planner.observe_canvas(plan, 1, prompt=second)
+    planner.observe_answer(8, second)
+    for i in range(2):
+        plan = planner.choose(64, prompt=template + reverse + [52 + i])
+        assert plan.mode == "diffusion" and not plan.why  # the task's own steps: 1
+        planner.observe_canvas(plan, 1, prompt=template + reverse + [52 + i])
+        planner.observe_answer(8, template + reverse + [52 + i])
+    hard = template + [20, 21]
+    for i in range(2):
+        plan = planner.choose(64, prompt=hard + [70 + i])
+        assert plan.mode == ("ar" if i == 0 else "diffusion")
+        planner.observe_answer(8, hard + [70 + i])
+    planner.observe_canvas(plan, 12, prompt=hard + [71])
+    assert planner.choose(64, prompt=hard + [72]).mode == "ar"  # once: its steps are the task's own
 
 
 def test_a_verified_round_is_paid_in_full_at_the_end_of_an_answer():

@@ -55,7 +55,8 @@ class AutoPlanner:
     each the mean of the latest ~8 observations on prompts like this one (``PromptLikeMeans``: a task's
     instructions, a conversation's earlier turns), so one task's do not stand for another's. A plan not
     run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is run once
-    more, so estimates follow a change of task.
+    more, so estimates follow a change of task; a task whose canvases were never seen runs one once it
+    has been answered, if one at other tasks' steps would be the best (``untried``).
 
     With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
     predictions come from (in place of the paces), and a kind of forward never observed is run once (a
@@ -88,21 +89,25 @@ class AutoPlanner:
         """The profile predictions are made from: the live one, where the planner keeps one."""
         return self.live.profile if self.live is not None else self.profile
 
-    def steps_per_canvas(self, name: str, prompt: list[int] | tuple[int, ...] = ()) -> float:
+    def steps_per_canvas(self, name: str, prompt: list[int] | tuple[int, ...] = (), hopeful: bool = False) -> float:
         """Steps a canvas of ``name`` (reference or fast) is expected to take, from the canvases of
         both on prompts like ``prompt`` (else the prior): a prompt takes about as many steps under
         either, but for the confirming steps fast's stop rule saves (the stability threshold at most;
         what is observed once both have canvases enough to tell). A prompt unlike all of those takes
-        what they took halfway to the prior."""
+        what they took halfway to the prior (``hopeful``: what they took)."""
         ref, fast = self.steps["reference"].observed(prompt), self.steps["fast"].observed(prompt)
         if not ref and not fast:
             return self.steps[name].prior
         pooled = self._pooled(name, ref, fast)
-        if self.steps["reference"].unlike(prompt) and self.steps["fast"].unlike(prompt):
+        if not hopeful and self.untried(prompt):
             # A prompt unlike every one whose canvases were seen may be as hard as the step limit allows
             # (an arithmetic answer takes 8x a sort's steps): midway between what those took and the prior.
             return (pooled + self.steps[name].prior) / 2
         return pooled
+
+    def untried(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
+        """Whether ``prompt`` is unlike every prompt whose canvases were seen (another task's)."""
+        return self.steps["reference"].unlike(prompt) and self.steps["fast"].unlike(prompt)
 
     def _pooled(self, name: str, ref: list[float], fast: list[float]) -> float:
         saved = float(self.gen.stability_threshold)
@@ -124,8 +129,10 @@ class AutoPlanner:
         return sum(longer) / len(longer) if longer else float(produced or self.canvas)
 
     def predictions(
-        self, remaining: int, produced: int = 0, prompt: list[int] | tuple[int, ...] = ()
+        self, remaining: int, produced: int = 0, prompt: list[int] | tuple[int, ...] = (), hopeful: bool = False
     ) -> dict[str, tuple[float, str]]:
+        """Predicted tok/s of each plan and why, for the next canvas, block or round of an answer to
+        ``prompt`` (``hopeful``: a canvas on a prompt unlike those seen takes the steps they took)."""
         p, C = self.current.at_prefix(len(prompt) + produced), self.canvas  # the context at hand
         expected = self.expected_tokens(produced, prompt)
         tokens = min(expected, remaining, C)
@@ -134,7 +141,7 @@ class AutoPlanner:
         goes_on = min(expected, remaining) > C  # the answer goes on past the canvas: its commit is encoded
         for name in ("reference", "fast"):
             positions = _positions(name, C)
-            n = self.steps_per_canvas(name, prompt)
+            n = self.steps_per_canvas(name, prompt, hopeful)
             out[name] = (
                 tokens / _canvas_s(p, n, positions, C, goes_on),
                 f"{n:.1f} steps per canvas x {p.step_s(positions) * 1e3:.2f} ms per step of {positions} computed "
@@ -172,13 +179,24 @@ class AutoPlanner:
         predicted = self.predictions(remaining, produced, prompt)
         best = max(predicted, key=lambda name: predicted[name][0])
         # Estimates of a plan that does not run do not move: one close enough to the best is run again
-        # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan.
+        # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan. A
+        # canvas on a prompt unlike those whose canvases were seen (a new task: 8x the steps, or a
+        # tenth) is not; once the task has been answered, it is run once if a canvas at the steps the
+        # others took would be the best: else an easy task's canvases are never observed.
+        untried = self.untried(prompt)
         stale = [
             name
             for name in predicted
-            if self.idle[name] >= EXPLORE_EVERY and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]
+            if self.idle[name] >= EXPLORE_EVERY
+            and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]
+            and not (untried and KIND[name] == "step")
         ]
         retry = max(stale, key=lambda name: predicted[name][0]) if stale else None
+        trial = None
+        if untried and self.lengths.like(prompt):
+            hopeful = self.predictions(remaining, produced, prompt, hopeful=True)
+            trial = max(("reference", "fast"), key=lambda name: hopeful[name][0])
+            trial = trial if trial != best and hopeful[trial][0] > predicted[best][0] else None
         # A kind of forward the live profile has not yet seen is run once, so that a cached time far
         # off (too slow, so never chosen) is measured rather than believed.
         unseen = self.live.observed_kinds() if self.live is not None else None
@@ -192,7 +210,7 @@ class AutoPlanner:
         probe = max(probes, key=lambda name: predicted[name][0]) if probes and not self._probing else None
         for name in self.idle:
             self.idle[name] += 1
-        best = probe or retry or best
+        best = probe or trial or retry or best
         self.idle[best] = 0
         if probe:
             self._probing = KIND[probe]
@@ -207,6 +225,8 @@ class AutoPlanner:
         ]
         if probe:
             why = f" (its {KIND[probe]} time not yet observed on this device: run once to measure it)"
+        elif trial:
+            why = " (no canvas yet on prompts like this one, predicted the best at the steps of others: run once)"
         elif retry:
             why = (
                 f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
@@ -341,8 +361,8 @@ class PromptLikeMeans:
         self.prior, self.prior_weight, self.window = prior, prior_weight, window
         self.kinds = kinds if kinds is not None else PromptKinds()
         self.records: deque[tuple[tuple[int, ...], float]] = deque(maxlen=OBSERVATIONS_KEPT)
-        # per prompt key, until the next observation: (observed, unlike)
-        self._observed: dict[tuple[int, ...], tuple[list[float], bool]] = {}
+        # per prompt key, until the next observation: (observed, from prompts like it, unlike all of those)
+        self._observed: dict[tuple[int, ...], tuple[list[float], bool, bool]] = {}
 
     def add(self, value: float, prompt: list[int] | tuple[int, ...] = ()) -> None:
         self.records.append((tuple(prompt[:PROMPT_KEY]), value))
@@ -352,29 +372,31 @@ class PromptLikeMeans:
         """The latest ``window`` observations on prompts like ``prompt``, oldest first."""
         return self._estimate(prompt)[0]
 
-    def unlike(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
-        """Whether ``prompt`` is unlike every prompt behind ``observed(prompt)`` (if any): none is like it,
-        and each of those shares more of its beginning with another of them than with it (another
-        task's instructions)."""
+    def like(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
+        """Whether ``observed(prompt)`` came from prompts like ``prompt``."""
         return self._estimate(prompt)[1]
 
-    def _estimate(self, prompt) -> tuple[list[float], bool]:
+    def unlike(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
+        """Whether ``prompt`` is unlike every prompt behind ``observed(prompt)`` (if any): none is like it,
+        and some of those share more of their beginning with another of them than any does with it
+        (another task's instructions; prompts that share only a chat template are not unlike)."""
+        return self._estimate(prompt)[2]
+
+    def _estimate(self, prompt) -> tuple[list[float], bool, bool]:
         key = tuple(prompt[:PROMPT_KEY])
         if key not in self._observed:
             shared = [_common_prefix(key, past) for past, _ in self.records]
             floor = min(self.kinds.common(key), min(shared, default=0))
             like = [value for n, (_, value) in zip(shared, self.records) if n > floor]
             if like:
-                self._observed[key] = (like[-self.window :], False)
+                self._observed[key] = (like[-self.window :], True, False)
             else:
                 kept = list(self.records)[-self.window :]
-                # what each of them shares with the nearest other: its kind's instructions, if any
-                nearest = [
-                    max((_common_prefix(a, b) for j, (b, _) in enumerate(kept) if j != i), default=0)
-                    for i, (a, _) in enumerate(kept)
-                ]
-                unlike = not kept or max(shared[-self.window :]) < min(nearest)
-                self._observed[key] = ([value for _, value in kept], unlike)
+                # what two of them share at most: a task's instructions, if any (one prompt of another
+                # kind among them does not hide those)
+                kin = max((_common_prefix(a, b) for i, (a, _) in enumerate(kept) for b, _ in kept[i + 1 :]), default=0)
+                unlike = not kept or max(shared[-self.window :]) < kin
+                self._observed[key] = ([value for _, value in kept], False, unlike)
         return self._observed[key]
 
     def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
