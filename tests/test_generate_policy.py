@@ -229,6 +229,9 @@ def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
     assert planner.steps_per_canvas("fast", template + [20, 21]) == ((6 * 2 + 2 * 1) / 8 + 6) / 2
     planner.observe_canvas(fixed("fast"), 3, prompt=template + [25, 26])  # one of a third task among them
     assert planner.steps_per_canvas("fast", template + [20, 21]) == ((5 * 2 + 2 * 1 + 3) / 8 + 6) / 2
+    for other in ([11, 12], [13, 14]):  # the reference's canvases: one each of two more tasks
+        planner.observe_canvas(fixed("reference"), 4, prompt=template + other)
+    assert planner.untried(template + [20, 21]) and not planner.untried(template + [13, 14, 15])
 
 
 def test_a_task_answered_but_never_by_a_canvas_runs_one():

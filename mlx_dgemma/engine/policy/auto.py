@@ -106,8 +106,10 @@ class AutoPlanner:
         return pooled
 
     def untried(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
-        """Whether ``prompt`` is unlike every prompt whose canvases were seen (another task's)."""
-        return self.steps["reference"].unlike(prompt) and self.steps["fast"].unlike(prompt)
+        """Whether ``prompt`` is unlike every prompt whose canvases were seen (another task's): like none
+        of either plan's, and unlike those of one (the other's may be a few of several tasks)."""
+        ref, fast = self.steps["reference"], self.steps["fast"]
+        return not ref.like(prompt) and not fast.like(prompt) and (ref.unlike(prompt) or fast.unlike(prompt))
 
     def _pooled(self, name: str, ref: list[float], fast: list[float]) -> float:
         saved = float(self.gen.stability_threshold)
@@ -377,8 +379,8 @@ class PromptLikeMeans:
         return self._estimate(prompt)[1]
 
     def unlike(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
-        """Whether ``prompt`` is unlike every prompt behind ``observed(prompt)`` (if any): none is like it,
-        and some of those share more of their beginning with another of them than any does with it
+        """Whether ``prompt`` is unlike every prompt behind ``observed(prompt)``: none is like it, and
+        some of those share more of their beginning with another of them than any does with it
         (another task's instructions; prompts that share only a chat template are not unlike)."""
         return self._estimate(prompt)[2]
 
@@ -395,7 +397,7 @@ class PromptLikeMeans:
                 # what two of them share at most: a task's instructions, if any (one prompt of another
                 # kind among them does not hide those)
                 kin = max((_common_prefix(a, b) for i, (a, _) in enumerate(kept) for b, _ in kept[i + 1 :]), default=0)
-                unlike = not kept or max(shared[-self.window :]) < kin
+                unlike = bool(kept) and max(shared[-self.window :]) < kin
                 self._observed[key] = ([value for _, value in kept], False, unlike)
         return self._observed[key]
 
