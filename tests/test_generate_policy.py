@@ -232,6 +232,9 @@ def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
     for other in ([11, 12], [13, 14]):  # the reference's canvases: one each of two more tasks
         planner.observe_canvas(fixed("reference"), 4, prompt=template + other)
     assert planner.untried(template + [20, 21]) and not planner.untried(template + [13, 14, 15])
+    # a task's own canvases under one plan, not the other plan's canvases of other tasks
+    assert planner.steps_per_canvas("reference", template + [13, 14, 16]) == 4
+    assert planner.steps_per_canvas("fast", template + [13, 14, 16]) == 4 - planner.gen.stability_threshold
 
 
 def test_a_task_answered_but_never_by_a_canvas_runs_one():
