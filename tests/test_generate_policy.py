@@ -232,6 +232,11 @@ def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
     for other in ([11, 12], [13, 14]):  # the reference's canvases: one each of two more tasks
         planner.observe_canvas(fixed("reference"), 4, prompt=template + other)
     assert planner.untried(template + [20, 21]) and not planner.untried(template + [13, 14, 15])
+    fresh = AutoPlanner(GenerationConfig(max_denoising_steps=24), 16, CPU_LIKE)
+    for other in ([11, 12], [13, 14], [13, 14]):  # two prompts, one answered in two canvases
+        fresh.observe_canvas(fixed("fast"), 1, prompt=template + other)
+        fresh.observe_answer(8, template + other)
+    assert not fresh.untried(template + [20, 21])  # two prompts of two tasks: none is told apart yet
     # a task's own canvases under one plan, not the other plan's canvases of other tasks
     assert planner.steps_per_canvas("reference", template + [13, 14, 16]) == 4
     assert planner.steps_per_canvas("fast", template + [13, 14, 16]) == 4 - planner.gen.stability_threshold

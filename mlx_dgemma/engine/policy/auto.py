@@ -383,7 +383,7 @@ class PromptLikeMeans:
 
     def unlike(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
         """Whether ``prompt`` is unlike every prompt behind ``observed(prompt)``: none is like it, and
-        some of those share more of their beginning with another of them than any does with it
+        most of those share more of their beginning with another of them than any does with it
         (another task's instructions; prompts that share only a chat template are not unlike)."""
         return self._estimate(prompt)[2]
 
@@ -397,10 +397,15 @@ class PromptLikeMeans:
                 self._observed[key] = (like[-self.window :], True, False)
             else:
                 kept = list(self.records)[-self.window :]
-                # what two of them share at most: a task's instructions, if any (one prompt of another
-                # kind among them does not hide those)
-                kin = max((_common_prefix(a, b) for i, (a, _) in enumerate(kept) for b, _ in kept[i + 1 :]), default=0)
-                unlike = bool(kept) and max(shared[-self.window :]) < kin
+                # what most of their prompts share with the nearest other: a task's instructions, if any
+                # (one prompt of another kind among them does not hide those, nor does a first word two
+                # of a task's prompts happen to share; an answer's canvases share its prompt)
+                prompts = list(dict.fromkeys(past for past, _ in kept))
+                nearest = sorted(
+                    max((_common_prefix(a, b) for j, b in enumerate(prompts) if j != i), default=0)
+                    for i, a in enumerate(prompts)
+                )
+                unlike = bool(kept) and max(shared[-self.window :]) < nearest[(len(nearest) - 1) // 2]
                 self._observed[key] = ([value for _, value in kept], False, unlike)
         return self._observed[key]
 
