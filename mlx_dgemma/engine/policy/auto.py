@@ -464,7 +464,7 @@ def auto_planner(model, gen: GenerationConfig, profile: Profile, store=None) -> 
     profile) its profile is live: refreshed from the forwards it runs, and stored where they disagree
     with it (``LiveProfile``); without, ``profile`` is fixed and planning deterministic in it."""
     planner = PLANNERS.get(model)
-    if planner is None or profile not in (planner.profile, planner.live and planner.live.base):
+    if planner is None or profile not in (planner.profile, planner.live and planner.live.cached):
         live = LiveProfile(profile, store) if store is not None else None
         planner = AutoPlanner(gen, model.config.canvas_length, profile, live=live)
         PLANNERS.set(model, planner)

@@ -1,6 +1,7 @@
 """The live device profile: the times of the forwards auto runs (its canvases, blocks and rounds:
-free measurements, at the load the machine has now) blended into the measured profile, which they
-replace on disk where they disagree with it."""
+free measurements, at the load the machine has now) blended into the measured profile. The cache
+on disk takes the times that are faster than its own (another process's load slows a forward only
+while it lasts), and the kinds of forward observed."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from .profile import Profile, settled
 
 # Observations kept per point (their lower quartile counts: ``settled``). Beside a busy core a burst
 # 10x slower lasted 9 canvases, and a point that moved with it priced its plan out against the plans
-# not run meanwhile, though the burst slowed them too. After CONFIRM observations a point that
-# differs from the profile by DISAGREE or more makes the live profile the one on disk; a kind of
-# forward observed within DISAGREE of the profile is marked observed in it.
+# not run meanwhile, though the burst slowed them too. After CONFIRM observations a point faster than
+# the cache's by DISAGREE or more is written to it; a kind of forward observed (within DISAGREE of
+# the cache, or CONFIRM times) is marked observed in it.
 KEPT = 32
 CONFIRM = 3
 DISAGREE = 2.0
@@ -35,18 +36,26 @@ class LiveProfile:
     length would otherwise look as cheap as a canvas). A round's draft steps cost what canvases say
     a step costs, once one is observed, and its verifying pass the rest. So a load that slows every
     forward moves the whole profile. The result is fitted to a shape the hardware can have
-    (``Profile.fitted``). ``store`` writes a profile to the cache."""
+    (``Profile.fitted``).
+
+    ``store`` writes a profile to the cache, which holds ``cached``: ``base`` with each point observed
+    ``CONFIRM`` times at its settled time where that is faster by ``DISAGREE`` or more (a profile
+    measured under load, or before the machine got faster), never slower (a busy hour would otherwise
+    price diffusion out of every later process, quiet or not: the next process finds a slower time in
+    ``CONFIRM`` forwards), and the kinds of forward observed, which a later process does not probe."""
 
     def __init__(self, base: Profile, store: Callable[[Profile], None] | None = None):
         self.base, self.store, self.profile = base, store, base
+        self.cached = base  # what the cache holds
         self.measured = base  # the profile it started from, for reports
         self.ratios: dict[tuple[str, int], deque[float]] = {}  # (kind, length) -> observed / base
         self.seen: dict[tuple[str, int], deque[float]] = {}  # the same as seconds at base's prefix, for reports
         self.counts: dict[tuple[str, int], int] = {}
         self.draft_steps: dict[int, int] = {}  # per draft length, the draft steps of its latest round
+        self._rounds: dict[int, float] = {}  # verifying passes at their rounds' ratio (for the cache)
 
     def observed_kinds(self) -> set[str]:
-        return set(self.base.observed) | {kind for kind, _ in self.ratios}
+        return set(self.cached.observed) | {kind for kind, _ in self.ratios}
 
     def observe_canvas(
         self, positions: int, steps: int, prefix: int, seconds: float, encoded: int | None = None
@@ -78,15 +87,33 @@ class LiveProfile:
         )
         self.seen.setdefault(key, deque(maxlen=KEPT)).append(ratio * base_s)
         self.counts[key] = self.counts.get(key, 0) + 1
-        if self.store is not None:
-            r = settled(self.ratios[key])
-            if len(self.ratios[key]) >= CONFIRM and not 1 / DISAGREE < r < DISAGREE:
-                self._replace_cache()
-            elif kind not in self.base.observed and 1 / DISAGREE < r < DISAGREE:
-                # confirmed: said in the cache, so that the next process does not run it to check
-                self.base = replace(self.base, observed=sorted({*self.base.observed, kind}))
-                self.store(self.base)
         self.profile = self._blended()
+        if self.store is not None:
+            self._keep(key)
+
+    def _keep(self, key: tuple[str, int]) -> None:
+        """Write to the cache what an observation at ``key`` confirms: the live profile where it is
+        faster than the cache's (once a point observed ``CONFIRM`` times is faster by ``DISAGREE``), and
+        the kind observed (so that the next process does not run it to check)."""
+        values, cached = self.ratios[key], self.cached
+        confirmed = {k: settled(v) for k, v in self.ratios.items() if len(v) >= CONFIRM}
+        faster = any(_point(self.base, k) * r * DISAGREE <= _point(cached, k) for k, r in confirmed.items())
+        agrees = 1 / DISAGREE < settled(values) * _point(self.base, key) / _point(cached, key) < DISAGREE
+        if not faster and (key[0] in cached.observed or not (agrees or len(values) >= CONFIRM)):
+            return
+        observed = sorted({*cached.observed, key[0], *(kind for kind, _ in confirmed)})
+        if faster:
+            live = self.profile
+            cached = replace(
+                cached,
+                source="observed",
+                step_s_by_canvas={n: min(s, live.step_s(n)) for n, s in cached.step_s_by_canvas.items()},
+                # a round's ratio on its verifying pass (what its draft steps leave may be a burst's)
+                verify_s_by_length={n: min(s, self._rounds.get(n, s)) for n, s in cached.verify_s_by_length.items()},
+                ar_token_s=min(cached.ar_token_s, live.ar_token_s),
+            ).fitted()
+        self.cached = replace(cached, observed=observed)
+        self.store(self.cached)
 
     def _blended(self) -> Profile:
         # until CONFIRM observations, the profile's own time stands as one of them
@@ -110,6 +137,7 @@ class LiveProfile:
             return out
 
         steps = scaled("step", self.base.step_s_by_canvas)
+        self._rounds = scaled("verify", self.base.verify_s_by_length)
         if any(kind == "step" for kind, _ in ratio):
             # A round's draft steps cost what canvases say a step costs now, and its verifying pass
             # the rest of the round's settled time, so that the round is predicted as it was observed
@@ -128,14 +156,6 @@ class LiveProfile:
             ar_token_s=self.base.ar_token_s * ratio.get(("ar", 1), 1.0),
         ).fitted()
 
-    def _replace_cache(self) -> None:
-        """The cached profile disagrees with what the engine observes (or lacks a kind it observed):
-        the live profile takes its place, here and on disk."""
-        kinds = sorted(self.observed_kinds())
-        self.base = replace(self._blended(), source="observed", observed=kinds)
-        self.ratios.clear()
-        self.store(self.base)
-
     def report(self) -> list[tuple[str, int, float, float | None, int]]:
         """(kind, length, seconds in the profile it started from, seconds observed (the lower quartile
         of the last few, at that profile's prefix; a verifying pass: what its rounds leave after their
@@ -150,3 +170,12 @@ class LiveProfile:
             observed = (self.profile.verify_s(n) if kind == "verify" else settled(seen)) if seen else None
             rows.append((kind, n, start, observed, self.counts.get((kind, n), 0)))
         return rows
+
+
+def _point(profile: Profile, key: tuple[str, int]) -> float:
+    """The seconds ``profile`` gives the forward at ``key`` ((kind, length), as ``LiveProfile`` keeps
+    them; a round's ratio goes to its verifying pass here)."""
+    kind, n = key
+    if kind == "ar":
+        return profile.ar_token_s
+    return profile.step_s(n) if kind == "step" else profile.verify_s(n)
