@@ -206,7 +206,7 @@ def test_auto_expects_the_length_of_answers_to_prompts_like_this_one():
 
 
 def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
-    """Steps per canvas differ 8x between the demo's tasks (sort 2-3, add 19-24), so a prompt unlike
+    """Steps per canvas differ several-fold between the demo's tasks (sort 1-3, add 4-24), so a prompt unlike
     every one whose canvases were seen is expected halfway between what those took and the prior (a
     quarter of the step limit); one with their instructions takes what they took, whatever follows."""
     from mlx_dgemma.engine.policy import AutoPlanner

@@ -104,7 +104,8 @@ class AutoPlanner:
         pooled = self._pooled(name, ref, fast)
         if not hopeful and self.untried(prompt):
             # A prompt unlike every one whose canvases were seen may be as hard as the step limit allows
-            # (an arithmetic answer takes 8x a sort's steps): midway between what those took and the prior.
+            # (an add canvas of the demo takes 4-24 steps, a sort one 1-3): midway between what those took
+            # and the prior.
             return (pooled + self.steps[name].prior) / 2
         return pooled
 
@@ -185,9 +186,9 @@ class AutoPlanner:
         best = max(predicted, key=lambda name: predicted[name][0])
         # Estimates of a plan that does not run do not move: one close enough to the best is run again
         # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan. A
-        # canvas on a prompt unlike those whose canvases were seen (a new task: 8x the steps, or a
-        # tenth) is not; once the task has been answered, it is run once if a canvas at the steps the
-        # others took would be the best: else an easy task's canvases are never observed.
+        # canvas on a prompt unlike those whose canvases were seen (a new task: several times the
+        # steps, or a fraction) is not; once the task has been answered, it is run once if a canvas at
+        # the steps the others took would be the best: else an easy task's canvases are never observed.
         untried = self.untried(prompt)
         stale = [
             name
