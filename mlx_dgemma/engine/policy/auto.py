@@ -96,9 +96,9 @@ class AutoPlanner:
         what is observed once both have canvases enough to tell). A prompt unlike all of those takes
         what they took halfway to the prior (``hopeful``: what they took)."""
         ref, fast = self.steps["reference"].observed(prompt), self.steps["fast"].observed(prompt)
-        if self.steps["reference"].like(prompt) != self.steps["fast"].like(prompt):
-            # one plan's canvases on prompts like it: those alone, not the other's on other prompts
-            ref, fast = (ref, []) if self.steps["reference"].like(prompt) else ([], fast)
+        ref_like, fast_like = self.steps["reference"].like(prompt), self.steps["fast"].like(prompt)
+        if ref_like != fast_like:  # one plan's canvases on prompts like it: not the other's on other prompts
+            ref, fast = (ref, []) if ref_like else ([], fast)
         if not ref and not fast:
             return self.steps[name].prior
         pooled = self._pooled(name, ref, fast)

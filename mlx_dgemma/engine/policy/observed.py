@@ -52,7 +52,6 @@ class LiveProfile:
         self.seen: dict[tuple[str, int], deque[float]] = {}  # the same as seconds at base's prefix, for reports
         self.counts: dict[tuple[str, int], int] = {}
         self.draft_steps: dict[int, int] = {}  # per draft length, the draft steps of its latest round
-        self._rounds: dict[int, float] = {}  # verifying passes at their rounds' ratio (for the cache)
 
     def observed_kinds(self) -> set[str]:
         return set(self.cached.observed) | {kind for kind, _ in self.ratios}
@@ -82,10 +81,7 @@ class LiveProfile:
             return
         key = (kind, length)
         self.ratios.setdefault(key, deque(maxlen=KEPT)).append(ratio)
-        base_s = {"ar": self.base.ar_token_s, "verify": self.base.verify_s(length)}.get(kind) or self.base.step_s(
-            length
-        )
-        self.seen.setdefault(key, deque(maxlen=KEPT)).append(ratio * base_s)
+        self.seen.setdefault(key, deque(maxlen=KEPT)).append(ratio * _point(self.base, key))
         self.counts[key] = self.counts.get(key, 0) + 1
         self.profile = self._blended()
         if self.store is not None:
@@ -104,40 +100,43 @@ class LiveProfile:
         observed = sorted({*cached.observed, key[0], *(kind for kind, _ in confirmed)})
         if faster:
             live = self.profile
+            # a round's ratio on its verifying pass (what its draft steps leave may be a burst's)
+            rounds = self._scaled(self._ratios(), "verify", self.base.verify_s_by_length)
             cached = replace(
                 cached,
                 source="observed",
                 step_s_by_canvas={n: min(s, live.step_s(n)) for n, s in cached.step_s_by_canvas.items()},
-                # a round's ratio on its verifying pass (what its draft steps leave may be a burst's)
-                verify_s_by_length={n: min(s, self._rounds.get(n, s)) for n, s in cached.verify_s_by_length.items()},
+                verify_s_by_length={n: min(s, rounds.get(n, s)) for n, s in cached.verify_s_by_length.items()},
                 ar_token_s=min(cached.ar_token_s, live.ar_token_s),
             ).fitted()
         self.cached = replace(cached, observed=observed)
         self.store(self.cached)
 
-    def _blended(self) -> Profile:
+    def _ratios(self) -> dict[tuple[str, int], float]:
         # until CONFIRM observations, the profile's own time stands as one of them
-        ratio = {
+        return {
             key: settled([*values, 1.0] if len(values) < CONFIRM else values) for key, values in self.ratios.items()
         }
-        forwards = [(n, r) for (kind, n), r in ratio.items() if kind != "ar"]
 
-        def scaled(kind: str, points: dict[int, float]) -> dict[int, float]:
-            # a point not observed: the nearest observed of its kind (a round's overheads are not a
-            # canvas's), else the nearest forward of either
-            own = [(n, r) for (k, n), r in ratio.items() if k == kind]
-            out = {}
-            for n, s in points.items():
-                if (kind, n) in ratio:
-                    out[n] = s * ratio[kind, n]
-                elif own or forwards:
-                    out[n] = s * min(own or forwards, key=lambda o: (abs(math.log2(o[0] / n)), o[0]))[1]
-                else:
-                    out[n] = s
-            return out
+    @staticmethod
+    def _scaled(ratio: dict[tuple[str, int], float], kind: str, points: dict[int, float]) -> dict[int, float]:
+        """``points`` of ``kind`` times their ratio; a point not observed takes the nearest observed of
+        its kind (a round's overheads are not a canvas's), else the nearest forward of either."""
+        own = [(n, r) for (k, n), r in ratio.items() if k == kind]
+        near = own or [(n, r) for (k, n), r in ratio.items() if k != "ar"]
+        out = {}
+        for n, s in points.items():
+            if (kind, n) in ratio:
+                out[n] = s * ratio[kind, n]
+            elif near:
+                out[n] = s * min(near, key=lambda o: (abs(math.log2(o[0] / n)), o[0]))[1]
+            else:
+                out[n] = s
+        return out
 
-        steps = scaled("step", self.base.step_s_by_canvas)
-        self._rounds = scaled("verify", self.base.verify_s_by_length)
+    def _blended(self) -> Profile:
+        ratio = self._ratios()
+        steps = self._scaled(ratio, "step", self.base.step_s_by_canvas)
         if any(kind == "step" for kind, _ in ratio):
             # A round's draft steps cost what canvases say a step costs now, and its verifying pass
             # the rest of the round's settled time, so that the round is predicted as it was observed
@@ -152,7 +151,7 @@ class LiveProfile:
             self.base,
             source=f"{self.base.source}, with observed forwards" if ratio else self.base.source,
             step_s_by_canvas=steps,
-            verify_s_by_length=scaled("verify", self.base.verify_s_by_length),
+            verify_s_by_length=self._scaled(ratio, "verify", self.base.verify_s_by_length),
             ar_token_s=self.base.ar_token_s * ratio.get(("ar", 1), 1.0),
         ).fitted()
 
