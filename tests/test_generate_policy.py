@@ -242,6 +242,30 @@ def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
     assert planner.steps_per_canvas("fast", template + [13, 14, 16]) == 4 - planner.gen.stability_threshold
 
 
+def test_one_canvas_at_the_step_limit_does_not_keep_a_task_off_diffusion():
+    """A plan planned too slow for a task is not run on it, so nothing would correct it: a task's
+    steps per canvas are its mean less a standard error, and a slower reading counts once 3 agree."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=24), 16, CPU_LIKE)
+    template, easy, hard = [2, 105, 9], [40, 41], [50, 51]
+    for i in range(3):
+        planner.observe_answer(16, template + [30, 31, 60 + i])  # another task's answers: the tasks told apart
+        planner.observe_canvas(fixed("fast"), 2, prompt=template + easy + [60 + i])
+        planner.observe_answer(16, template + easy + [60 + i])
+    assert planner.choose(64, prompt=template + easy + [99]).mode == "diffusion"
+    planner.observe_canvas(fixed("fast"), 24, prompt=template + easy + [70])  # the mean: 7.5 steps, slower than AR
+    assert planner.steps_per_canvas("fast", template + easy + [99]) == 2
+    assert planner.choose(64, prompt=template + easy + [99]).mode == "diffusion"
+    for i in range(3):  # a task whose canvases all take the step limit is found out once 3 agree
+        planner.observe_canvas(fixed("fast"), 24, prompt=template + hard + [60 + i])
+        planner.observe_answer(16, template + hard + [60 + i])
+        if i == 0:
+            assert planner.steps_per_canvas("fast", template + hard + [99]) < 24 / 2
+    assert planner.steps_per_canvas("fast", template + hard + [99]) == 24
+    assert planner.choose(64, prompt=template + hard + [99]).mode == "ar"
+
+
 def test_a_task_answered_but_never_by_a_canvas_runs_one():
     """A new task's first answer, expected halfway to the step limit, runs AR; the task's canvases would
     never be observed, and an easy task stay on AR for good. Once the task has been answered, a canvas

@@ -5,13 +5,14 @@ and ``make_plan``, the plan of any policy."""
 from __future__ import annotations
 
 import math
+import statistics
 import weakref
 from collections import deque
 from dataclasses import replace
 
 from ...model.config import GenerationConfig
 from .acceptance import Acceptance, best_draft
-from .observed import LiveProfile
+from .observed import CONFIRM, LiveProfile
 from .plan import DraftRequest, Plan, fixed_plan, verified_plan
 from .profile import Profile
 
@@ -51,8 +52,9 @@ class AutoPlanner:
     took (time only: steps, answer lengths and tokens per round have their own estimates).
 
     Answer lengths, steps per canvas (from a prior of the generation config: a quarter of the step
-    limit, at least the stability threshold + 1, until one is observed), tokens per round and pace are
-    each the mean of the latest ~8 observations on prompts like this one (``PromptLikeMeans``: a task's
+    limit, at least the stability threshold + 1, until one is observed; optimistic on a prompt's own
+    canvases, ``_pooled``), tokens per round and pace are each the mean of the latest ~8 observations
+    on prompts like this one (``PromptLikeMeans``: a task's
     instructions, a conversation's earlier turns), so one task's do not stand for another's. A plan not
     run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is run once
     more, so estimates follow a change of task; a task whose canvases were never seen runs one once it
@@ -93,21 +95,24 @@ class AutoPlanner:
         """Steps a canvas of ``name`` (reference or fast) is expected to take, from the canvases of
         both on prompts like ``prompt`` (else the prior): a prompt takes about as many steps under
         either, but for the confirming steps fast's stop rule saves (the stability threshold at most;
-        what is observed once both have canvases enough to tell). A prompt unlike all of those takes
-        what they took halfway to the prior (``hopeful``: what they took)."""
+        what is observed once both have canvases enough to tell), optimistically where they are its
+        own (``_pooled``). A prompt unlike all of those takes what they took halfway to the prior
+        (``hopeful``: what they took)."""
         ref, fast = self.steps["reference"].observed(prompt), self.steps["fast"].observed(prompt)
         ref_like, fast_like = self.steps["reference"].like(prompt), self.steps["fast"].like(prompt)
         if ref_like != fast_like:  # one plan's canvases on prompts like it: not the other's on other prompts
             ref, fast = (ref, []) if ref_like else ([], fast)
         if not ref and not fast:
             return self.steps[name].prior
-        pooled = self._pooled(name, ref, fast)
-        if not hopeful and self.untried(prompt):
-            # A prompt unlike every one whose canvases were seen may be as hard as the step limit allows
-            # (an add canvas of the demo takes 4-24 steps, a sort one 1-3): midway between what those took
-            # and the prior.
-            return (pooled + self.steps[name].prior) / 2
-        return pooled
+        if not ref_like and not fast_like:
+            pooled = self._pooled(name, ref, fast, optimistic=False)
+            if not hopeful and self.untried(prompt):
+                # A prompt unlike every one whose canvases were seen may be as hard as the step limit
+                # allows (an add canvas of the demo takes 4-24 steps, a sort one 1-3): midway between
+                # what those took and the prior.
+                return (pooled + self.steps[name].prior) / 2
+            return pooled
+        return self._pooled(name, ref, fast, optimistic=True)
 
     def untried(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
         """Whether ``prompt`` is unlike every prompt whose canvases were seen (another task's): like none
@@ -115,11 +120,24 @@ class AutoPlanner:
         ref, fast = self.steps["reference"], self.steps["fast"]
         return not ref.like(prompt) and not fast.like(prompt) and (ref.unlike(prompt) or fast.unlike(prompt))
 
-    def _pooled(self, name: str, ref: list[float], fast: list[float]) -> float:
+    def _pooled(self, name: str, ref: list[float], fast: list[float], optimistic: bool) -> float:
+        """Steps per canvas of ``name`` from canvases of both plans; ``optimistic`` (a prompt's own
+        canvases): the mean less its standard error, no less than the fewest steps seen, with the prior
+        standing in for the canvases short of ``CONFIRM`` while they took more. A plan planned too slow
+        for a task is not run on it, so nothing would correct it: at the mean, one canvas at the step
+        limit (a json canvas of the demo takes 1-5 steps, 24 now and then) keeps fast off json."""
         saved = float(self.gen.stability_threshold)
         if len(ref) >= SAVED_SEEN and len(fast) >= SAVED_SEEN:
             saved = min(saved, max(0.0, sum(ref) / len(ref) - sum(fast) / len(fast)))
-        pooled = (sum(ref) + sum(n + saved for n in fast)) / (len(ref) + len(fast))  # in the reference's steps
+        values = ref + [n + saved for n in fast]  # in the reference's steps
+        pooled = sum(values) / len(values)
+        if optimistic:
+            prior = self.steps["reference"].prior
+            if len(values) < CONFIRM and pooled > prior:
+                values += [prior] * (CONFIRM - len(values))
+                pooled = sum(values) / len(values)
+            if len(values) > 1:
+                pooled = max(min(values), pooled - statistics.stdev(values) / math.sqrt(len(values)))
         return pooled if name == "reference" else max(1.0, pooled - saved)
 
     def answers(self, prompt: list[int] | tuple[int, ...] = ()) -> list[int]:
