@@ -306,6 +306,32 @@ def test_a_task_answered_but_never_by_a_canvas_runs_one():
     assert planner.choose(64, prompt=hard + [72]).mode == "ar"  # once: its steps are the task's own
 
 
+def test_a_trial_canvas_runs_when_close_to_the_best_not_only_above_it():
+    """A new task of short answers: one verified round or a few AR tokens, and a canvas at the other
+    tasks' steps, are predicted within a few percent of each other, so which is ahead is noise. The
+    trial runs once within ``EXPLORE_WITHIN`` of the best, as a retry does: else an easy task (the
+    demo's reverse) can stay on the runner-up for good."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+    from mlx_dgemma.engine.policy.auto import EXPLORE_WITHIN
+
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=24), 16, CPU_LIKE)
+    template, sort, short = [2, 105, 9], [40, 41], [30, 31]
+    for i in range(8):
+        planner.observe_canvas(fixed("fast"), 1, prompt=template + sort + [60 + i])
+        planner.observe_answer(8, template + sort + [60 + i])
+    plan = planner.choose(64, prompt=template + short + [50])
+    assert plan.mode == "ar"  # a new task's first answer: not a canvas
+    planner.observe_ar(plan, 3, prompt=template + short + [50])
+    planner.observe_answer(3, template + short + [50])
+    planner.observe_answer(2, template + short + [51])
+    second = template + short + [52]
+    predicted, hopeful = planner.predictions(64, 0, second), planner.predictions(64, 0, second, hopeful=True)
+    best = max(predicted[name][0] for name in predicted)
+    assert EXPLORE_WITHIN * best <= hopeful["fast"][0] < best  # 2.5 tokens in a 12 ms step, AR's 4 ms each
+    plan = planner.choose(64, prompt=second)
+    assert plan.mode == "diffusion" and plan.why.startswith(" (no canvas yet on prompts like this one")
+
+
 def test_a_verified_round_is_paid_in_full_at_the_end_of_an_answer():
     """A round costs the same however few tokens are left: an answer of 18 tokens at 13 a round takes
     two rounds, 9 tokens each, where 13 or 26 take one or two full ones."""

@@ -58,7 +58,8 @@ class AutoPlanner:
     instructions, a conversation's earlier turns), so one task's do not stand for another's. A plan not
     run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is run once
     more, so estimates follow a change of task; a task whose canvases were never seen runs one once it
-    has been answered, if one at other tasks' steps would be the best (``untried``).
+    has been answered, if one at other tasks' steps is predicted within ``EXPLORE_WITHIN`` of the best
+    (``untried``).
 
     With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
     predictions come from (in place of the paces), and a kind of forward never observed is run once (a
@@ -206,7 +207,8 @@ class AutoPlanner:
         # now and then, so a change of task (or a wrong prior) cannot keep auto on a worse plan. A
         # canvas on a prompt unlike those whose canvases were seen (a new task: several times the
         # steps, or a fraction) is not; once the task has been answered, it is run once if a canvas at
-        # the steps the others took would be the best: else an easy task's canvases are never observed.
+        # the steps the others took is predicted close to the best: else an easy task's canvases are
+        # never observed.
         untried = self.untried(prompt)
         stale = [
             name
@@ -220,7 +222,9 @@ class AutoPlanner:
         if untried and self.lengths.like(prompt):
             hopeful = self.predictions(remaining, produced, prompt, hopeful=True)
             trial = max(("reference", "fast"), key=lambda name: hopeful[name][0])
-            trial = trial if trial != best and hopeful[trial][0] > predicted[best][0] else None
+            # (within EXPLORE_WITHIN, as a retry: a short answer's single verified round and a canvas at
+            # the other tasks' steps are predicted within a few percent of each other)
+            trial = trial if trial != best and hopeful[trial][0] >= EXPLORE_WITHIN * predicted[best][0] else None
         # A kind of forward the live profile has not yet seen is run once, so that a cached time far
         # off (too slow, so never chosen) is measured rather than believed.
         unseen = self.live.observed_kinds() if self.live is not None else None
@@ -250,7 +254,10 @@ class AutoPlanner:
         if probe:
             why = f" (its {KIND[probe]} time not yet observed on this device: run once to measure it)"
         elif trial:
-            why = " (no canvas yet on prompts like this one, predicted the best at the steps of others: run once)"
+            why = (
+                " (no canvas yet on prompts like this one, predicted within "
+                f"{1 / EXPLORE_WITHIN:.1f}x of the best at the steps of others: run once)"
+            )
         elif retry:
             why = (
                 f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
