@@ -423,20 +423,24 @@ def test_n_choices_are_the_request_at_seed_plus_their_index(clients, demo, polic
     planner_set(model, before)
     texts = [choice.message.content for choice in reply.choices]
     assert [choice.index for choice in reply.choices] == [0, 1, 2] and len(set(texts)) > 1
-    alone = [
-        client.chat.completions.create(
-            model=MODEL_ID,
-            messages=user(PROMPT),
-            seed=5 + i,
-            max_tokens=32,
-            temperature=0.7,
-            extra_body={"policy": policy},
+    alone, generated = [], []
+    for i in range(3):  # each from the planner the batch's rows planned from (verified's drafts: its acceptance)
+        planner_set(model, before)
+        alone.append(
+            client.chat.completions.create(
+                model=MODEL_ID,
+                messages=user(PROMPT),
+                seed=5 + i,
+                max_tokens=32,
+                temperature=0.7,
+                extra_body={"policy": policy},
+            )
         )
-        for i in range(3)
-    ]
+        planner_set(model, before)
+        generated.append(generate(model, tokenizer, PROMPT, max_tokens=32, seed=5 + i, **settings))
     planner_set(model, before)
     assert texts == [a.choices[0].message.content for a in alone]
-    assert texts == [generate(model, tokenizer, PROMPT, max_tokens=32, seed=5 + i, **settings) for i in range(3)]
+    assert texts == generated
     assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
     assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
     planner_set(model, before)
