@@ -54,8 +54,8 @@ class AutoPlanner:
     Answer lengths, steps per canvas (from a prior of the generation config: a quarter of the step
     limit, at least the stability threshold + 1, until one is observed; optimistic on a prompt's own
     canvases, ``_pooled``), tokens per round and pace are each the mean of the latest ~8 observations
-    on prompts like this one (``PromptLikeMeans``: a task's
-    instructions, a conversation's earlier turns), so one task's do not stand for another's. A plan not
+    on prompts like this one (``PromptLikeMeans``: a task's instructions, a conversation's earlier
+    turns), so one task's do not stand for another's. A plan not
     run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is run once
     more, so estimates follow a change of task; a task whose canvases were never seen runs one once it
     has been answered, if one at other tasks' steps is predicted within ``EXPLORE_WITHIN`` of the best
