@@ -55,11 +55,10 @@ class AutoPlanner:
     limit, at least the stability threshold + 1, until one is observed; optimistic on a prompt's own
     canvases, ``_pooled``), tokens per round and pace are each the mean of the latest ~8 observations
     on prompts like this one (``PromptLikeMeans``: a task's instructions, a conversation's earlier
-    turns), so one task's do not stand for another's. A plan not
-    run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is run once
-    more, so estimates follow a change of task; a task whose canvases were never seen runs one once it
-    has been answered, if one at other tasks' steps is predicted within ``EXPLORE_WITHIN`` of the best
-    (``untried``).
+    turns), so one task's do not stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but
+    predicted within ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of
+    task; a task whose canvases were never seen runs one once it has been answered, if one at other
+    tasks' steps is predicted within ``EXPLORE_WITHIN`` of the best (``untried``).
 
     With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
     predictions come from (in place of the paces), and a kind of forward never observed is run once (a
