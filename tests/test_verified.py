@@ -264,17 +264,31 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 
 def sampled_verified_counts(model, length: int = 3, draft_length: int = 3, filters: tuple = ()) -> np.ndarray:
     """Counts of the first ``length`` tokens over DRAWS sampled verified generations through the
-    ``filters`` (one cache for all, trimmed back to the prompt after each: the trim is exact)."""
+    ``filters``, each with its own random source and its own copy of the prompt's cache, drafted and
+    verified together as the engine's rows are (rows whose drafts have one length share a round)."""
     counts = np.zeros((TINY.vocab_size,) * length, dtype=np.int64)
     cache = model.make_cache()
-    first = model.next_token_logits(mx.array([PROMPT]), cache)
-    rng = MxRandom(7)
-    for _ in range(DRAWS):
-        rule = rules.SampledRule(set(), length, TEMPERATURE, rng, filters)
-        for _ in run_verified(model, PROMPT, rule, draft_length, 2, cache=cache, first=first):
-            pass
-        counts[tuple(rule.output)] += 1
-        cache.trim(cache.offset - len(PROMPT))
+    first = model.next_token_logits(mx.array([PROMPT]), cache).reshape(1, -1)
+    schedule = SamplerSettings.from_generation_config(model.generation_config)
+    if filters:  # the drafts draw through them, as the engine's do
+        schedule = replace(schedule, **dict(zip(("top_p", "top_k", "min_p"), filters)))
+    rows = []
+    for i in range(DRAWS):
+        rule = rules.SampledRule(set(), length, TEMPERATURE, MxRandom(7 + i), filters)
+        _, known = rule.follow(first, [])
+        rows.append(drafting.DraftRow(cache.rows([0]), known, rule, schedule, rule.rng))
+    live = [row for row in rows if row.known is not None]
+    while live:
+        by_length = {}
+        for row in live:
+            by_length.setdefault(max(1, min(draft_length, row.rule.room)), []).append(row)
+        for n, group in by_length.items():
+            settings = drafting.DraftSettings(n, 2, TEMPERATURE)
+            for row, done in zip(group, drafting.verify_rounds(model, group, settings)):
+                row.known, row.leftover = done.known, done.leftover
+        live = [row for row in live if row.known is not None]
+    for row in rows:
+        counts[tuple(row.rule.output)] += 1
     return counts
 
 
