@@ -1,5 +1,6 @@
 """Policies through the generation API: AR decoding, the trimmed last canvas, auto's device choice."""
 
+import itertools
 from dataclasses import replace
 
 import mlx.core as mx
@@ -411,6 +412,34 @@ def test_auto_switches_plans_between_canvases_and_rounds(pattern, monkeypatch):
     PLANNERS.set(model, None)
 
 
+def test_an_ar_block_run_to_measure_ar_is_short(pattern, monkeypatch):
+    """An AR block auto runs to time AR (a probe or a retry, not the best plan) is paid for at AR's
+    pace: it is the shortest block, and the plan is chosen again after it; the best plan's block runs
+    as long as the answer is expected to."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+    from mlx_dgemma.engine.rows.autoregressive import AR_BLOCK_MIN
+
+    class Scripted(AutoPlanner):
+        def __init__(self, exploring, *args):
+            super().__init__(*args)
+            self.exploring = iter(exploring)
+
+        def choose(self, remaining, overrides=None, produced=0, prompt=()):
+            plan = make_plan("ar", self.gen, self.canvas, remaining, self.profile)
+            return replace(plan, policy="auto", exploring=next(self.exploring, False))
+
+    model, tokenizer = pattern
+    monkeypatch.setattr(model, "generation_config", replace(model.generation_config, eos_token_id=[]))
+    profile = Profile("any", "measured", {16: 0.01}, ar_token_s=0.01, prefill_tok_s=1e3)
+    planner = Scripted([True, False, True], GenerationConfig(max_denoising_steps=4), 16, profile)
+    planner.observe_answer(40, PROMPT)  # answers to it run to 40 tokens
+    PLANNERS.set(model, planner)
+    responses = list(stream_generate(model, tokenizer, PROMPT, 40, policy="auto", profile=profile, seed=0))
+    blocks = [sum(len(r.tokens) for r in group) for _, group in itertools.groupby(responses, key=lambda r: id(r.plan))]
+    assert blocks == [AR_BLOCK_MIN, 16, AR_BLOCK_MIN, 16], blocks
+    PLANNERS.set(model, None)
+
+
 def test_unknown_policy_is_refused(pattern):
     model, tokenizer = pattern
     with pytest.raises(ValueError, match="unknown policy 'turbo'"):
@@ -439,6 +468,7 @@ def test_auto_runs_a_close_second_again_now_and_then():
     modes = [plan.mode for plan in plans]
     assert modes.count("verified") == 2 and modes.count("diffusion") == 0
     assert all("run again to check" in plan.explain() for plan in plans if plan.mode == "verified")
+    assert [plan.exploring for plan in plans] == [plan.mode == "verified" for plan in plans]
 
 
 def test_overrides_apply_on_top_of_given_settings():

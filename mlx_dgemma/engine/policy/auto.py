@@ -276,6 +276,7 @@ class AutoPlanner:
                 (name, tok_s, w) for name, (tok_s, w) in sorted(predicted.items(), key=lambda i: -i[1][0])
             ),
             why=why.split(":")[0] + ")" if why else "",
+            exploring=bool(why),
         ).overridden(overrides or {})
 
     def observe_canvas(

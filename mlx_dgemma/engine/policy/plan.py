@@ -33,6 +33,7 @@ class Plan:
     # chosen one ran (the best, or a probe or a retry)
     predictions: tuple[tuple[str, float, str], ...] = ()
     why: str = ""
+    exploring: bool = False  # auto: run to measure it (a probe, a trial or a retry), not as the best
 
     def explain(self) -> str:
         head = f"plan ({self.policy}): {self.mode}"

@@ -133,6 +133,8 @@ class AutoregressiveRows:
         state.block_size = self.engine.model.config.canvas_length
         if row.planner is not None:  # a block as long as the answer is expected still to be
             expected = math.ceil(row.planner.expected_tokens(row.emitted, row.job.ids))
+            # (a block run to time AR, not as the best plan: the shortest, since it is paid for at AR's pace)
+            expected = AR_BLOCK_MIN if row.plan.exploring else expected
             state.block_size = min(state.block_size, row.remaining, max(AR_BLOCK_MIN, expected))
         state.block = state.block_size
 
