@@ -376,8 +376,9 @@ def test_cli_verified_prints_the_ar_answer_and_refuses_a_bad_filter():
 
 
 def test_the_verified_policy_learns_its_acceptance(demo):
-    """Without a draft length and steps the plan comes from the device profile and the model's running
-    acceptance estimate, which every verified round updates."""
+    """Without a draft length and steps the plan comes from the device profile and the verified
+    policy's running acceptance estimate for the model, which every verified round updates (and
+    auto's, which auto's rounds update, does not hear of)."""
     from mlx_dgemma.engine.policy import PLANNERS, Profile, auto_planner
 
     model, tokenizer = demo
@@ -389,7 +390,8 @@ def test_the_verified_policy_learns_its_acceptance(demo):
         prefill_tok_s=1e4,
         verify_s_by_length={2: 0.003, 16: 0.004, 32: 0.005},
     )
-    acceptance = auto_planner(model, model.generation_config, profile).acceptance
+    autos = auto_planner(model, model.generation_config, profile).acceptance
+    acceptance = PLANNERS.acceptance(model)
     before = acceptance.alpha(1), acceptance.alpha(2)
     responses = list(
         stream_generate(model, tokenizer, "json: name=ada city=rome age=36", policy="verified", profile=profile)
@@ -398,6 +400,8 @@ def test_the_verified_policy_learns_its_acceptance(demo):
     assert plan.mode == "verified" and 2 <= plan.draft_length <= 32 and "tokens per round" in plan.explain()
     seen = sum(acceptance.kept.values()) + sum(acceptance.rejected.values())
     assert seen > 0 and (acceptance.alpha(1), acceptance.alpha(2)) != before
+    # auto drafts afresh each round, the verified policy from the last draft's rest: auto's own is untouched
+    assert PLANNERS.get(model).acceptance is autos and not autos.kept and not autos.rejected
     PLANNERS.set(model, None)
 
 

@@ -19,7 +19,16 @@ from ..structured.template import CanvasTemplate, canvas_clamps
 from ..tokenizer import TextStream, Tokenizer
 from .drafting import DraftSettings
 from .filters import filtering
-from .policy import AutoPlanner, DraftRequest, Plan, auto_planner, cached_profile, live_profile_store, make_plan
+from .policy import (
+    PLANNERS,
+    AutoPlanner,
+    DraftRequest,
+    Plan,
+    auto_planner,
+    cached_profile,
+    live_profile_store,
+    make_plan,
+)
 from .resolve import ResolvedRequest, resolve
 from .sampler import MxRandom, Random
 
@@ -191,7 +200,7 @@ def _policy_plan(
             else auto_planner(model, defaults, profile, store)
         )
         return planner, None, planner.choose(max_tokens, overrides, prompt=ids)  # from answers to prompts like it
-    acceptance = auto_planner(model, defaults, profile).acceptance if policy == "verified" and profile else None
+    acceptance = PLANNERS.acceptance(model) if policy == "verified" and profile else None
     plan = make_plan(
         policy,
         defaults,

@@ -463,23 +463,43 @@ def _positions(name: str, canvas: int) -> int:
 
 class Planners:
     """Each model's auto planner, kept across generations so that what one generation saw informs the
-    next, and let go with the model."""
+    next, and the verified policy's acceptance estimate, each let go with the model."""
 
     def __init__(self):
         self.by_model: dict[int, AutoPlanner] = {}
+        # The verified policy's drafts start from the previous draft's rest and a grammar's rows draft
+        # under it, auto's afresh: neither's acceptance stands for the other's.
+        self.drafting: dict[int, Acceptance] = {}
 
     def get(self, model) -> AutoPlanner | None:
         return self.by_model.get(id(model))
 
     def set(self, model, planner: AutoPlanner | None) -> None:
-        """Keep ``planner`` as the model's (None: forget the model's)."""
+        """Keep ``planner`` as the model's (None: forget the model's planner and acceptance)."""
         key = id(model)
         if planner is None:
             self.by_model.pop(key, None)
+            self.drafting.pop(key, None)
             return
-        if key not in self.by_model:
-            weakref.finalize(model, self.by_model.pop, key, None)
+        self._let_go_with(model)
         self.by_model[key] = planner
+
+    def acceptance(self, model) -> Acceptance:
+        """The verified policy's running acceptance estimate for this model."""
+        key = id(model)
+        if key not in self.drafting:
+            self._let_go_with(model)
+            self.drafting[key] = Acceptance()
+        return self.drafting[key]
+
+    def _let_go_with(self, model) -> None:
+        key = id(model)
+        if key not in self.by_model and key not in self.drafting:
+            weakref.finalize(model, self._forget, key)
+
+    def _forget(self, key: int) -> None:
+        self.by_model.pop(key, None)
+        self.drafting.pop(key, None)
 
 
 PLANNERS = Planners()
