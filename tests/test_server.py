@@ -319,17 +319,14 @@ def test_ar_and_verified_sample_at_the_requests_temperature(client, demo, policy
     for seed in range(6):
         # verified drafts as long as the model's running acceptance estimate says, and every round
         # moves it: generate starts from the estimate the server's request started from
-        planner = PLANNERS.get(model)
-        before = copy.deepcopy(planner.acceptance) if planner else None
+        estimate = PLANNERS.acceptance(model)
+        before = copy.deepcopy(estimate)
         served.append(
             chat(client, prompt, seed=seed, temperature=1.5, max_tokens=32, extra_body={"policy": policy})
             .choices[0]
             .message.content
         )
-        if planner:
-            planner.acceptance = before
-        else:
-            PLANNERS.set(model, None)
+        vars(estimate).update(vars(before))
         alone.append(generate(model, tokenizer, prompt, max_tokens=32, seed=seed, temperature=1.5, policy=policy))
     assert len(set(served)) > 1
     assert served == alone
