@@ -243,6 +243,52 @@ def test_a_prompt_unlike_every_one_seen_is_not_promised_their_steps():
     assert planner.steps_per_canvas("fast", template + [13, 14, 16]) == 4 - planner.gen.stability_threshold
 
 
+def test_a_tasks_steps_seen_once_are_confirmed_while_close_to_the_best():
+    """One canvas of a task (a warm-up's) is all its steps rest on: 3 steps puts fast just behind AR,
+    which then runs every answer and no canvas corrects it (reverse canvases take 1). While fewer than
+    3 agree, a canvas predicted within EXPLORE_WITHIN of the best is run; then the best is."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+    from mlx_dgemma.engine.policy.auto import EXPLORE_WITHIN
+
+    planner = AutoPlanner(GenerationConfig(max_denoising_steps=24), 16, CPU_LIKE)
+    template, sort, reverse = [2, 105, 9], [40, 41], [30, 31]
+    for i in range(8):
+        planner.observe_canvas(fixed("fast"), 1, prompt=template + sort + [60 + i])
+        planner.observe_answer(8, template + sort + [60 + i])
+    planner.observe_canvas(fixed("fast"), 3, prompt=template + reverse + [50])
+    planner.observe_answer(8, template + reverse + [50])
+    chosen = []
+    for i in range(4):
+        prompt = template + reverse + [51 + i]
+        predicted = planner.predictions(64, 0, prompt)
+        assert EXPLORE_WITHIN * predicted["ar"][0] < predicted["fast"][0] < predicted["ar"][0]
+        plan = planner.choose(64, prompt=prompt)
+        chosen.append(plan.mode)
+        if plan.mode == "diffusion":
+            assert plan.exploring and "run to confirm their steps" in plan.explain()
+            planner.observe_canvas(plan, 3, prompt=prompt)
+        planner.observe_answer(8, prompt)
+    assert chosen == ["diffusion", "diffusion", "ar", "ar"]
+
+
+def test_tokens_per_round_against_the_model_are_averaged_as_ratios():
+    """A task's verified rounds give tokens per round at some ratio to the acceptance model's: a round
+    at half and one at twice the model's cancel, and a task whose first round keeps no draft token (1
+    token of 14 modelled, an add answer) is predicted well below the model at once (the arithmetic mean
+    with the prior would still say 0.54 of it)."""
+    from mlx_dgemma.engine.policy import AutoPlanner
+
+    planner = AutoPlanner(GenerationConfig(), 16, CPU_LIKE)
+    even, poor = [2, 105, 9, 40, 41], [2, 105, 9, 70, 71]
+    for ratio in (0.5, 2.0):
+        planner.round_yield.add(ratio, even + [60])
+    planner.round_yield.add(1 / 14, poor + [60])
+    planner.prompts.add(even + [61])
+    planner.prompts.add(poor + [61])
+    assert planner.round_yield.value(even + [62]) == pytest.approx(1.0)
+    assert planner.round_yield.value(poor + [62]) == pytest.approx((1 / 14) ** 0.5)
+
+
 def test_one_canvas_at_the_step_limit_does_not_keep_a_task_off_diffusion():
     """A plan planned too slow for a task is not run on it, so nothing would correct it: a task's
     steps per canvas are its mean less a standard error, and a slower reading counts once 3 agree."""

@@ -53,12 +53,14 @@ class AutoPlanner:
 
     Answer lengths, steps per canvas (from a prior of the generation config: a quarter of the step
     limit, at least the stability threshold + 1, until one is observed; optimistic on a prompt's own
-    canvases, ``_pooled``), tokens per round and pace are each the mean of the latest ~8 observations
-    on prompts like this one (``PromptLikeMeans``: a task's instructions, a conversation's earlier
-    turns), so one task's do not stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but
+    canvases, ``_pooled``), tokens per round (a ratio to the model's: its geometric mean) and pace are
+    each the mean of the latest ~8 observations on prompts like this one (``PromptLikeMeans``: a task's
+    instructions, a conversation's earlier turns), so one task's do not stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but
     predicted within ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of
     task; a task whose canvases were never seen runs one once it has been answered, if one at other
-    tasks' steps is predicted within ``EXPLORE_WITHIN`` of the best (``untried``).
+    tasks' steps is predicted within ``EXPLORE_WITHIN`` of the best (``untried``), and while fewer than
+    ``CONFIRM`` of a task's canvases were seen, one within ``EXPLORE_WITHIN`` of another kind that is
+    the best is run to confirm them.
 
     With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
     predictions come from (in place of the paces), and a kind of forward never observed is run once (a
@@ -80,7 +82,9 @@ class AutoPlanner:
         self.steps = {name: PromptLikeMeans(prior, 0.0, kinds=self.prompts) for name in ("reference", "fast")}
         self.lengths = PromptLikeMeans(float(canvas), window=ANSWERS_KEPT, kinds=self.prompts)  # answer lengths
         self.acceptance = Acceptance()
-        self.round_yield = PromptLikeMeans(1.0, kinds=self.prompts)  # observed / modelled tokens per round
+        # observed / modelled tokens per round, from 0.05 (add's drafts: one token of 14 modelled) to 2: a
+        # ratio, so its geometric mean (at the arithmetic one, a first add round still predicts 7 tokens)
+        self.round_yield = PromptLikeMeans(1.0, kinds=self.prompts, geometric=True)
         # seconds the profile gives a plan's work / seconds it took
         self.pace = {name: PromptLikeMeans(1.0, kinds=self.prompts) for name in ("reference", "fast", "ar", "verified")}
         self.idle = {name: 0 for name in self.pace}  # choices since each plan last ran
@@ -113,6 +117,10 @@ class AutoPlanner:
                 return (pooled + self.steps[name].prior) / 2
             return pooled
         return self._pooled(name, ref, fast, optimistic=True)
+
+    def _own_canvases(self, prompt: list[int] | tuple[int, ...] = ()) -> int:
+        """How many canvases (of either plan) on prompts like ``prompt`` its steps are estimated from."""
+        return sum(len(self.steps[name].observed(prompt)) for name in self.steps if self.steps[name].like(prompt))
 
     def untried(self, prompt: list[int] | tuple[int, ...] = ()) -> bool:
         """Whether ``prompt`` is unlike every prompt whose canvases were seen (another task's): like none
@@ -216,7 +224,18 @@ class AutoPlanner:
             and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]
             and not (untried and KIND[name] == "step")
         ]
-        retry = max(stale, key=lambda name: predicted[name][0]) if stale else None
+        # A task's steps per canvas seen fewer than CONFIRM times (one canvas of it in a warm-up, say) may
+        # be off by the step that decides (a reverse canvas takes 1, a sort one 2): while another kind is
+        # the best, a canvas close to it is run until CONFIRM agree, not left for a retry.
+        unconfirmed = [
+            name
+            for name in ("reference", "fast")
+            if KIND[best] != "step"
+            and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]
+            and 0 < self._own_canvases(prompt) < CONFIRM
+        ]
+        confirm = max(unconfirmed, key=lambda name: predicted[name][0]) if unconfirmed else None
+        retry = max(stale, key=lambda name: predicted[name][0]) if stale else confirm
         trial = None
         if untried and self.lengths.like(prompt):
             hopeful = self.predictions(remaining, produced, prompt, hopeful=True)
@@ -256,6 +275,11 @@ class AutoPlanner:
             why = (
                 " (no canvas yet on prompts like this one, predicted within "
                 f"{1 / EXPLORE_WITHIN:.1f}x of the best at the steps of others: run once)"
+            )
+        elif retry and retry == confirm and not stale:
+            why = (
+                f" (fewer than {CONFIRM} canvases yet on prompts like this one, predicted within "
+                f"{1 / EXPLORE_WITHIN:.1f}x of the best: run to confirm their steps)"
             )
         elif retry:
             why = (
@@ -388,8 +412,15 @@ class PromptLikeMeans:
     after a prior worth ``prior_weight`` observations until there are ``window``. A new kind of prompt
     starts from what the others gave and is estimated from its own observations from the first on."""
 
-    def __init__(self, prior: float, prior_weight: float = 1.0, window: int = 8, kinds: PromptKinds | None = None):
-        self.prior, self.prior_weight, self.window = prior, prior_weight, window
+    def __init__(
+        self,
+        prior: float,
+        prior_weight: float = 1.0,
+        window: int = 8,
+        kinds: PromptKinds | None = None,
+        geometric: bool = False,
+    ):
+        self.prior, self.prior_weight, self.window, self.geometric = prior, prior_weight, window, geometric
         self.kinds = kinds if kinds is not None else PromptKinds()
         self.records: deque[tuple[tuple[int, ...], float]] = deque(maxlen=OBSERVATIONS_KEPT)
         # per prompt key, until the next observation: (observed, from prompts like it, unlike all of those)
@@ -436,9 +467,15 @@ class PromptLikeMeans:
         return self._observed[key]
 
     def value(self, prompt: list[int] | tuple[int, ...] = ()) -> float:
+        """The mean of ``observed(prompt)`` and the prior (the geometric mean, for a positive ratio)."""
         seen = self.observed(prompt)
         weight = self.prior_weight if len(seen) < self.window else 0.0
-        return (self.prior * weight + sum(seen)) / (weight + len(seen)) if weight or seen else self.prior
+        if not (weight or seen):
+            return self.prior
+        if self.geometric:
+            logs = math.log(self.prior) * weight + sum(math.log(max(v, 1e-6)) for v in seen)
+            return math.exp(logs / (weight + len(seen)))
+        return (self.prior * weight + sum(seen)) / (weight + len(seen))
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
