@@ -55,12 +55,12 @@ class AutoPlanner:
     limit, at least the stability threshold + 1, until one is observed; optimistic on a prompt's own
     canvases, ``_pooled``), tokens per round (a ratio to the model's: its geometric mean) and pace are
     each the mean of the latest ~8 observations on prompts like this one (``PromptLikeMeans``: a task's
-    instructions, a conversation's earlier turns), so one task's do not stand for another's. A plan not run for ``EXPLORE_EVERY`` choices but
-    predicted within ``EXPLORE_WITHIN`` of the best is run once more, so estimates follow a change of
-    task; a task whose canvases were never seen runs one once it has been answered, if one at other
-    tasks' steps is predicted within ``EXPLORE_WITHIN`` of the best (``untried``), and while fewer than
-    ``CONFIRM`` of a task's canvases were seen, one within ``EXPLORE_WITHIN`` of another kind that is
-    the best is run to confirm them.
+    instructions, a conversation's earlier turns), so one task's do not stand for another's. A plan
+    not run for ``EXPLORE_EVERY`` choices but predicted within ``EXPLORE_WITHIN`` of the best is run
+    once more, so estimates follow a change of task; a task whose canvases were never seen runs one
+    once it has been answered, if one at other tasks' steps is predicted within ``EXPLORE_WITHIN`` of
+    the best (``untried``); and while fewer than ``CONFIRM`` of a task's canvases were seen, one
+    within ``EXPLORE_WITHIN`` of a best of another kind is run to confirm them.
 
     With ``live`` (a ``LiveProfile``) the times of the forwards it runs alone refresh the profile the
     predictions come from (in place of the paces), and a kind of forward never observed is run once (a
@@ -227,15 +227,11 @@ class AutoPlanner:
         # A task's steps per canvas seen fewer than CONFIRM times (one canvas of it in a warm-up, say) may
         # be off by the step that decides (a reverse canvas takes 1, a sort one 2): while another kind is
         # the best, a canvas close to it is run until CONFIRM agree, not left for a retry.
-        unconfirmed = [
-            name
-            for name in ("reference", "fast")
-            if KIND[best] != "step"
-            and predicted[name][0] >= EXPLORE_WITHIN * predicted[best][0]
-            and 0 < self._own_canvases(prompt) < CONFIRM
-        ]
-        confirm = max(unconfirmed, key=lambda name: predicted[name][0]) if unconfirmed else None
-        retry = max(stale, key=lambda name: predicted[name][0]) if stale else confirm
+        confirm = None
+        if KIND[best] != "step" and 0 < self._own_canvases(prompt) < CONFIRM:
+            confirm = max(("reference", "fast"), key=lambda name: predicted[name][0])
+            confirm = confirm if predicted[confirm][0] >= EXPLORE_WITHIN * predicted[best][0] else None
+        retry = max(stale, key=lambda name: predicted[name][0]) if stale else None
         trial = None
         if untried and self.lengths.like(prompt):
             hopeful = self.predictions(remaining, produced, prompt, hopeful=True)
@@ -256,7 +252,7 @@ class AutoPlanner:
         probe = max(probes, key=lambda name: predicted[name][0]) if probes and not self._probing else None
         for name in self.idle:
             self.idle[name] += 1
-        best = probe or trial or retry or best
+        best = probe or trial or retry or confirm or best
         self.idle[best] = 0
         if probe:
             self._probing = KIND[probe]
@@ -276,15 +272,15 @@ class AutoPlanner:
                 " (no canvas yet on prompts like this one, predicted within "
                 f"{1 / EXPLORE_WITHIN:.1f}x of the best at the steps of others: run once)"
             )
-        elif retry and retry == confirm and not stale:
-            why = (
-                f" (fewer than {CONFIRM} canvases yet on prompts like this one, predicted within "
-                f"{1 / EXPLORE_WITHIN:.1f}x of the best: run to confirm their steps)"
-            )
         elif retry:
             why = (
                 f" (not run for {EXPLORE_EVERY}+ choices and predicted within "
                 f"{1 / EXPLORE_WITHIN:.1f}x of the best: run again to check)"
+            )
+        elif confirm:
+            why = (
+                f" (fewer than {CONFIRM} canvases yet on prompts like this one, predicted within "
+                f"{1 / EXPLORE_WITHIN:.1f}x of the best: run to confirm their steps)"
             )
         else:
             why = ""
@@ -551,7 +547,7 @@ def auto_planner(model, gen: GenerationConfig, profile: Profile, store=None) -> 
         live = LiveProfile(profile, store) if store is not None else None
         planner = AutoPlanner(gen, model.config.canvas_length, profile, live=live)
         PLANNERS.set(model, planner)
-    elif store is not None and planner.live is None:  # made for verified drafting's acceptance first
+    elif store is not None and planner.live is None:  # made first for a caller's profile, the same one
         planner.live = LiveProfile(profile, store)
     return planner
 
