@@ -246,7 +246,7 @@ BELOW = {  # what a folder's modules import nothing from
 }
 COMMANDS = ("generate", "lora", "fuse", "bench", "__main__", "convert.__main__", "server.__main__", "demo.eval")
 COMMAND_LINE_HELPERS = ("cli",)
-GROUND = ("errors", "validate", "options", "fast_blas", "safetensors_io")
+GROUND = ("errors", "validate", "options", "fast_blas", "cpu_threads", "safetensors_io")
 
 
 def import_graph() -> dict[str, set[str]]:

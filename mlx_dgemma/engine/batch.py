@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..cpu_threads import follow_free_cores
 from ..model.images import images_after
 from ..options import PREFILL_STEP_SIZE
 from .policy import Plan
@@ -131,6 +132,7 @@ class BatchGenerator:
         """One step: the queued requests' prompts encoded, then a denoising step of every diffusion
         row, a token of every autoregressive row and a round of every verified row; what each row
         committed."""
+        follow_free_cores()
         self.admit()
         crowded = len(self) > 1
         if crowded:

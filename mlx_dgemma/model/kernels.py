@@ -35,6 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..cpu_threads import free_cores
+
 _FLOAT32_MIN = float(np.finfo(np.float32).min)
 
 # Rows per expert (on average) from which per-expert BLAS beats gather_mm on the CPU. Measured on 2
@@ -214,8 +216,8 @@ def _softmax_in_place(scores: np.ndarray, bias: np.ndarray | None) -> None:
     scores /= scores.sum(axis=-1, keepdims=True)
 
 
-# Elements from which numpy's vocabulary- or key-wide passes are split over the cores (numpy runs
-# one thread; the BLAS products around them already use every core).
+# Elements from which numpy's vocabulary- or key-wide passes are split over the free cores (numpy
+# runs one thread; the BLAS products around them already use them: cpu_threads.py).
 PARALLEL_MIN_ELEMENTS = 1 << 20
 _pool: ThreadPoolExecutor | None = None
 
@@ -224,7 +226,7 @@ def _in_parallel(work: Callable[[int, int], None], rows: int, elements: int) -> 
     """``work(start, stop)`` over ``rows`` rows, split among the cores when ``elements`` is large (each
     row is computed as it would be alone, so the split changes no number)."""
     global _pool
-    workers = min(os.cpu_count() or 1, rows) if elements >= PARALLEL_MIN_ELEMENTS else 1
+    workers = min(free_cores(), rows) if elements >= PARALLEL_MIN_ELEMENTS else 1
     if workers == 1:
         work(0, rows)
         return

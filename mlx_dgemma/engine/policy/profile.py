@@ -17,6 +17,7 @@ from stat import S_ISREG
 
 import mlx.core as mx
 
+from ...cpu_threads import follow_free_cores
 from ..sampler import SamplerSettings
 
 CANVAS_LENGTHS = (16, 32, 64, 128, 256)
@@ -225,10 +226,12 @@ def measure(
     drafts = [n for n in draft_lengths if n <= cfg.canvas_length]
     step_s = {}
     for c in sorted(set(canvases) | set(drafts)):
+        follow_free_cores()  # the thread count the engine would run at now
         time_canvas(model, cache, 1, c)  # warm-up: kernels and buffers for this shape
         step_s[c] = settled([time_canvas(model, cache, steps, c) for _ in range(repeats)]) / steps
     verify_s = {}
     for n in drafts:
+        follow_free_cores()
         time_verify(model, cache, n)
         verify_s[n] = settled([time_verify(model, cache, n) for _ in range(repeats)])
 
@@ -243,6 +246,7 @@ def measure(
             mx.eval(token)
         return (time.perf_counter() - start) / ar_tokens
 
+    follow_free_cores()
     ar_run()
     ar = settled([ar_run() for _ in range(repeats)])
     dtype = str(model.model.decoder.norm.weight.dtype).replace("mlx.core.", "")
