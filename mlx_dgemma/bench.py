@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 
+from . import cpu_threads
 from .cli import command_line, several_values
 from .engine.policy import (
     CANVAS_LENGTHS,
@@ -59,6 +60,7 @@ def run(model, tokenizer, prefix: int = 64, steps_list=STEPS, measured_steps=(4,
         "device": profile.device,
         "dtype": profile.dtype,
         "blas": fast_blas.describe(),
+        "cpu_threads": cpu_threads.free_cores(),  # the split the last profile point ran at (cpu_threads.py)
         "prefix_tokens": prefix,
         "prefill_tok_s": profile.prefill_tok_s,
         "ar_tok_s": profile.ar_tok_s,
@@ -255,7 +257,7 @@ def _best_time(fn, repeats: int) -> float:
 
 def format_report(r: dict) -> str:
     lines = [
-        f"device {r['device']}, {r['dtype']}, BLAS: {r['blas']}",
+        f"device {r['device']}, {r['dtype']}, BLAS: {r['blas']}, {r['cpu_threads']} CPU thread(s)",
         f"prefill {r['prefill_tok_s']:.1f} tok/s   autoregressive {r['ar_tok_s']:.2f} tok/s   "
         f"crossover {r['crossover_steps']:.2f} steps per 256-canvas",
         "canvas  step ms   (per token ms)",
