@@ -86,12 +86,19 @@ def ask(clients, api: str, seed: int, max_tokens: int, prompt: str = PROMPT, **s
 
 
 def planner_kept(model):
-    """The model's auto planner as it is now (verified and auto rows move it), to set back."""
-    return copy.deepcopy(PLANNERS.get(model))
+    """The model's auto planner and the verified policy's acceptance estimate as they are now (auto
+    rows move the one, verified rows the other), to set back."""
+    return copy.deepcopy((PLANNERS.get(model), PLANNERS.drafting.get(id(model))))
 
 
-def planner_set(model, planner) -> None:
-    PLANNERS.set(model, copy.deepcopy(planner))
+def planner_set(model, kept) -> None:
+    """Set back what ``planner_kept`` kept (None: neither)."""
+    planner, acceptance = copy.deepcopy(kept) if kept is not None else (None, None)
+    PLANNERS.set(model, None)  # both forgotten
+    if planner is not None:
+        PLANNERS.set(model, planner)
+    if acceptance is not None:
+        vars(PLANNERS.acceptance(model)).update(vars(acceptance))
 
 
 @pytest.fixture
