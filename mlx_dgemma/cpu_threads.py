@@ -144,9 +144,10 @@ def free_cores() -> int:
 
 def sums_agree(blas) -> bool:
     """Whether ``blas`` (OpenBLAS) gives the same bits on one thread as on every usable core, for
-    products of a canvas's shape both ways round. Its SkylakeX kernels do at every shape the model
-    has; its Haswell kernels, from 4 rows, do not (another summation order): there the count is left
-    as it is, so that an answer does not depend on the load it ran beside."""
+    products of a canvas's shape both ways round. Its SkylakeX kernels do (tests/test_cpu_threads.py
+    checks the released model's widths too); its Haswell kernels, from 4 rows, do not (another
+    summation order): there the count is left as it is, so that an answer does not depend on the
+    load it ran beside."""
     import mlx.core as mx  # (this module loads before mlx.core: fast_blas.py)
 
     cores = usable_cores()
